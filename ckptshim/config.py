@@ -1,0 +1,33 @@
+"""The environment switches, read when asked (so tests and launchers can change them).
+
+``CKPTSHIM_DISABLE=1`` turns everything off; ``CKPTSHIM_DISABLE_HOOKS=orbax,t5x`` turns off
+single hooks; ``CKPTSHIM_STRICT=1`` turns every guess into an error; ``CKPTSHIM_LOG=info|debug``
+prints the summary (or the whole plan) of every load on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def disabled() -> bool:
+    return os.environ.get("CKPTSHIM_DISABLE", "").strip().lower() in _TRUE
+
+
+def disabled_hooks() -> frozenset[str]:
+    raw = os.environ.get("CKPTSHIM_DISABLE_HOOKS", "")
+    return frozenset(name.strip() for name in raw.split(",") if name.strip())
+
+
+def strict() -> bool:
+    return os.environ.get("CKPTSHIM_STRICT", "").strip().lower() in _TRUE
+
+
+def log_level() -> str | None:
+    """``"info"``, ``"debug"`` or ``None``; anything else is treated as ``"info"``."""
+    raw = os.environ.get("CKPTSHIM_LOG", "").strip().lower()
+    if not raw or raw in {"0", "off", "none"}:
+        return None
+    return "debug" if raw == "debug" else "info"

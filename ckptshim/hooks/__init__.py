@@ -1,0 +1,1 @@
+"""Adapters at the frameworks' load functions; see :mod:`ckptshim.hooks.registry`."""

@@ -1,0 +1,169 @@
+"""What a checkpoint holds, or what a load target wants, without any tensor bytes.
+
+An :class:`Inventory` is a flat, immutable mapping from key paths (tuples of strings) to
+:class:`Entry` records ``(key, shape, dtype, location)``. Formats build one from metadata, hooks
+build one from the caller's model or abstract tree, and the planner compares two of them. Keys
+are tuples so that the separators frameworks use (``.`` in torch, ``/`` and tuple paths in JAX,
+dotted zarr folder names in Orbax/T5X/PaxML) never leak into matching.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptshim.errors import CorruptCheckpointError
+
+KeyPath = tuple[str, ...]
+
+#: Bytes per element of every dtype name an inventory may carry (numpy spelling, plus bfloat16
+#: and the float8 family that numpy lacks).
+DTYPE_SIZES: Mapping[str, int] = {
+    "bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
+    "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}
+
+_DTYPE_ALIASES = {
+    "float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32",
+    "short": "int16", "cfloat": "complex64", "cdouble": "complex128",
+    # safetensors spellings
+    "f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64", "i8": "int8",
+    "u8": "uint8", "i16": "int16", "u16": "uint16", "i32": "int32", "u32": "uint32",
+    "i64": "int64", "u64": "uint64", "f8_e4m3": "float8_e4m3fn", "f8_e5m2": "float8_e5m2",
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """Canonical dtype name for a torch, numpy, JAX or string dtype, without importing any of them.
+
+    ``torch.float32``, ``np.dtype('float32')``, ``jnp.float32`` and ``"F32"`` all become
+    ``"float32"``. Raises ``ValueError`` for a dtype ckptshim does not know.
+    """
+    name = getattr(dtype, "name", None)  # numpy dtypes and scalar types
+    if not isinstance(name, str) and isinstance(dtype, type):
+        name = getattr(dtype, "__name__", None)
+    text = (name if isinstance(name, str) else str(dtype)).lower()
+    text = text.removeprefix("torch.").removeprefix("dtype(").strip("'\")")
+    text = _DTYPE_ALIASES.get(text, text)
+    if text not in DTYPE_SIZES:
+        raise ValueError(f"unknown dtype {dtype!r}; ckptshim knows {', '.join(sorted(DTYPE_SIZES))}")
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One array: where it sits in the tree, its shape and dtype, and where its bytes live.
+
+    ``location`` is opaque to everything but the format that made it (a file and byte range, a
+    zarr folder, a DCP storage index, a live tensor's identity); it never holds tensor data.
+    """
+
+    key: KeyPath
+    shape: tuple[int, ...]
+    dtype: str
+    location: Hashable = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+
+class Inventory(Mapping[KeyPath, Entry]):
+    """An immutable, insertion-ordered collection of entries keyed by path.
+
+    Duplicate keys are refused: two arrays claiming one name is a corrupt checkpoint, not
+    something to resolve by picking one.
+    """
+
+    __slots__ = ("_entries", "source")
+
+    def __init__(self, entries: Iterable[Entry], source: str = "") -> None:
+        table: dict[KeyPath, Entry] = {}
+        for entry in entries:
+            if entry.key in table:
+                raise CorruptCheckpointError(
+                    f"{source or 'inventory'}: key {join_key(entry.key)!r} appears twice; a "
+                    "checkpoint must name each array once. Re-save it, or inspect it with "
+                    "`ckptshim inspect` to see both entries."
+                )
+            table[entry.key] = entry
+        self._entries = table
+        self.source = source
+
+    def __getitem__(self, key: KeyPath) -> Entry:
+        return self._entries[key]
+
+    def __iter__(self) -> Iterator[KeyPath]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __repr__(self) -> str:
+        return f"Inventory({len(self)} entries{', ' + self.source if self.source else ''})"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.nbytes for entry in self._entries.values())
+
+
+def split_key(text: str, sep: str = ".") -> KeyPath:
+    """``"layers.0.w"`` -> ``("layers", "0", "w")``; ``sep="/"`` for JAX-style paths."""
+    return tuple(text.split(sep)) if text else ()
+
+
+def join_key(key: KeyPath, sep: str = ".") -> str:
+    return sep.join(key)
+
+
+_Leaf = Any
+
+
+def flatten(tree: Any, is_leaf=None) -> dict[KeyPath, _Leaf]:
+    """Flatten nested dicts, lists and tuples into ``{key path: leaf}`` in a stable order.
+
+    Dict keys become path components via ``str``; list and tuple positions become ``"0"``,
+    ``"1"``, ... Empty containers vanish (they hold no arrays). ``is_leaf`` can stop the descent
+    early (e.g. at a NamedTuple that a framework treats as one value).
+    """
+    out: dict[KeyPath, _Leaf] = {}
+    stack: list[tuple[KeyPath, Any]] = [((), tree)]
+    while stack:
+        prefix, node = stack.pop()
+        if is_leaf is not None and is_leaf(node):
+            out[prefix] = node
+        elif isinstance(node, Mapping):
+            stack.extend((prefix + (str(k),), v) for k, v in reversed(list(node.items())))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((prefix + (str(i),), v) for i, v in reversed(list(enumerate(node))))
+        else:
+            out[prefix] = node
+    return out
+
+
+def unflatten(flat: Mapping[KeyPath, _Leaf]) -> dict[str, Any]:
+    """Inverse of :func:`flatten` into nested dicts (list positions come back as ``"0"``... keys).
+
+    Raises ``ValueError`` when one path is a prefix of another (a leaf cannot also be a subtree).
+    """
+    root: dict[str, Any] = {}
+    for key, leaf in flat.items():
+        if not key:
+            raise ValueError("cannot unflatten an empty key path")
+        node = root
+        for part in key[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"{join_key(key)!r} runs through the leaf {part!r}")
+            node = child
+        if key[-1] in node:
+            raise ValueError(f"{join_key(key)!r} is both a leaf and a subtree")
+        node[key[-1]] = leaf
+    return root

@@ -1,0 +1,284 @@
+"""The planner: a pure function from two inventories and rules to a :class:`Plan`.
+
+Matching runs in passes over keys that are still unmatched, cheapest first, so that a checkpoint
+that already fits costs one dict lookup per key:
+
+1. exact names;
+2. canonical names (wrapper components stripped, aliases applied), refusing any two keys on one
+   side that collapse onto the same canonical name;
+3. layer lists, stacking per-layer sources into a stacked target or unstacking a stacked source
+   into per-layer targets, with the axis read off the shapes;
+4. drops (derivable buffers, the target's non-persistent buffers) and syntheses.
+
+Everything here is linear in the number of keys and touches no tensor bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ckptshim.errors import PlanError
+from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, KeyPath, join_key
+from ckptshim.plan.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Unstack
+from ckptshim.plan.plan import Mismatch, Plan
+from ckptshim.rules import DEFAULT_RULES, Rules
+from ckptshim.rules.buffers import derivable_rule
+from ckptshim.rules.layers import layer_splits, stack_root
+from ckptshim.rules.prefixes import strip_wrappers
+
+_FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+def plan(source: Inventory, target: Inventory, rules: Rules = DEFAULT_RULES) -> Plan:
+    """Work out how ``source`` (a checkpoint) loads into ``target`` (what the caller wants).
+
+    Raises :class:`PlanError` for anything ambiguous (two keys that could both be the one
+    wanted, a stacking axis the shapes and rules leave open); anything that simply does not
+    match ends up in the plan's ``missing``/``unexpected``/``mismatched``.
+    """
+    return _Planner(source, target, rules).run()
+
+
+@dataclass
+class _Group:
+    """Per-layer keys (by layer index) that stack into, or unstack from, one ``whole`` key."""
+
+    whole: KeyPath          # the stacked key (source for unstack, target for stack)
+    layers: dict[int, KeyPath]
+    stacking: bool           # True: per-layer sources -> stacked target
+    axes: tuple[int, ...] = ()
+
+
+class _Planner:
+    def __init__(self, source: Inventory, target: Inventory, rules: Rules) -> None:
+        self.source, self.target, self.rules = source, target, rules
+        self.canonical = _canonicalizer(rules)
+        self.assigned: dict[KeyPath, Op] = {}         # target key -> producing op
+        self.casts: dict[KeyPath, Cast] = {}
+        self.mismatched: list[Mismatch] = []
+        self.used: set[KeyPath] = set()               # source keys consumed
+
+    def run(self) -> Plan:
+        unmatched = [key for key in self.target if not self._pair(key, key)]
+        if unmatched:
+            unmatched = self._match_canonical(unmatched)
+        if unmatched:
+            unmatched = self._match_layers(unmatched)
+        leftover_sources = [key for key in self.source if key not in self.used]
+        drops = self._drops(leftover_sources)
+        missing: list[KeyPath] = []
+        for key in unmatched:
+            if key in self.rules.synthesize:
+                self.assigned[key] = Synthesize(key, derivable_rule(key, self.rules.derivable)
+                                                or "target's own value")
+            else:
+                missing.append(key)
+        ops: list[Op] = []
+        for key in self.target:  # target order, each producer once
+            op = self.assigned.get(key)
+            if op is not None and (not isinstance(op, Stack | Unstack) or _first_target(op) == key):
+                ops.append(op)
+            if key in self.casts:
+                ops.append(self.casts[key])
+        ops.extend(drops)
+        dropped = {op.source for op in drops}
+        unexpected = tuple(k for k in leftover_sources if k not in dropped)
+        return Plan(self.source, self.target, tuple(ops), missing=tuple(missing),
+                    unexpected=unexpected, mismatched=tuple(self.mismatched))
+
+    # -- pass 1 and 2: one source per target ------------------------------------------------
+
+    def _pair(self, source_key: KeyPath, target_key: KeyPath) -> bool:
+        """Match one source key to one target key if the source has it; False if it does not."""
+        src = self.source.get(source_key)
+        if src is None:
+            return False
+        tgt = self.target[target_key]
+        self.used.add(source_key)
+        if src.shape != tgt.shape:
+            self.mismatched.append(Mismatch(source_key, target_key, src.shape, tgt.shape))
+            return True
+        self.assigned[target_key] = Rename(source_key, target_key)
+        self._cast(src, tgt)
+        return True
+
+    def _match_canonical(self, targets: list[KeyPath]) -> list[KeyPath]:
+        by_canonical = self._unique_canonical((k for k in self.source if k not in self.used), "checkpoint")
+        wanted = self._unique_canonical(targets, "target")
+        unmatched = []
+        for canon, target_key in wanted.items():
+            source_key = by_canonical.get(canon)
+            if source_key is None or not self._pair(source_key, target_key):
+                unmatched.append(target_key)
+        return unmatched
+
+    def _unique_canonical(self, keys, side: str) -> dict[KeyPath, KeyPath]:
+        table: dict[KeyPath, KeyPath] = {}
+        for key in keys:
+            canon = self.canonical(key)
+            other = table.setdefault(canon, key)
+            if other != key:
+                raise PlanError(
+                    f"{side} keys {join_key(other)!r} and {join_key(key)!r} both mean "
+                    f"{join_key(canon)!r} once wrapper prefixes and aliases are removed, so "
+                    "ckptshim cannot tell which one to use. Remove one of them, or load without "
+                    "ckptshim (CKPTSHIM_DISABLE=1) if the names already match exactly.")
+        return table
+
+    # -- pass 3: layer lists ---------------------------------------------------------------
+
+    def _match_layers(self, targets: list[KeyPath]) -> list[KeyPath]:
+        names = self.rules.layer_lists
+        whole_sources: dict[KeyPath, KeyPath] = {}
+        layered_sources: dict[KeyPath, dict[int, KeyPath]] = {}
+        for key in self.source:
+            if key in self.used:
+                continue
+            canon = self.canonical(key)
+            whole_sources[canon] = key
+            for stacked, index in layer_splits(canon, names):
+                layer = layered_sources.setdefault(stacked, {})
+                if index in layer:
+                    raise PlanError(
+                        f"checkpoint keys {join_key(layer[index])!r} and {join_key(key)!r} are "
+                        f"both layer {index} of {join_key(stacked)!r}; keep one of them.")
+                layer[index] = key
+
+        groups: dict[KeyPath, _Group] = {}
+        unmatched: list[KeyPath] = []
+        for key in targets:
+            canon = self.canonical(key)
+            options: list[tuple[KeyPath, int | None]] = []
+            if canon in layered_sources:
+                options.append((canon, None))
+            options += [(stacked, index) for stacked, index in layer_splits(canon, names)
+                        if stacked in whole_sources]
+            if not options:
+                unmatched.append(key)
+                continue
+            if len(options) > 1:
+                raise PlanError(
+                    f"target key {join_key(key)!r} could come from "
+                    + " or ".join(repr(join_key(s)) + (" (stacked)" if i is None else f" (layer {i})")
+                                  for s, i in options)
+                    + "; ckptshim will not guess. Add a rule that names the layer list.")
+            stacked, index = options[0]
+            if index is None:
+                groups[("stack",) + canon] = _Group(key, dict(layered_sources[canon]), stacking=True)
+            else:
+                source_key = whole_sources[stacked]
+                group = groups.setdefault(("unstack",) + stacked, _Group(source_key, {}, stacking=False))
+                group.layers[index] = key
+        self._resolve_axes(list(groups.values()))
+        return unmatched
+
+    def _resolve_axes(self, groups: list[_Group]) -> None:
+        names = self.rules.layer_lists
+        root_axes: dict[KeyPath, set[int]] = {}
+        for group in groups:
+            group.axes = self._candidate_axes(group)
+            if len(group.axes) == 1:
+                root_axes.setdefault(stack_root(self.canonical(group.whole), names), set()).update(group.axes)
+        for group in groups:
+            if not group.axes:
+                continue  # already recorded as a mismatch
+            axis = self._choose_axis(group, root_axes)
+            layers = tuple(group.layers[i] for i in range(len(group.layers)))
+            if group.stacking:
+                self.assigned[group.whole] = Stack(layers, group.whole, axis)
+                self.used.update(layers)
+                self._cast(self.source[layers[0]], self.target[group.whole])
+            else:
+                op = Unstack(group.whole, layers, axis)
+                self.used.add(group.whole)
+                for key in layers:
+                    self.assigned[key] = op
+                    self._cast(self.source[group.whole], self.target[key])
+
+    def _candidate_axes(self, group: _Group) -> tuple[int, ...]:
+        """Axes along which the per-layer shape and the stacked shape agree."""
+        per_layer_inv, whole_inv = (self.source, self.target) if group.stacking else (self.target, self.source)
+        count = len(group.layers)
+        absent = sorted(set(range(count)) - set(group.layers))
+        if absent or max(group.layers) != count - 1:
+            have = sorted(group.layers)
+            raise PlanError(
+                f"{'checkpoint' if group.stacking else 'target'} has layers {_span(have)} of "
+                f"{join_key(group.whole)!r} but not {_span(absent or [i for i in range(max(have) + 1) if i not in group.layers])}; "
+                "the layer list must be complete to stack or unstack. Supply the missing layers "
+                "(or, for state the target can rebuild, a documented synthesis rule).")
+        shapes = {per_layer_inv[k].shape for k in group.layers.values()}
+        whole = whole_inv[group.whole].shape
+        example = next(iter(group.layers.values()))
+        if len(shapes) != 1:
+            raise PlanError(f"the layers of {join_key(group.whole)!r} have different shapes "
+                            f"({sorted(shapes)}); they cannot be stacked along one axis.")
+        (layer_shape,) = shapes
+        axes = tuple(a for a in range(len(whole))
+                     if whole[a] == count and whole[:a] + whole[a + 1:] == layer_shape)
+        if not axes:
+            src, tgt = (example, group.whole) if group.stacking else (group.whole, example)
+            why = f"shape (as {count} stacked layers)" if group.stacking else f"shape (one of {count} layers)"
+            self.mismatched.append(Mismatch(src, tgt, self.source[src].shape, self.target[tgt].shape, why))
+            self.used.update(group.layers.values() if group.stacking else (group.whole,))
+        return axes
+
+    def _choose_axis(self, group: _Group, root_axes: dict[KeyPath, set[int]]) -> int:
+        if len(group.axes) == 1:
+            return group.axes[0]
+        canon = self.canonical(group.whole)
+        ruled = self.rules.scan_axis(canon)
+        if ruled is not None and ruled in group.axes:
+            return ruled
+        siblings = root_axes.get(stack_root(canon, self.rules.layer_lists), set())
+        if len(siblings) == 1 and not self.rules.strict and next(iter(siblings)) in group.axes:
+            return next(iter(siblings))
+        raise PlanError(
+            f"{join_key(group.whole)!r} could be stacked along axis {' or '.join(map(str, group.axes))}: "
+            "its shape fits several" + (", and its sibling layers do not agree on one" if siblings else "")
+            + (" (CKPTSHIM_STRICT=1 forbids taking the axis from siblings)" if self.rules.strict and siblings else "")
+            + ". Add a scan-axis rule for it (Rules(scan_axes=(ScanAxis(component, axis),)).")
+
+    # -- pass 4: drops and casts ---------------------------------------------------------------
+
+    def _drops(self, leftover_sources: list[KeyPath]) -> list[Drop]:
+        drops = []
+        for key in leftover_sources:
+            canon = self.canonical(key)
+            if canon in self.rules.drop or key in self.rules.drop:
+                drops.append(Drop(key, "not persistent in target"))
+            elif (rule := derivable_rule(canon, self.rules.derivable)) is not None:
+                drops.append(Drop(key, rule))
+        return drops
+
+    def _cast(self, src: Entry, tgt: Entry) -> None:
+        if src.dtype == tgt.dtype:
+            return
+        narrowing = (DTYPE_SIZES[tgt.dtype] < DTYPE_SIZES[src.dtype]
+                     or (src.dtype in _FLOATS) != (tgt.dtype in _FLOATS))
+        if not self.rules.allow_cast or (self.rules.strict and narrowing):
+            self.mismatched.append(Mismatch(src.key, tgt.key, (src.dtype,), (tgt.dtype,), "dtype"))
+            return
+        self.casts[tgt.key] = Cast(tgt.key, src.dtype, tgt.dtype)
+
+
+def _first_target(op: Stack | Unstack) -> KeyPath:
+    return op.target if isinstance(op, Stack) else op.targets[0]
+
+
+def _span(indices: list[int]) -> str:
+    from ckptshim.plan.explain import _ranges
+    return "{" + _ranges(indices) + "}" if indices else "{}"
+
+
+def _canonicalizer(rules: Rules) -> Callable[[KeyPath], KeyPath]:
+    wrappers, aliases = rules.wrappers, rules.aliases
+
+    def canonical(key: KeyPath) -> KeyPath:
+        key = strip_wrappers(key, wrappers)
+        for alias in aliases:
+            key = alias.rewrite(key)
+        return key
+
+    return canonical

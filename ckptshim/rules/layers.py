@@ -1,0 +1,54 @@
+"""Layer lists: per-layer keys (``layers_3``, ``layers.3``, ``x_layers_3``) and stacked keys.
+
+A per-layer key names one list component and an index; its *stacked* form drops the index:
+``decoder/layers_3/mlp/wi`` and ``layers.3.mlp.wi`` both stack into ``.../layers/mlp/wi``.
+Only components named in ``LAYER_LIST_NAMES`` (or a rule's own set) count as layer lists, so a
+``wi_0``/``wi_1`` pair of projections is never mistaken for two layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ckptshim.inventory import KeyPath
+
+LAYER_LIST_NAMES: frozenset[str] = frozenset(
+    {"layers", "layer", "x_layers", "h", "blocks", "block", "experts", "decoder_layers",
+     "encoder_layers"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ScanAxis:
+    """Stacked keys that contain ``component`` are stacked along ``axis``.
+
+    MaxText stacks params and optimizer moments on axis 1 (``param_scan_axis``) and NNX rng
+    state on axis 0; PaxML stacks on axis 0. Used only when shapes leave more than one axis open.
+    """
+
+    component: str
+    axis: int
+
+
+def layer_splits(key: KeyPath, names: frozenset[str]) -> Iterator[tuple[KeyPath, int]]:
+    """Every way to read ``key`` as one layer of a list: ``(stacked key, layer index)``.
+
+    ``("layers", "3", "w")`` and ``("layers_3", "w")`` both yield ``(("layers", "w"), 3)``.
+    A key with two list components (layers inside experts) yields one split per component.
+    """
+    for pos, part in enumerate(key[:-1]):
+        if part.isdigit() and pos > 0 and key[pos - 1] in names:
+            yield key[:pos] + key[pos + 1:], int(part)
+        else:
+            base, sep, index = part.rpartition("_")
+            if sep and index.isdigit() and base in names:
+                yield key[:pos] + (base,) + key[pos + 1:], int(index)
+
+
+def stack_root(stacked: KeyPath, names: frozenset[str]) -> KeyPath:
+    """The subtree a stacked key belongs to (up to its list component): siblings share an axis."""
+    for pos in range(len(stacked) - 2, -1, -1):
+        if stacked[pos] in names:
+            return stacked[: pos + 1]
+    return stacked[:-1]
