@@ -1,0 +1,45 @@
+"""The functions behind ``ckptshim.inspect`` and ``ckptshim.plan`` (and the CLI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckptshim import config
+from ckptshim.formats.base import Checkpoint
+from ckptshim.formats.detect import open_checkpoint
+from ckptshim.plan import Plan
+from ckptshim.plan import plan as make_plan
+from ckptshim.rules import DEFAULT_RULES, Rules
+
+
+def inspect(path: str | Path) -> Checkpoint:
+    """Open a checkpoint and describe it from metadata alone (format, entries, completeness)."""
+    return open_checkpoint(path)
+
+
+def plan(source: str | Path, like: str | Path, rules: Rules | None = None) -> Plan:
+    """Dry run: how the checkpoint at ``source`` would load into the layout of ``like``."""
+    rules = rules or DEFAULT_RULES.extend(strict=config.strict())
+    src, tgt = open_checkpoint(source), open_checkpoint(like)
+    try:
+        return make_plan(src.inventory, tgt.inventory, rules)
+    finally:
+        src.close()
+        tgt.close()
+
+
+def describe(checkpoint: Checkpoint) -> dict:
+    """The JSON-ready description ``ckptshim inspect --json`` prints."""
+    sep = checkpoint.key_sep
+    return {
+        "path": str(checkpoint.path),
+        "format": checkpoint.format,
+        "version": checkpoint.version,
+        "entries": [{"key": sep.join(e.key), "shape": list(e.shape), "dtype": e.dtype, "bytes": e.nbytes}
+                    for e in checkpoint.inventory.values()],
+        "total_bytes": checkpoint.inventory.total_bytes,
+        "files": [{"path": f.path, "size": f.size, "expected_size": f.expected_size}
+                  for f in checkpoint.files],
+        "complete": checkpoint.complete,
+        "problems": checkpoint.all_problems(),
+    }

@@ -1,0 +1,111 @@
+"""What every format provides: an inventory from metadata, and reads of exactly what is asked.
+
+A format module exposes ``NAME``, ``sniff(path) -> bool`` (cheap: file names, magic bytes,
+version fields) and ``open_checkpoint(path) -> Checkpoint``. Opening reads metadata only; bytes are
+read by :meth:`Checkpoint.read`, one entry (or one slice of one) at a time, usually straight
+from a memory map so that nothing is copied until the executor writes into its destination.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ckptshim.errors import CorruptCheckpointError
+from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory
+
+_NO_NUMPY_TYPE = {"bfloat16": "<u2", "float8_e4m3fn": "u1", "float8_e5m2": "u1",
+                  "float8_e4m3fnuz": "u1", "float8_e5m2fnuz": "u1"}
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """The little-endian numpy dtype that holds ``name``'s bytes (bfloat16 -> uint16 bits)."""
+    return np.dtype(_NO_NUMPY_TYPE.get(name, name)).newbyteorder("<") if name != "bool" else np.dtype(bool)
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One file a checkpoint consists of, with the size its metadata implies."""
+
+    path: str
+    size: int | None           # None: the file is missing
+    expected_size: int | None = None
+
+    @property
+    def problem(self) -> str | None:
+        if self.size is None:
+            return f"{self.path}: missing"
+        if self.expected_size is not None and self.size < self.expected_size:
+            return f"{self.path}: {self.size} bytes, but its metadata needs {self.expected_size}"
+        return None
+
+
+@dataclass
+class Checkpoint(ABC):
+    """An opened checkpoint: metadata (inventory, files, problems) and reads on demand.
+
+    ``key_sep`` is how the format's own tools spell key paths (``.`` for torch, ``/`` for JAX).
+    """
+
+    key_sep = "."
+
+    path: Path
+    format: str
+    version: str
+    inventory: Inventory
+    files: tuple[FileInfo, ...] = ()
+    problems: tuple[str, ...] = field(default=())
+
+    @property
+    def complete(self) -> bool:
+        return not self.problems and all(f.problem is None for f in self.files)
+
+    def all_problems(self) -> list[str]:
+        return list(self.problems) + [f.problem for f in self.files if f.problem is not None]
+
+    @abstractmethod
+    def read(self, entry: Entry) -> np.ndarray:
+        """The whole array for ``entry``, in its storage dtype (see :func:`storage_dtype`).
+
+        Usually a read-only view of a memory map: slicing it reads only the slice's pages.
+        """
+
+    def require_complete(self) -> None:
+        problems = self.all_problems()
+        if problems:
+            raise CorruptCheckpointError(
+                f"{self.path} ({self.format}) is incomplete:\n  " + "\n  ".join(problems)
+                + "\nRestore the missing files (or re-copy the checkpoint) before loading it.")
+
+    def close(self) -> None:
+        """Release open files and maps (reads afterwards are an error)."""
+
+
+def file_info(path: Path, expected_size: int | None = None, root: Path | None = None) -> FileInfo:
+    shown = os.path.relpath(path, root) if root is not None else str(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        size = None
+    return FileInfo(shown, size, expected_size)
+
+
+def check_view(entry: Entry, begin: int, end: int, available: int, where: str) -> None:
+    """Refuse a byte range that does not fit the entry or runs past the end of its file."""
+    needed = entry.nbytes
+    if end - begin != needed:
+        raise CorruptCheckpointError(
+            f"{where}: {'.'.join(entry.key)!r} is declared {entry.dtype}{list(entry.shape)} "
+            f"({needed} bytes) but its byte range holds {end - begin}; the metadata is corrupt.")
+    if end > available:
+        raise CorruptCheckpointError(
+            f"{where}: {'.'.join(entry.key)!r} needs bytes up to {end} but the file has "
+            f"{available}; the file is truncated. Re-copy it from the original.")
+
+
+def itemsize(dtype: str) -> int:
+    return DTYPE_SIZES[dtype]

@@ -1,0 +1,34 @@
+"""Which format a path is in, from cheap fingerprints; and opening it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
+from ckptshim.formats import hf_dir, safetensors, torch_pickle
+from ckptshim.formats.base import Checkpoint
+
+#: Most specific first: a directory format before the single files it may contain.
+FORMATS: tuple[ModuleType, ...] = (hf_dir, safetensors, torch_pickle)
+
+
+def detect(path: str | Path) -> ModuleType:
+    """The format module that recognises ``path``, or a :class:`UnknownFormatError`."""
+    path = Path(path)
+    if not path.exists():
+        raise CorruptCheckpointError(f"{path}: no such file or directory")
+    if path.is_dir() and not any(path.iterdir()):
+        raise UnknownFormatError(f"{path} is an empty directory; point at a checkpoint file or folder.")
+    for fmt in FORMATS:
+        if fmt.sniff(path):
+            return fmt
+    known = ", ".join(fmt.NAME for fmt in FORMATS)
+    raise UnknownFormatError(
+        f"{path} is not in a format ckptshim knows ({known}). Run `ckptshim inspect` on the "
+        "checkpoint's top-level folder, or check that the file is not truncated.")
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open ``path`` in whatever format it is in (metadata only; no tensor bytes are read)."""
+    return detect(path).open_checkpoint(Path(path))

@@ -1,0 +1,77 @@
+"""Hugging Face model directories: ``config.json`` beside one weights file or a sharded index.
+
+Weights come as ``model.safetensors`` or ``pytorch_model.bin``, or as shards listed in
+``*.index.json`` (``{"weight_map": {key: shard file}}``). The directory reads as one
+checkpoint whose entries delegate to the file that holds them; a shard the index names but
+the directory lacks is reported, not skipped.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ckptshim.errors import CorruptCheckpointError
+from ckptshim.formats import safetensors, torch_pickle
+from ckptshim.formats.base import Checkpoint, FileInfo, file_info
+from ckptshim.inventory import Entry, Inventory
+
+NAME = "hf-dir"
+_SINGLE = ("model.safetensors", "pytorch_model.bin")
+_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def sniff(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in _SINGLE + _INDEX)
+
+
+def _open_file(path: Path) -> Checkpoint:
+    return safetensors.open_checkpoint(path) if path.suffix == ".safetensors" else torch_pickle.open_checkpoint(path)
+
+
+class HFDirCheckpoint(Checkpoint):
+    def __init__(self, path: Path, version: str, parts: dict[str, Checkpoint], files, problems) -> None:
+        entries = [Entry(e.key, e.shape, e.dtype, (name, e.location))
+                   for name, part in parts.items() for e in part.inventory.values()]
+        super().__init__(path, NAME, version, Inventory(entries, str(path)), tuple(files), tuple(problems))
+        self._parts = parts
+
+    def read(self, entry: Entry) -> np.ndarray:
+        name, inner = entry.location
+        part = self._parts[name]
+        return part.read(Entry(entry.key, entry.shape, entry.dtype, inner))
+
+    def close(self) -> None:
+        for part in self._parts.values():
+            part.close()
+
+
+def open_checkpoint(path: Path) -> HFDirCheckpoint:
+    index_name = next((n for n in _INDEX if (path / n).is_file()), None)
+    problems: list[str] = []
+    files: list[FileInfo] = []
+    if index_name is None:
+        shards = [next(n for n in _SINGLE if (path / n).is_file())]
+        version = shards[0]
+    else:
+        try:
+            weight_map = json.loads((path / index_name).read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+            raise CorruptCheckpointError(f"{path / index_name}: not a valid weight index ({error!r})") from None
+        version = index_name
+    parts: dict[str, Checkpoint] = {}
+    for shard in shards:
+        shard_path = (path / shard).resolve()
+        if path.resolve() not in shard_path.parents:
+            raise CorruptCheckpointError(f"{path / index_name}: shard {shard!r} lies outside the directory")
+        if not shard_path.is_file():
+            files.append(file_info(path / shard, root=path))
+            continue
+        part = _open_file(shard_path)
+        parts[shard] = part
+        files += [FileInfo(shard, f.size, f.expected_size) for f in part.files]
+        problems += [f"{shard}: {p}" for p in part.problems]
+    return HFDirCheckpoint(path, version, parts, files, problems)

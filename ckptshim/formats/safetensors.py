@@ -1,0 +1,88 @@
+"""safetensors files: an 8-byte header length, a JSON header, then raw little-endian bytes.
+
+The header is parsed here (no safetensors import needed) with strict bounds checks; arrays are
+read-only views of one memory map of the file.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from ckptshim.errors import CorruptCheckpointError
+from ckptshim.formats.base import Checkpoint, check_view, file_info, storage_dtype
+from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
+
+NAME = "safetensors"
+_MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself enforces
+
+
+def sniff(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".safetensors"
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """The parsed JSON header and the offset where tensor data starts."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CorruptCheckpointError(f"{path}: {size} bytes is too short for a safetensors header")
+        (length,) = struct.unpack("<Q", raw)
+        if length > min(_MAX_HEADER, size - 8):
+            raise CorruptCheckpointError(
+                f"{path}: header claims {length} bytes but the file has {size}; it is truncated "
+                "or not a safetensors file.")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise CorruptCheckpointError(f"{path}: header is not valid JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{path}: header is not a JSON object")
+    return header, 8 + length
+
+
+def entries(path: Path, header: dict, data_start: int, key_sep: str = ".") -> list[Entry]:
+    out = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = dtype_name(info["dtype"])
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise CorruptCheckpointError(f"{path}: malformed header entry {name!r} ({error})") from None
+        if begin < 0 or end < begin or any(d < 0 for d in shape):
+            raise CorruptCheckpointError(f"{path}: entry {name!r} has an invalid shape or byte range")
+        out.append(Entry(split_key(name, key_sep), shape, dtype, (str(path), data_start + begin, data_start + end)))
+    return out
+
+
+class SafetensorsCheckpoint(Checkpoint):
+    """One or more safetensors files; entry locations are ``(file, begin, end)``."""
+
+    def __init__(self, path: Path, inventory: Inventory, files, problems=(), fmt: str = NAME) -> None:
+        super().__init__(path, fmt, "1", inventory, tuple(files), tuple(problems))
+        self._maps: dict[str, np.memmap] = {}
+
+    def read(self, entry: Entry) -> np.ndarray:
+        file, begin, end = entry.location
+        data = self._maps.get(file)
+        if data is None:
+            data = self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+        check_view(entry, begin, end, len(data), file)
+        return data[begin:end].view(storage_dtype(entry.dtype)).reshape(entry.shape)
+
+    def close(self) -> None:
+        self._maps.clear()
+
+
+def open_checkpoint(path: Path) -> SafetensorsCheckpoint:
+    header, start = read_header(path)
+    found = entries(path, header, start)
+    expected = max((e.location[2] for e in found), default=start)
+    return SafetensorsCheckpoint(path, Inventory(found, str(path)), [file_info(path, expected)])

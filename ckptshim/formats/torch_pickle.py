@@ -1,0 +1,203 @@
+"""``torch.save`` files (the zip format torch has written since 1.6), read without running code.
+
+The pickle in ``<archive>/data.pkl`` is interpreted by an allow-listed unpickler that knows only
+what ``weights_only=True`` allows for plain state dicts: containers, ``OrderedDict``, tensor
+rebuild functions and storage types -- built here as inert placeholders, so no tensor bytes are
+read and torch is not imported. Any other global is refused, naming it. Tensor bytes are then
+read-only views of a memory map of the (uncompressed) zip member that holds each storage.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
+from ckptshim.formats.base import Checkpoint, check_view, file_info, storage_dtype
+from ckptshim.inventory import Entry, Inventory, dtype_name, flatten
+
+NAME = "torch-pickle"
+
+_STORAGE_DTYPES = {
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
+    "Float8_e4m3fnStorage": "float8_e4m3fn", "Float8_e5m2Storage": "float8_e5m2",
+}
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    key: str
+    dtype: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class _TensorRef:
+    storage: _StorageRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _StorageType:
+    def __init__(self, name: str) -> None:
+        self.dtype = _STORAGE_DTYPES[name]
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> _TensorRef:
+    return _TensorRef(storage, int(storage_offset), tuple(size), tuple(stride))
+
+
+def _rebuild_parameter(data, *_ignored):
+    return data
+
+
+_ALLOWED = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+}
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, where: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _StorageType(name)
+        found = _ALLOWED.get((module, name))
+        if found is None:
+            raise UnsafeCheckpointError(_unsafe_message(self.where, f"{module}.{name}"))
+        return found
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                and isinstance(pid[1], _StorageType)):
+            raise CorruptCheckpointError(f"{self.where}: unexpected storage record {pid!r:.80}")
+        _, storage_type, key, _location, numel = pid
+        return _StorageRef(str(key), storage_type.dtype, int(numel))
+
+
+def _unsafe_message(where: str, first: str) -> str:
+    names = [first]
+    try:  # torch, when installed, can list every unsafe global at once
+        import torch.serialization
+
+        names = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(where))) or names
+    except Exception:  # torch missing or the file unreadable by it: the first global is enough
+        pass
+    return (f"{where} needs {', '.join(names)} to unpickle, which torch.load(weights_only=True) "
+            "does not allow and ckptshim will not run. If you trust this file, load it yourself "
+            "with torch.load(..., weights_only=False), re-save its state dict with torch.save, "
+            "and load that.")
+
+
+def sniff(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/data.pkl") for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+class TorchPickleCheckpoint(Checkpoint):
+    def __init__(self, path: Path, inventory: Inventory, files, offsets: dict[str, int], prefix: str) -> None:
+        super().__init__(path, NAME, "zip", inventory, tuple(files))
+        self._offsets = offsets
+        self._prefix = prefix
+        self._map: np.memmap | None = None
+
+    def read(self, entry: Entry) -> np.ndarray:
+        ref: _TensorRef = entry.location[1]
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        start = self._offsets.get(ref.storage.key)
+        if start is None:
+            raise CorruptCheckpointError(f"{self.path}: storage {ref.storage.key} is missing from the archive")
+        itemsize = storage_dtype(ref.storage.dtype).itemsize
+        check_view(Entry(entry.key, (ref.storage.numel,), ref.storage.dtype), start,
+                   start + ref.storage.numel * itemsize, len(self._map), str(self.path))
+        storage = self._map[start:start + ref.storage.numel * itemsize].view(storage_dtype(ref.storage.dtype))
+        if not entry.shape:
+            return storage[ref.offset:ref.offset + 1].reshape(())
+        extent = ref.offset + 1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride))
+        if min(ref.shape) > 0 and (extent > ref.storage.numel or min(ref.stride) < 0):
+            raise CorruptCheckpointError(f"{self.path}: {'.'.join(entry.key)!r} reaches past its storage")
+        return np.lib.stride_tricks.as_strided(
+            storage[ref.offset:], shape=ref.shape,
+            strides=tuple(s * itemsize for s in ref.stride), writeable=False)
+
+    def close(self) -> None:
+        self._map = None
+
+
+def _member_offsets(path: Path, archive: zipfile.ZipFile, prefix: str) -> tuple[dict[str, int], list[str]]:
+    """Where each uncompressed ``data/<key>`` member's bytes start in the file."""
+    offsets, problems = {}, []
+    with open(path, "rb") as raw:
+        for info in archive.infolist():
+            if not info.filename.startswith(prefix + "data/"):
+                continue
+            key = info.filename[len(prefix) + 5:]
+            if info.compress_type != zipfile.ZIP_STORED:
+                problems.append(f"{info.filename}: compressed members are not a torch.save layout")
+                continue
+            raw.seek(info.header_offset)
+            local = raw.read(30)
+            if len(local) < 30 or local[:4] != b"PK\x03\x04":
+                problems.append(f"{info.filename}: local zip header is damaged")
+                continue
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            offsets[key] = info.header_offset + 30 + name_len + extra_len
+    return offsets, problems
+
+
+def open_checkpoint(path: Path) -> TorchPickleCheckpoint:
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError) as error:
+        raise CorruptCheckpointError(f"{path}: not a readable torch.save zip archive ({error}); "
+                                     "the file may be truncated.") from None
+    with archive:
+        pkl = next((n for n in archive.namelist() if n.endswith("/data.pkl")), None)
+        if pkl is None:
+            raise CorruptCheckpointError(f"{path}: zip archive without data.pkl is not a torch.save file")
+        prefix = pkl[: -len("data.pkl")]
+        try:
+            byteorder = archive.read(prefix + "byteorder").decode() if prefix + "byteorder" in archive.namelist() else "little"
+            tree = _SafeUnpickler(archive.read(pkl), str(path)).load()
+        except (UnsafeCheckpointError, CorruptCheckpointError):
+            raise
+        except Exception as error:
+            raise CorruptCheckpointError(f"{path}: data.pkl does not unpickle ({type(error).__name__}: {error})") from None
+        offsets, problems = _member_offsets(path, archive, prefix)
+    if byteorder != "little":
+        problems.append(f"stored {byteorder}-endian; ckptshim reads little-endian torch files only")
+    entries, expected = [], 0
+    for path_parts, leaf in flatten(tree).items():
+        if isinstance(leaf, _TensorRef):
+            key = tuple(part for component in path_parts for part in component.split("."))
+            entries.append(Entry(key, leaf.shape, dtype_name(leaf.storage.dtype), (str(path), leaf)))
+            start = offsets.get(leaf.storage.key)
+            if start is None:
+                problems.append(f"storage {leaf.storage.key} for {'.'.join(key)} is missing")
+            else:
+                expected = max(expected, start + leaf.storage.numel * storage_dtype(leaf.storage.dtype).itemsize)
+    checkpoint = TorchPickleCheckpoint(path, Inventory(entries, str(path)), [file_info(path, expected)], offsets, prefix)
+    checkpoint.problems = tuple(problems)
+    return checkpoint
