@@ -1,0 +1,116 @@
+"""The ``ckptshim`` command on real fixtures and on damaged copies of them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptshim.cli import main
+from ckptshim.formats.detect import open_checkpoint
+from manifest import FIXTURES, array_sha256, expected_arrays
+
+TORCH_FILES = [
+    ("torch_dcp_single", "torch_save/model.pt", ""),
+    ("hf_gptneox_tf4.30.2", "pytorch_model_bin", ""),
+    ("hf_gptneox_tf4.30.2", "safetensors", ""),
+    ("hf_gptneox_tf4.30.2", "safetensors/model.safetensors", ""),
+    ("hf_gptneox_tf5_resaved", "save_pretrained_default", ""),
+]
+
+
+def run_json(capsys, *argv: str) -> tuple[int, dict]:
+    code = main(list(argv))
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(("folder", "item", "_"), TORCH_FILES)
+def test_inspect_json_matches_manifest(capsys, folder, item, _):
+    code, info = run_json(capsys, "inspect", str(FIXTURES / folder / item), "--json")
+    expected = expected_arrays(folder)
+    found = {e["key"]: e for e in info["entries"]}
+    assert code == 0 and info["complete"] is True and info["problems"] == []
+    assert set(found) <= set(expected) and len(found) >= len(expected) - 6
+    for key, entry in found.items():
+        assert entry["shape"] == expected[key]["shape"], key
+        assert entry["dtype"] == expected[key]["dtype"], key
+    assert info["total_bytes"] == sum(e["bytes"] for e in info["entries"]) > 0
+
+
+@pytest.mark.parametrize(("folder", "item", "_"), TORCH_FILES)
+def test_reads_are_bit_exact_against_manifest(folder, item, _):
+    expected = expected_arrays(folder)
+    checkpoint = open_checkpoint(FIXTURES / folder / item)
+    for key, entry in checkpoint.inventory.items():
+        assert array_sha256(checkpoint.read(entry)) == expected[".".join(key)]["sha256"], key
+
+
+def test_truncated_file_is_incomplete(tmp_path, capsys):
+    copy = tmp_path / "model.safetensors"
+    data = (FIXTURES / "hf_gptneox_tf4.30.2/safetensors/model.safetensors").read_bytes()
+    copy.write_bytes(data[: len(data) - 1000])
+    code, info = run_json(capsys, "inspect", str(copy), "--json")
+    assert code == 1 and info["complete"] is False
+    assert "model.safetensors" in info["problems"][0] and "needs" in info["problems"][0]
+
+
+def test_deleted_shard_is_named(tmp_path, capsys):
+    """A sharded HF directory whose index names a shard that is gone."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, intermediate_size=64)
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    shards = sorted((tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(shards) > 1
+    code, info = run_json(capsys, "inspect", str(tmp_path / "hf"), "--json")
+    assert code == 0 and info["complete"]
+    shards[0].unlink()
+    code, info = run_json(capsys, "inspect", str(tmp_path / "hf"), "--json")
+    assert code == 1 and info["complete"] is False
+    assert any(shards[0].name in p and "missing" in p for p in info["problems"])
+
+
+def test_unknown_format_and_empty_dir(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["inspect", str(tmp_path / "empty")]) == 1
+    assert "empty directory" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("hello")
+    assert main(["inspect", str(tmp_path / "notes.txt")]) == 1
+    assert "not in a format ckptshim knows" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "absent")]) == 1
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_garbage_safetensors_header(tmp_path, capsys):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes((10**12).to_bytes(8, "little") + b"{}")
+    assert main(["inspect", str(bad)]) == 1
+    assert "header claims" in capsys.readouterr().err
+
+
+def test_usage_error_exits_2(capsys):
+    assert main(["frobnicate"]) == 2
+    assert main(["plan", "x"]) == 2  # --like is required
+
+
+def test_plan_dry_run_lists_dropped_legacy_buffers(capsys):
+    old = FIXTURES / "hf_gptneox_tf4.30.2/safetensors"
+    new = FIXTURES / "hf_gptneox_tf5_resaved/save_pretrained_default"
+    code, info = run_json(capsys, "plan", str(old), "--like", str(new), "--json")
+    assert code == 0 and info["complete"] and info["summary"] == "6 dropped"
+    assert "gpt_neox.layers.{0..1}.attention.rotary_emb.inv_freq -> drop(inv_freq)" in info["lines"]
+    code, info = run_json(capsys, "plan", str(new), "--like", str(old), "--json")
+    assert code == 1 and not info["complete"]
+    assert len(info["missing"]) == 6
+
+
+def test_python_dash_m_entry_point():
+    result = subprocess.run([sys.executable, "-m", "ckptshim", "inspect", "--json",
+                             str(FIXTURES / "torch_dcp_single/torch_save/model.pt")],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["format"] == "torch-pickle"
