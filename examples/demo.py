@@ -1,0 +1,105 @@
+"""The ckptshim showcase: real "old" checkpoints, today's code, the normal framework calls.
+
+Each story writes its checkpoint with the installed framework into a temporary directory, then
+loads it twice through the framework's own call: once with the shim switched off (showing the
+error users hit) and once with it on (showing ckptshim's one-line summary of what it did).
+Run with ``make demo`` or ``python examples/demo.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import ckptshim
+
+STORIES: list[tuple[str, Callable[[Path], Callable[[], object]]]] = []
+
+
+def story(title: str):
+    """Register a story: a function that writes inputs and returns the load to attempt."""
+    def register(prepare):
+        STORIES.append((title, prepare))
+        return prepare
+    return register
+
+
+class _Summaries(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _tiny_model(seed: int):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+
+@story("torch.compile'd model loads a plain model's torch.save checkpoint")
+def compiled_model(tmp: Path):
+    import torch
+
+    torch.save(_tiny_model(0).state_dict(), tmp / "plain.pt")
+    model = torch.compile(_tiny_model(1))  # keys are now "_orig_mod.0.weight", ...
+    return lambda: model.load_state_dict(torch.load(tmp / "plain.pt", weights_only=True))
+
+
+@story("old checkpoint with a now non-persistent rotary inv_freq buffer")
+def legacy_inv_freq(tmp: Path):
+    import torch
+    from torch import nn
+
+    class Rotary(nn.Module):
+        def __init__(self, persistent: bool) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+            self.register_buffer("inv_freq", inv_freq, persistent=persistent)
+
+    torch.save(Rotary(persistent=True).state_dict(), tmp / "old.pt")  # as transformers < 4.35 did
+    model = Rotary(persistent=False)                                  # as transformers >= 4.35 does
+    return lambda: model.load_state_dict(torch.load(tmp / "old.pt", weights_only=True))
+
+
+def main() -> int:
+    summaries = _Summaries()
+    logging.getLogger("ckptshim").addHandler(summaries)
+    logging.getLogger("ckptshim").setLevel(logging.INFO)
+    failures = 0
+    for number, (title, prepare) in enumerate(STORIES, 1):
+        print(f"\n[{number}] {title}")
+        with tempfile.TemporaryDirectory() as tmp:
+            ckptshim.uninstall()
+            try:
+                prepare(Path(tmp))()
+                print("    without ckptshim: loads (nothing to fix)")
+            except Exception as error:  # the error users hit, shown as they would see it
+                first = str(error).strip().splitlines()[0]
+                print(f"    without ckptshim: {type(error).__name__}: {textwrap.shorten(first, 110)}")
+            ckptshim.install()
+            summaries.lines.clear()
+            try:
+                prepare(Path(tmp))()
+            except Exception as error:
+                failures += 1
+                print(f"    with ckptshim:    FAILED: {type(error).__name__}: {error}")
+                continue
+            print(f"    with ckptshim:    {'; '.join(summaries.lines) or 'loaded, nothing to change'}")
+    print(f"\n{len(STORIES) - failures} of {len(STORIES)} stories load with ckptshim.")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.exit(main())
