@@ -16,6 +16,7 @@ import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -35,15 +36,19 @@ _STORAGE_DTYPES = {
 
 
 @dataclass(frozen=True)
-class _StorageRef:
+class StorageRef:
+    """One storage record of the archive: the ``data/<key>`` member, its dtype and length."""
+
     key: str
     dtype: str
     numel: int
 
 
 @dataclass(frozen=True)
-class _TensorRef:
-    storage: _StorageRef
+class TensorRef:
+    """A tensor as the pickle describes it: a strided window (in elements) onto a storage."""
+
+    storage: StorageRef
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -54,8 +59,8 @@ class _StorageType:
         self.dtype = _STORAGE_DTYPES[name]
 
 
-def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> _TensorRef:
-    return _TensorRef(storage, int(storage_offset), tuple(size), tuple(stride))
+def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> TensorRef:
+    return TensorRef(storage, int(storage_offset), tuple(size), tuple(stride))
 
 
 def _rebuild_parameter(data, *_ignored):
@@ -88,7 +93,7 @@ class _SafeUnpickler(pickle.Unpickler):
                 and isinstance(pid[1], _StorageType)):
             raise CorruptCheckpointError(f"{self.where}: unexpected storage record {pid!r:.80}")
         _, storage_type, key, _location, numel = pid
-        return _StorageRef(str(key), storage_type.dtype, int(numel))
+        return StorageRef(str(key), storage_type.dtype, int(numel))
 
 
 def _unsafe_message(where: str, first: str) -> str:
@@ -116,88 +121,115 @@ def sniff(path: Path) -> bool:
 
 
 class TorchPickleCheckpoint(Checkpoint):
-    def __init__(self, path: Path, inventory: Inventory, files, offsets: dict[str, int], prefix: str) -> None:
+    def __init__(self, path: Path, inventory: Inventory, files, offsets: dict[str, int]) -> None:
         super().__init__(path, NAME, "zip", inventory, tuple(files))
         self._offsets = offsets
-        self._prefix = prefix
         self._map: np.memmap | None = None
 
     def read(self, entry: Entry) -> np.ndarray:
-        ref: _TensorRef = entry.location[1]
+        ref: TensorRef = entry.location[1]
         if self._map is None:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         start = self._offsets.get(ref.storage.key)
         if start is None:
             raise CorruptCheckpointError(f"{self.path}: storage {ref.storage.key} is missing from the archive")
-        itemsize = storage_dtype(ref.storage.dtype).itemsize
-        check_view(Entry(entry.key, (ref.storage.numel,), ref.storage.dtype), start,
-                   start + ref.storage.numel * itemsize, len(self._map), str(self.path))
-        storage = self._map[start:start + ref.storage.numel * itemsize].view(storage_dtype(ref.storage.dtype))
-        if not entry.shape:
-            return storage[ref.offset:ref.offset + 1].reshape(())
-        extent = ref.offset + 1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride))
-        if min(ref.shape) > 0 and (extent > ref.storage.numel or min(ref.stride) < 0):
-            raise CorruptCheckpointError(f"{self.path}: {'.'.join(entry.key)!r} reaches past its storage")
-        return np.lib.stride_tricks.as_strided(
-            storage[ref.offset:], shape=ref.shape,
-            strides=tuple(s * itemsize for s in ref.stride), writeable=False)
+        nbytes = ref.storage.numel * storage_dtype(ref.storage.dtype).itemsize
+        check_view(Entry(entry.key, (ref.storage.numel,), ref.storage.dtype), start, start + nbytes,
+                   len(self._map), str(self.path))
+        return tensor_view(self._map[start:start + nbytes], ref, f"{self.path}: {'.'.join(entry.key)!r}")
 
     def close(self) -> None:
         self._map = None
 
 
-def _member_offsets(path: Path, archive: zipfile.ZipFile, prefix: str) -> tuple[dict[str, int], list[str]]:
-    """Where each uncompressed ``data/<key>`` member's bytes start in the file."""
+def tensor_view(storage_bytes: np.ndarray, ref: TensorRef, where: str) -> np.ndarray:
+    """The tensor ``ref`` describes, as a read-only strided view of its storage's bytes."""
+    storage = storage_bytes.view(storage_dtype(ref.storage.dtype))
+    if not ref.shape:
+        return storage[ref.offset:ref.offset + 1].reshape(())
+    extent = ref.offset + 1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride))
+    if min(ref.shape) > 0 and (extent > ref.storage.numel or min(ref.stride) < 0):
+        raise CorruptCheckpointError(f"{where} reaches past its storage")
+    return np.lib.stride_tricks.as_strided(
+        storage[ref.offset:], shape=ref.shape,
+        strides=tuple(s * storage.itemsize for s in ref.stride), writeable=False)
+
+
+@dataclass(frozen=True)
+class Archive:
+    """A parsed ``torch.save`` archive: its object tree (tensors as :class:`TensorRef`), where
+    each storage's bytes start (from the start of the file object it was read from), and any
+    problems found on the way."""
+
+    tree: object
+    offsets: dict[str, int]
+    problems: tuple[str, ...]
+
+
+def read_archive(raw: BinaryIO, where: str) -> Archive:
+    """Parse the ``torch.save`` zip in the seekable ``raw`` (a file, or a window onto one: DCP
+    stores each chunk as one such archive inside a larger file) without running its code."""
+    try:
+        archive = zipfile.ZipFile(raw)
+    except (zipfile.BadZipFile, OSError) as error:
+        raise CorruptCheckpointError(f"{where}: not a readable torch.save zip archive ({error}); "
+                                     "the file may be truncated.") from None
+    with archive:
+        pkl = next((n for n in archive.namelist() if n.endswith("/data.pkl")), None)
+        if pkl is None:
+            raise CorruptCheckpointError(f"{where}: zip archive without data.pkl is not a torch.save file")
+        prefix = pkl[: -len("data.pkl")]
+        try:
+            byteorder = archive.read(prefix + "byteorder").decode() if prefix + "byteorder" in archive.namelist() else "little"
+            tree = _SafeUnpickler(archive.read(pkl), where).load()
+        except (UnsafeCheckpointError, CorruptCheckpointError):
+            raise
+        except Exception as error:
+            raise CorruptCheckpointError(f"{where}: data.pkl does not unpickle ({type(error).__name__}: {error})") from None
+        offsets, problems = _member_offsets(raw, archive, prefix)
+    if byteorder != "little":
+        problems.append(f"stored {byteorder}-endian; ckptshim reads little-endian torch files only")
+    return Archive(tree, offsets, tuple(problems))
+
+
+def _member_offsets(raw: BinaryIO, archive: zipfile.ZipFile, prefix: str) -> tuple[dict[str, int], list[str]]:
+    """Where each uncompressed ``data/<key>`` member's bytes start in ``raw``."""
     offsets, problems = {}, []
-    with open(path, "rb") as raw:
-        for info in archive.infolist():
-            if not info.filename.startswith(prefix + "data/"):
-                continue
-            key = info.filename[len(prefix) + 5:]
-            if info.compress_type != zipfile.ZIP_STORED:
-                problems.append(f"{info.filename}: compressed members are not a torch.save layout")
-                continue
-            raw.seek(info.header_offset)
-            local = raw.read(30)
-            if len(local) < 30 or local[:4] != b"PK\x03\x04":
-                problems.append(f"{info.filename}: local zip header is damaged")
-                continue
-            name_len, extra_len = struct.unpack("<HH", local[26:30])
-            offsets[key] = info.header_offset + 30 + name_len + extra_len
+    for info in archive.infolist():
+        if not info.filename.startswith(prefix + "data/"):
+            continue
+        key = info.filename[len(prefix) + 5:]
+        if info.compress_type != zipfile.ZIP_STORED:
+            problems.append(f"{info.filename}: compressed members are not a torch.save layout")
+            continue
+        raw.seek(info.header_offset)
+        local = raw.read(30)
+        if len(local) < 30 or local[:4] != b"PK\x03\x04":
+            problems.append(f"{info.filename}: local zip header is damaged")
+            continue
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        offsets[key] = info.header_offset + 30 + name_len + extra_len
     return offsets, problems
 
 
 def open_checkpoint(path: Path) -> TorchPickleCheckpoint:
     try:
-        archive = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as error:
-        raise CorruptCheckpointError(f"{path}: not a readable torch.save zip archive ({error}); "
-                                     "the file may be truncated.") from None
-    with archive:
-        pkl = next((n for n in archive.namelist() if n.endswith("/data.pkl")), None)
-        if pkl is None:
-            raise CorruptCheckpointError(f"{path}: zip archive without data.pkl is not a torch.save file")
-        prefix = pkl[: -len("data.pkl")]
-        try:
-            byteorder = archive.read(prefix + "byteorder").decode() if prefix + "byteorder" in archive.namelist() else "little"
-            tree = _SafeUnpickler(archive.read(pkl), str(path)).load()
-        except (UnsafeCheckpointError, CorruptCheckpointError):
-            raise
-        except Exception as error:
-            raise CorruptCheckpointError(f"{path}: data.pkl does not unpickle ({type(error).__name__}: {error})") from None
-        offsets, problems = _member_offsets(path, archive, prefix)
-    if byteorder != "little":
-        problems.append(f"stored {byteorder}-endian; ckptshim reads little-endian torch files only")
+        with open(path, "rb") as raw:
+            archive = read_archive(raw, str(path))
+    except OSError as error:
+        raise CorruptCheckpointError(f"{path}: cannot be read ({error})") from None
+    problems = list(archive.problems)
     entries, expected = [], 0
-    for path_parts, leaf in flatten(tree).items():
-        if isinstance(leaf, _TensorRef):
+    for path_parts, leaf in flatten(archive.tree).items():
+        if isinstance(leaf, TensorRef):
             key = tuple(part for component in path_parts for part in component.split("."))
             entries.append(Entry(key, leaf.shape, dtype_name(leaf.storage.dtype), (str(path), leaf)))
-            start = offsets.get(leaf.storage.key)
+            start = archive.offsets.get(leaf.storage.key)
             if start is None:
                 problems.append(f"storage {leaf.storage.key} for {'.'.join(key)} is missing")
             else:
                 expected = max(expected, start + leaf.storage.numel * storage_dtype(leaf.storage.dtype).itemsize)
-    checkpoint = TorchPickleCheckpoint(path, Inventory(entries, str(path)), [file_info(path, expected)], offsets, prefix)
+    checkpoint = TorchPickleCheckpoint(path, Inventory(entries, str(path)),
+                                       [file_info(path, expected)], archive.offsets)
     checkpoint.problems = tuple(problems)
     return checkpoint
