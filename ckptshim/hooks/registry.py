@@ -39,7 +39,10 @@ class HookSpec:
 
 
 #: Every hook ckptshim ships, in the order they attach.
-HOOKS: tuple[HookSpec, ...] = ()
+HOOKS: tuple[HookSpec, ...] = (
+    HookSpec("torch", "torch", "ckptshim.hooks.torch_module", "torch", ("2.4", "3")),
+    HookSpec("torch-dcp", "torch.distributed.checkpoint", "ckptshim.hooks.torch_dcp", "torch", ("2.4", "3")),
+)
 
 _lock = _thread.RLock()
 _wanted: set[str] = set()

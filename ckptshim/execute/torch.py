@@ -1,0 +1,202 @@
+"""The torch executor: check a whole plan against live tensors, then write it in place.
+
+A load is split in two so that it is transactional: :func:`prepare` fetches every source,
+checks every shape, dtype and destination and works out, for each target key, a tensor that
+already holds its value -- the source itself, a ``select`` view of a stacked source, or the
+destination's own value -- without writing anything or copying any tensor bytes. Only a
+:class:`Prepared` load writes: stacked targets layer by layer into ``select`` views of the
+destination (never ``torch.stack``, which would build a second full copy), everything else with
+``copy_`` (which also casts). Anything wrong raises before the first write, so a failed load
+leaves the destination as it was.
+
+Callers that hand the values to the framework's own loader (the ``load_state_dict`` hook) use
+:attr:`Prepared.values` and :meth:`Prepared.write_stacked`; others call :meth:`Prepared.write`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ckptshim.errors import PlanError
+from ckptshim.inventory import Entry, KeyPath, dtype_name, join_key
+from ckptshim.plan import Plan, Rename, Stack, Synthesize, Unstack
+
+#: Returns the source tensor for a source key (from a state dict, or a lazy view of a file).
+Fetch = Callable[[KeyPath], torch.Tensor]
+
+
+def _position_ids(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.arange(shape[-1], dtype=dtype, device=device).expand(shape).contiguous()
+
+
+#: Derivable buffers whose value follows from their shape alone, so that a buffer on the meta
+#: device (which holds no value to keep) can be rebuilt. The others depend on settings the
+#: buffer does not carry -- ``inv_freq`` on the rotary base, ``masked_bias`` on the model
+#: family, ``attention.bias`` on a possible attention window -- and are refused instead.
+RECOMPUTABLE: Mapping[str, Callable[[torch.Size, torch.dtype, torch.device], torch.Tensor]] = {
+    "position_ids": _position_ids,
+}
+
+
+@dataclass
+class Prepared:
+    """A load that has passed every check; nothing has been written yet.
+
+    ``values`` maps each target key the plan provides to a tensor holding its value: for
+    stacked targets that is the destination itself (filled by :meth:`write_stacked`), or a new
+    tensor when the destination is on the meta device and has no storage to write into.
+    """
+
+    values: dict[KeyPath, torch.Tensor]
+    destinations: Mapping[KeyPath, torch.Tensor]
+    stacks: list[tuple[torch.Tensor, int, tuple[torch.Tensor, ...]]] = field(default_factory=list)
+
+    def write_stacked(self) -> None:
+        """Write each layer of every stacked target into its ``select`` view of the target."""
+        with torch.no_grad():
+            for whole, axis, layers in self.stacks:
+                for index, layer in enumerate(layers):
+                    whole.select(axis, index).copy_(layer)
+
+    def write(self) -> None:
+        """Write every value into its destination (refused up front if one is on meta)."""
+        on_meta = [join_key(key) for key in self.values if self.destinations[key].is_meta]
+        if on_meta:
+            raise PlanError(
+                f"{len(on_meta)} destination tensor(s) are on the meta device and cannot be "
+                f"written in place (first: {on_meta[0]}). Materialize the model first "
+                "(module.to_empty(device=...)), or load through load_state_dict(..., assign=True).")
+        self.write_stacked()
+        with torch.no_grad():
+            for key, value in self.values.items():
+                destination = self.destinations[key]
+                if value is not destination:
+                    destination.copy_(value)
+
+
+def prepare(plan: Plan, fetch: Fetch, destinations: Mapping[KeyPath, torch.Tensor], *,
+            allow_missing: bool = False, allow_unexpected: bool = False) -> Prepared:
+    """Check ``plan`` against the real tensors and work out every value; write nothing.
+
+    ``destinations`` maps target keys to the live tensors to load into. Missing and unexpected
+    keys are errors unless allowed (a non-strict load); a shape mismatch always is.
+    """
+    plan.require_complete(allow_missing=allow_missing, allow_unexpected=allow_unexpected)
+    return _Preparer(plan, fetch, destinations).run()
+
+
+class _Preparer:
+    def __init__(self, plan: Plan, fetch: Fetch, destinations: Mapping[KeyPath, torch.Tensor]) -> None:
+        self.plan, self.fetch, self.destinations = plan, fetch, destinations
+        self.casts = plan.casts()
+        self.missing = frozenset(plan.missing)
+        self.sources: dict[KeyPath, torch.Tensor] = {}
+
+    def run(self) -> Prepared:
+        prepared = Prepared({}, self.destinations)
+        recompute: list[tuple[KeyPath, str]] = []
+        for op in self.plan.ops:
+            if isinstance(op, Rename):
+                value = self._source(op.source)
+                self._check_value(op.source, op.target, value, self._destination(op.target))
+                prepared.values[op.target] = value
+            elif isinstance(op, Unstack):
+                whole = self._source(op.source)
+                self._check_count(op.source, whole, op.axis, len(op.targets))
+                for index, key in enumerate(op.targets):
+                    value = whole.select(op.axis, index)
+                    self._check_value(op.source, key, value, self._destination(key))
+                    prepared.values[key] = value
+            elif isinstance(op, Stack):
+                prepared.values[op.target] = self._stack(op, self._destination(op.target), prepared)
+            elif isinstance(op, Synthesize):
+                destination = self._destination(op.target)
+                if destination.is_meta:
+                    recompute.append((op.target, op.rule))
+                else:
+                    prepared.values[op.target] = destination
+        device = next((t.device for t in self.sources.values()), torch.device("cpu"))
+        for key, rule in recompute:
+            prepared.values[key] = _recompute(key, rule, self.destinations[key], device)
+        unaccounted = [key for key in self.plan.target
+                       if key not in prepared.values and key not in self.missing]
+        if unaccounted:
+            raise PlanError(f"the plan gives {join_key(unaccounted[0])!r} (and {len(unaccounted) - 1} "
+                            "more) no value; it is not a complete plan for this target. Re-plan "
+                            "against the current model.")
+        return prepared
+
+    def _destination(self, key: KeyPath) -> torch.Tensor:
+        destination = self.destinations.get(key)
+        if destination is None:
+            raise PlanError(f"no destination tensor for {join_key(key)!r}; the target changed "
+                            "after planning. Re-plan against the current model.")
+        _require_entry(destination, self.plan.target[key], "target")
+        return destination
+
+    def _source(self, key: KeyPath) -> torch.Tensor:
+        tensor = self.sources.get(key)
+        if tensor is None:
+            tensor = self.fetch(key)
+            if not isinstance(tensor, torch.Tensor):
+                raise PlanError(f"checkpoint value {join_key(key)!r} is a {type(tensor).__name__}, "
+                                "not a tensor; only tensors can be loaded into parameters and buffers.")
+            _require_entry(tensor, self.plan.source[key], "checkpoint")
+            self.sources[key] = tensor
+        return tensor
+
+    def _stack(self, op: Stack, destination: torch.Tensor, prepared: Prepared) -> torch.Tensor:
+        layers = tuple(self._source(key) for key in op.sources)
+        self._check_count(op.target, destination, op.axis, len(layers))
+        for source_key, layer in zip(op.sources, layers):
+            self._check_value(source_key, op.target, layer, destination.select(op.axis, 0))
+        whole = destination
+        if destination.is_meta:  # nothing to write into: build the stacked tensor once
+            whole = torch.empty(destination.shape, dtype=layers[0].dtype, device=layers[0].device)
+        prepared.stacks.append((whole, op.axis, layers))
+        return whole
+
+    @staticmethod
+    def _check_count(key: KeyPath, whole: torch.Tensor, axis: int, layers: int) -> None:
+        if axis >= whole.dim() or whole.shape[axis] != layers:
+            raise PlanError(f"{join_key(key)!r} has shape {tuple(whole.shape)}, which does not hold "
+                            f"{layers} layers along axis {axis}.")
+
+    def _check_value(self, source_key: KeyPath, target_key: KeyPath, value: torch.Tensor,
+                     destination: torch.Tensor) -> None:
+        if value.shape != destination.shape:
+            raise PlanError(f"{join_key(source_key)!r} gives shape {tuple(value.shape)} but "
+                            f"{join_key(target_key)!r} needs {tuple(destination.shape)}.")
+        if value.dtype == destination.dtype:
+            return
+        if target_key not in self.casts:
+            raise PlanError(f"{join_key(source_key)!r} is {value.dtype} but {join_key(target_key)!r} "
+                            f"is {destination.dtype}, and the plan has no cast for it.")
+        if value.is_complex() and not destination.is_complex():
+            raise PlanError(f"{join_key(source_key)!r} is complex but {join_key(target_key)!r} is "
+                            f"{destination.dtype}; copying would drop the imaginary part. Convert "
+                            "the checkpoint value explicitly if that is what you want.")
+
+
+def _require_entry(tensor: torch.Tensor, entry: Entry, side: str) -> None:
+    """The live tensor must be what the inventory the plan was made from said it is."""
+    if tuple(tensor.shape) != entry.shape or dtype_name(tensor.dtype) != entry.dtype:
+        raise PlanError(
+            f"{side} tensor {join_key(entry.key)!r} is {dtype_name(tensor.dtype)}"
+            f"{list(tensor.shape)} but was planned as {entry.dtype}{list(entry.shape)}; it "
+            "changed after planning. Re-plan against the current tensors.")
+
+
+def _recompute(key: KeyPath, rule: str, destination: torch.Tensor, device: torch.device) -> torch.Tensor:
+    build = RECOMPUTABLE.get(rule)
+    if build is None:
+        raise PlanError(
+            f"{join_key(key)!r} is a buffer on the meta device, so it has no value to keep, and "
+            f"the checkpoint lacks it; a {rule!r} buffer cannot be rebuilt from its shape alone "
+            f"(ckptshim rebuilds {', '.join(sorted(RECOMPUTABLE))}). Materialize and initialise "
+            "the model before loading (module.to_empty(device=...), then its init), or load a "
+            "checkpoint that carries this buffer.")
+    return build(destination.shape, destination.dtype, device)
