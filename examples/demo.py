@@ -85,8 +85,8 @@ def main() -> int:
                 prepare(Path(tmp))()
                 print("    without ckptshim: loads (nothing to fix)")
             except Exception as error:  # the error users hit, shown as they would see it
-                first = str(error).strip().splitlines()[0]
-                print(f"    without ckptshim: {type(error).__name__}: {textwrap.shorten(first, 110)}")
+                head = " ".join(str(error).strip().splitlines()[:2])
+                print(f"    without ckptshim: {type(error).__name__}: {textwrap.shorten(head, 150)}")
             ckptshim.install()
             summaries.lines.clear()
             try:
