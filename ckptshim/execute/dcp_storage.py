@@ -1,0 +1,307 @@
+"""DCP storage readers over ckptshim's formats: DCP directories, and checkpoints DCP cannot read.
+
+:class:`DcpReader` replaces DCP's ``FileSystemReader``. It reads ``.metadata`` through
+ckptshim's allow-listed unpickler (never ``pickle.load``), checks every file and chunk header
+a load needs before the first byte is written, and reads each stored chunk once: straight into
+the destination with one ``pread`` when the block is contiguous on both sides, else once into a
+buffer from which every destination that needs a slice of it is filled. (The stock reader
+deserialises a whole chunk again for every read item that touches it.)
+
+:class:`FormatReader` lets ``dcp.load`` read a ``torch.save`` file, a safetensors file or a
+Hugging Face directory, each tensor being one chunk read from a memory map.
+
+A checkpoint that ckptshim refuses does not raise inside ``read_metadata`` -- DCP would turn
+that into an ``AssertionError`` string -- but comes back as metadata carrying a
+:class:`Refusal`, which :class:`~ckptshim.execute.dcp_planner.RemappingLoadPlanner` raises
+as it is, so the caller's ``CheckpointException`` holds ckptshim's own error on every rank.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ckptshim.errors import CorruptCheckpointError, ShimError
+from ckptshim.formats import dcp
+from ckptshim.formats.base import Checkpoint, storage_dtype
+from ckptshim.formats.detect import open_checkpoint
+from ckptshim.inventory import dtype_name, join_key, split_key
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Stands in for ``storage_data`` when the reader refused the checkpoint."""
+
+    error: ShimError
+
+
+def _refused(error: ShimError) -> Metadata:
+    return Metadata(state_dict_metadata={}, storage_data=Refusal(error))
+
+
+def _tensor_md(dtype: str, size: tuple[int, ...], chunks: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> TensorStorageMetadata:
+    return TensorStorageMetadata(TensorProperties(dtype=getattr(torch, dtype)), torch.Size(size),
+                                 [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
+
+
+def _done() -> Future:
+    future: Future = Future()
+    future.set_result(None)
+    return future
+
+
+def _source_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over ``array``'s memory (read-only maps included: it is only ever copied from)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+        tensor = torch.from_numpy(array)
+    return tensor if tensor.dtype == dtype else tensor.view(dtype)  # bfloat16/float8 bits
+
+
+def _resolve(planner: LoadPlanner, items: Iterable[ReadItem]) -> list[tuple[ReadItem, torch.Tensor]]:
+    """Every item's destination, checked before anything is written."""
+    resolved = []
+    for item in items:
+        destination = planner.resolve_tensor(item).detach()
+        if tuple(destination.shape) != tuple(item.lengths):
+            raise CorruptCheckpointError(
+                f"read of {item.storage_index.fqn!r} at {list(item.storage_offsets)} needs a "
+                f"{list(item.lengths)} destination but the planner gave {list(destination.shape)}; "
+                "the planner and the checkpoint disagree.")
+        resolved.append((item, destination))
+    return resolved
+
+
+def _block(item: ReadItem) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
+
+
+class _Reader(StorageReader):
+    """What both readers share: a path, a load id, and DCP's reader protocol plumbing."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.load_id = str(uuid.uuid4())
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+
+    @property
+    def checkpoint_id(self) -> Path:
+        return self.path
+
+    def _storage_meta(self) -> StorageMeta:
+        return StorageMeta(checkpoint_id=str(self.path), load_id=self.load_id)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+
+class DcpReader(_Reader):
+    """Reads DCP directories written by ``FileSystemWriter`` (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self._checkpoint: dcp.DcpCheckpoint | None = None
+        self._layouts: dict[MetadataIndex, dcp.ChunkLayout] = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return dcp.sniff(Path(checkpoint_id))
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        super().reset(checkpoint_id)
+        self._checkpoint, self._layouts = None, {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        try:
+            self._checkpoint = dcp.open_checkpoint(self.path)
+        except ShimError as error:
+            return _refused(error)
+        found = self._checkpoint.metadata
+        tensors = {fqn: _tensor_md(meta.dtype, meta.size, ((c.offsets, c.sizes) for c in meta.chunks))
+                   for fqn, meta in found.tensors.items()}
+        objects = {fqn: BytesStorageMetadata() for fqn in found.objects}
+        return Metadata(state_dict_metadata={**tensors, **objects}, planner_data=dict(found.planner_data),
+                        storage_data={MetadataIndex(fqn, offsets): stored
+                                      for (fqn, offsets), stored in found.storage.items()},
+                        storage_meta=self._storage_meta(), version=found.version)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Check every file and chunk header this rank will read, before any rank writes."""
+        self._layout_all(plan.items)
+        return plan
+
+    def _stored(self, item: ReadItem) -> dcp.Stored:
+        index = item.storage_index
+        return self._checkpoint.stored(index.fqn, None if index.offset is None else tuple(index.offset))
+
+    def _layout_all(self, items: Iterable[ReadItem]) -> None:
+        assert self._checkpoint is not None, "read_metadata runs first"
+        by_file: dict[str, list[ReadItem]] = {}
+        for item in items:
+            by_file.setdefault(self._stored(item).file, []).append(item)
+        files = {f.path: f for f in self._checkpoint.files}
+        for name, file_items in sorted(by_file.items()):
+            problem = files[name].problem
+            if problem is not None:
+                raise CorruptCheckpointError(
+                    f"{self.path}: {problem}. Restore the file (or re-copy the checkpoint) before loading it.")
+            path = self.path / name
+            with open(path, "rb", buffering=0) as raw:
+                for item in file_items:
+                    index = item.storage_index
+                    if item.type == LoadItemType.BYTE_IO or index in self._layouts:
+                        continue
+                    meta = self._checkpoint.metadata.tensors[index.fqn]
+                    chunk = next(c for c in meta.chunks if c.offsets == tuple(index.offset))
+                    where = f"{path}: {index.fqn!r} chunk {list(chunk.offsets)}"
+                    self._layouts[index] = dcp.read_layout(raw, path, self._stored(item), chunk, meta.dtype, where)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        self._layout_all(plan.items)
+        tensor_items = [item for item in plan.items if item.type != LoadItemType.BYTE_IO]
+        by_chunk: dict[MetadataIndex, list[tuple[ReadItem, torch.Tensor]]] = {}
+        for item, destination in _resolve(planner, tensor_items):
+            by_chunk.setdefault(item.storage_index, []).append((item, destination))
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                stored = self._stored(item)
+                data = bytearray(stored.length)
+                with open(self.path / stored.file, "rb", buffering=0) as raw:
+                    dcp.read_exact(raw, memoryview(data), stored.offset, str(self.path / stored.file))
+                planner.load_bytes(item, io.BytesIO(data))
+        order = sorted(by_chunk, key=lambda index: (self._layouts[index].file, self._layouts[index].start))
+        for file in dict.fromkeys(self._layouts[index].file for index in order):
+            with open(file, "rb", buffering=0) as raw:
+                for index in order:
+                    if self._layouts[index].file == file:
+                        _copy_chunk(raw, self._layouts[index], by_chunk[index], f"{file}: {index.fqn!r}")
+        for index in order:
+            for item, destination in by_chunk[index]:
+                planner.commit_tensor(item, destination)
+        return _done()
+
+
+def _span(layout: dcp.ChunkLayout, item: ReadItem) -> tuple[int, int, bool]:
+    """The file byte range ``[begin, end)`` that holds ``item``'s block of the chunk, and
+    whether the block is exactly that range in C order (so one read can fill it)."""
+    ref, itemsize = layout.ref, layout.itemsize
+    first = ref.offset + sum(o * s for o, s in zip(item.storage_offsets, ref.stride))
+    last = first + sum((n - 1) * s for n, s in zip(item.lengths, ref.stride))
+    expected, contiguous = 1, True
+    for n, s in reversed(list(zip(item.lengths, ref.stride))):
+        if n != 1:
+            contiguous &= s == expected
+            expected *= n
+    return layout.start + first * itemsize, layout.start + (last + 1) * itemsize, contiguous
+
+
+def _writable_bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _copy_chunk(raw, layout: dcp.ChunkLayout, items: list[tuple[ReadItem, torch.Tensor]], where: str) -> None:
+    """Fill every destination that needs part of one stored chunk, reading each byte once."""
+    items = [(item, destination) for item, destination in items if destination.numel()]
+    if not items:
+        return
+    dtype = getattr(torch, dtype_name(layout.ref.storage.dtype))
+    spans = [_span(layout, item) for item, _ in items]
+    direct = all(contiguous and d.device.type == "cpu" and d.is_contiguous() and d.dtype == dtype
+                 for (_, d), (_, _, contiguous) in zip(items, spans))
+    if direct and _disjoint(spans):
+        for (_, destination), (begin, _, _) in sorted(zip(items, spans), key=lambda pair: pair[1][0]):
+            dcp.read_exact(raw, _writable_bytes(destination), begin, where)
+        return
+    low, high = min(s[0] for s in spans), max(s[1] for s in spans)
+    buffer = np.empty(high - low, np.uint8)
+    dcp.read_exact(raw, memoryview(buffer), low, where)
+    values = buffer.view(storage_dtype(dtype_name(layout.ref.storage.dtype)))
+    itemsize = layout.itemsize
+    with torch.no_grad():
+        for (item, destination), (begin, _, _) in zip(items, spans):
+            block = np.lib.stride_tricks.as_strided(
+                values[(begin - low) // itemsize:], shape=tuple(item.lengths),
+                strides=tuple(s * itemsize for s in layout.ref.stride), writeable=False)
+            destination.copy_(_source_tensor(block, dtype))
+
+
+def _disjoint(spans: list[tuple[int, int, bool]]) -> bool:
+    ordered = sorted(spans)
+    return all(a[1] <= b[0] for a, b in zip(ordered, ordered[1:]))
+
+
+class FormatReader(_Reader):
+    """``dcp.load`` from a ``torch.save`` file, a safetensors file or a Hugging Face directory:
+    each tensor is one chunk, read from a memory map of the file that holds it."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self._checkpoint: Checkpoint | None = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return Path(checkpoint_id).exists()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        try:
+            self._checkpoint = open_checkpoint(self.path)
+        except ShimError as error:
+            return _refused(error)
+        entries = self._checkpoint.inventory.values()
+        return Metadata(
+            state_dict_metadata={join_key(e.key): _tensor_md(e.dtype, e.shape, [((0,) * len(e.shape), e.shape)])
+                                 for e in entries},
+            storage_data={MetadataIndex(join_key(e.key), (0,) * len(e.shape)): e for e in entries},
+            storage_meta=self._storage_meta())
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        assert self._checkpoint is not None, "read_metadata runs first"
+        self._checkpoint.require_complete()
+        return plan
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        assert self._checkpoint is not None, "read_metadata runs first"
+        checkpoint = self._checkpoint
+        sources: dict[str, torch.Tensor] = {}
+        resolved = _resolve(planner, plan.items)
+        for item, _ in resolved:  # every entry's view, checked, before the first write
+            fqn = item.storage_index.fqn
+            if fqn not in sources:
+                entry = checkpoint.inventory[split_key(fqn)]
+                sources[fqn] = _source_tensor(checkpoint.read(entry), getattr(torch, entry.dtype))
+        with torch.no_grad():
+            for item, destination in resolved:
+                destination.copy_(sources[item.storage_index.fqn][_block(item)])
+        for item, destination in resolved:
+            planner.commit_tensor(item, destination)
+        checkpoint.close()
+        return _done()
