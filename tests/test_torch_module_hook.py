@@ -29,6 +29,8 @@ from ckptshim.formats import torch_pickle
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
 from ckptshim.plan import plan
+from ckptshim.rules.aliases import Alias
+from ckptshim.rules.profiles.transformers_mapping import aliases_from_transforms
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NEOX_TF4 = FIXTURES / "hf_gptneox_tf4.30.2"
@@ -131,6 +133,39 @@ def test_transformers_4_30_checkpoint_loads_strictly_into_transformers_5(kind, s
     assert np.abs(logits - np.load(NEOX_TF4 / "ref_logits.npy")).max() <= 1e-5
 
 
+def test_conversion_mapping_applies_to_a_model_inside_a_container():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    checkpoint = {f"lm.{k}": v for k, v in _read_tf4("pytorch_model.bin").items()}
+    container = nn.Module()
+    container.lm = GPTNeoXForCausalLM(GPTNeoXConfig.from_pretrained(NEOX_TF4 / "pytorch_model_bin"))
+    container.load_state_dict(checkpoint)
+    assert torch.equal(container.lm.lm_head.weight, checkpoint["lm.embed_out.weight"])
+
+
+def test_only_literal_renames_become_aliases():
+    from transformers.core_model_loading import (
+        MergeModulelist,
+        PrefixChange,
+        WeightConverter,
+        WeightRenaming,
+    )
+
+    transforms = [
+        WeightRenaming(r"^embed_out\.", "lm_head."),
+        WeightRenaming("LayerNorm.gamma", "LayerNorm.weight"),
+        WeightRenaming(r"\.hc_pre\.hc_", ".hc_"),                         # ends inside a name
+        WeightRenaming(r"(q|k|v)_input_norm", r"\1_input_layernorm"),     # a capture group
+        PrefixChange(prefix_to_remove="vision_model"),
+        WeightConverter("mlp.experts.*.w1.weight", "mlp.experts.w1", operations=[MergeModulelist(dim=0)]),
+    ]
+    assert aliases_from_transforms(transforms, prefix=("lm",)) == (
+        Alias(("lm", "lm_head"), ("lm", "embed_out"), "prefix"),
+        Alias(("LayerNorm", "weight"), ("LayerNorm", "gamma"), "anywhere"),
+        Alias(("lm",), ("lm", "vision_model"), "prefix"),
+    )
+
+
 class MegatronRotary(nn.Module):
     """GPT-NeoX (megatron) ``RotaryEmbedding``: ``inv_freq`` is a persistent buffer."""
 
@@ -199,6 +234,37 @@ def test_compiled_state_dict_into_plain_model(tiny, compiled):
     plain = tiny.build(seed=2)
     plain.load_state_dict(saved)
     assert_holds(plain, {k.removeprefix("_orig_mod."): v for k, v in saved.items()})
+
+
+class Scaled(nn.Module):
+    def __init__(self, persistent: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 0.5), persistent=persistent)
+
+
+def test_checkpoint_key_for_a_non_persistent_buffer_is_dropped(shim_log):
+    old = Scaled(persistent=True)  # an older version of the module kept `scale` in its state dict
+    old.scale.fill_(2.0)
+    model = Scaled(persistent=False)
+    model.load_state_dict(old.state_dict())
+    assert torch.equal(model.proj.weight, old.proj.weight)
+    assert torch.equal(model.scale, torch.full((4,), 0.5))  # the module's own value, not the file's
+    assert "load_state_dict(Scaled): 1 dropped" in shim_log.text
+
+
+def test_dtype_differences_are_cast_or_refused(tiny, tiny_checkpoint):
+    half = {"_orig_mod." + k: v.bfloat16() if v.is_floating_point() else v for k, v in tiny_checkpoint.items()}
+    model = tiny.build(seed=16)
+    model.load_state_dict(half)
+    assert_holds(model, {k.removeprefix("_orig_mod."): v.float() if v.is_floating_point() else v
+                         for k, v in half.items()})
+
+    half["_orig_mod.ln_f.weight"] = half["_orig_mod.ln_f.weight"].to(torch.complex64)
+    before = fingerprint(model)
+    with pytest.raises(PlanError, match="imaginary part"):
+        model.load_state_dict(half)
+    assert fingerprint(model) == before
 
 
 def test_ddp_both_ways(tiny, tiny_checkpoint, process_group):
@@ -305,6 +371,16 @@ def test_failed_stacked_load_leaves_the_model_untouched():
     with pytest.raises(ShimError, match=r"layers\.1\.router\.bias"):
         stacked.load_state_dict(checkpoint)
     assert fingerprint(stacked) == before
+
+
+def test_per_expert_checkpoint_into_stacked_model_on_meta_with_assign():
+    checkpoint = MoE(stacked=False, seed=0).state_dict()
+    with torch.device("meta"):
+        stacked = MoE(stacked=True, seed=1)
+    stacked.load_state_dict(checkpoint, assign=True)
+    whole = stacked.layers[1].experts.w1
+    assert not whole.is_meta and isinstance(whole, nn.Parameter)
+    assert all(torch.equal(whole[e], checkpoint[f"layers.1.experts.{e}.w1"]) for e in range(EXPERTS))
 
 
 def test_executor_writes_a_file_checkpoint_in_place(tiny, tiny_checkpoint):
