@@ -38,7 +38,8 @@ def describe(checkpoint: Checkpoint) -> dict:
         "entries": [{"key": sep.join(e.key), "shape": list(e.shape), "dtype": e.dtype, "bytes": e.nbytes}
                     for e in checkpoint.inventory.values()],
         "total_bytes": checkpoint.inventory.total_bytes,
-        "files": [{"path": f.path, "size": f.size, "expected_size": f.expected_size}
+        "files": [{"path": f.path, "size": f.size, "expected_size": f.expected_size,
+                   **({"contents": list(f.contents)} if f.contents else {})}
                   for f in checkpoint.files],
         "complete": checkpoint.complete,
         "problems": checkpoint.all_problems(),

@@ -38,6 +38,8 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"  {e['key']:<{width}}  {e['dtype']:<9} {str(tuple(e['shape'])):<18} {_size(e['bytes'])}")
         for f in info["files"]:
             print(f"  file {f['path']}: {'missing' if f['size'] is None else _size(f['size'])}")
+            for line in f.get("contents", ()):
+                print(f"    {line}")
         print("complete" if info["complete"] else "INCOMPLETE:\n  " + "\n  ".join(info["problems"]))
     return EXIT_OK if info["complete"] else EXIT_PROBLEM
 

@@ -29,11 +29,16 @@ def storage_dtype(name: str) -> np.dtype:
 
 @dataclass(frozen=True)
 class FileInfo:
-    """One file a checkpoint consists of, with the size its metadata implies."""
+    """One file a checkpoint consists of, with the size its metadata implies.
+
+    ``contents`` optionally lists what the file holds, one line per record, for formats that
+    spread arrays over several files (DCP: which chunk of which tensor at which bytes).
+    """
 
     path: str
     size: int | None           # None: the file is missing
     expected_size: int | None = None
+    contents: tuple[str, ...] = ()
 
     @property
     def problem(self) -> str | None:

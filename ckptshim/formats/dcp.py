@@ -12,6 +12,7 @@ through ``pread`` into buffers the caller owns, so every byte is read once and o
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -24,7 +25,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
-from ckptshim.formats.base import Checkpoint, FileInfo, file_info, storage_dtype
+from ckptshim.formats.base import Checkpoint, file_info, storage_dtype
 from ckptshim.formats.torch_pickle import TensorRef, read_archive, tensor_view
 from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
 
@@ -356,17 +357,18 @@ class DcpCheckpoint(Checkpoint):
             raise CorruptCheckpointError(f"{self.path}: {fqn!r} has no stored chunks")
         return out
 
-    def chunk_lines(self) -> dict[str, list[str]]:
-        """Per rank file, one line per stored record: key, block and byte range (for ``inspect``)."""
-        lines: dict[str, list[tuple[int, str]]] = {}
-        for (fqn, offsets), stored in self.metadata.storage.items():
-            meta = self.metadata.tensors.get(fqn)
-            chunk = next((c for c in meta.chunks if c.offsets == offsets), None) if meta else None
-            block = ("object" if chunk is None else
-                     "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(chunk.offsets, chunk.sizes)) + "]")
-            lines.setdefault(stored.file, []).append(
-                (stored.offset, f"{fqn} {block} bytes {stored.offset}..{stored.offset + stored.length}"))
-        return {file: [text for _, text in sorted(found)] for file, found in sorted(lines.items())}
+
+def _contents(metadata: DcpMetadata) -> dict[str, list[str]]:
+    """Per rank file, one line per stored record: key, block and byte range, in file order."""
+    lines: dict[str, list[tuple[int, str]]] = {}
+    for (fqn, offsets), stored in metadata.storage.items():
+        meta = metadata.tensors.get(fqn)
+        chunk = next((c for c in meta.chunks if c.offsets == offsets), None) if meta else None
+        block = ("object" if chunk is None else
+                 "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(chunk.offsets, chunk.sizes)) + "]")
+        lines.setdefault(stored.file, []).append(
+            (stored.offset, f"{fqn} {block} bytes {stored.offset}..{stored.offset + stored.length}"))
+    return {file: [text for _, text in sorted(found)] for file, found in lines.items()}
 
 
 def _problems(metadata: DcpMetadata) -> list[str]:
@@ -395,5 +397,7 @@ def open_checkpoint(path: Path) -> DcpCheckpoint:
     needed: dict[str, int] = {}
     for stored in metadata.storage.values():
         needed[stored.file] = max(needed.get(stored.file, 0), stored.offset + stored.length)
-    files: list[FileInfo] = [file_info(path / name, size, root=path) for name, size in sorted(needed.items())]
+    contents = _contents(metadata)
+    files = [dataclasses.replace(file_info(path / name, size, root=path), contents=tuple(contents[name]))
+             for name, size in sorted(needed.items())]
     return DcpCheckpoint(path, metadata, Inventory(entries, str(path)), files, _problems(metadata))

@@ -1,0 +1,81 @@
+"""DCP with ckptshim across processes: two gloo/CPU ranks under torchrun, then one process.
+
+One ``torchrun --nproc_per_node=2`` launch (tests/dcp_worker.py) runs every multi-process case:
+FSDP2 and tensor-parallel models, compiled, load a checkpoint saved on one rank, each rank's
+local shard checked against its slice; bad input fails on both ranks with ckptshim's error and
+changes nothing on either; and a plain FSDP2 model is saved on two ranks, which the tests below
+read back in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+import ckptshim  # noqa: E402,F401
+from ckptshim.formats.detect import open_checkpoint  # noqa: E402
+from manifest import array_sha256, expected_arrays  # noqa: E402
+from test_dcp import assert_manifest, build, module_from, reference, stacked_twin  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+WORKER = Path(__file__).parent / "dcp_worker.py"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("two_ranks")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTSHIM_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
+    try:
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc_per_node=2", str(WORKER), str(out)],
+                             capture_output=True, text=True, timeout=240, env=env, check=False)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"the two ranks hung: {error.stdout}{error.stderr}")
+    assert run.returncode == 0, run.stdout + run.stderr
+    return out
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_case_passes_on_every_rank(two_ranks, rank):
+    results = json.loads((two_ranks / f"rank{rank}.json").read_text())
+    assert set(results) >= {"case_fsdp2_compiled", "case_tensor_parallel_compiled",
+                            "case_missing_file_of_one_rank", "case_truncated_file",
+                            "case_tampered_metadata", "case_shape_mismatch"}
+    failed = {case: text for case, text in results.items() if text != "ok"}
+    assert not failed, "\n".join(f"{case}:\n{text}" for case, text in failed.items())
+
+
+def test_two_rank_checkpoint_into_one_compiled_process(two_ranks):
+    state_dict = torch.compile(build(seed=4)).state_dict()
+    dcp.load({"model": state_dict}, checkpoint_id=two_ranks / "fsdp2_plain")
+    assert_manifest(state_dict)
+
+
+def test_two_rank_checkpoint_into_stacked_layers(two_ranks):
+    state_dict = module_from(stacked_twin(reference())).state_dict()
+    dcp.load(state_dict, checkpoint_id=two_ranks / "fsdp2_plain")
+    ref = reference()
+    for key, value in state_dict.items():
+        layers = [ref[f"layers.{i}.{key[7:]}"] for i in range(2)] if key.startswith("layers.") else None
+        assert torch.equal(value, torch.stack(layers) if layers else ref[key]), key
+
+
+def test_inspect_two_rank_checkpoint(two_ranks):
+    checkpoint = open_checkpoint(two_ranks / "fsdp2_plain")
+    assert checkpoint.format == "torch-dcp" and checkpoint.complete
+    assert [f.path for f in checkpoint.files] == ["__0_0.distcp", "__1_0.distcp"]
+    assert all(f.size == f.expected_size for f in checkpoint.files)
+    first, second = (" ".join(f.contents) for f in checkpoint.files)
+    assert "model.lm_head.weight [0:128, 0:64]" in first and "model.lm_head.weight [128:256, 0:64]" in second
+    expected = expected_arrays("torch_dcp_single")
+    for key, entry in checkpoint.inventory.items():
+        assert array_sha256(checkpoint.read(entry)) == expected[".".join(key[1:])]["sha256"], key

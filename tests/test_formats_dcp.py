@@ -1,0 +1,113 @@
+"""The DCP directory format on torch's own fixtures: inventory from ``.metadata`` alone, reads,
+completeness, ``ckptshim inspect``, and the allow-listed unpickler (no torch import needed)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import pickletools
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptshim.cli import main
+from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
+from ckptshim.formats import dcp
+from ckptshim.formats.detect import detect, open_checkpoint
+from manifest import FIXTURES, array_sha256, expected_arrays
+
+DCP = FIXTURES / "torch_dcp_single"
+PREFIXES = {"dcp_plain": ("model",), "dcp_compiled": ("model", "_orig_mod"), "dcp_plain_toplevel": ()}
+
+
+@pytest.mark.parametrize("name", sorted(PREFIXES))
+def test_inventory_and_reads_match_manifest(name):
+    checkpoint = open_checkpoint(DCP / name)
+    expected = expected_arrays("torch_dcp_single")
+    assert detect(DCP / name) is dcp and checkpoint.format == "torch-dcp"
+    assert checkpoint.version == "dcp 1.0.0" and checkpoint.complete
+    assert len(checkpoint.inventory) == len(expected)
+    for key, entry in checkpoint.inventory.items():
+        assert key[:len(PREFIXES[name])] == PREFIXES[name]
+        item = expected[".".join(key[len(PREFIXES[name]):])]
+        assert (list(entry.shape), entry.dtype) == (item["shape"], item["dtype"])
+        assert array_sha256(checkpoint.read(entry)) == item["sha256"], key
+
+
+def _copy(tmp_path: Path) -> Path:
+    copy = tmp_path / "dcp_plain"
+    shutil.copytree(DCP / "dcp_plain", copy)
+    for path in [copy, *copy.iterdir()]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return copy
+
+
+def test_inspect_lists_chunk_layout_per_rank_file(capsys):
+    assert main(["inspect", str(DCP / "dcp_plain"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    (rank_file,) = info["files"]
+    assert info["complete"] and info["format"] == "torch-dcp"
+    assert rank_file["path"] == "__0_0.distcp" and rank_file["size"] == rank_file["expected_size"] == 446506
+    assert rank_file["contents"][0] == "model.pos_emb [0:32, 0:64] bytes 0..9769"
+    assert len(rank_file["contents"]) == len(info["entries"]) == 26
+    assert info["total_bytes"] == sum(e["bytes"] for e in info["entries"])
+    assert main(["inspect", str(DCP / "dcp_plain")]) == 0
+    assert "    model.lm_head.weight [0:256, 0:64] bytes 379393..446506" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage", ["missing", "short"])
+def test_missing_or_short_rank_file_is_incomplete(tmp_path, capsys, damage):
+    copy = _copy(tmp_path)
+    rank_file = copy / "__0_0.distcp"
+    if damage == "missing":
+        rank_file.unlink()
+    else:
+        rank_file.write_bytes(rank_file.read_bytes()[:400_000])
+    assert main(["inspect", str(copy), "--json"]) == 1
+    info = json.loads(capsys.readouterr().out)
+    assert info["complete"] is False
+    assert info["problems"] == [f"__0_0.distcp: {'missing' if damage == 'missing' else '400000 bytes, but its metadata needs 446506'}"]
+
+
+def test_forbidden_global_is_refused_by_name(tmp_path):
+    copy = _copy(tmp_path)
+    data = (copy / ".metadata").read_bytes()
+    # opcodes that call os.mkdir(<marker>) and drop the result, spliced in before the metadata
+    # object: plain pickle.load would make the folder and still return DCP's Metadata
+    marker = tmp_path / "pwned"
+    evil = pickletools.optimize(pickle.dumps(_Mkdir(marker), protocol=2))[:-1] + b"0"
+    (copy / ".metadata").write_bytes(data[:2] + evil[2:] + data[2:])
+    with pytest.raises(UnsafeCheckpointError, match="needs posix.mkdir to unpickle"):
+        open_checkpoint(copy)
+    assert not marker.exists()
+
+
+class _Mkdir:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        import os
+
+        return os.mkdir, (str(self.path),)
+
+
+def test_garbage_metadata_is_corrupt(tmp_path):
+    copy = _copy(tmp_path)
+    (copy / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}}))
+    with pytest.raises(CorruptCheckpointError, match="does not hold DCP metadata"):
+        open_checkpoint(copy)
+    (copy / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(CorruptCheckpointError, match="does not unpickle"):
+        open_checkpoint(copy)
+
+
+def test_inspect_imports_no_torch():
+    code = ("import sys; from ckptshim.formats.detect import open_checkpoint; "
+            f"c = open_checkpoint({str(DCP / 'dcp_compiled')!r}); "
+            "[c.read(e) for e in c.inventory.values()]; print('torch' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "False"
