@@ -1,0 +1,305 @@
+"""Property tests: a plan is either refused or, executed, gives every target exactly its value.
+
+Random trees are laid out twice -- as a checkpoint ("source") and as what a model wants
+("target") -- with wrapper components inserted at random depths on either side, layer lists
+written per layer (``layers.{i}`` or ``layers_{i}``) or stacked along one axis, lossless dtype
+widenings, a derivable buffer only the checkpoint has and a buffer only the target has. A tiny
+numpy executor written here gives the plan's ops their meaning; the result must equal the
+intended target bit for bit, and the inverse plan must give back the checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from ckptshim.errors import ShimError
+from ckptshim.inventory import Entry, Inventory, KeyPath
+from ckptshim.plan import (
+    Cast, Drop, Plan, Rename, Stack, Synthesize, Unstack, explain, plan, summary,
+)
+from ckptshim.rules import DEFAULT_RULES, Rules, ScanAxis
+
+NAMES = ("a", "b", "c", "w", "kernel", "scale")
+LIST_NAMES = ("layers", "h", "blocks")
+WRAPPERS = ("_orig_mod", "module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+#: dtype -> dtypes it widens to without losing a bit (so the inverse can cast back exactly).
+WIDENINGS = {
+    "float16": ("float32", "float64"),
+    "float32": ("float64",),
+    "float64": (),
+    "int8": ("int16", "int32", "int64", "float32"),
+    "int16": ("int32", "int64", "float32"),
+    "int32": ("int64", "float64"),
+    "int64": (),
+    "uint8": ("uint16", "int16", "float16"),
+}
+STYLES = ("torch", "maxtext", "stacked")
+
+
+# -- the executor under test's contract ---------------------------------------------------------
+
+
+def execute(p: Plan, arrays: dict[KeyPath, np.ndarray]) -> dict[KeyPath, np.ndarray]:
+    """What any executor must do with a plan, in a few lines of numpy.
+
+    Casts run once each, after every producer: ``Plan.ops`` can list an Unstack's per-layer
+    Cast before the Unstack itself, and ``Plan.inverse`` repeats a Stack's Cast once per layer
+    (known bugs, pinned by xfail tests in test_plan.py).
+    """
+    out: dict[KeyPath, np.ndarray] = {}
+    casts: dict[KeyPath, Cast] = {}
+    for op in p.ops:
+        if isinstance(op, Rename):
+            out[op.target] = arrays[op.source].copy()
+        elif isinstance(op, Stack):
+            out[op.target] = np.stack([arrays[k] for k in op.sources], axis=op.axis)
+        elif isinstance(op, Unstack):
+            for i, key in enumerate(op.targets):
+                out[key] = np.take(arrays[op.source], i, axis=op.axis)
+        elif isinstance(op, Cast):
+            assert casts.setdefault(op.target, op) == op, (op, casts[op.target])
+        elif not isinstance(op, (Synthesize, Drop)):  # pragma: no cover - a new kind of op
+            raise AssertionError(f"unknown op {op!r}")
+    for op in casts.values():
+        assert out[op.target].dtype.name == op.source_dtype, op
+        out[op.target] = out[op.target].astype(op.target_dtype)
+    return out
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
+        np.ascontiguousarray(a).reshape(-1).view(np.uint8),
+        np.ascontiguousarray(b).reshape(-1).view(np.uint8)))
+
+
+# -- random cases -------------------------------------------------------------------------------
+
+
+@dataclass
+class Side:
+    entries: list[Entry] = field(default_factory=list)
+    arrays: dict[KeyPath, np.ndarray] = field(default_factory=dict)
+
+    def add(self, key: KeyPath, array: np.ndarray) -> None:
+        assert key not in self.arrays, key
+        self.entries.append(Entry(key, array.shape, array.dtype.name))
+        self.arrays[key] = array
+
+
+class Case:
+    """Both layouts of one random tree (a plain class, so hypothesis prints our short repr)."""
+
+    def __init__(self, source: Side, target: Side, rules: Rules,
+                 synthesized: frozenset[KeyPath], dropped: frozenset[KeyPath]) -> None:
+        self.source, self.target, self.rules = source, target, rules
+        self.synthesized, self.dropped = synthesized, dropped
+
+    def __repr__(self) -> str:
+        def side(entries):
+            return "\n".join(f"    {'.'.join(e.key)} {e.shape} {e.dtype}" for e in entries)
+        return (f"Case(\n  source:\n{side(self.source.entries)}\n  target:\n{side(self.target.entries)}"
+                f"\n  scan_axes={self.rules.scan_axes})")
+
+    def inventories(self) -> tuple[Inventory, Inventory]:
+        return Inventory(self.source.entries, "source"), Inventory(self.target.entries, "target")
+
+
+def _values(rnd: random.Random, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    rng = np.random.default_rng(rnd.getrandbits(32))
+    if dtype.startswith("float"):
+        array = rng.standard_normal(shape).astype(dtype)
+        flat = array.reshape(-1)
+        for special in (np.nan, np.inf, -0.0):  # odd bit patterns must survive too
+            if flat.size and rnd.random() < 0.2:
+                flat[rnd.randrange(flat.size)] = special
+        return array
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, size=shape, endpoint=True, dtype=dtype)
+
+
+def _wrap(rnd: random.Random, key: KeyPath, top: tuple[str, ...]) -> KeyPath:
+    """The key with a side's top-level wrappers and, sometimes, wrappers at random depths."""
+    key = top + key
+    for _ in range(2):
+        if rnd.random() < 0.25:
+            pos = rnd.randrange(len(key))  # never after the leaf name
+            key = key[:pos] + (rnd.choice(WRAPPERS),) + key[pos:]
+    return key
+
+
+_path = st.lists(st.sampled_from(NAMES), min_size=1, max_size=3).map(tuple)
+_shape = st.lists(st.integers(1, 4), max_size=3).map(tuple)
+_dtype_pair = st.sampled_from(sorted(WIDENINGS)).flatmap(
+    lambda d: st.tuples(st.just(d), st.sampled_from((d, d, d) + WIDENINGS[d])))
+
+
+@st.composite
+def cases(draw) -> Case:
+    rnd = random.Random(draw(st.integers(0, 2**32 - 1)))  # values, wrapper depths, order
+    plain = draw(st.lists(st.tuples(_path, _shape, _dtype_pair), max_size=4,
+                          unique_by=lambda t: t[0]))
+    lists = draw(st.lists(
+        st.tuples(
+            st.lists(st.sampled_from(NAMES), max_size=2).map(tuple),       # where the list sits
+            st.sampled_from(LIST_NAMES),                                     # its name
+            st.integers(1, 4),                                               # how many layers
+            st.lists(st.tuples(st.lists(st.sampled_from(NAMES), min_size=1, max_size=2).map(tuple),
+                               _shape, _dtype_pair),
+                     min_size=1, max_size=3, unique_by=lambda t: t[0]),      # per-layer leaves
+            st.sampled_from(STYLES), st.sampled_from(STYLES),                # source, target style
+            st.integers(0, 3),                                               # stacking axis
+        ),
+        min_size=1, max_size=2, unique_by=lambda t: (t[0], t[1])))
+    tops = (draw(st.lists(st.sampled_from(WRAPPERS), max_size=2).map(tuple)),
+            draw(st.lists(st.sampled_from(WRAPPERS), max_size=2).map(tuple)))
+    with_buffer, with_synth, with_rule = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
+
+    source, target = Side(), Side()
+    for path, shape, (src_dtype, tgt_dtype) in plain:
+        value = _values(rnd, shape, src_dtype)
+        source.add(_wrap(rnd, path, tops[0]), value)
+        target.add(_wrap(rnd, path, tops[1]), value.astype(tgt_dtype))
+
+    scan_axes = []
+    for prefix, name, count, leaves, src_style, tgt_style, axis in lists:
+        if src_style != "stacked" and tgt_style != "stacked":
+            tgt_style = src_style  # layers.{i} <-> layers_{i} is not a promised mapping
+        axis = min(axis, min(len(shape) for _, shape, _ in leaves))  # one axis per list
+        if with_rule and len(lists) == 1:
+            scan_axes.append(ScanAxis(name, axis))
+        for rel, shape, (src_dtype, tgt_dtype) in leaves:
+            layers = [_values(rnd, shape, src_dtype) for _ in range(count)]
+            for side, style, dtype, top in ((source, src_style, src_dtype, tops[0]),
+                                            (target, tgt_style, tgt_dtype, tops[1])):
+                if style == "stacked":
+                    side.add(_wrap(rnd, prefix + (name,) + rel, top),
+                             np.stack(layers, axis=axis).astype(dtype))
+                    continue
+                for i, value in enumerate(layers):
+                    index = (name, str(i)) if style == "torch" else (f"{name}_{i}",)
+                    side.add(_wrap(rnd, prefix + index + rel, top), value.astype(dtype))
+
+    dropped: set[KeyPath] = set()
+    if with_buffer:
+        key = _wrap(rnd, ("rotary_emb", "inv_freq"), tops[0])
+        source.add(key, _values(rnd, (2,), "float32"))
+        dropped.add(key)
+    synthesized: set[KeyPath] = set()
+    if with_synth:
+        key = _wrap(rnd, ("counter",), tops[1])
+        target.add(key, _values(rnd, (), "int64"))
+        synthesized.add(key)
+
+    for side in (source, target):  # checkpoints and models list keys in any order
+        rnd.shuffle(side.entries)
+    rules = DEFAULT_RULES.extend(scan_axes=scan_axes, synthesize=synthesized)
+    return Case(source, target, rules, frozenset(synthesized), frozenset(dropped))
+
+
+# -- the properties -----------------------------------------------------------------------------
+
+
+def check_case(case: Case) -> Plan | None:
+    """Plan ``case``; return None when refused, else check the plan and return it."""
+    source, target = case.inventories()
+    try:
+        p = plan(source, target, case.rules)
+    except ShimError as error:
+        event(f"refused: {str(error).split(':')[0][:40]}")
+        return None
+    event("planned")
+    assert p.complete, "\n".join(explain(p))
+    explain(p), summary(p)  # must not raise
+
+    # Every target key has exactly one producer; only the synthesized ones are synthesized.
+    for key in target:
+        producer = p.producer(key)
+        assert producer is not None, key
+        assert isinstance(producer, Synthesize) == (key in case.synthesized), (key, producer)
+    assert {op.source for op in p.ops if isinstance(op, Drop)} == case.dropped
+
+    # Never mis-maps: executed, the plan gives each target key exactly its intended value.
+    out = execute(p, case.source.arrays)
+    wanted = {k: v for k, v in case.target.arrays.items() if k not in case.synthesized}
+    assert set(out) == set(wanted)
+    for key, value in wanted.items():
+        assert same_bits(out[key], value), (key, "\n".join(explain(p)))
+
+    # The inverse plan maps the target back onto the checkpoint.
+    q = p.inverse()
+    assert q.complete
+    assert q.source is target and q.target is source
+    back = execute(q, case.target.arrays)
+    original = {k: v for k, v in case.source.arrays.items() if k not in case.dropped}
+    assert set(back) == set(original)
+    for key, value in original.items():
+        assert same_bits(back[key], value), (key, "\n".join(explain(q)))
+    assert {op.target for op in q.ops if isinstance(op, Synthesize)} == case.dropped
+    return p
+
+
+def test_plan_never_mis_maps_and_inverts():
+    outcomes: list[str] = []
+
+    @settings(max_examples=200, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(cases())
+    def run(case):
+        p = check_case(case)
+        if p is None:
+            outcomes.append("refused")
+        elif any(isinstance(op, (Stack, Unstack)) for op in p.ops):
+            outcomes.append("stacked")
+        else:
+            outcomes.append("planned")
+
+    run()
+    print({kind: outcomes.count(kind) for kind in sorted(set(outcomes))})
+    # Guard against a vacuous property: most cases must plan, and many of them must stack.
+    assert outcomes.count("refused") < len(outcomes) // 2, outcomes.count("refused")
+    assert outcomes.count("stacked") > len(outcomes) // 5, outcomes.count("stacked")
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_plan_is_deterministic_and_order_of_source_does_not_matter(case):
+    source, target = case.inventories()
+    try:
+        first = plan(source, target, case.rules)
+    except ShimError:
+        return
+    again = plan(Inventory(reversed(list(source.values()))), target, case.rules)
+    assert [op for op in again.ops if not isinstance(op, Drop)] == \
+        [op for op in first.ops if not isinstance(op, Drop)]
+    assert set(again.ops) == set(first.ops)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_swapping_source_and_target_plans_the_same_mapping(case):
+    """plan(target, source) exists whenever plan(source, target) does (up to buffers) and
+    moves every value back to where the inverse does."""
+    source, target = case.inventories()
+    rules = DEFAULT_RULES.extend(scan_axes=case.rules.scan_axes)
+    try:
+        forward = plan(source, target, rules)
+    except ShimError:
+        return
+    try:
+        backward = plan(target, source, rules)
+    except ShimError:
+        pytest.fail("forward plan exists but the swapped one is refused")
+    back = execute(backward, case.target.arrays)
+    for key, value in case.source.arrays.items():
+        if key in case.dropped:
+            assert key in backward.missing
+            continue
+        assert same_bits(back[key], value), key
+    assert set(backward.unexpected) == set(case.synthesized)
+    assert not backward.mismatched
