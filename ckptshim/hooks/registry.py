@@ -42,6 +42,8 @@ class HookSpec:
 HOOKS: tuple[HookSpec, ...] = (
     HookSpec("torch", "torch", "ckptshim.hooks.torch_module", "torch", ("2.4", "3")),
     HookSpec("torch-dcp", "torch.distributed.checkpoint", "ckptshim.hooks.torch_dcp", "torch", ("2.4", "3")),
+    HookSpec("orbax", "orbax.checkpoint", "ckptshim.hooks.orbax", "orbax-checkpoint", ("0.11", "1")),
+    HookSpec("flax", "flax.training.checkpoints", "ckptshim.hooks.flax", "flax", ("0.10", "1")),
 )
 
 _lock = _thread.RLock()

@@ -1,0 +1,138 @@
+"""Build JAX target arrays from a checkpoint by a plan, each device reading only its slice.
+
+Every array is made with ``jax.make_array_from_callback`` in the target's sharding. The
+callback for a device gets the device's index range and reads exactly that range from the
+checkpoint: for a ``Rename`` the same range of the source; for an ``Unstack`` the range at one
+layer of the stacked source; for a ``Stack`` the matching range of each per-layer source that
+falls in the device's layer range, each written into its place in the shard. Reads go straight
+into a 64-byte aligned host buffer that JAX's CPU backend then adopts without a copy, and a
+shard that several devices hold (replication) is read once. So no step holds the source tree,
+and host memory peaks near the size of the restored arrays.
+
+The checkpoint must offer ``read_into(entry, index, out)`` (see :class:`SliceSource`): copy
+``entry[index]`` into ``out``, casting to ``out.dtype`` as Orbax would, and return either
+``None`` (done) or a future whose ``result()`` waits for it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from ckptshim.errors import CorruptCheckpointError, PlanError, ShimError
+from ckptshim.execute.jax_tree import TargetLeaf
+from ckptshim.inventory import Entry, KeyPath, join_key
+from ckptshim.plan import Plan, Rename, Stack, Synthesize, Unstack
+
+_ALIGN = 64  # XLA's CPU client adopts host buffers aligned to this without copying them
+
+
+class SliceSource(Protocol):
+    path: Any
+
+    def read_into(self, entry: Entry, index: tuple, out: np.ndarray) -> Any: ...
+
+
+def build(source: SliceSource, plan: Plan, targets: Mapping[KeyPath, TargetLeaf],
+          sep: str = "/") -> dict[KeyPath, Any]:
+    """Restored values for every target key the plan produces (all of them, or an exception)."""
+    return {key: _build(source, plan, target, sep) for key, target in targets.items()}
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    start = (-raw.ctypes.data) % _ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _build(source: SliceSource, plan: Plan, target: TargetLeaf, sep: str) -> Any:
+    import jax
+
+    producer = plan.producer(target.key)
+    if isinstance(producer, Synthesize):  # the caller's own (concrete) value, checked when planned
+        return target.value
+    if producer is None:
+        raise PlanError(f"{join_key(target.key, sep)}: nothing in the plan produces it")
+    fill = _filler(source, plan, producer, target, sep)
+    if target.kind == "numpy":
+        out = fill(tuple(slice(0, n) for n in target.shape))
+        return out[()] if isinstance(target.value, np.generic) else out
+    if target.kind == "python":
+        return type(target.value)(fill(())[()])
+    shards: dict[tuple, np.ndarray] = {}
+    lock = threading.Lock()
+
+    def callback(index: tuple) -> np.ndarray:
+        bounds = _bounds(index, target.shape)
+        with lock:
+            shard = shards.get(bounds)
+            if shard is None:
+                shard = shards[bounds] = fill(tuple(slice(a, b) for a, b in bounds))
+        return shard
+
+    # a typed key array's sharding also fits its key data: the extra trailing axis is unsharded
+    array = jax.make_array_from_callback(target.shape, target.sharding, callback)
+    if target.key_impl is not None:
+        array = jax.random.wrap_key_data(array, impl=target.key_impl)
+    return array
+
+
+def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    out = []
+    for part, size in zip(index, shape):
+        start, stop, step = part.indices(size)
+        if step != 1:
+            raise ShimError(f"JAX asked for a strided shard ({part}); ckptshim reads contiguous ranges only")
+        out.append((start, stop))
+    return tuple(out)
+
+
+def _filler(source: SliceSource, plan: Plan, producer, target: TargetLeaf, sep: str):
+    """A function from an index range of the target to a freshly read buffer holding it."""
+    if isinstance(producer, Rename):
+        entry = plan.source[producer.source]
+
+        def reads(index, out):
+            return [(entry, index, out)]
+    elif isinstance(producer, Unstack):
+        entry, axis = plan.source[producer.source], producer.axis
+        layer = producer.targets.index(target.key)
+
+        def reads(index, out):
+            return [(entry, index[:axis] + (layer,) + index[axis:], out)]
+    elif isinstance(producer, Stack):
+        layers, axis = [plan.source[k] for k in producer.sources], producer.axis
+
+        def reads(index, out):
+            inner = index[:axis] + index[axis + 1:]
+            span = range(*index[axis].indices(len(layers))[:2])
+            return [(layers[i], inner, out[(slice(None),) * axis + (j,)]) for j, i in enumerate(span)]
+    else:
+        raise PlanError(f"{join_key(target.key, sep)}: the JAX executor cannot run {type(producer).__name__}")
+
+    def fill(index: tuple) -> np.ndarray:
+        shape = tuple(s.stop - s.start for s in index)
+        out = aligned_empty(shape, target.dtype)
+        started = [(entry, source.read_into(entry, sub, view)) for entry, sub, view in reads(index, out)]
+        for entry, pending in started:
+            if pending is not None:
+                _wait(pending, source, entry, sep)
+        return out
+
+    return fill
+
+
+def _wait(pending: Any, source: SliceSource, entry: Entry, sep: str) -> None:
+    try:
+        pending.result()
+    except ShimError:
+        raise
+    except (ValueError, OSError) as error:  # tensorstore reports missing or corrupt data so
+        raise CorruptCheckpointError(
+            f"{source.path}: reading {join_key(entry.key, sep)!r} failed ({error}); the checkpoint "
+            "is incomplete or corrupt. Run `ckptshim inspect` on it to see what is missing.") from None

@@ -1,0 +1,159 @@
+"""Restore a checkpoint into a JAX pytree target: plan with the JAX rules, check, then build.
+
+The Orbax and Flax hooks share this: :func:`prepare` opens nothing itself (the hook passes the
+opened checkpoint), refuses an incomplete checkpoint, plans the checkpoint's inventory against
+the caller's tree, and refuses what does not fit -- all before a tensor byte is read. The
+hook then asks :func:`native_fits` whether the framework's own restore would do the same, and
+only if not runs :meth:`Prepared.run`.
+
+Rules for JAX trees: Linen/NNX spellings are aliases; trees laid out like MaxText's decoder get
+its scan axes; rng state may be kept from the target by the opt-in MaxText rule. Checkpoint
+keys that the target does not ask for are left on disk (a restore fills the target; the
+checkpoint may hold more, e.g. rng state or a data iterator) and counted in the log line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ckptshim import config
+from ckptshim.errors import PlanError
+from ckptshim.execute import jax as executor
+from ckptshim.execute.jax_tree import TargetTree
+from ckptshim.formats.base import Checkpoint
+from ckptshim.inventory import Inventory, join_key, unflatten
+from ckptshim.log import report_load
+from ckptshim.plan import Cast, Plan, Rename, Synthesize, plan as make_plan
+from ckptshim.plan.explain import _ranges
+from ckptshim.rules import DEFAULT_RULES, Rules
+from ckptshim.rules.flax_names import LINEN_NNX
+from ckptshim.rules.layers import layer_splits
+from ckptshim.rules.profiles import maxtext
+
+SEP = "/"
+
+
+def rules_for(source: Inventory, target: Inventory) -> Rules:
+    rules = DEFAULT_RULES.extend(aliases=LINEN_NNX, strict=config.strict())
+    if maxtext.applies(source, target):
+        rules = rules.extend(scan_axes=maxtext.SCAN_AXES)
+    return rules
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked plan from one checkpoint into one target tree, ready to run."""
+
+    checkpoint: Checkpoint
+    target: TargetTree
+    plan: Plan
+
+    def run(self) -> Any:
+        """Read what the plan needs and return the caller's tree filled with it."""
+        report_load(self.plan.target.source, self.plan, SEP)
+        return self.target.rebuild(executor.build(self.checkpoint, self.plan, self.target.targets, SEP))
+
+
+def prepare(checkpoint: Checkpoint, tree: Any, where: str, restore_args: Any = None) -> Prepared:
+    """Plan ``checkpoint`` into ``tree`` (``None``: the checkpoint as stored) and check the plan.
+
+    ``where`` names the call in messages: "target given to <where>".
+    """
+    checkpoint.require_complete()
+    target = TargetTree(as_stored(checkpoint.inventory) if tree is None else tree, restore_args)
+    target_inv = target.inventory(f"given to {where}")
+    rules = rules_for(checkpoint.inventory, target_inv)
+    plan = _plan(checkpoint.inventory, target_inv, rules)
+    _require_fit(plan, rules)
+    for op in plan.ops:
+        if isinstance(op, Synthesize) and not target.targets[op.target].concrete:
+            raise PlanError(
+                f"{join_key(op.target, SEP)}: the checkpoint cannot provide it and the rule "
+                f"{op.rule!r} keeps the target's own value, but the target gives only a shape "
+                "(jax.ShapeDtypeStruct). Pass concrete arrays for it (an initialised state).")
+    return Prepared(checkpoint, target, plan)
+
+
+def native_fits(prepared: Prepared, *, readable: bool, partial: bool) -> bool:
+    """Whether the framework's own restore reads this checkpoint into this target unaided.
+
+    ``readable``: the framework reads this layout at all; ``partial``: the caller allowed a
+    checkpoint with more keys than the target. True only when the keys also match the target's
+    one to one (dtype casts are the framework's own business).
+    """
+    plan = prepared.plan
+    if not readable or (plan.unexpected and not partial):
+        return False
+    return all(isinstance(op, Cast) or (isinstance(op, Rename) and op.source == op.target)
+               for op in plan.ops)
+
+
+def as_stored(inventory: Inventory) -> dict:
+    """A target tree that asks for every entry as stored (``jax.ShapeDtypeStruct`` leaves)."""
+    import jax
+
+    from ckptshim.formats.ts_arrays import numpy_dtype
+
+    return unflatten({key: jax.ShapeDtypeStruct(e.shape, numpy_dtype(e.dtype)) for key, e in inventory.items()})
+
+
+def _plan(source: Inventory, target_inv: Inventory, rules: Rules) -> Plan:
+    """The plan; with the opt-in rng rule, rng state the checkpoint cannot fill stays the target's."""
+    keep_rng = maxtext.rng_from_target() and any(map(maxtext.is_rng_state, target_inv))
+    try:
+        result = make_plan(source, target_inv, rules)
+        if not keep_rng or not _rng_unfit(result):
+            return result
+    except PlanError:
+        if not keep_rng:
+            raise
+    rng_targets = [key for key in target_inv if maxtext.is_rng_state(key)]
+    without_rng = Inventory((e for e in source.values() if not maxtext.is_rng_state(e.key)), source.source)
+    return make_plan(without_rng, target_inv, rules.extend(synthesize=rng_targets))
+
+
+def _rng_unfit(plan: Plan) -> bool:
+    return (any(map(maxtext.is_rng_state, plan.missing))
+            or any(maxtext.is_rng_state(m.target) for m in plan.mismatched))
+
+
+def _require_fit(plan: Plan, rules: Rules) -> None:
+    gaps = _layer_gaps(plan, rules)
+    if gaps:
+        rng = any(maxtext.is_rng_state(m.target) for m in plan.mismatched)
+        raise PlanError("\n".join(
+            [f"checkpoint {plan.source.source} does not fit target {plan.target.source}: "
+             "the two stack different numbers of layers:"] + [f"  {line}" for line in gaps]
+            + (["MaxText keeps NNX rng state for layer 0 only when layers are not scanned. To "
+                f"keep the target's own rng state instead, set {maxtext.RNG_FROM_TARGET_ENV}=1 "
+                "and pass the target as concrete arrays."] if rng else [])
+            + ["Restore into a target with the checkpoint's layer count, or leave those keys out "
+               "of the target."]))
+    plan.require_complete(SEP, allow_unexpected=True)
+
+
+def _layer_gaps(plan: Plan, rules: Rules) -> list[str]:
+    """Shape mismatches that are really a stacked side holding more layers than the other names."""
+    names = rules.layer_lists
+    lines = []
+    for m in plan.mismatched:
+        stacking = any(layer_splits(m.source, names)) and not any(layer_splits(m.target, names))
+        unstacking = any(layer_splits(m.target, names)) and not any(layer_splits(m.source, names))
+        if not (stacking or unstacking):
+            continue
+        per_layer, per_side = (m.source, plan.source) if stacking else (m.target, plan.target)
+        layer_shape, whole = (m.source_shape, m.target_shape) if stacking else (m.target_shape, m.source_shape)
+        stacked = next(s for s, _ in layer_splits(per_layer, names))
+        present = sorted({i for key in per_side for s, i in layer_splits(key, names) if s == stacked})
+        counts = [whole[a] for a in range(len(whole))
+                  if whole[a] > len(present) and whole[:a] + whole[a + 1:] == layer_shape]
+        if not counts:
+            continue
+        absent = [i for i in range(max(counts)) if i not in present]
+        whole_key, whole_side = (m.target, "target") if stacking else (m.source, "checkpoint")
+        lines.append(f"{whole_side} key {join_key(whole_key, SEP)} stacks {max(counts)} layers, but "
+                     f"the {'checkpoint' if stacking else 'target'} has only layer(s) "
+                     f"{{{_ranges(present)}}} ({join_key(per_layer, SEP)}): layers "
+                     f"{{{_ranges(absent)}}} are missing")
+    return lines

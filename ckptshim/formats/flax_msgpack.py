@@ -1,0 +1,76 @@
+"""Legacy Flax checkpoints: one msgpack file per step (``checkpoint_<step>``), or their folder.
+
+``flax.training.checkpoints.save_checkpoint`` wrote these before Flax switched to Orbax (and
+still does with ``flax_use_orbax_checkpointing=False``): the target's state dict
+(``serialization.to_state_dict``) with arrays as msgpack extension records. The structure is
+read from a memory map (:mod:`ckptshim.formats.msgpack_tree`); array bytes are only touched when
+a restore reads them. A folder of such files reads as its latest step, ordered the way Flax's
+``latest_checkpoint`` orders them (natural sort of the step suffix).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ckptshim.formats import msgpack_tree
+from ckptshim.formats.base import Checkpoint, file_info, storage_dtype
+from ckptshim.formats.ts_arrays import numpy_dtype
+from ckptshim.inventory import Entry, Inventory
+
+NAME = "flax-msgpack"
+PREFIX = "checkpoint_"
+_STEP = re.compile(r"^(-?\d+(?:\.\d+)?(?:e[+-]?\d+)?)$")
+
+
+def step_files(folder: Path, prefix: str = PREFIX) -> list[Path]:
+    """Legacy step files in ``folder``, oldest first (Flax's natural order of the step suffix)."""
+    found = []
+    for child in folder.iterdir():
+        suffix = child.name[len(prefix):] if child.name.startswith(prefix) else ""
+        if _STEP.match(suffix) and msgpack_tree.is_msgpack_file(child):
+            found.append((float(suffix), child))
+    return [path for _, path in sorted(found)]
+
+
+def sniff(path: Path) -> bool:
+    return msgpack_tree.is_msgpack_file(path) or (path.is_dir() and bool(step_files(path)))
+
+
+class FlaxMsgpackCheckpoint(Checkpoint):
+    """One legacy Flax msgpack file; entry locations are :class:`msgpack_tree.Inline`."""
+
+    key_sep = "/"
+    #: Today's Orbax cannot read these files at all; the Orbax hooks always step in.
+    orbax_native = False
+
+    def __init__(self, path: Path, version: str, inventory: Inventory, files, data) -> None:
+        super().__init__(path, NAME, version, inventory, tuple(files))
+        self._data = data
+
+    def read_into(self, entry: Entry, index: tuple, out: np.ndarray) -> None:
+        msgpack_tree.copy_inline(self._data, entry, index, out)
+
+    def read(self, entry: Entry) -> np.ndarray:
+        out = np.empty(entry.shape, numpy_dtype(entry.dtype))
+        self.read_into(entry, (), out)
+        return out.view(storage_dtype(entry.dtype))
+
+    def close(self) -> None:
+        self._data = None
+
+
+def open_checkpoint(path: Path) -> FlaxMsgpackCheckpoint:
+    version = "legacy msgpack"
+    if path.is_dir():
+        steps = step_files(path)
+        version += f", latest of {len(steps)} step file(s)"
+        path = steps[-1]
+    data = msgpack_tree.map_file(path)
+    tree = msgpack_tree.read_tree(data, str(path))
+    entries = [msgpack_tree.inline_entry(key, leaf)
+               for key, leaf in msgpack_tree.leaves(tree).items() if not isinstance(leaf, str)]
+    return FlaxMsgpackCheckpoint(path, version, Inventory(entries, str(path)),
+                                 [file_info(path, len(data))], data)

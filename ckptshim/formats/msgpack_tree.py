@@ -1,0 +1,223 @@
+"""Walk a Flax-style msgpack file and note where each array's bytes are, without copying them.
+
+Flax (``flax.serialization.msgpack_serialize``) and old Orbax aggregate files store a nested
+dict whose array leaves are msgpack *ext* values: type 1 (ndarray) or 3 (numpy scalar) holding
+a small msgpack ``(shape, dtype name, raw bytes)`` triple. ``msgpack.unpackb`` would copy every
+array into memory to build that tree; this walker reads the structure from a memory map and
+records each array as an :class:`ArrayRef` (file offset, shape, dtype) instead, so listing a
+multi-GiB file touches only its headers. Arrays over 1 GiB are split by Flax into
+``{'__msgpack_chunked_array__': True, 'shape': ..., 'chunks': ...}``; those come back as one
+:class:`ArrayRef` with several byte ranges.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckptshim.errors import CorruptCheckpointError
+from ckptshim.inventory import DTYPE_SIZES, Entry, KeyPath, dtype_name, flatten
+
+_EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
+_CHUNKED = "__msgpack_chunked_array__"
+
+
+@dataclass(frozen=True)
+class ArrayRef:
+    """An array stored in the file: C-order bytes in ``ranges`` (``(offset, length)`` pairs)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    ranges: tuple[tuple[int, int], ...]
+
+
+class _Reader:
+    def __init__(self, data, where: str) -> None:
+        self.data, self.where, self.pos = data, where, 0
+
+    def fail(self, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.where}: {what} at byte {self.pos}; the file is truncated or not a Flax/Orbax "
+            "msgpack checkpoint. Re-copy it from the original.")
+
+    def take(self, n: int) -> int:
+        start = self.pos
+        if n < 0 or start + n > len(self.data):
+            raise self.fail(f"needs {n} more bytes than the file holds")
+        self.pos = start + n
+        return start
+
+    def unpack(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        return struct.unpack_from(fmt, self.data, self.take(size))[0]
+
+    def text(self, n: int) -> str:
+        start = self.take(n)
+        try:
+            return bytes(self.data[start:start + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail("a string that is not UTF-8") from None
+
+    def value(self, depth: int = 0) -> Any:
+        if depth > 512:
+            raise self.fail("nesting deeper than any checkpoint tree")
+        b = self.data[self.take(1)]
+        if b <= 0x7F:
+            return b
+        if b >= 0xE0:
+            return b - 0x100
+        if 0x80 <= b <= 0x8F:
+            return self.mapping(b & 0x0F, depth)
+        if 0x90 <= b <= 0x9F:
+            return [self.value(depth + 1) for _ in range(b & 0x0F)]
+        if 0xA0 <= b <= 0xBF:
+            return self.text(b & 0x1F)
+        simple = _SIMPLE.get(b)
+        if simple is not None:
+            return self.unpack(simple)
+        if b == 0xC0:
+            return None
+        if b in (0xC2, 0xC3):
+            return b == 0xC3
+        if b in (0xC4, 0xC5, 0xC6):  # bin: keep the location, not the bytes
+            n = self.unpack(_LENGTH[b])
+            return _Bytes(self.take(n), n)
+        if b in (0xD9, 0xDA, 0xDB):
+            return self.text(self.unpack(_LENGTH[b]))
+        if b in (0xDC, 0xDD):
+            return [self.value(depth + 1) for _ in range(self.unpack(_LENGTH[b]))]
+        if b in (0xDE, 0xDF):
+            return self.mapping(self.unpack(_LENGTH[b]), depth)
+        if b in _FIXEXT:
+            return self.ext(_FIXEXT[b])
+        if b in (0xC7, 0xC8, 0xC9):
+            return self.ext(self.unpack(_LENGTH[b]))
+        raise self.fail(f"byte 0x{b:02x}, which msgpack never uses")
+
+    def mapping(self, n: int, depth: int) -> dict:
+        out = {}
+        for _ in range(n):
+            key = self.value(depth + 1)
+            out[str(key)] = self.value(depth + 1)
+        return _unchunk(out, self) if out.get(_CHUNKED) is True else out
+
+    def ext(self, n: int) -> Any:
+        code = self.unpack(">b")
+        end = self.pos + n
+        if code in (_EXT_NDARRAY, _EXT_NPSCALAR):
+            triple = self.value()
+            if not (isinstance(triple, list) and len(triple) == 3 and isinstance(triple[2], _Bytes)):
+                raise self.fail("an array record that is not (shape, dtype, bytes)")
+            shape, name, raw = triple
+            try:
+                dtype = dtype_name(name.decode() if isinstance(name, bytes) else name)
+                shape = tuple(int(d) for d in shape)
+            except (ValueError, TypeError):
+                raise self.fail(f"an array of unsupported dtype {name!r}") from None
+            if raw.length != math.prod(shape) * DTYPE_SIZES[dtype]:
+                raise self.fail(f"an array {dtype}{list(shape)} whose data holds {raw.length} bytes")
+            value: Any = ArrayRef(shape, dtype, ((raw.offset, raw.length),))
+        elif code == _EXT_COMPLEX:
+            real, imag = self.value()
+            value = complex(real, imag)
+        else:
+            raise self.fail(f"msgpack extension type {code}, which Flax never writes")
+        if self.pos != end:
+            raise self.fail("an extension record whose length does not match its content")
+        return value
+
+
+@dataclass(frozen=True)
+class _Bytes:
+    offset: int
+    length: int
+
+
+_SIMPLE = {0xCA: ">f", 0xCB: ">d", 0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q",
+           0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
+_LENGTH = {0xC4: ">B", 0xC5: ">H", 0xC6: ">I", 0xC7: ">B", 0xC8: ">H", 0xC9: ">I",
+           0xD9: ">B", 0xDA: ">H", 0xDB: ">I", 0xDC: ">H", 0xDD: ">I", 0xDE: ">H", 0xDF: ">I"}
+_FIXEXT = {0xD4: 1, 0xD5: 2, 0xD6: 4, 0xD7: 8, 0xD8: 16}
+
+
+def _unchunk(node: dict, reader: _Reader) -> ArrayRef:
+    """Flax's chunked form of a >1 GiB array -> one ArrayRef over all its chunks, in order."""
+    try:
+        shape = tuple(int(node["shape"][str(i)]) for i in range(len(node["shape"])))
+        chunks = [node["chunks"][str(i)] for i in range(len(node["chunks"]))]
+    except (KeyError, TypeError, ValueError):
+        raise reader.fail("a chunked array without shape or chunks") from None
+    if not chunks or not all(isinstance(c, ArrayRef) and c.dtype == chunks[0].dtype for c in chunks):
+        raise reader.fail("a chunked array whose chunks are not arrays of one dtype")
+    dtype = chunks[0].dtype
+    ranges = tuple(r for c in chunks for r in c.ranges)
+    if sum(n for _, n in ranges) != math.prod(shape) * DTYPE_SIZES[dtype]:
+        raise reader.fail(f"a chunked array {dtype}{list(shape)} whose chunks do not add up")
+    return ArrayRef(shape, dtype, ranges)
+
+
+def read_tree(data, where: str) -> Any:
+    """The tree stored in ``data`` (bytes or a memory map), arrays replaced by :class:`ArrayRef`."""
+    reader = _Reader(data, where)
+    tree = reader.value()
+    if reader.pos != len(data):
+        raise reader.fail(f"{len(data) - reader.pos} trailing bytes after the tree")
+    return tree
+
+
+@dataclass(frozen=True)
+class Inline:
+    """An entry's location in a msgpack file: an array's byte ranges, or a plain scalar."""
+
+    ref: ArrayRef | None = None
+    scalar: bool | int | float | None = None
+
+
+def leaves(tree: Any) -> dict[KeyPath, Any]:
+    """The tree's leaves that can be entries (arrays, numbers) or name one (strings)."""
+    return {key: leaf for key, leaf in flatten(tree).items()
+            if isinstance(leaf, (ArrayRef, bool, int, float, str))}
+
+
+def inline_entry(key: KeyPath, leaf: ArrayRef | bool | int | float) -> Entry:
+    """The entry for an inline array, or for a scalar (stored by msgpack as a plain number)."""
+    if isinstance(leaf, ArrayRef):
+        return Entry(key, leaf.shape, leaf.dtype, Inline(ref=leaf))
+    dtype = "bool" if isinstance(leaf, bool) else "int64" if isinstance(leaf, int) else "float64"
+    return Entry(key, (), dtype, Inline(scalar=leaf))
+
+
+def copy_inline(data, entry: Entry, index: tuple, out: np.ndarray) -> None:
+    """Copy ``entry[index]`` (an :class:`Inline` in the mapped file ``data``) into ``out``, cast."""
+    from ckptshim.formats.ts_arrays import numpy_dtype
+
+    where: Inline = entry.location
+    dtype = numpy_dtype(entry.dtype)
+    if where.ref is None:
+        value = np.asarray(where.scalar, dtype=dtype)
+    else:
+        parts = [np.frombuffer(data, dtype=np.uint8, count=n, offset=o) for o, n in where.ref.ranges]
+        flat = parts[0] if len(parts) == 1 else np.concatenate(parts)  # chunked: >1 GiB arrays only
+        value = flat.view(dtype.newbyteorder("<")).reshape(where.ref.shape)
+    np.copyto(out, value[index], casting="unsafe")
+
+
+def is_msgpack_file(path) -> bool:
+    """Cheap: is ``path`` a file that starts like a msgpack map (as Flax trees do)?"""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        head = f.read(1)
+    return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
+
+
+def map_file(path) -> Any:
+    """A read-only memory map of ``path`` (an empty bytes object for an empty file)."""
+    import mmap
+
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if f.seek(0, 2) else b""

@@ -1,0 +1,169 @@
+"""One Orbax PyTree item folder, in any layout Orbax has written since 0.1.
+
+Layouts, newest first:
+
+- ``_METADATA`` (JSON tree of keys and value types) + an OCDBT database (``manifest.ocdbt``,
+  ``d/``, per-process ``ocdbt.process_N/``) holding one zarr v2 or v3 array per leaf;
+- ``_METADATA`` + one zarr folder per leaf (``use_ocdbt=False``);
+- legacy (Orbax < 0.5, no ``_METADATA``): an aggregate msgpack file ``checkpoint`` whose leaves
+  are ``PLACEHOLDER://<name>`` strings for arrays stored as zarr folders ``<name>/``, or the
+  arrays themselves inline (Flax's msgpack encoding), or plain scalars.
+
+Only the current ``_METADATA`` layouts can be restored by today's ``StandardCheckpointer``; the
+hooks use :attr:`OrbaxCheckpoint.orbax_native` to know when they must step in. The inventory
+comes from ``_METADATA`` or the aggregate file plus each array's ``.zarray``/``zarr.json``;
+completeness from the OCDBT index and the listing of chunk keys.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+import numpy as np
+
+from ckptshim.errors import CorruptCheckpointError
+from ckptshim.formats import kvstore, msgpack_tree, zarr
+from ckptshim.formats.base import Checkpoint, FileInfo, file_info, storage_dtype
+from ckptshim.formats.ts_arrays import TensorstoreArrays, numpy_dtype
+from ckptshim.inventory import Entry, Inventory, KeyPath
+
+NAME = "orbax"
+METADATA = "_METADATA"
+AGGREGATE = "checkpoint"
+PLACEHOLDER = "PLACEHOLDER://"
+_ARRAY_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
+
+
+def is_item_dir(path: Path) -> bool:
+    """Cheap: does ``path`` look like one Orbax PyTree item (any layout)?"""
+    if not path.is_dir():
+        return False
+    if (path / METADATA).is_file() or (path / "manifest.ocdbt").is_file():
+        return True
+    return msgpack_tree.is_msgpack_file(path / AGGREGATE)
+
+
+def sniff(path: Path) -> bool:
+    return is_item_dir(path)
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """Where a tensorstore-backed leaf lives: its zarr array name and driver."""
+
+    name: str
+    driver: str
+
+
+class OrbaxCheckpoint(Checkpoint):
+    """An Orbax item folder; entry locations are :class:`_Stored` or :class:`msgpack_tree.Inline`."""
+
+    key_sep = "/"
+
+    def __init__(self, path: Path, version: str, inventory: Inventory, files, problems,
+                 *, ocdbt: bool, native: bool, aggregate=None) -> None:
+        super().__init__(path, NAME, version, inventory, tuple(files), tuple(problems))
+        #: True when today's Orbax can restore this folder itself (it has ``_METADATA``).
+        self.orbax_native = native
+        self._arrays = TensorstoreArrays(path, ocdbt)
+        self._aggregate = aggregate
+
+    def read_into(self, entry: Entry, index: tuple, out: np.ndarray):
+        """Copy ``entry``'s ``index`` range into ``out`` (cast to its dtype); may return a future."""
+        where = entry.location
+        if isinstance(where, _Stored):
+            return self._arrays.read_into(where.name, where.driver, index, out)
+        msgpack_tree.copy_inline(self._aggregate, entry, index, out)
+        return None
+
+    def read(self, entry: Entry) -> np.ndarray:
+        out = np.empty(entry.shape, numpy_dtype(entry.dtype))
+        pending = self.read_into(entry, (), out)
+        if pending is not None:
+            pending.result()
+        return out.view(storage_dtype(entry.dtype))
+
+    def close(self) -> None:
+        self._arrays.close()
+
+
+# -- listing ------------------------------------------------------------------------------------
+
+
+def _metadata_leaves(path: Path) -> tuple[list[tuple[KeyPath, str]], dict]:
+    """``_METADATA`` -> [(key path, zarr array name)] for array leaves, and the file's options."""
+    where = path / METADATA
+    try:
+        meta = json.loads(where.read_text())
+        tree = meta["tree_metadata"]
+        leaves = []
+        for record in tree.values():
+            value = record["value_metadata"]
+            if value.get("skip_deserialize") or value.get("value_type") not in _ARRAY_TYPES:
+                continue
+            key = tuple(str(k["key"]) for k in record["key_metadata"])
+            leaves.append((key, ".".join(key)))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CorruptCheckpointError(
+            f"{where}: not a valid Orbax metadata file ({type(error).__name__}: {error}). "
+            "Orbax writes it last, so the save may have been interrupted; restore an intact copy "
+            "of the checkpoint, or remove the file to read the folder as a legacy layout.") from None
+    return leaves, meta
+
+
+def open_checkpoint(path: Path) -> OrbaxCheckpoint:
+    native = (path / METADATA).is_file()
+    ocdbt = (path / "manifest.ocdbt").is_file()
+    aggregate = None
+    fill_stored = False
+    if native:
+        leaves, meta = _metadata_leaves(path)
+        fill_stored = bool(meta.get("store_array_data_equal_to_fill_value", False))
+        version = f"{'ocdbt' if meta.get('use_ocdbt', ocdbt) else 'per-leaf'} " \
+                  f"{'zarr3' if meta.get('use_zarr3') else 'zarr2'}"
+    else:
+        aggregate = msgpack_tree.map_file(path / AGGREGATE)
+        tree = msgpack_tree.read_tree(aggregate, str(path / AGGREGATE))
+        leaves = [(key, leaf[len(PLACEHOLDER):] if isinstance(leaf, str) else leaf)
+                  for key, leaf in msgpack_tree.leaves(tree).items()
+                  if not isinstance(leaf, str) or leaf.startswith(PLACEHOLDER)]
+        version = f"legacy aggregate{' + ocdbt' if ocdbt else ''}"
+
+    listed = kvstore.list_keys(path, ocdbt)
+    by_array: dict[str, set[str]] = {}
+    for key in listed:
+        name, _, rest = key.partition("/")
+        if rest:
+            by_array.setdefault(name, set()).add(rest)
+    wanted = [name for _, name in leaves if isinstance(name, str)]
+    meta_keys = {name: next((f"{name}/{m}" for m in zarr.METADATA_FILES if m in by_array.get(name, ())), None)
+                 for name in wanted}
+    raw = kvstore.read_values(path, ocdbt, [k for k in meta_keys.values() if k is not None])
+
+    entries: list[Entry] = []
+    problems: list[str] = []
+    for key, leaf in leaves:
+        if not isinstance(leaf, str):
+            entries.append(msgpack_tree.inline_entry(key, leaf))
+            continue
+        meta_key = meta_keys[leaf]
+        if meta_key is None or raw.get(meta_key) is None:
+            problems.append(f"{leaf}: array metadata (.zarray or zarr.json) missing; the array "
+                            "cannot be read")
+            continue
+        array = zarr.parse(raw[meta_key], f"{path}/{meta_key}")
+        entries.append(Entry(key, array.shape, array.dtype, _Stored(leaf, array.driver)))
+        if zarr.chunk_keys_required(array, fill_stored):
+            present = by_array.get(leaf, set())
+            absent = [c for c in array.chunk_keys() if c not in present]
+            if absent:
+                shown = ", ".join(absent[:4]) + (f" and {len(absent) - 4} more" if len(absent) > 4 else "")
+                problems.append(f"{leaf}: {len(absent)} chunk(s) missing ({shown})")
+
+    files: list[FileInfo] = []
+    if ocdbt:
+        files = [file_info(path / name, size, root=path)
+                 for name, size in sorted(kvstore.ocdbt_data_files(path).items())]
+    return OrbaxCheckpoint(path, version, Inventory(entries, str(path)), files, problems,
+                           ocdbt=ocdbt, native=native, aggregate=aggregate)

@@ -1,0 +1,97 @@
+"""Orbax ``CheckpointManager`` folders: a root of step folders, each holding named items.
+
+A root holds one folder per step (``1/``, ``2/``, or with a prefix such as ``checkpoint_5/``);
+a step folder holds one folder per item -- ``default/`` (single-item managers), ``state/``
+(MaxText before 2024, T5X), ``items/`` (MaxText today), or any other name. Inspecting either
+reads the latest step; its keys are the item's own keys when it has one array item (so a step
+saved as ``state`` plans against one saved as ``default``) and ``<item>/<key>`` when it has
+several. The hooks use :func:`steps` and :func:`items` to find what a restore call names.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ckptshim.errors import CorruptCheckpointError
+from ckptshim.formats import orbax
+from ckptshim.formats.base import Checkpoint, FileInfo
+from ckptshim.inventory import Entry, Inventory
+
+NAME = "orbax-manager"
+_STEP = re.compile(r"^(?:.*_)?(\d+)$")
+
+
+def items(step_dir: Path) -> dict[str, Path]:
+    """Item name -> folder, for the Orbax PyTree items in one step folder."""
+    if not step_dir.is_dir() or orbax.sniff(step_dir):
+        return {}
+    return {child.name: child for child in sorted(step_dir.iterdir()) if orbax.sniff(child)}
+
+
+def steps(root: Path) -> dict[int, Path]:
+    """Step number -> step folder, for the step folders (with at least one item) under ``root``."""
+    if not root.is_dir():
+        return {}
+    found: dict[int, Path] = {}
+    for child in sorted(root.iterdir()):
+        match = _STEP.match(child.name)
+        if match and items(child):
+            found.setdefault(int(match.group(1)), child)
+    return dict(sorted(found.items()))
+
+
+def sniff(path: Path) -> bool:
+    return bool(items(path)) or bool(steps(path))
+
+
+class ManagerCheckpoint(Checkpoint):
+    """The array items of one step; entry locations are ``(item name, item location)``."""
+
+    key_sep = "/"
+
+    def __init__(self, path: Path, version: str, parts: dict[str, orbax.OrbaxCheckpoint]) -> None:
+        prefixed = len(parts) > 1
+        entries = [Entry(((name,) if prefixed else ()) + e.key, e.shape, e.dtype, (name, e.location))
+                   for name, part in parts.items() for e in part.inventory.values()]
+        files = [FileInfo(f"{name}/{f.path}", f.size, f.expected_size)
+                 for name, part in parts.items() for f in part.files]
+        problems = [f"{name}: {p}" for name, part in parts.items() for p in part.problems]
+        super().__init__(path, NAME, version, Inventory(entries, str(path)), tuple(files), tuple(problems))
+        self._parts = parts
+
+    def _inner(self, entry: Entry) -> tuple[orbax.OrbaxCheckpoint, Entry]:
+        name, location = entry.location
+        part = self._parts[name]
+        return part, Entry(entry.key[1:] if len(self._parts) > 1 else entry.key, entry.shape,
+                           entry.dtype, location)
+
+    def read_into(self, entry: Entry, index: tuple, out: np.ndarray):
+        part, inner = self._inner(entry)
+        return part.read_into(inner, index, out)
+
+    def read(self, entry: Entry) -> np.ndarray:
+        part, inner = self._inner(entry)
+        return part.read(inner)
+
+    def close(self) -> None:
+        for part in self._parts.values():
+            part.close()
+
+
+def open_checkpoint(path: Path) -> ManagerCheckpoint:
+    found = items(path)
+    if found:
+        version = "step folder"
+    else:
+        all_steps = steps(path)
+        if not all_steps:
+            raise CorruptCheckpointError(f"{path}: no step folder with an Orbax item found")
+        latest = max(all_steps)
+        version = f"step {latest} (steps: {', '.join(map(str, all_steps))})"
+        path = all_steps[latest]
+        found = items(path)
+    parts = {name: orbax.open_checkpoint(folder) for name, folder in found.items()}
+    return ManagerCheckpoint(path, f"{version}; items: {', '.join(parts)}", parts)

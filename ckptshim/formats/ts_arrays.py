@@ -1,0 +1,78 @@
+"""Reading zarr arrays (in a folder or an OCDBT database) through tensorstore, slice by slice.
+
+:meth:`TensorstoreArrays.read_into` copies one index range of one array straight into a
+caller-owned buffer (``ts.array(out, copy=False)`` as the write target), so a device's shard is
+decompressed into its final memory with no intermediate full-size copy, and only the chunks
+that overlap the range are fetched. Casts happen inside tensorstore (``ts.cast``), exactly as
+Orbax casts when a restore asks for another dtype. Chunk data is not cached (each byte is read
+once); the OCDBT index is, as Orbax does.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptshim.formats.kvstore import kvstore_spec
+
+_CONTEXT_SPEC = {
+    "cache_pool": {"total_bytes_limit": 0},
+    "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+    "file_io_concurrency": {"limit": 128},
+}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype for a ckptshim dtype name, using ml_dtypes for bfloat16 and float8."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+class TensorstoreArrays:
+    """Zarr arrays stored under ``root`` (plain folders or OCDBT), opened once each, on demand."""
+
+    def __init__(self, root: Path, ocdbt: bool) -> None:
+        import tensorstore as ts
+
+        self._ts = ts
+        self._root, self._ocdbt = root, ocdbt
+        self._context = ts.Context(_CONTEXT_SPEC)
+        self._open: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def _store(self, name: str, driver: str):
+        with self._lock:
+            store = self._open.get(name)
+        if store is None:
+            kvstore = dict(kvstore_spec(self._root, self._ocdbt))
+            if self._ocdbt:
+                kvstore.update(path=name, cache_pool="cache_pool#ocdbt")
+            else:
+                kvstore["path"] += name + "/"
+            spec = {"driver": driver, "kvstore": kvstore, "recheck_cached_data": False,
+                    "recheck_cached_metadata": False}
+            store = self._ts.open(spec, open=True, read=True, context=self._context).result()
+            with self._lock:
+                store = self._open.setdefault(name, store)
+        return store
+
+    def read_into(self, name: str, driver: str, index: tuple, out: np.ndarray):
+        """Start copying ``array[index]`` into ``out`` (cast to ``out.dtype``); returns a future."""
+        ts = self._ts
+        source = self._store(name, driver)
+        if index:
+            source = source[index]
+        if source.dtype.numpy_dtype != out.dtype:
+            source = ts.cast(source, ts.dtype(out.dtype.name))
+        return ts.array(out, copy=False, write=True).write(source)
+
+    def close(self) -> None:
+        with self._lock:
+            self._open.clear()

@@ -1,0 +1,51 @@
+"""MaxText (and other Flax decoders named ``decoder/layers``): scan axes and rng state.
+
+With ``scan_layers=True`` MaxText stacks every per-layer parameter, and the optimizer moments
+that mirror it, along ``param_scan_axis`` (default 1: ``decoder/layers/mlp/wi_0/kernel`` is
+``[emb, layers, mlp]``), while NNX rng state (``.../rngs/<stream>/{count,key}``) is stacked on
+axis 0. The planner reads the axis off the shapes; these rules only break ties, when a shape
+fits more than one axis (``[L, L]`` kernels, or norms whose width equals the layer count).
+
+Rng state has one more quirk: an unscanned MaxText run keeps NNX rng state for ``layers_0``
+only, a scanned one for every layer, so a scanned target's rng state cannot come from an
+unscanned checkpoint and the restore refuses, naming the missing layers. Rng state only seeds
+dropout and similar noise, so a user may opt in (``CKPTSHIM_RNG_FROM_TARGET=1``) to keep the
+target's own rng state whenever the checkpoint's does not fit; the target must then be
+concrete arrays (an initialised state), not abstract shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ckptshim.inventory import Inventory, KeyPath
+from ckptshim.rules.layers import ScanAxis, layer_splits
+
+#: First match wins: rng state on axis 0, everything else under a layer list on axis 1.
+SCAN_AXES: tuple[ScanAxis, ...] = (ScanAxis("rngs", 0), ScanAxis("layers", 1))
+
+RNG_COMPONENT = "rngs"
+RNG_FROM_TARGET_ENV = "CKPTSHIM_RNG_FROM_TARGET"
+
+
+def applies(*inventories: Inventory) -> bool:
+    """Whether a tree is laid out like MaxText's decoder: ``decoder/layers`` or ``decoder/layers_N``."""
+    names = frozenset({"layers"})
+    for inventory in inventories:
+        for key in inventory:
+            if "decoder" not in key:
+                continue
+            at = key.index("decoder")
+            if key[at + 1:at + 2] == ("layers",) or any(
+                    stacked[at + 1:at + 2] == ("layers",) for stacked, _ in layer_splits(key, names)):
+                return True
+    return False
+
+
+def is_rng_state(key: KeyPath) -> bool:
+    return RNG_COMPONENT in key[:-1]
+
+
+def rng_from_target() -> bool:
+    """The opt-in switch: keep the target's own rng state when the checkpoint's does not fit."""
+    return os.environ.get(RNG_FROM_TARGET_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
