@@ -725,9 +725,6 @@ def test_inverse_of_a_stack_with_a_cast():
                      Cast(K("layers.1.w"), "bfloat16", "float32"))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG plan/plan.py Plan.inverse: a Cast whose producer has "
-                   "several sources is inverted once per Cast, so Stack+Cast -> Unstack+n casts -> "
-                   "Stack + n duplicate Casts of the same key")
 def test_inverse_of_inverse_of_a_stack_with_a_cast():
     src = inv({f"layers.{i}.w": ((3,), "float32") for i in range(2)})
     tgt = inv({"layers.w": ((2, 3), "bfloat16")})
@@ -735,8 +732,6 @@ def test_inverse_of_inverse_of_a_stack_with_a_cast():
     assert p.inverse().inverse().ops == p.ops
 
 
-@pytest.mark.xfail(strict=True, reason="BUG plan/plan.py Plan.inverse: Unstack with per-layer "
-                   "Casts inverts into one Stack and one duplicate Cast per layer")
 def test_inverse_of_an_unstack_with_casts_has_one_cast():
     p = plan(inv({"layers.w": ((2, 3), "bfloat16")}),
              inv({f"layers.{i}.w": ((3,), "float32") for i in range(2)}))
@@ -744,12 +739,9 @@ def test_inverse_of_an_unstack_with_casts_has_one_cast():
                                Cast(K("layers.w"), "float32", "bfloat16"))
 
 
-# -- known bugs (minimal reproductions) ----------------------------------------------------------
+# -- regressions (minimal reproductions of fixed bugs) --------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="BUG plan/match.py _match_layers: two target keys that are "
-                   "the same layer of one stacked source (layers.0.w and layers_0.w) overwrite "
-                   "each other in group.layers; the loser gets no producer yet the plan is complete")
 def test_two_targets_for_one_layer_never_make_a_complete_plan():
     tgt = inv({"layers.0.w": (3,), "layers.1.w": (3,), "layers_0.w": (3,), "layers_1.w": (3,)})
     try:
@@ -760,8 +752,6 @@ def test_two_targets_for_one_layer_never_make_a_complete_plan():
     assert unproduced == []
 
 
-@pytest.mark.xfail(strict=True, reason="BUG plan/match.py _candidate_axes/_resolve_axes: layer "
-                   "dtypes are not checked; the Cast records layer 0's dtype for every layer")
 def test_layers_with_different_dtypes_are_not_stacked_under_one_cast():
     src = inv({"layers.0.w": ((3,), "float32"), "layers.1.w": ((3,), "int32")})
     tgt = inv({"layers.w": ((2, 3), "bfloat16")})
@@ -774,9 +764,6 @@ def test_layers_with_different_dtypes_are_not_stacked_under_one_cast():
         assert {p.source[k].dtype for k in producer.sources} == {cast.source_dtype}
 
 
-@pytest.mark.xfail(strict=True, reason="BUG plan/match.py run(): an Unstack is emitted at its "
-                   "first target in *its own* order (targets[0]), so when the target inventory "
-                   "lists layer 1 before layer 0, layer 1's Cast precedes the Unstack")
 def test_casts_follow_their_producer():
     src = inv({"layers.w": ((2, 3), "float16")})
     tgt = inv({"layers.1.w": ((3,), "float32"), "layers.0.w": ((3,), "float32")})

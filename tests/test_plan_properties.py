@@ -46,14 +46,12 @@ STYLES = ("torch", "maxtext", "stacked")
 
 
 def execute(p: Plan, arrays: dict[KeyPath, np.ndarray]) -> dict[KeyPath, np.ndarray]:
-    """What any executor must do with a plan, in a few lines of numpy.
+    """What any executor must do with a plan, in a few lines of numpy, in op order.
 
-    Casts run once each, after every producer: ``Plan.ops`` can list an Unstack's per-layer
-    Cast before the Unstack itself, and ``Plan.inverse`` repeats a Stack's Cast once per layer
-    (known bugs, pinned by xfail tests in test_plan.py).
+    Each Cast must come after the op that produces its key, and no key is cast twice.
     """
     out: dict[KeyPath, np.ndarray] = {}
-    casts: dict[KeyPath, Cast] = {}
+    cast: set[KeyPath] = set()
     for op in p.ops:
         if isinstance(op, Rename):
             out[op.target] = arrays[op.source].copy()
@@ -63,12 +61,12 @@ def execute(p: Plan, arrays: dict[KeyPath, np.ndarray]) -> dict[KeyPath, np.ndar
             for i, key in enumerate(op.targets):
                 out[key] = np.take(arrays[op.source], i, axis=op.axis)
         elif isinstance(op, Cast):
-            assert casts.setdefault(op.target, op) == op, (op, casts[op.target])
+            assert op.target in out and op.target not in cast, op
+            assert out[op.target].dtype.name == op.source_dtype, op
+            cast.add(op.target)
+            out[op.target] = out[op.target].astype(op.target_dtype)
         elif not isinstance(op, (Synthesize, Drop)):  # pragma: no cover - a new kind of op
             raise AssertionError(f"unknown op {op!r}")
-    for op in casts.values():
-        assert out[op.target].dtype.name == op.source_dtype, op
-        out[op.target] = out[op.target].astype(op.target_dtype)
     return out
 
 

@@ -153,10 +153,6 @@ def test_uninstall_before_import_means_it_never_attaches(fake):
     assert fw.state() == "uninstalled"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG hooks/registry.py install(): the post-import callback "
-                   "is registered only the first time a hook is installed (_watching); after it "
-                   "has fired, a hook re-installed while its trigger is out of sys.modules waits "
-                   "forever")
 def test_reinstall_after_the_trigger_is_purged_attaches_on_reimport(fake):
     fw = fake()
     fw.install()
@@ -473,9 +469,6 @@ def test_patches_wrap_own_classmethod_and_staticmethod():
     assert isinstance(vars(Base)["make"], classmethod)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG hooks/seam.py Patches.wrap: an inherited classmethod is "
-                   "taken with getattr(owner, name), i.e. already bound to owner, so subclasses of "
-                   "owner see cls=owner while patched")
 def test_patches_wrap_inherited_classmethod_keeps_cls():
     patches = Patches()
     patches.wrap(Child, "make", _shouting([]))

@@ -69,12 +69,15 @@ def install(names=None, specs: tuple[HookSpec, ...] | None = None) -> None:
             continue
         with _lock:
             _wanted.add(spec.name)
-            first = spec.name not in _watching
-            _watching.add(spec.name)
             if spec.name not in _installed:
                 _states[spec.name] = f"waiting for `import {spec.trigger}`"
-        if first:
-            when_imported(spec.trigger, lambda _module, spec=spec: _attach(spec))
+            if spec.trigger in sys.modules:
+                watch = False
+            else:  # one pending callback per hook, re-armed after it fires
+                watch = spec.name not in _watching
+                _watching.add(spec.name)
+        if watch:
+            when_imported(spec.trigger, lambda _module, spec=spec: _fire(spec))
         elif spec.trigger in sys.modules:
             _attach(spec)
 
@@ -94,6 +97,12 @@ def uninstall(names=None) -> None:
 def states() -> dict[str, str]:
     """Hook name -> what it is doing (for ``ckptshim doctor``)."""
     return dict(_states)
+
+
+def _fire(spec: HookSpec) -> None:
+    with _lock:
+        _watching.discard(spec.name)
+    _attach(spec)
 
 
 def _attach(spec: HookSpec) -> None:

@@ -28,7 +28,9 @@ class Patches:
         import wrapt
 
         own = attribute in vars(owner)
-        original = vars(owner)[attribute] if own else getattr(owner, attribute)
+        # the raw attribute (a classmethod stays unbound), from the class that defines it
+        defining = next((k for k in getattr(owner, "__mro__", (owner,)) if attribute in vars(k)), None)
+        original = vars(defining)[attribute] if defining is not None else getattr(owner, attribute)
         self._saved.append((owner, attribute, original if own else None))
         setattr(owner, attribute, wrapt.FunctionWrapper(original, wrapper))
 

@@ -75,9 +75,11 @@ class _Planner:
             else:
                 missing.append(key)
         ops: list[Op] = []
-        for key in self.target:  # target order, each producer once
+        emitted: set[int] = set()
+        for key in self.target:  # target order, each producer once and before its casts
             op = self.assigned.get(key)
-            if op is not None and (not isinstance(op, Stack | Unstack) or _first_target(op) == key):
+            if op is not None and id(op) not in emitted:
+                emitted.add(id(op))
                 ops.append(op)
             if key in self.casts:
                 ops.append(self.casts[key])
@@ -169,7 +171,12 @@ class _Planner:
             else:
                 source_key = whole_sources[stacked]
                 group = groups.setdefault(("unstack",) + stacked, _Group(source_key, {}, stacking=False))
-                group.layers[index] = key
+                other = group.layers.setdefault(index, key)
+                if other != key:
+                    raise PlanError(
+                        f"target keys {join_key(other)!r} and {join_key(key)!r} both name layer "
+                        f"{index} of checkpoint key {join_key(source_key)!r}; ckptshim will not "
+                        "load one layer twice. Rename one of them in the target.")
         self._resolve_axes(list(groups.values()))
         return unmatched
 
@@ -208,6 +215,10 @@ class _Planner:
                 f"{join_key(group.whole)!r} but not {_span(absent or [i for i in range(max(have) + 1) if i not in group.layers])}; "
                 "the layer list must be complete to stack or unstack. Supply the missing layers "
                 "(or, for state the target can rebuild, a documented synthesis rule).")
+        dtypes = {per_layer_inv[k].dtype for k in group.layers.values()}
+        if len(dtypes) != 1:
+            raise PlanError(f"the layers of {join_key(group.whole)!r} have different dtypes "
+                            f"({sorted(dtypes)}); they cannot be stacked into one array.")
         shapes = {per_layer_inv[k].shape for k in group.layers.values()}
         whole = whole_inv[group.whole].shape
         example = next(iter(group.layers.values()))
@@ -261,10 +272,6 @@ class _Planner:
             self.mismatched.append(Mismatch(src.key, tgt.key, (src.dtype,), (tgt.dtype,), "dtype"))
             return
         self.casts[tgt.key] = Cast(tgt.key, src.dtype, tgt.dtype)
-
-
-def _first_target(op: Stack | Unstack) -> KeyPath:
-    return op.target if isinstance(op, Stack) else op.targets[0]
 
 
 def _span(indices: list[int]) -> str:

@@ -75,10 +75,13 @@ class Plan:
     def inverse(self) -> Plan:
         """The plan that maps the target back onto the source."""
         ops: list[Op] = []
+        cast: set[KeyPath] = set()  # an Unstack's per-layer casts invert into one cast
         for op in self.ops:
             if isinstance(op, Cast):
-                producer = self._producers[op.target]
-                ops.extend(Cast(key, op.target_dtype, op.source_dtype) for key in producer.sources)
+                for key in self._producers[op.target].sources:
+                    if key not in cast:
+                        cast.add(key)
+                        ops.append(Cast(key, op.target_dtype, op.source_dtype))
             else:
                 ops.append(op.inverse())
         mismatched = tuple(Mismatch(m.target, m.source, m.target_shape, m.source_shape, m.why)
