@@ -61,7 +61,7 @@ def prepare(checkpoint: Checkpoint, tree: Any, where: str, restore_args: Any = N
     ``where`` names the call in messages: "target given to <where>".
     """
     checkpoint.require_complete()
-    target = TargetTree(as_stored(checkpoint.inventory) if tree is None else tree, restore_args)
+    target = TargetTree(as_stored(checkpoint) if tree is None else tree, restore_args)
     target_inv = target.inventory(f"given to {where}")
     rules = rules_for(checkpoint.inventory, target_inv)
     plan = _plan(checkpoint.inventory, target_inv, rules)
@@ -89,13 +89,30 @@ def native_fits(prepared: Prepared, *, readable: bool, partial: bool) -> bool:
                for op in plan.ops)
 
 
-def as_stored(inventory: Inventory) -> dict:
-    """A target tree that asks for every entry as stored (``jax.ShapeDtypeStruct`` leaves)."""
-    import jax
+def as_stored(checkpoint: Checkpoint) -> dict:
+    """A target tree that asks for every entry as stored.
 
+    Layouts today's Orbax reads come back as ``jax.Array`` (as Orbax restores them); older ones
+    as numpy arrays and plain numbers, as Orbax's ``PyTreeCheckpointer`` and Flax restored them.
+    (Sequences come back as dicts keyed ``"0"``, ``"1"``, ...; keys as their stored key data.)
+    """
+    import jax
+    import numpy as np
+
+    from ckptshim.formats.msgpack_tree import Inline
     from ckptshim.formats.ts_arrays import numpy_dtype
 
-    return unflatten({key: jax.ShapeDtypeStruct(e.shape, numpy_dtype(e.dtype)) for key, e in inventory.items()})
+    current = "standard" in getattr(checkpoint, "orbax_readers", ())
+
+    def leaf(entry):
+        if isinstance(entry.location, Inline) and entry.location.ref is None:
+            return entry.location.scalar
+        dtype = numpy_dtype(entry.dtype)
+        if current:
+            return jax.ShapeDtypeStruct(entry.shape, dtype)
+        return np.broadcast_to(np.zeros((), dtype), entry.shape)  # a shape, no memory
+
+    return unflatten({key: leaf(entry) for key, entry in checkpoint.inventory.items()})
 
 
 def _plan(source: Inventory, target_inv: Inventory, rules: Rules) -> Plan:

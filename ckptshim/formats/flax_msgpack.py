@@ -44,7 +44,7 @@ class FlaxMsgpackCheckpoint(Checkpoint):
 
     key_sep = "/"
     #: Today's Orbax cannot read these files at all; the Orbax hooks always step in.
-    orbax_native = False
+    orbax_readers: frozenset[str] = frozenset()
 
     def __init__(self, path: Path, version: str, inventory: Inventory, files, data) -> None:
         super().__init__(path, NAME, version, inventory, tuple(files))

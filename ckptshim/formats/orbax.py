@@ -9,8 +9,9 @@ Layouts, newest first:
   are ``PLACEHOLDER://<name>`` strings for arrays stored as zarr folders ``<name>/``, or the
   arrays themselves inline (Flax's msgpack encoding), or plain scalars.
 
-Only the current ``_METADATA`` layouts can be restored by today's ``StandardCheckpointer``; the
-hooks use :attr:`OrbaxCheckpoint.orbax_native` to know when they must step in. The inventory
+Today's ``StandardCheckpointer`` restores only the ``_METADATA`` layouts, ``PyTreeCheckpointer``
+the legacy aggregate too; the hooks use :attr:`OrbaxCheckpoint.orbax_readers` to know when they
+must step in. The inventory
 comes from ``_METADATA`` or the aggregate file plus each array's ``.zarray``/``zarr.json``;
 completeness from the OCDBT index and the listing of chunk keys.
 """
@@ -64,8 +65,8 @@ class OrbaxCheckpoint(Checkpoint):
     def __init__(self, path: Path, version: str, inventory: Inventory, files, problems,
                  *, ocdbt: bool, native: bool, aggregate=None) -> None:
         super().__init__(path, NAME, version, inventory, tuple(files), tuple(problems))
-        #: True when today's Orbax can restore this folder itself (it has ``_METADATA``).
-        self.orbax_native = native
+        #: Which of today's Orbax restore args read this folder unaided.
+        self.orbax_readers = frozenset({"standard", "pytree"} if native else {"pytree"})
         self._arrays = TensorstoreArrays(path, ocdbt)
         self._aggregate = aggregate
 

@@ -51,8 +51,13 @@ def uninstall() -> None:
 
 @dataclass(frozen=True)
 class Request:
-    """What one item's restore args ask for, in the terms ckptshim plans with."""
+    """What one item's restore args ask for, in the terms ckptshim plans with.
 
+    ``reader`` is the Orbax handler the args select ("standard" also stands for no args, which
+    needs the ``_METADATA`` Orbax records handlers in).
+    """
+
+    reader: str
     item: Any = None
     restore_args: Any = None
     partial: bool = False
@@ -63,13 +68,13 @@ def request_of(args: Any) -> Request | None:
     import orbax.checkpoint as ocp
 
     if args is None:
-        return Request()
+        return Request("standard")
     if isinstance(args, ocp.args.StandardRestore):
-        return Request(args.item)
+        return Request("standard", args.item)
     if isinstance(args, ocp.args.PyTreeRestore):
         if args.transforms or args.legacy_transform_fn is not None:
             return None  # Orbax's own tree transformations: leave them to Orbax
-        return Request(args.item, args.restore_args, args.partial_restore)
+        return Request("pytree", args.item, args.restore_args, args.partial_restore)
     return None
 
 
@@ -141,7 +146,7 @@ def prepare_item(path: Path, request: Request, where: str,
 
 def fits(prepared: jax_restore.Prepared, request: Request) -> bool:
     """Whether Orbax itself restores this: a layout it reads, keys matching the target's."""
-    readable = getattr(prepared.checkpoint, "orbax_native", False)
+    readable = request.reader in getattr(prepared.checkpoint, "orbax_readers", ())
     return jax_restore.native_fits(prepared, readable=readable, partial=request.partial)
 
 

@@ -1,0 +1,103 @@
+"""Bad input through real Orbax calls: clear ShimErrors, and nothing returned half-built.
+
+Deleted or corrupt files are made in copies of the fixtures. A checkpoint with missing data is
+refused even where Orbax would have read it (a missing zarr chunk reads as zeros there).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from ckptshim.errors import CorruptCheckpointError, PlanError, ShimError
+from manifest import FIXTURES
+from orbax_fixtures import copy_fixture
+
+
+def abstract(tree):
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
+
+
+@pytest.fixture(scope="module")
+def scanned_target():
+    with ocp.StandardCheckpointer() as checkpointer:
+        return abstract(checkpointer.restore(FIXTURES / "orbax_0.12.8_scanned" / "standard_checkpointer_scanned"))
+
+
+def restore(path, target):
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(path, target)
+
+
+def test_deleted_zarr_chunk(tmp_path, scanned_target):
+    root = copy_fixture("orbax_0.2.3_unscanned", tmp_path) / "pytree_checkpointer"
+    (root / "params.decoder.layers_2.mlp.wi_1.kernel" / "0.0").unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"incomplete:\n  params.decoder.layers_2.mlp.wi_1.kernel: "
+                                                     r"1 chunk\(s\) missing \(0.0\)"):
+        restore(root, scanned_target)
+
+
+@pytest.mark.parametrize("target", ["scanned", "same layout"])
+def test_deleted_ocdbt_data_file(tmp_path, target):
+    root = copy_fixture("maxtext_runs", tmp_path) / "tiny_unscanned/checkpoints/1/items"
+    with ocp.StandardCheckpointer() as checkpointer:
+        own = abstract({"params": checkpointer.restore(root)["params"]})
+    data = max((root / "ocdbt.process_0" / "d").iterdir(), key=lambda p: p.stat().st_size)
+    data.unlink()
+    wanted = own
+    if target == "scanned":
+        with ocp.StandardCheckpointer() as checkpointer:
+            other = FIXTURES / "maxtext_runs/tiny_scanned/checkpoints/1/items"
+            wanted = abstract({"params": checkpointer.restore(other)["params"]})
+    with pytest.raises(CorruptCheckpointError, match=f"ocdbt.process_0/d/{data.name}: missing"):
+        restore(root, wanted)
+
+
+def test_corrupt_metadata(tmp_path, scanned_target):
+    root = copy_fixture("orbax_0.12.8_scanned", tmp_path) / "standard_checkpointer_unscanned"
+    (root / "_METADATA").write_bytes(b"\x00garbage")
+    with pytest.raises(CorruptCheckpointError, match="_METADATA: not a valid Orbax metadata file"):
+        restore(root, scanned_target)
+
+
+def test_corrupt_chunk_fails_the_whole_restore(tmp_path):
+    """Reading fails half-way: the caller gets the error, no partly filled tree, its target intact."""
+    root = copy_fixture("orbax_0.2.3_unscanned", tmp_path) / "pytree_checkpointer"
+    (root / "params.token_embedder.embedding" / "0.0").write_bytes(b"not zstd data at all")
+    with ocp.StandardCheckpointer() as checkpointer:
+        target = checkpointer.restore(FIXTURES / "orbax_0.12.8_scanned" / "standard_checkpointer_scanned")
+    before = jax.tree_util.tree_map(np.array, target)
+    with pytest.raises(CorruptCheckpointError, match="reading 'params/token_embedder/embedding' failed"):
+        restore(root, target)
+    for a, b in zip(jax.tree_util.tree_leaves(target), jax.tree_util.tree_leaves(before)):
+        assert np.array_equal(np.asarray(a), b)
+
+
+def test_shape_mismatch_names_both_sides(scanned_target):
+    bad = jax.tree_util.tree_map(lambda x: x, scanned_target)
+    bad["params"]["decoder"]["decoder_norm"]["scale"] = jax.ShapeDtypeStruct((33,), np.float32)
+    with pytest.raises(ShimError) as error:
+        restore(FIXTURES / "orbax_0.2.3_unscanned" / "pytree_checkpointer", bad)
+    message = str(error.value)
+    assert "1 key(s) match by name but not by shape:" in message
+    assert "params/decoder/decoder_norm/scale: target shape (33,) but checkpoint " \
+           "params/decoder/decoder_norm/scale has (32,)" in message
+    assert isinstance(error.value, ValueError)  # code that catches Orbax's ValueError still does
+
+
+def test_missing_keys_are_listed_in_the_users_terms(scanned_target):
+    wanted = dict(scanned_target, extra={"w": jax.ShapeDtypeStruct((2,), np.float32)})
+    with pytest.raises(PlanError, match=r"1 key\(s\) the target needs are not in the checkpoint:\n  extra/w"):
+        restore(FIXTURES / "orbax_0.2.3_unscanned" / "pytree_checkpointer", wanted)
+
+
+def test_ambiguous_stacking_axis_is_refused(tmp_path):
+    blocks = {f"blocks_{i}": {"w": np.full((2, 2), i, np.float32)} for i in range(2)}
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "blocks", blocks)
+        checkpointer.wait_until_finished()
+    target = {"blocks": {"w": jax.ShapeDtypeStruct((2, 2, 2), np.float32)}}
+    with pytest.raises(PlanError, match=r"could be stacked along axis 0 or 1 or 2.*Add a scan-axis rule"):
+        restore(tmp_path / "blocks", target)

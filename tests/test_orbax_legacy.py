@@ -1,0 +1,118 @@
+"""Old Orbax layouts, CheckpointManager steps and item names, through real Orbax calls.
+
+``orbax_0.2.3_unscanned`` (no ``_METADATA``: aggregate msgpack with ``PLACEHOLDER://`` leaves and
+one zarr folder per leaf) and ``orbax_0.12.8_scanned`` (OCDBT, items ``state`` and ``default``)
+hold the same values, which ``_shared/tiny_decoder_values.npz`` holds too: expectations come
+from that file with numpy, independent of any checkpoint reader.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from ckptshim.errors import PlanError
+from manifest import FIXTURES
+from orbax_fixtures import assert_same, copy_fixture, flat, scanned_expected
+
+LAYERS = 3
+
+
+def nest(values: dict[str, np.ndarray]) -> dict:
+    out: dict = {}
+    for key, value in values.items():
+        node = out
+        *parents, leaf = key.split("/")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def values():
+    with np.load(FIXTURES / "_shared" / "tiny_decoder_values.npz") as npz:
+        unscanned = {"params/" + key: npz[key] for key in npz.files}
+    return {"unscanned": unscanned, "scanned": scanned_expected(unscanned, LAYERS, lambda key: 1)}
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    root = tmp_path_factory.mktemp("orbax")
+    return {name: copy_fixture(name, root) for name in ("orbax_0.2.3_unscanned", "orbax_0.12.8_scanned",
+                                                        "maxtext_runs")}
+
+
+def target(flat_values: dict[str, np.ndarray]) -> dict:
+    return nest({k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in flat_values.items()})
+
+
+def test_old_pytree_folder_into_scanned_target_with_standard_checkpointer(fixtures, values):
+    path = fixtures["orbax_0.2.3_unscanned"] / "pytree_checkpointer"
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(path, target(values["scanned"]))
+    assert_same(flat(restored), values["scanned"])
+
+
+def test_old_manager_steps_into_scanned_target(fixtures, values):
+    manager = ocp.CheckpointManager(fixtures["orbax_0.2.3_unscanned"] / "checkpoint_manager")
+    assert manager.all_steps() == [1, 2]
+    restored = manager.restore(2, args=ocp.args.StandardRestore(target(values["scanned"])))
+    assert_same(flat(restored), values["scanned"])
+    as_stored = manager.restore(1)  # no args: the old item restored as it was saved
+    assert_same(flat(as_stored), values["unscanned"])
+
+
+@pytest.mark.parametrize("layout", ["standard_checkpointer_scanned", "checkpoint_manager_default_item_scanned/1/default"])
+def test_new_scanned_into_unscanned_target(fixtures, values, layout):
+    path = fixtures["orbax_0.12.8_scanned"] / layout
+    restored = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(target(values["unscanned"])))
+    assert_same(flat(restored), values["unscanned"])
+
+
+def test_item_state_restored_by_a_default_item_request(fixtures, values):
+    root = fixtures["orbax_0.12.8_scanned"] / "checkpoint_manager_scanned"
+    restored = ocp.CheckpointManager(root).restore(2, args=ocp.args.StandardRestore(target(values["unscanned"])))
+    assert_same(flat(restored), values["unscanned"])
+
+
+def test_item_default_restored_by_a_state_request(fixtures, values):
+    root = fixtures["orbax_0.12.8_scanned"] / "checkpoint_manager_default_item_scanned"
+    manager = ocp.CheckpointManager(root, item_names=("state",))
+    restored = manager.restore(1, args=ocp.args.Composite(state=ocp.args.StandardRestore(target(values["scanned"]))))
+    assert list(restored.keys()) == ["state"]
+    assert_same(flat(restored["state"]), values["scanned"])
+
+
+def test_old_default_item_through_a_composite_checkpointer(fixtures, values):
+    step = fixtures["orbax_0.2.3_unscanned"] / "checkpoint_manager" / "1"
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    restored = checkpointer.restore(step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(target(values["scanned"]))))
+    assert_same(flat(restored["state"]), values["scanned"])
+
+
+def test_maxtext_items_restored_without_args(fixtures):
+    """MaxText names its item ``items``; a fresh manager finds no handler for it on its own.
+
+    Restored as stored: rng keys come back as their uint32 key data (no target names a key type).
+    """
+    root = fixtures["maxtext_runs"] / "tiny_unscanned" / "checkpoints"
+    restored = ocp.CheckpointManager(root).restore(None)
+    with ocp.StandardCheckpointer() as checkpointer:
+        expected = checkpointer.restore(root / "1" / "items")
+    assert list(restored.keys()) == ["items"]
+    as_data = jax.tree_util.tree_map(
+        lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, expected)
+    assert_same(flat(restored["items"]), {k: np.asarray(v) for k, v in flat(as_data).items()})
+
+
+def test_unknown_item_name_is_refused_listing_what_is_there(tmp_path):
+    step = copy_fixture("maxtext_runs", tmp_path) / "tiny_unscanned" / "checkpoints" / "1"
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    (step / "other").mkdir()
+    (step / "other" / "_METADATA").write_text((step / "items" / "_METADATA").read_text())
+    with pytest.raises(PlanError, match=r"asks for item 'state', but checkpoint step .* holds 'items', 'other'"):
+        checkpointer.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))

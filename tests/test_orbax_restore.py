@@ -1,0 +1,171 @@
+"""MaxText train states across ``scan_layers`` through real Orbax calls, bit-exact.
+
+The two MaxText runs start from different random initialisations, so a restored value can only
+equal the expectation if it came from the checkpoint. Expectations are the checkpoint restored
+natively by Orbax, then stacked (``np.stack``) or taken apart (``np.take``) with numpy on the
+MaxText axes: params and optimizer moments on axis 1, NNX rng state on axis 0.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import ckptshim
+from ckptshim.errors import PlanError, ShimError
+from ckptshim.execute import jax_restore
+from orbax_fixtures import assert_same, copy_fixture, flat, scanned_expected, unscanned_expected
+
+LAYERS = 3
+
+
+def axis_of(key: str) -> int:
+    return 0 if "/rngs/" in key else 1
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = copy_fixture("maxtext_runs", tmp_path_factory.mktemp("maxtext"))
+    return {name: root / name / "checkpoints" / "1" / "items" for name in ("tiny_scanned", "tiny_unscanned")}
+
+
+@pytest.fixture(scope="module")
+def native(runs):
+    """Each run's step-1 train state as Orbax restores it itself (layout matches: untouched)."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        return {name: checkpointer.restore(path) for name, path in runs.items()}
+
+
+def train_state(state):
+    """What the issue's target holds: params, optimizer state (mu/nu), step."""
+    return {"params": state["params"], "opt_state": state["opt_state"], "step": state["step"]}
+
+
+def key_data(tree):
+    """Typed PRNG keys as their uint32 data (what Orbax stores), other leaves unchanged."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, tree)
+
+
+def abstract(tree):
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+@pytest.mark.parametrize("kind", ["abstract", "concrete"])
+def test_unscanned_into_scanned_with_standard_checkpointer(runs, native, kind):
+    target = train_state(native["tiny_scanned"])
+    target = abstract(target) if kind == "abstract" else target
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(runs["tiny_unscanned"], target)
+    expected = scanned_expected(flat(train_state(native["tiny_unscanned"])), LAYERS, axis_of)
+    assert_same(flat(restored), expected)
+    leaf = restored["params"]["params"]["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]
+    assert isinstance(leaf, jax.Array) and leaf.shape == (32, LAYERS, 64)
+
+
+def test_scanned_into_unscanned_with_standard_checkpointer(runs, native):
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(runs["tiny_scanned"], abstract(train_state(native["tiny_unscanned"])))
+    expected = unscanned_expected(flat(train_state(native["tiny_scanned"])), LAYERS, axis_of)
+    assert_same(flat(restored), expected)
+
+
+@pytest.mark.parametrize("source,target", [("tiny_unscanned", "tiny_scanned"), ("tiny_scanned", "tiny_unscanned")])
+def test_pytree_checkpointer_partial_restore_across_scan_layers(runs, native, source, target):
+    args = ocp.args.PyTreeRestore(abstract(train_state(native[target])), partial_restore=True)
+    restored = ocp.PyTreeCheckpointer().restore(runs[source], args=args)
+    values = flat(train_state(native[source]))
+    convert = scanned_expected if target == "tiny_scanned" else unscanned_expected
+    assert_same(flat(restored), convert(values, LAYERS, axis_of))
+
+
+def test_rng_state_the_checkpoint_lacks_is_refused_naming_the_layers(runs, native):
+    with ocp.StandardCheckpointer() as checkpointer, pytest.raises(ShimError) as error:
+        checkpointer.restore(runs["tiny_unscanned"], abstract(native["tiny_scanned"]))
+    message = str(error.value)
+    assert ("target key nnx_aux/model/decoder/layers/self_attention/rngs/dropout/key stacks 3 layers, "
+            "but the checkpoint has only layer(s) {0}") in message
+    assert "layers {1..2} are missing" in message and "CKPTSHIM_RNG_FROM_TARGET=1" in message
+
+
+def test_opt_in_rule_keeps_the_targets_own_rng_state(runs, native, monkeypatch):
+    monkeypatch.setenv("CKPTSHIM_RNG_FROM_TARGET", "1")
+    target = native["tiny_scanned"]  # concrete: an initialised state
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(runs["tiny_unscanned"], target)
+        with pytest.raises(PlanError, match="gives only a shape"):
+            checkpointer.restore(runs["tiny_unscanned"], abstract(target))
+    got = flat(restored)
+    expected = scanned_expected(flat(train_state(native["tiny_unscanned"])), LAYERS, axis_of)
+    assert_same({k: v for k, v in got.items() if not k.startswith("nnx_aux/")}, expected)
+    for key, value in flat(target["nnx_aux"]).items():  # the target's own arrays, as given
+        assert got["nnx_aux/" + key] is value
+
+
+def test_matching_layout_runs_orbax_untouched(runs, native, monkeypatch):
+    def refuse(self):
+        raise AssertionError("ckptshim restored a checkpoint Orbax reads itself")
+
+    monkeypatch.setattr(jax_restore.Prepared, "run", refuse)
+    target = abstract(native["tiny_scanned"])
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(runs["tiny_scanned"], target)
+    assert_same(flat(key_data(restored)), flat(key_data(native["tiny_scanned"])))
+
+
+def test_dtype_cast_matches_orbax_cast(runs, native):
+    """f32 per-layer arrays into a bf16 scanned target: cast as Orbax casts (tensorstore)."""
+    params = native["tiny_scanned"]["params"]
+    as_bf16 = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(runs["tiny_unscanned"], {"params": as_bf16})
+        unscanned_bf16 = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16),
+                                                native["tiny_unscanned"]["params"])
+        natively_cast = checkpointer.restore(runs["tiny_unscanned"], {"params": unscanned_bf16})
+    expected = scanned_expected(flat(natively_cast), LAYERS, axis_of)
+    assert_same(flat(restored), expected)
+
+
+def test_nnx_param_only_checkpoint_into_linen_train_state(tmp_path, native):
+    """MaxText's param-only tool writes ``decoder/layers_{i}/.../kernel/value`` in bf16."""
+    params = native["tiny_unscanned"]["params"]["params"]
+    nnx = jax.tree_util.tree_map(lambda x: {"value": x.astype(jnp.bfloat16)}, params)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "nnx", nnx)
+        checkpointer.wait_until_finished()
+        linen = {"params": {"params": jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), native["tiny_scanned"]["params"]["params"])}}
+        restored = checkpointer.restore(tmp_path / "nnx", linen)
+    expected = scanned_expected({"params/params/" + k: np.asarray(v).astype(jnp.bfloat16)
+                                 for k, v in flat(params).items()}, LAYERS, axis_of)
+    assert_same(flat(restored), expected)
+
+
+def test_uninstall_restores_orbax_and_install_puts_the_hook_back():
+    patched = ocp.Checkpointer.restore
+    ckptshim.uninstall(["orbax"])
+    try:
+        assert ocp.Checkpointer.restore is not patched
+        assert not hasattr(ocp.Checkpointer.restore, "__wrapped__")
+        assert ocp.CheckpointManager.restore.__module__.startswith("orbax.")
+    finally:
+        ckptshim.install(["orbax"])
+    assert hasattr(ocp.Checkpointer.restore, "__wrapped__")
+
+
+def test_typed_prng_keys_come_back_as_keys_of_the_targets_impl(runs, native):
+    """NNX names for the params force ckptshim's path; the rng keys then go through it too."""
+    state = native["tiny_scanned"]
+    nnx_params = jax.tree_util.tree_map(lambda x: {"value": x}, state["params"]["params"])
+    target = abstract({"model": nnx_params, "nnx_aux": state["nnx_aux"]})
+    target = {"nnx_aux": target["nnx_aux"], **target["model"]}
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(runs["tiny_scanned"], target)
+    key = restored["nnx_aux"]["model"]["decoder"]["layers"]["self_attention"]["rngs"]["dropout"]["key"]
+    assert key.dtype == state["nnx_aux"]["model"]["decoder"]["layers"]["self_attention"]["rngs"]["dropout"]["key"].dtype
+    assert_same(flat(key_data(restored["nnx_aux"])), flat(key_data(state["nnx_aux"])))
+    assert_same({k.removesuffix("/value"): v for k, v in flat(restored).items() if not k.startswith("nnx_aux")},
+                flat(state["params"]["params"]))
