@@ -233,6 +233,23 @@ def test_set_state_dict_renames_optimizer_state():
         moments, [optimizer.state[p]["exp_avg"] for p in source.parameters()]))
 
 
+def test_python_objects_load_and_unsafe_ones_are_refused(tmp_path):
+    dcp.save({"model": reference(), "meta": {"step": 7, "lrs": [0.1, 0.01]}}, checkpoint_id=tmp_path / "safe")
+    target = {"model": torch.compile(build(seed=1)).state_dict(), "meta": {"step": 0, "lrs": []}}
+    dcp.load(target, checkpoint_id=tmp_path / "safe")
+    assert target["meta"] == {"step": 7, "lrs": [0.1, 0.01]}
+    assert_manifest(target["model"])
+
+    dcp.save({"model": reference(), "meta": {"where": Path("/tmp")}}, checkpoint_id=tmp_path / "unsafe")
+    target = {"model": build(seed=1).state_dict(), "meta": {"where": None}}
+    before = snapshot(target["model"])
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load(target, checkpoint_id=tmp_path / "unsafe")
+    (error, _trace), = raised.value.failures.values()
+    assert isinstance(error, UnsafeCheckpointError) and "'meta.where'" in str(error), error
+    assert unchanged(target["model"], before) and target["meta"] == {"where": None}
+
+
 # -- stacked and per-layer layouts, bytes read once -------------------------------------------
 
 

@@ -20,7 +20,6 @@ import pytest
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-import ckptshim  # noqa: E402,F401
 from ckptshim.formats.detect import open_checkpoint  # noqa: E402
 from manifest import array_sha256, expected_arrays  # noqa: E402
 from test_dcp import assert_manifest, build, module_from, reference, stacked_twin  # noqa: E402

@@ -36,7 +36,7 @@ from ckptshim import config
 from ckptshim.errors import PlanError
 from ckptshim.execute.dcp_storage import Refusal
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, split_key
-from ckptshim.log import report_load
+from ckptshim.log import logger, report_load
 from ckptshim.plan import Plan, Rename, Stack, Synthesize, Unstack
 from ckptshim.plan import plan as make_plan
 from ckptshim.hooks.torch_module import TORCH_SCAN_AXES
@@ -107,20 +107,25 @@ def _side(items: Mapping[str, tuple[tuple[int, ...], str] | None], paths: Mappin
     return _Side(Inventory(entries, source), frozenset(objects))
 
 
-def _sides(metadata: Metadata, state_dict: dict[str, Any], where: str) -> tuple[_Side, _Side]:
+def _sides(metadata: Metadata, state_dict: dict[str, Any], where: str) -> tuple[_Side, _Side, str | None]:
+    """Both sides, and a note when a top-level state-dict name was set aside to match them."""
     flat, target_paths = flatten_state_dict(state_dict)
     source_paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
     source_apps, target_apps = _app_levels(source_paths), _app_levels(target_paths)
     renamed_app = len(source_apps) == len(target_apps) == 1 and source_apps != target_apps
+    strip_source = bool(source_apps) and (not target_apps or renamed_app)
+    strip_target = bool(target_apps) and (not source_apps or renamed_app)
     source_items = {fqn: ((tuple(md.size), dtype_name(md.properties.dtype))
                           if isinstance(md, TensorStorageMetadata) else None)
                     for fqn, md in metadata.state_dict_metadata.items()}
     target_items = {fqn: ((tuple(value.size()), dtype_name(value.dtype))
                           if isinstance(value, torch.Tensor) else None)
                     for fqn, value in flat.items()}
-    return (_side(source_items, source_paths, bool(source_apps) and (not target_apps or renamed_app), where),
-            _side(target_items, target_paths, bool(target_apps) and (not source_apps or renamed_app),
-                  "the state dict passed to dcp.load"))
+    names = [f"the {side}'s {', '.join(map(repr, sorted(apps)))}" for side, apps, strip in
+             (("checkpoint", source_apps, strip_source), ("state dict", target_apps, strip_target)) if strip]
+    return (_side(source_items, source_paths, strip_source, where),
+            _side(target_items, target_paths, strip_target, "the state dict passed to dcp.load"),
+            f"keys matched without the top-level name(s) {' and '.join(names)}" if names else None)
 
 
 def _rules(target: _Side) -> Rules:
@@ -228,10 +233,10 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
     caller's tensor shaped like the stored block, so the storage reader copies straight into it.
     """
 
-    def __init__(self, inner: LoadPlanner | None = None, **default_options: Any) -> None:
-        super().__init__(**default_options)
+    def __init__(self, inner: LoadPlanner | None = None) -> None:
+        super().__init__()
         self._base: LoadPlanner = inner if inner is not None else super()
-        self._allow_missing = bool(getattr(inner if inner is not None else self, "allow_partial_load", False))
+        self._allow_missing = bool(getattr(inner, "allow_partial_load", False))
         self._links: dict[tuple[str, Any], _Link] = {}
         self._virtual_items: dict[ReadItem, ReadItem] = {}
         self._resolved: dict[ReadItem, torch.Tensor] = {}
@@ -243,12 +248,14 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
             raise storage_data.error
         if metadata is not None and state_dict:
             where = str(getattr(metadata.storage_meta, "checkpoint_id", None) or "DCP checkpoint")
-            source, target = _sides(metadata, state_dict, where)
+            source, target, note = _sides(metadata, state_dict, where)
             plan = make_plan(source.inventory, target.inventory, _rules(target))
             plan.require_complete(allow_missing=self._allow_missing, allow_unexpected=True)
             _check_objects(plan, source, target)
             if is_coordinator:
                 report_load(HOOK, plan)
+                if note:
+                    logger.info("%s: %s", HOOK, note)
             metadata, self._links = _virtual(metadata, plan, source, target)
         self._base.set_up_planner(state_dict, metadata, is_coordinator)
 

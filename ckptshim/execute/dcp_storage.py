@@ -1,11 +1,13 @@
 """DCP storage readers over ckptshim's formats: DCP directories, and checkpoints DCP cannot read.
 
 :class:`DcpReader` replaces DCP's ``FileSystemReader``. It reads ``.metadata`` through
-ckptshim's allow-listed unpickler (never ``pickle.load``), checks every file and chunk header
-a load needs before the first byte is written, and reads each stored chunk once: straight into
-the destination with one ``pread`` when the block is contiguous on both sides, else once into a
-buffer from which every destination that needs a slice of it is filled. (The stock reader
-deserialises a whole chunk again for every read item that touches it.)
+ckptshim's allow-listed unpickler (never ``pickle.load``), checks every file, chunk header and
+stored Python object a load needs before the first byte is written (objects must pass torch's
+``weights_only`` unpickler: DCP's default planner would unpickle them without limits), and
+reads each stored chunk once: straight into the destination with one ``pread`` when the block
+is contiguous on both sides, else once into a buffer from which every destination that needs a
+slice of it is filled. (The stock reader deserialises a whole chunk again for every read item
+that touches it.)
 
 :class:`FormatReader` lets ``dcp.load`` read a ``torch.save`` file, a safetensors file or a
 Hugging Face directory, each tensor being one chunk read from a memory map.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import uuid
 import warnings
 from collections.abc import Iterable
@@ -42,7 +45,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckptshim.errors import CorruptCheckpointError, ShimError
+from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError
 from ckptshim.formats import dcp
 from ckptshim.formats.base import Checkpoint, storage_dtype
 from ckptshim.formats.detect import open_checkpoint
@@ -131,6 +134,7 @@ class DcpReader(_Reader):
         super().__init__(path)
         self._checkpoint: dcp.DcpCheckpoint | None = None
         self._layouts: dict[MetadataIndex, dcp.ChunkLayout] = {}
+        self._objects: dict[MetadataIndex, bytes] = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -138,7 +142,7 @@ class DcpReader(_Reader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
-        self._checkpoint, self._layouts = None, {}
+        self._checkpoint, self._layouts, self._objects = None, {}, {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         try:
@@ -155,15 +159,17 @@ class DcpReader(_Reader):
                         storage_meta=self._storage_meta(), version=found.version)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """Check every file and chunk header this rank will read, before any rank writes."""
-        self._layout_all(plan.items)
+        """Check every file, chunk header and object this rank will read, before any rank writes."""
+        self._check_all(plan.items)
         return plan
 
     def _stored(self, item: ReadItem) -> dcp.Stored:
         index = item.storage_index
         return self._checkpoint.stored(index.fqn, None if index.offset is None else tuple(index.offset))
 
-    def _layout_all(self, items: Iterable[ReadItem]) -> None:
+    def _check_all(self, items: Iterable[ReadItem]) -> None:
+        """Files present and long enough, chunk archives as ``.metadata`` says, objects safe to
+        unpickle (kept for :meth:`read_data`); whatever is wrong raises here."""
         assert self._checkpoint is not None, "read_metadata runs first"
         by_file: dict[str, list[ReadItem]] = {}
         for item in items:
@@ -178,26 +184,26 @@ class DcpReader(_Reader):
             with open(path, "rb", buffering=0) as raw:
                 for item in file_items:
                     index = item.storage_index
-                    if item.type == LoadItemType.BYTE_IO or index in self._layouts:
+                    if index in self._layouts or index in self._objects:
+                        continue
+                    where = f"{path}: {index.fqn!r}"
+                    if item.type == LoadItemType.BYTE_IO:
+                        self._objects[index] = _safe_object(raw, self._stored(item), where)
                         continue
                     meta = self._checkpoint.metadata.tensors[index.fqn]
                     chunk = next(c for c in meta.chunks if c.offsets == tuple(index.offset))
-                    where = f"{path}: {index.fqn!r} chunk {list(chunk.offsets)}"
-                    self._layouts[index] = dcp.read_layout(raw, path, self._stored(item), chunk, meta.dtype, where)
+                    self._layouts[index] = dcp.read_layout(raw, path, self._stored(item), chunk, meta.dtype,
+                                                           f"{where} chunk {list(chunk.offsets)}")
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        self._layout_all(plan.items)
+        self._check_all(plan.items)
         tensor_items = [item for item in plan.items if item.type != LoadItemType.BYTE_IO]
         by_chunk: dict[MetadataIndex, list[tuple[ReadItem, torch.Tensor]]] = {}
         for item, destination in _resolve(planner, tensor_items):
             by_chunk.setdefault(item.storage_index, []).append((item, destination))
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
-                stored = self._stored(item)
-                data = bytearray(stored.length)
-                with open(self.path / stored.file, "rb", buffering=0) as raw:
-                    dcp.read_exact(raw, memoryview(data), stored.offset, str(self.path / stored.file))
-                planner.load_bytes(item, io.BytesIO(data))
+                planner.load_bytes(item, io.BytesIO(self._objects[item.storage_index]))
         order = sorted(by_chunk, key=lambda index: (self._layouts[index].file, self._layouts[index].start))
         for file in dict.fromkeys(self._layouts[index].file for index in order):
             with open(file, "rb", buffering=0) as raw:
@@ -208,6 +214,30 @@ class DcpReader(_Reader):
             for item, destination in by_chunk[index]:
                 planner.commit_tensor(item, destination)
         return _done()
+
+
+def _safe_object(raw, stored: dcp.Stored, where: str) -> bytes:
+    """A stored Python object's bytes, once torch's ``weights_only`` unpickler accepts them.
+
+    DCP's default planner unpickles objects with ``weights_only=False``; ckptshim hands on only
+    objects that unpickle without running code from the checkpoint.
+    """
+    data = bytearray(stored.length)
+    dcp.read_exact(raw, memoryview(data), stored.offset, where)
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as error:
+        why = next((line.strip() for line in str(error).splitlines() if "global" in line.lower()),
+                   "it needs globals outside the allow-list")
+        raise UnsafeCheckpointError(
+            f"{where}: the stored object needs more than torch.load(weights_only=True) allows "
+            f"({why}), and ckptshim will not unpickle it. If you trust the "
+            "checkpoint, load it with the hook off (CKPTSHIM_DISABLE_HOOKS=torch-dcp), or leave "
+            "this key out of the state dict you pass to dcp.load.") from None
+    except Exception as error:
+        raise CorruptCheckpointError(f"{where}: the stored object does not load "
+                                     f"({type(error).__name__}: {error}); the file is damaged.") from None
+    return bytes(data)
 
 
 def _span(layout: dcp.ChunkLayout, item: ReadItem) -> tuple[int, int, bool]:

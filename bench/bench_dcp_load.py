@@ -1,0 +1,178 @@
+"""``dcp.load`` with ckptshim on a ~1 GiB checkpoint, single process, page cache hot.
+
+One DCP checkpoint of a plain per-layer model (``{"model": state_dict}``, float32
+``layers.N.weight`` of 4096 x 4096 = 64 MiB each) is written once with ``dcp.save``. Each case
+then runs in fresh subprocesses, several rounds interleaved:
+
+- ``native``: DCP's own load (hooks uninstalled) into the plain model: keys match;
+- ``shimmed``: load into ``torch.compile(model)``: every key needs ``_orig_mod.`` remapping;
+- ``stacked``: load into a model whose layers are one stacked ``[N, 4096, 4096]`` parameter;
+- ``raw``: ``readinto`` of the same rank file into one preallocated buffer (the page-cache
+  ceiling for these bytes).
+
+Time is per load call: the first (which also faults in the freshly allocated model) and the
+median of the later ones (warm), each the median over rounds. Peak memory is the process's
+high-water mark after the loads minus its resident size before the model was allocated (the
+baseline). Targets: shimmed/native time <= 1.0; stacked peak <= model bytes + 10%. Every load
+is checked bit-exactly afterwards.
+Run: ``python bench/bench_dcp_load.py [--mib 1024] [--rounds 3] [--calls 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+CASES = ("native", "shimmed", "stacked", "raw")
+WIDTH = 4096  # one 4096 x 4096 float32 layer is 64 MiB
+
+
+def _layer(index: int):
+    import torch
+
+    return torch.empty(WIDTH, WIDTH).uniform_(generator=torch.Generator().manual_seed(index))
+
+
+def _model(layers: int, stacked: bool):
+    import torch
+    from torch import nn
+
+    root = nn.Module()
+    if stacked:
+        root.layers = nn.Module()
+        root.layers.weight = nn.Parameter(torch.empty(layers, WIDTH, WIDTH))
+    else:
+        root.layers = nn.ModuleList(nn.Module() for _ in range(layers))
+        for layer in root.layers:
+            layer.weight = nn.Parameter(torch.empty(WIDTH, WIDTH))
+    return root
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _baseline_kib() -> int:
+    """The resident size now, with the high-water mark reset to it. (``ru_maxrss`` would not
+    do: Linux carries it over ``exec`` from the parent, which wrote the checkpoint.)"""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS")
+
+
+def save(folder: Path, layers: int) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": {f"layers.{i}.weight": _layer(i) for i in range(layers)}},
+             checkpoint_id=folder)
+
+
+def _raw_read(folder: Path) -> list[float]:
+    import numpy as np
+
+    files = sorted(folder.glob("*.distcp"))
+    buffer = np.empty(max(f.stat().st_size for f in files), np.uint8)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for file in files:
+            with open(file, "rb", buffering=0) as raw:
+                raw.readinto(memoryview(buffer)[: file.stat().st_size])
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def worker(case: str, folder: Path, layers: int, calls: int) -> dict:
+    """One case in this process; one JSON line on stdout."""
+    warnings.simplefilter("ignore")
+    import ckptshim
+
+    if case == "raw":
+        return {"case": case, "times": _raw_read(folder), "peak_extra_kib": 0}
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    if case == "native":
+        ckptshim.uninstall()
+    if case == "shimmed":
+        import torch._dynamo  # noqa: F401  (torch.compile's own import is not the load's memory)
+    baseline = _baseline_kib()
+    model = _model(layers, stacked=case == "stacked")
+    if case == "shimmed":
+        model = torch.compile(model)  # no forward: keys gain _orig_mod., nothing compiles
+    state_dict = model.state_dict()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        dcp.load({"model": state_dict}, checkpoint_id=folder)
+        times.append(time.perf_counter() - start)
+    peak = _status_kib("VmHWM") - baseline
+    weights = [v for v in state_dict.values()]
+    loaded = weights[0].unbind(0) if case == "stacked" else weights
+    assert all(torch.equal(tensor, _layer(i)) for i, tensor in enumerate(loaded)), "not bit-exact"
+    model_bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+    return {"case": case, "times": times, "peak_extra_kib": peak, "model_mib": model_bytes / 2**20}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=1024, help="checkpoint size (default 1024)")
+    parser.add_argument("--rounds", type=int, default=3, help="fresh processes per case")
+    parser.add_argument("--calls", type=int, default=3, help="dcp.load calls per process")
+    parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # worker mode
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    layers = max(1, args.mib * 2**20 // (WIDTH * WIDTH * 4))
+    if args.case:
+        print(json.dumps(worker(args.case, args.folder, layers, args.calls)))
+        return 0
+
+    folder = Path(tempfile.mkdtemp(prefix="bench_dcp_")) / "checkpoint"
+    try:
+        save(folder, layers)
+        size = sum(f.stat().st_size for f in folder.iterdir())
+        print(f"checkpoint: {layers} x {WIDTH}x{WIDTH} float32, {size / 2**30:.3f} GiB on disk; "
+              f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        runs: dict[str, list[dict]] = {case: [] for case in CASES}
+        for _ in range(args.rounds):
+            for case in CASES:
+                out = subprocess.run([sys.executable, __file__, "--case", case, "--folder", str(folder),
+                                      "--mib", str(args.mib), "--calls", str(args.calls)],
+                                     capture_output=True, text=True, check=True)
+                runs[case].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    finally:
+        shutil.rmtree(folder.parent)
+
+    summary = {}
+    for case, results in runs.items():
+        first = statistics.median(r["times"][0] for r in results)
+        warm = statistics.median(t for r in results for t in r["times"][1:])
+        summary[case] = {"first_s": first, "warm_s": warm, "gib_per_s": size / 2**30 / warm,
+                         "peak_extra_mib": max(r["peak_extra_kib"] for r in results) / 1024}
+        print(f"{case:8s} first {first:.3f} s  warm {warm:.3f} s = {summary[case]['gib_per_s']:5.2f} GiB/s  "
+              f"peak over baseline {summary[case]['peak_extra_mib']:7.1f} MiB")
+    model_mib = runs["stacked"][0]["model_mib"]
+    ratio = max(summary["shimmed"][t] / summary["native"][t] for t in ("first_s", "warm_s"))
+    stacked_peak = summary["stacked"]["peak_extra_mib"] / model_mib
+    print(f"shimmed/native time: first {summary['shimmed']['first_s'] / summary['native']['first_s']:.3f}, "
+          f"warm {summary['shimmed']['warm_s'] / summary['native']['warm_s']:.3f}  (target <= 1.0)")
+    print(f"stacked peak / model bytes: {stacked_peak:.3f}  (target <= 1.10)")
+    print(f"warm throughput vs raw page-cache read: shimmed "
+          f"{summary['shimmed']['gib_per_s'] / summary['raw']['gib_per_s']:.0%}, native "
+          f"{summary['native']['gib_per_s'] / summary['raw']['gib_per_s']:.0%}")
+    return 0 if ratio <= 1.0 and stacked_peak <= 1.10 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
