@@ -407,3 +407,22 @@ def test_foreign_file_that_is_damaged(tmp_path):
     (error, _trace), = raised.value.failures.values()
     assert isinstance(error, ShimError)
     assert unchanged(state_dict, before)
+
+
+def test_only_ckptshims_own_bugs_fall_back():
+    """What counts as a bug inside ckptshim (falls back to DCP) and what is final."""
+    from torch.distributed.checkpoint.api import _wrap_exception
+
+    from ckptshim.hooks.torch_dcp import _is_internal
+    from ckptshim.inventory import dtype_name
+
+    def failure(call) -> CheckpointException:
+        try:
+            call()
+        except Exception as error:
+            return CheckpointException("plan", {0: _wrap_exception(error)})
+        raise AssertionError("did not raise")
+
+    assert _is_internal(failure(lambda: dtype_name("no-such-dtype")))  # raised in ckptshim's code
+    assert not _is_internal(failure(lambda: ckptshim.plan(DCP / "missing", DCP / "dcp_plain")))  # ShimError
+    assert not _is_internal(failure(lambda: torch.zeros(2).view(3)))  # torch's own error

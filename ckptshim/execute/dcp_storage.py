@@ -147,6 +147,10 @@ class DcpReader(_Reader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         try:
             self._checkpoint = dcp.open_checkpoint(self.path)
+            if self._checkpoint.problems:
+                raise CorruptCheckpointError(f"{self.path}/.metadata is inconsistent:\n  "
+                                             + "\n  ".join(self._checkpoint.problems)
+                                             + "\nRe-save the checkpoint; ckptshim will not load part of a tensor.")
         except ShimError as error:
             return _refused(error)
         found = self._checkpoint.metadata

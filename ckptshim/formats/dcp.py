@@ -75,6 +75,13 @@ _CALLS: dict[tuple[str, str], Any] = {
 }
 
 
+#: torch dtypes (torch 2.13) that ckptshim has no name for: refused as unreadable, not as unsafe.
+_UNREAD_DTYPES = frozenset(
+    {"bit", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "chalf", "complex32",
+     "float4_e2m1fn_x2", "float8_e8m0fnu", "qint32", "qint8", "quint2x4", "quint4x2", "quint8"}
+    | {f"{kind}{bits}" for kind in ("int", "uint") for bits in range(1, 8)})
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, file: BinaryIO, where: str) -> None:
         super().__init__(file)
@@ -88,7 +95,11 @@ class _MetadataUnpickler(pickle.Unpickler):
             try:
                 return dtype_name(name)  # torch.float32 -> "float32"
             except ValueError:
-                pass
+                if name in _UNREAD_DTYPES:
+                    raise UnknownFormatError(
+                        f"{self.where} describes tensors of dtype torch.{name}, which ckptshim does "
+                        "not read yet. Load this checkpoint with the hook off "
+                        "(CKPTSHIM_DISABLE_HOOKS=torch-dcp).") from None
         raise UnsafeCheckpointError(
             f"{self.where} needs {module}.{name} to unpickle, but DCP metadata holds only "
             "torch.distributed.checkpoint's metadata classes, sizes and dtypes, so ckptshim refuses "
@@ -200,7 +211,7 @@ def load_metadata(file: Path) -> DcpMetadata:
     try:
         with open(file, "rb") as raw:
             root = _MetadataUnpickler(raw, str(file)).load()
-    except UnsafeCheckpointError:
+    except (UnsafeCheckpointError, UnknownFormatError):
         raise
     except OSError as error:
         raise CorruptCheckpointError(f"{file}: cannot be read ({error})") from None
