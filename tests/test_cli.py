@@ -114,3 +114,10 @@ def test_python_dash_m_entry_point():
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["format"] == "torch-pickle"
+
+
+def test_truncated_torch_save_is_reported_as_truncated(tmp_path, capsys):
+    data = (FIXTURES / "torch_dcp_single/torch_save/model.pt").read_bytes()
+    (tmp_path / "model.pt").write_bytes(data[: len(data) // 2])
+    assert main(["inspect", str(tmp_path / "model.pt")]) == 1
+    assert "truncated" in capsys.readouterr().err

@@ -111,13 +111,19 @@ def _unsafe_message(where: str, first: str) -> str:
 
 
 def sniff(path: Path) -> bool:
+    """A zip archive whose first member is ``<archive>/data.pkl`` -- what torch.save writes first.
+
+    Judged from the first local header alone, so a truncated file (its central directory gone)
+    is still recognised, and then reported as truncated rather than as an unknown format.
+    """
     if not path.is_file():
         return False
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return any(name.endswith("/data.pkl") for name in archive.namelist())
-    except (zipfile.BadZipFile, OSError):
-        return False
+    with io.open(path, "rb") as f:
+        header = f.read(30)
+        if len(header) < 30 or header[:4] != b"PK\x03\x04":
+            return False
+        (name_length,) = struct.unpack("<H", header[26:28])
+        return f.read(name_length).endswith(b"/data.pkl")
 
 
 class TorchPickleCheckpoint(Checkpoint):
