@@ -101,7 +101,7 @@ def test_plan_dry_run_lists_dropped_legacy_buffers(capsys):
     old = FIXTURES / "hf_gptneox_tf4.30.2/safetensors"
     new = FIXTURES / "hf_gptneox_tf5_resaved/save_pretrained_default"
     code, info = run_json(capsys, "plan", str(old), "--like", str(new), "--json")
-    assert code == 0 and info["complete"] and info["summary"] == "6 dropped"
+    assert code == 0 and info["complete"] and info["summary"] == "6 dropped (attention.bias, attention.masked_bias, inv_freq)"
     assert "gpt_neox.layers.{0..1}.attention.rotary_emb.inv_freq -> drop(inv_freq)" in info["lines"]
     code, info = run_json(capsys, "plan", str(new), "--like", str(old), "--json")
     assert code == 1 and not info["complete"]

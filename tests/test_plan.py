@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from ckptshim.errors import PlanError, ShimError
-from ckptshim.inventory import Entry, Inventory
+from ckptshim.inventory import Entry, Inventory, join_key
 from ckptshim.plan import (
     Cast, Drop, Mismatch, Plan, Rename, Stack, Synthesize, Unstack, explain, plan, summary,
 )
@@ -89,7 +89,7 @@ def test_wrapper_at_any_depth_either_direction(wrapper, depth, wrapped_side):
     assert p.complete
     assert not p.is_identity
     assert p.ops == (Rename(src_key, tgt_key), Rename(("head",), ("head",)))
-    assert summary(p) == "1 renamed"
+    assert summary(p) == f"1 renamed ({join_key(src_key)} -> {join_key(tgt_key)})"
 
 
 def test_several_nested_wrappers_on_both_sides():
@@ -153,7 +153,7 @@ def test_per_layer_to_stacked_axis_1_maxtext():
     assert p.ops == (Stack(tuple(K(f"decoder/layers_{i}/mlp/wi/kernel") for i in range(4)),
                            K("decoder/layers/mlp/wi/kernel"), 1),)
     assert p.producer(K("decoder/layers/mlp/wi/kernel")) is p.ops[0]
-    assert summary(p) == "4 stacked"
+    assert summary(p) == "4 stacked (axis 1)"
     assert explain(p, "/") == [
         "decoder/layers_{0..3}/mlp/wi/kernel -> stack(axis=1) -> decoder/layers/mlp/wi/kernel"]
 
@@ -192,7 +192,7 @@ def test_stacked_to_per_layer_maxtext():
     assert p.ops == (op,)  # one op, listed once although it produces four keys
     for i in range(4):
         assert p.producer(K(f"decoder/layers_{i}/mlp/wi/kernel")) == op
-    assert summary(p) == "4 unstacked"
+    assert summary(p) == "4 unstacked (axis 1)"
     assert explain(p, "/") == [
         "decoder/layers/mlp/wi/kernel -> unstack(axis=1) -> decoder/layers_{0..3}/mlp/wi/kernel"]
 
@@ -414,7 +414,7 @@ def test_derivable_buffers_are_dropped():
     ]
     # A real parameter that merely ends in "bias" is not derivable: it stays unexpected.
     assert p.unexpected == (K("gpt_neox.layers.0.attention.dense.bias"),)
-    assert summary(p) == "4 dropped, 1 unexpected"
+    assert summary(p) == "4 dropped (attention.bias, attention.masked_bias, inv_freq), 1 unexpected"
 
 
 def test_derivable_buffer_the_target_wants_is_loaded_not_dropped():
@@ -440,7 +440,7 @@ def test_rules_synthesize_fills_missing_target_keys():
     assert p.ops == (Rename(K("w"), K("w")),
                      Synthesize(K("layers.0.attention.bias"), "attention.bias"),
                      Synthesize(K("counter"), "target's own value"))
-    assert summary(p) == "2 synthesized"
+    assert summary(p) == "2 synthesized (attention.bias, target's own value)"
     assert p.producer(K("counter")) == Synthesize(K("counter"), "target's own value")
 
 
@@ -476,7 +476,7 @@ def test_cast_recorded_after_its_producer():
     assert p.ops == (Rename(K("w"), K("w")), Cast(K("w"), "float32", "bfloat16"),
                      Rename(K("v"), K("v")))
     assert p.casts() == {K("w"): Cast(K("w"), "float32", "bfloat16")}
-    assert summary(p) == "1 cast"
+    assert summary(p) == "1 cast (float32 -> bfloat16)"
     assert explain(p) == ["w: cast float32 -> bfloat16"]
 
 
@@ -489,7 +489,7 @@ def test_cast_on_stack_and_unstack():
     assert q.ops == (Unstack(K("layers.w"), (K("layers.0.w"), K("layers.1.w")), 0),
                      Cast(K("layers.0.w"), "bfloat16", "float32"),
                      Cast(K("layers.1.w"), "bfloat16", "float32"))
-    assert summary(q) == "2 unstacked, 2 cast"
+    assert summary(q) == "2 unstacked (axis 0), 2 cast (bfloat16 -> float32)"
 
 
 def test_cast_refused_when_not_allowed():
@@ -673,7 +673,8 @@ def test_rich_plan_ops():
         Synthesize(K("norm_buf"), "target's own value"),
         Drop(K("_orig_mod.layers.0.rotary.inv_freq"), "inv_freq"),
     )
-    assert summary(p) == "1 renamed, 3 stacked, 3 unstacked, 1 synthesized, 1 dropped"
+    assert summary(p) == ("1 renamed (_orig_mod.embed.weight -> embed.weight), 3 stacked (axis 1), "
+                          "3 unstacked (axis 1), 1 synthesized (target's own value), 1 dropped (inv_freq)")
     assert explain(p) == [
         "_orig_mod.embed.weight -> rename -> embed.weight",
         "_orig_mod.layers.{0..2}.w -> stack(axis=1) -> layers.w",

@@ -85,10 +85,31 @@ def explain(plan: Plan, sep: str = ".") -> list[str]:
     return lines
 
 
-def summary(plan: Plan) -> str:
-    """One line: what the shim changed, or that nothing needed changing."""
+def summary(plan: Plan, sep: str = ".") -> str:
+    """One line: what the shim changed, with the rules, axes or an example for each kind.
+
+    ``4 renamed (0.weight -> _orig_mod.0.weight, ...), 6 dropped (attention.bias, inv_freq)``
+    """
+    details: dict[str, list[str]] = {}
+    for op in plan.ops:
+        if isinstance(op, Rename):
+            if op.source != op.target:
+                details.setdefault("renamed", []).append(
+                    f"{join_key(op.source, sep)} -> {join_key(op.target, sep)}")
+        elif isinstance(op, Stack | Unstack):
+            details.setdefault("stacked" if isinstance(op, Stack) else "unstacked", []).append(f"axis {op.axis}")
+        elif isinstance(op, Synthesize | Drop):
+            details.setdefault("synthesized" if isinstance(op, Synthesize) else "dropped", []).append(op.rule)
+        else:
+            details.setdefault("cast", []).append(f"{op.source_dtype} -> {op.target_dtype}")
     counts = plan.counts()
-    words = [f"{n} {kind}" for kind, n in counts.items() if n]
+    words = []
+    for kind, examples in details.items():
+        if kind == "renamed":
+            shown = examples[0] + (", ..." if len(examples) > 1 else "")
+        else:
+            shown = ", ".join(sorted(set(examples)))
+        words.append(f"{counts[kind]} {kind} ({shown})")
     for kind, keys in (("missing", plan.missing), ("unexpected", plan.unexpected),
                        ("mismatched", plan.mismatched)):
         if keys:
