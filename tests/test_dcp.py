@@ -233,6 +233,22 @@ def test_set_state_dict_renames_optimizer_state():
         moments, [optimizer.state[p]["exp_avg"] for p in source.parameters()]))
 
 
+def test_set_model_state_dict_stacks_per_layer_state_into_the_model_in_place():
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    model = module_from(stacked_twin(reference()))
+    storage = {key: value.data_ptr() for key, value in model.state_dict().items()}
+    dsd.set_model_state_dict(model, reference())
+    ref = reference()
+    for key, value in model.state_dict().items():
+        assert value.data_ptr() == storage[key], key  # written in place, no new tensor
+        if key.startswith("layers."):
+            leaf = key[len("layers."):]
+            assert all(torch.equal(value[i], ref[f"layers.{i}.{leaf}"]) for i in range(2)), key
+        else:
+            assert torch.equal(value, ref[key]), key
+
+
 def test_python_objects_load_and_unsafe_ones_are_refused(tmp_path):
     dcp.save({"model": reference(), "meta": {"step": 7, "lrs": [0.1, 0.01]}}, checkpoint_id=tmp_path / "safe")
     target = {"model": torch.compile(build(seed=1)).state_dict(), "meta": {"step": 0, "lrs": []}}

@@ -39,7 +39,7 @@ from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, 
 from ckptshim.log import logger, report_load
 from ckptshim.plan import Plan, Rename, Stack, Synthesize, Unstack
 from ckptshim.plan import plan as make_plan
-from ckptshim.hooks.torch_module import TORCH_SCAN_AXES
+from ckptshim.rules.layers import TORCH_SCAN_AXES
 from ckptshim.rules import DEFAULT_RULES, Rules
 from ckptshim.rules.buffers import derivable_rule
 from ckptshim.rules.prefixes import strip_wrappers

@@ -5,9 +5,9 @@ the model -- and which keep ``_orig_mod.`` when ``torch.compile`` sits inside an
 checkpoint wrapper, so a plain model's state dict is refused there, and a stacked-layer one
 anywhere. These wrappers plan the given keys against the keys ``get_model_state_dict`` reports
 for the model and call the original with a re-keyed dict: renamed entries are the same tensors,
-unstacked layers are ``select`` views, synthesized buffers the model's own values. Stacked
-targets are built with ``torch.stack`` (a copy of those tensors only): the values are already in
-memory and torch's own loader then copies them in. Optimizer state follows renamed keys.
+unstacked layers are ``select`` views, synthesized buffers the model's own values, and stacked
+targets are written layer by layer into views of the model's own tensors (no second copy), all
+checked by the torch executor before anything is written. Optimizer state follows renamed keys.
 Missing and unexpected keys are left for torch to report under the caller's ``strict`` option.
 """
 
@@ -20,14 +20,15 @@ import torch
 from torch import nn
 
 from ckptshim import config
+from ckptshim.execute.torch import Prepared, prepare
 from ckptshim.hooks.seam import guarded
-from ckptshim.hooks.torch_module import TORCH_SCAN_AXES
 from ckptshim.inventory import Entry, Inventory, dtype_name, join_key, split_key
 from ckptshim.log import report_load
-from ckptshim.plan import Plan, Rename, Stack, Synthesize, Unstack
+from ckptshim.plan import Plan, Rename
 from ckptshim.plan import plan as make_plan
 from ckptshim.rules import DEFAULT_RULES, Rules
 from ckptshim.rules.buffers import derivable_rule
+from ckptshim.rules.layers import TORCH_SCAN_AXES
 from ckptshim.rules.prefixes import strip_wrappers
 
 HOOK = "torch.distributed.checkpoint.state_dict.set_model_state_dict"
@@ -61,21 +62,21 @@ def _plan(model: nn.Module, state_dict: Mapping[str, Any]) -> tuple[Plan, dict[s
     return plan, current
 
 
-def _rekeyed(plan: Plan, state_dict: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
-    """The state dict under the model's keys; keys the plan does not use pass through."""
+def _rekeyed(plan: Plan, state_dict: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[dict[str, Any], Prepared]:
+    """The state dict under the model's keys, and the checked load that fills stacked targets.
+
+    Values come from the torch executor: renamed entries are the same tensors, unstacked layers
+    ``select`` views, synthesized buffers the model's own values, stacked targets the model's own
+    tensors (filled through views by ``Prepared.write_stacked``). Keys the plan does not use
+    pass through, for torch to report under the caller's ``strict`` option.
+    """
+    destinations = {split_key(k): v for k, v in current.items() if isinstance(v, torch.Tensor)}
+    prepared = prepare(plan, lambda key: state_dict[join_key(key)], destinations,
+                       allow_missing=True, allow_unexpected=True)
     used = {join_key(key) for op in plan.ops for key in op.sources}
     out = {key: value for key, value in state_dict.items() if key not in used}
-    for op in plan.ops:
-        if isinstance(op, Rename):
-            out[join_key(op.target)] = state_dict[join_key(op.source)]
-        elif isinstance(op, Unstack):
-            whole = state_dict[join_key(op.source)]
-            out.update((join_key(key), whole.select(op.axis, i)) for i, key in enumerate(op.targets))
-        elif isinstance(op, Stack):
-            out[join_key(op.target)] = torch.stack([state_dict[join_key(k)] for k in op.sources], op.axis)
-        elif isinstance(op, Synthesize):
-            out[join_key(op.target)] = current[join_key(op.target)]
-    return out
+    out.update((join_key(key), value) for key, value in prepared.values.items())
+    return out, prepared
 
 
 def _renamed_optimizer(plan: Plan, optim_state_dict: Any) -> Any:
@@ -102,13 +103,22 @@ def _state_arguments(model, optimizers, *, model_state_dict, optim_state_dict, o
     return model, optimizers, model_state_dict, optim_state_dict, options
 
 
-def _remap(model: nn.Module, state_dict: Any) -> tuple[Plan, dict[str, Any]] | None:
+def _prepare(model: nn.Module, state_dict: Mapping[str, Any]) -> tuple[Plan, dict[str, Any], Prepared] | None:
+    """Plan and check the whole load (nothing is written); ``None`` when nothing needs doing."""
+    planned = _plan(model, state_dict)
+    if planned is None:
+        return None
+    plan, current = planned
+    return (plan, *_rekeyed(plan, state_dict, current))
+
+
+def _remap(model: nn.Module, state_dict: Any) -> tuple[Plan, dict[str, Any], Prepared] | None:
     if not isinstance(model, nn.Module) or not isinstance(state_dict, Mapping):
         return None
-    planned = guarded(HOOK, lambda: _plan(model, state_dict), lambda: None)
-    if planned is not None:
-        report_load(HOOK.rsplit(".", 1)[1] + f"({type(model).__name__})", planned[0])
-    return planned
+    remapped = guarded(HOOK, lambda: _prepare(model, state_dict), lambda: None)
+    if remapped is not None:
+        report_load(HOOK.rsplit(".", 1)[1] + f"({type(model).__name__})", remapped[0])
+    return remapped
 
 
 def set_model_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -116,10 +126,12 @@ def set_model_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple
         model, state_dict, options = _model_arguments(*args, **kwargs)
     except TypeError:
         return wrapped(*args, **kwargs)
-    planned = _remap(model, state_dict)
-    if planned is None:
+    remapped = _remap(model, state_dict)
+    if remapped is None:
         return wrapped(*args, **kwargs)
-    return wrapped(model, _rekeyed(planned[0], state_dict, planned[1]), options=options)
+    _, rekeyed, prepared = remapped
+    prepared.write_stacked()
+    return wrapped(model, rekeyed, options=options)
 
 
 def set_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -127,9 +139,10 @@ def set_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple, kwar
         model, optimizers, state_dict, optim_state_dict, options = _state_arguments(*args, **kwargs)
     except TypeError:
         return wrapped(*args, **kwargs)
-    planned = _remap(model, state_dict)
-    if planned is None:
+    remapped = _remap(model, state_dict)
+    if remapped is None:
         return wrapped(*args, **kwargs)
-    plan, current = planned
-    return wrapped(model, optimizers, model_state_dict=_rekeyed(plan, state_dict, current),
+    plan, rekeyed, prepared = remapped
+    prepared.write_stacked()
+    return wrapped(model, optimizers, model_state_dict=rekeyed,
                    optim_state_dict=_renamed_optimizer(plan, optim_state_dict), options=options)

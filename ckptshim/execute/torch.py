@@ -47,7 +47,8 @@ class Prepared:
 
     ``values`` maps each target key the plan provides to a tensor holding its value: for
     stacked targets that is the destination itself (filled by :meth:`write_stacked`), or a new
-    tensor when the destination is on the meta device and has no storage to write into.
+    tensor, filled the same way, when the destination cannot take writes through views (on the
+    meta device, or a DTensor that the framework's loader distributes).
     """
 
     values: dict[KeyPath, torch.Tensor]
@@ -154,7 +155,7 @@ class _Preparer:
         for source_key, layer in zip(op.sources, layers):
             self._check_value(source_key, op.target, layer, destination.select(op.axis, 0))
         whole = destination
-        if destination.is_meta:  # nothing to write into: build the stacked tensor once
+        if not _writable_in_place(destination):  # build the stacked tensor once instead
             whole = torch.empty(destination.shape, dtype=layers[0].dtype, device=layers[0].device)
         prepared.stacks.append((whole, op.axis, layers))
         return whole
@@ -179,6 +180,21 @@ class _Preparer:
             raise PlanError(f"{join_key(source_key)!r} is complex but {join_key(target_key)!r} is "
                             f"{destination.dtype}; copying would drop the imaginary part. Convert "
                             "the checkpoint value explicitly if that is what you want.")
+
+
+def _writable_in_place(tensor: torch.Tensor) -> bool:
+    """Whether layers can be copied into ``select`` views of ``tensor``.
+
+    Not on the meta device (no storage) and not a DTensor (a view of a sharded tensor takes no
+    plain layer; the framework's own loader distributes a whole value instead).
+    """
+    if tensor.is_meta:
+        return False
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        return not isinstance(tensor, DTensor)
+    return True
 
 
 def _require_entry(tensor: torch.Tensor, entry: Entry, side: str) -> None:

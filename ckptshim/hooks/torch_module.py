@@ -47,8 +47,9 @@ from ckptshim.hooks.seam import Patches, guarded
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, split_key
 from ckptshim.log import logger, report_load
 from ckptshim.plan import plan as make_plan
-from ckptshim.rules import DEFAULT_RULES, Rules, ScanAxis
+from ckptshim.rules import DEFAULT_RULES, Rules
 from ckptshim.rules.buffers import derivable_rule
+from ckptshim.rules.layers import TORCH_SCAN_AXES
 from ckptshim.rules.prefixes import WRAPPER_SEGMENTS, strip_wrappers
 from ckptshim.rules.profiles.transformers_mapping import aliases_for
 
@@ -59,9 +60,6 @@ HOOK = "torch.nn.Module.load_state_dict"
 TRANSPARENT_HOP = "_checkpoint_wrapped_module"
 #: FSDP1's hop: below it parameters are flat shards, which no checkpoint names or shapes match.
 FSDP_HOP = "_fsdp_wrapped_module"
-
-#: torch modules keep a stacked layer list on axis 0 unless a rule says otherwise.
-TORCH_SCAN_AXES = tuple(ScanAxis(name, 0) for name in sorted(DEFAULT_RULES.layer_lists))
 
 _BASE_LOAD = nn.Module._load_from_state_dict
 _BASE_SET_EXTRA_STATE = nn.Module.set_extra_state

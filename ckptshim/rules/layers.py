@@ -31,6 +31,11 @@ class ScanAxis:
     axis: int
 
 
+#: torch modules keep a stacked layer list on axis 0 (``experts.w1`` is ``[E, ...]``) unless a
+#: rule says otherwise; used where shapes leave the axis open.
+TORCH_SCAN_AXES: tuple[ScanAxis, ...] = tuple(ScanAxis(name, 0) for name in sorted(LAYER_LIST_NAMES))
+
+
 def layer_splits(key: KeyPath, names: frozenset[str]) -> Iterator[tuple[KeyPath, int]]:
     """Every way to read ``key`` as one layer of a list: ``(stacked key, layer index)``.
 
