@@ -116,3 +116,18 @@ def test_unknown_item_name_is_refused_listing_what_is_there(tmp_path):
     (step / "other" / "_METADATA").write_text((step / "items" / "_METADATA").read_text())
     with pytest.raises(PlanError, match=r"asks for item 'state', but checkpoint step .* holds 'items', 'other'"):
         checkpointer.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+
+
+def test_async_checkpointer_and_legacy_item_keyword(fixtures, values):
+    path = fixtures["orbax_0.2.3_unscanned"] / "pytree_checkpointer"
+    with ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+        restored = checkpointer.restore(path, args=ocp.args.StandardRestore(target(values["scanned"])))
+    assert_same(flat(restored), values["scanned"])
+    restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(path, item=target(values["scanned"]))
+    assert_same(flat(restored), values["scanned"])
+
+
+def test_manager_with_pytree_restore_args(fixtures, values):
+    manager = ocp.CheckpointManager(fixtures["orbax_0.2.3_unscanned"] / "checkpoint_manager")
+    restored = manager.restore(1, args=ocp.args.PyTreeRestore(target(values["scanned"])))
+    assert_same(flat(restored), values["scanned"])

@@ -17,6 +17,7 @@ The checkpoint must offer ``read_into(entry, index, out)`` (see :class:`SliceSou
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -28,6 +29,12 @@ from ckptshim.inventory import Entry, KeyPath, join_key
 from ckptshim.plan import Plan, Rename, Stack, Synthesize, Unstack
 
 _ALIGN = 64  # XLA's CPU client adopts host buffers aligned to this without copying them
+#: Reads started but not finished, in bytes of their destination. Each holds its chunks'
+#: compressed and decompressed bytes until it completes, so this bounds the transient memory
+#: (a stacked target would otherwise start one read per layer at once) while keeping a few
+#: reads going in parallel. On the 1 GiB bench (8 MiB chunks), 16 MiB keeps peak RSS near
+#: 1.08x the restored bytes and is faster than more parallel reads on 2 cores.
+IN_FLIGHT_BYTES = 16 * 2**20
 
 
 class SliceSource(Protocol):
@@ -118,10 +125,19 @@ def _filler(source: SliceSource, plan: Plan, producer, target: TargetLeaf, sep: 
     def fill(index: tuple) -> np.ndarray:
         shape = tuple(s.stop - s.start for s in index)
         out = aligned_empty(shape, target.dtype)
-        started = [(entry, source.read_into(entry, sub, view)) for entry, sub, view in reads(index, out)]
-        for entry, pending in started:
+        started: deque[tuple[Entry, Any, int]] = deque()
+        in_flight = 0
+        for entry, sub, view in reads(index, out):
+            while started and in_flight + view.nbytes > IN_FLIGHT_BYTES:
+                done, pending, size = started.popleft()
+                _wait(pending, source, done, sep)
+                in_flight -= size
+            pending = source.read_into(entry, sub, view)
             if pending is not None:
-                _wait(pending, source, entry, sep)
+                started.append((entry, pending, view.nbytes))
+                in_flight += view.nbytes
+        for entry, pending, _ in started:
+            _wait(pending, source, entry, sep)
         return out
 
     return fill

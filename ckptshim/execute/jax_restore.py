@@ -48,17 +48,18 @@ class Prepared:
     checkpoint: Checkpoint
     target: TargetTree
     plan: Plan
+    where: str
 
     def run(self) -> Any:
         """Read what the plan needs and return the caller's tree filled with it."""
-        report_load(self.plan.target.source, self.plan, SEP)
+        report_load(self.where, self.plan, SEP)
         return self.target.rebuild(executor.build(self.checkpoint, self.plan, self.target.targets, SEP))
 
 
 def prepare(checkpoint: Checkpoint, tree: Any, where: str, restore_args: Any = None) -> Prepared:
     """Plan ``checkpoint`` into ``tree`` (``None``: the checkpoint as stored) and check the plan.
 
-    ``where`` names the call in messages: "target given to <where>".
+    ``where`` names the call (``"orbax StandardCheckpointer.restore(...)"``) in messages and logs.
     """
     checkpoint.require_complete()
     target = TargetTree(as_stored(checkpoint) if tree is None else tree, restore_args)
@@ -72,7 +73,7 @@ def prepare(checkpoint: Checkpoint, tree: Any, where: str, restore_args: Any = N
                 f"{join_key(op.target, SEP)}: the checkpoint cannot provide it and the rule "
                 f"{op.rule!r} keeps the target's own value, but the target gives only a shape "
                 "(jax.ShapeDtypeStruct). Pass concrete arrays for it (an initialised state).")
-    return Prepared(checkpoint, target, plan)
+    return Prepared(checkpoint, target, plan, where)
 
 
 def native_fits(prepared: Prepared, *, readable: bool, partial: bool) -> bool:

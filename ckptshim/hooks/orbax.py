@@ -11,8 +11,9 @@ on-disk layout is one today's Orbax reads and its keys match the target one to o
 original function runs untouched. Otherwise -- layers stacked differently, Linen vs NNX names,
 item ``state`` vs ``default``, pre-``_METADATA`` layouts, legacy Flax msgpack files, an
 incomplete checkpoint -- ckptshim restores it, or refuses with a :class:`ShimError` that says
-what does not fit. Calls it does not understand (other handlers, ``transforms``, the deprecated
-``items=`` manager API) go to Orbax unchanged.
+what does not fit. Calls it does not understand (other handlers, ``transforms``,
+``StandardRestore(strict=False)``, the deprecated ``items=`` manager API, paths that are not
+local folders) go to Orbax unchanged.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def request_of(args: Any) -> Request | None:
     if args is None:
         return Request("standard")
     if isinstance(args, ocp.args.StandardRestore):
+        if not args.strict:
+            return None  # Orbax pads and truncates mismatched shapes then; ckptshim never does
         return Request("standard", args.item)
     if isinstance(args, ocp.args.PyTreeRestore):
         if args.transforms or args.legacy_transform_fn is not None:
