@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 
-from ckptshim.errors import CorruptCheckpointError
+from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import kvstore, msgpack_tree, zarr
 from ckptshim.formats.base import Checkpoint, FileInfo, file_info, storage_dtype
 from ckptshim.formats.ts_arrays import TensorstoreArrays, numpy_dtype
@@ -36,17 +36,13 @@ PLACEHOLDER = "PLACEHOLDER://"
 _ARRAY_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
 
 
-def is_item_dir(path: Path) -> bool:
+def sniff(path: Path) -> bool:
     """Cheap: does ``path`` look like one Orbax PyTree item (any layout)?"""
     if not path.is_dir():
         return False
     if (path / METADATA).is_file() or (path / "manifest.ocdbt").is_file():
         return True
     return msgpack_tree.is_msgpack_file(path / AGGREGATE)
-
-
-def sniff(path: Path) -> bool:
-    return is_item_dir(path)
 
 
 @dataclass(frozen=True)
@@ -126,9 +122,14 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
     else:
         aggregate = msgpack_tree.map_file(path / AGGREGATE)
         tree = msgpack_tree.read_tree(aggregate, str(path / AGGREGATE))
+        found = msgpack_tree.leaves(tree)
+        if any(key[-2:] == ("kvstore", "driver") for key in found):
+            raise UnknownFormatError(
+                f"{path / AGGREGATE} names its arrays by tensorstore specs, as T5X's legacy "
+                "checkpointer does, not by Orbax PLACEHOLDER leaves; ckptshim does not read T5X "
+                "legacy checkpoints as Orbax ones.")
         leaves = [(key, leaf[len(PLACEHOLDER):] if isinstance(leaf, str) else leaf)
-                  for key, leaf in msgpack_tree.leaves(tree).items()
-                  if not isinstance(leaf, str) or leaf.startswith(PLACEHOLDER)]
+                  for key, leaf in found.items() if not isinstance(leaf, str) or leaf.startswith(PLACEHOLDER)]
         version = f"legacy aggregate{' + ocdbt' if ocdbt else ''}"
 
     listed = kvstore.list_keys(path, ocdbt)
