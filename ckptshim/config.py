@@ -2,7 +2,9 @@
 
 ``CKPTSHIM_DISABLE=1`` turns everything off; ``CKPTSHIM_DISABLE_HOOKS=orbax,t5x`` turns off
 single hooks; ``CKPTSHIM_STRICT=1`` turns every guess into an error; ``CKPTSHIM_LOG=info|debug``
-prints the summary (or the whole plan) of every load on stderr.
+prints the summary (or the whole plan) of every load on stderr; ``CKPTSHIM_RNG_FROM_TARGET=1``
+opts in to keeping the target's own rng state where the checkpoint's does not fit (see
+:mod:`ckptshim.rules.profiles.maxtext`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ def disabled_hooks() -> frozenset[str]:
 
 def strict() -> bool:
     return os.environ.get("CKPTSHIM_STRICT", "").strip().lower() in _TRUE
+
+
+def rng_from_target() -> bool:
+    return os.environ.get("CKPTSHIM_RNG_FROM_TARGET", "").strip().lower() in _TRUE
 
 
 def log_level() -> str | None:

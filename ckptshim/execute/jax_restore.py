@@ -118,7 +118,7 @@ def as_stored(checkpoint: Checkpoint) -> dict:
 
 def _plan(source: Inventory, target_inv: Inventory, rules: Rules) -> Plan:
     """The plan; with the opt-in rng rule, rng state the checkpoint cannot fill stays the target's."""
-    keep_rng = maxtext.rng_from_target() and any(map(maxtext.is_rng_state, target_inv))
+    keep_rng = config.rng_from_target() and any(map(maxtext.is_rng_state, target_inv))
     try:
         result = make_plan(source, target_inv, rules)
         if not keep_rng or not _rng_unfit(result):
@@ -144,7 +144,7 @@ def _require_fit(plan: Plan, rules: Rules) -> None:
             [f"checkpoint {plan.source.source} does not fit target {plan.target.source}: "
              "the two stack different numbers of layers:"] + [f"  {line}" for line in gaps]
             + (["MaxText keeps NNX rng state for layer 0 only when layers are not scanned. To "
-                f"keep the target's own rng state instead, set {maxtext.RNG_FROM_TARGET_ENV}=1 "
+                f"keep the target's own rng state instead, set CKPTSHIM_RNG_FROM_TARGET=1 "
                 "and pass the target as concrete arrays."] if rng else [])
             + ["Restore into a target with the checkpoint's layer count, or leave those keys out "
                "of the target."]))

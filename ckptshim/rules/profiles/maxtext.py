@@ -16,8 +16,6 @@ concrete arrays (an initialised state), not abstract shapes.
 
 from __future__ import annotations
 
-import os
-
 from ckptshim.inventory import Inventory, KeyPath
 from ckptshim.rules.layers import ScanAxis, layer_splits
 
@@ -25,7 +23,6 @@ from ckptshim.rules.layers import ScanAxis, layer_splits
 SCAN_AXES: tuple[ScanAxis, ...] = (ScanAxis("rngs", 0), ScanAxis("layers", 1))
 
 RNG_COMPONENT = "rngs"
-RNG_FROM_TARGET_ENV = "CKPTSHIM_RNG_FROM_TARGET"
 
 
 def applies(*inventories: Inventory) -> bool:
@@ -44,8 +41,3 @@ def applies(*inventories: Inventory) -> bool:
 
 def is_rng_state(key: KeyPath) -> bool:
     return RNG_COMPONENT in key[:-1]
-
-
-def rng_from_target() -> bool:
-    """The opt-in switch: keep the target's own rng state when the checkpoint's does not fit."""
-    return os.environ.get(RNG_FROM_TARGET_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
