@@ -774,3 +774,23 @@ def test_casts_follow_their_producer():
     for i, op in enumerate(p.ops):
         if isinstance(op, Cast):
             assert position[id(p.producer(op.target))] < i, p.ops
+
+
+# -- housekeeping ---------------------------------------------------------------------------------
+
+
+def test_plan_restores_the_garbage_collector_state():
+    import gc
+
+    assert gc.isenabled()
+    plan(inv({"w": (3,)}), inv({"w": (3,)}))
+    assert gc.isenabled()
+    with pytest.raises(PlanError):
+        plan(inv({"module.w": (3,), "_orig_mod.w": (3,)}), inv({"w": (3,)}))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        plan(inv({"w": (3,)}), inv({"w": (3,)}))
+        assert not gc.isenabled()  # a caller's choice is left alone
+    finally:
+        gc.enable()

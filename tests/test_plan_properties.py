@@ -258,7 +258,6 @@ def test_plan_never_mis_maps_and_inverts():
             outcomes.append("planned")
 
     run()
-    print({kind: outcomes.count(kind) for kind in sorted(set(outcomes))})
     # Guard against a vacuous property: most cases must plan, and many of them must stack.
     assert outcomes.count("refused") < len(outcomes) // 2, outcomes.count("refused")
     assert outcomes.count("stacked") > len(outcomes) // 5, outcomes.count("stacked")

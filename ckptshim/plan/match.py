@@ -15,7 +15,9 @@ Everything here is linear in the number of keys and touches no tensor bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ckptshim.errors import PlanError
@@ -37,7 +39,25 @@ def plan(source: Inventory, target: Inventory, rules: Rules = DEFAULT_RULES) -> 
     wanted, a stacking axis the shapes and rules leave open); anything that simply does not
     match ends up in the plan's ``missing``/``unexpected``/``mismatched``.
     """
-    return _Planner(source, target, rules).run()
+    with _gc_paused():
+        return _Planner(source, target, rules).run()
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while planning.
+
+    Planning allocates about one small, acyclic object per key; with a million keys the
+    collector's full passes over everything alive (the inventories alone hold millions of
+    tuples) would otherwise take a third of the time, and free nothing.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass
@@ -58,13 +78,18 @@ class _Planner:
         self.casts: dict[KeyPath, Cast] = {}
         self.mismatched: list[Mismatch] = []
         self.used: set[KeyPath] = set()               # source keys consumed
+        self.source_canonical: dict[KeyPath, KeyPath] = {}  # canonical -> source key (pass 2)
 
     def run(self) -> Plan:
-        unmatched = [key for key in self.target if not self._pair(key, key)]
+        unmatched: list[KeyPath] = []
+        for key in self.target:
+            if key in self.source:
+                self._pair(key, key)
+            else:
+                unmatched.append(key)
         if unmatched:
-            unmatched = self._match_canonical(unmatched)
-        if unmatched:
-            unmatched = self._match_layers(unmatched)
+            unmatched_canonical = self._match_canonical(unmatched)
+            unmatched = self._match_layers(unmatched_canonical) if unmatched_canonical else []
         leftover_sources = [key for key in self.source if key not in self.used]
         drops = self._drops(leftover_sources)
         missing: list[KeyPath] = []
@@ -78,8 +103,11 @@ class _Planner:
         emitted: set[int] = set()
         for key in self.target:  # target order, each producer once and before its casts
             op = self.assigned.get(key)
-            if op is not None and id(op) not in emitted:
-                emitted.add(id(op))
+            if isinstance(op, Unstack):  # the only producer with several targets: list it once
+                if id(op) not in emitted:
+                    emitted.add(id(op))
+                    ops.append(op)
+            elif op is not None:
                 ops.append(op)
             if key in self.casts:
                 ops.append(self.casts[key])
@@ -91,28 +119,29 @@ class _Planner:
 
     # -- pass 1 and 2: one source per target ------------------------------------------------
 
-    def _pair(self, source_key: KeyPath, target_key: KeyPath) -> bool:
-        """Match one source key to one target key if the source has it; False if it does not."""
-        src = self.source.get(source_key)
-        if src is None:
-            return False
-        tgt = self.target[target_key]
+    def _pair(self, source_key: KeyPath, target_key: KeyPath) -> None:
+        """Match a source key (which the source has) to one target key."""
+        src, tgt = self.source[source_key], self.target[target_key]
         self.used.add(source_key)
         if src.shape != tgt.shape:
             self.mismatched.append(Mismatch(source_key, target_key, src.shape, tgt.shape))
-            return True
+            return
         self.assigned[target_key] = Rename(source_key, target_key)
-        self._cast(src, tgt)
-        return True
+        if src.dtype != tgt.dtype:
+            self._cast(src, tgt)
 
-    def _match_canonical(self, targets: list[KeyPath]) -> list[KeyPath]:
+    def _match_canonical(self, targets: list[KeyPath]) -> dict[KeyPath, KeyPath]:
+        """Pair targets and sources by canonical name; the unmatched targets -> their canonical."""
         by_canonical = self._unique_canonical((k for k in self.source if k not in self.used), "checkpoint")
+        self.source_canonical = by_canonical
         wanted = self._unique_canonical(targets, "target")
-        unmatched = []
+        unmatched: dict[KeyPath, KeyPath] = {}
         for canon, target_key in wanted.items():
             source_key = by_canonical.get(canon)
-            if source_key is None or not self._pair(source_key, target_key):
-                unmatched.append(target_key)
+            if source_key is None:
+                unmatched[target_key] = canon
+            else:
+                self._pair(source_key, target_key)
         return unmatched
 
     def _unique_canonical(self, keys, side: str) -> dict[KeyPath, KeyPath]:
@@ -130,31 +159,30 @@ class _Planner:
 
     # -- pass 3: layer lists ---------------------------------------------------------------
 
-    def _match_layers(self, targets: list[KeyPath]) -> list[KeyPath]:
-        names = self.rules.layer_lists
-        whole_sources: dict[KeyPath, KeyPath] = {}
+    def _match_layers(self, targets: dict[KeyPath, KeyPath]) -> list[KeyPath]:
+        """Stack or unstack ``targets`` (target key -> canonical); return those still unmatched."""
+        splits = _layer_splitter(self.rules.layer_lists)
+        whole_sources = {canon: key for canon, key in self.source_canonical.items()
+                         if key not in self.used}  # in source order
         layered_sources: dict[KeyPath, dict[int, KeyPath]] = {}
-        for key in self.source:
-            if key in self.used:
-                continue
-            canon = self.canonical(key)
-            whole_sources[canon] = key
-            for stacked, index in layer_splits(canon, names):
-                layer = layered_sources.setdefault(stacked, {})
-                if index in layer:
+        for canon, key in whole_sources.items():
+            for stacked, index in splits(canon):
+                layer = layered_sources.get(stacked)
+                if layer is None:
+                    layer = layered_sources[stacked] = {}
+                elif index in layer:
                     raise PlanError(
                         f"checkpoint keys {join_key(layer[index])!r} and {join_key(key)!r} are "
                         f"both layer {index} of {join_key(stacked)!r}; keep one of them.")
                 layer[index] = key
 
-        groups: dict[KeyPath, _Group] = {}
+        groups: dict[tuple[str, KeyPath], _Group] = {}
         unmatched: list[KeyPath] = []
-        for key in targets:
-            canon = self.canonical(key)
+        for key, canon in targets.items():
             options: list[tuple[KeyPath, int | None]] = []
             if canon in layered_sources:
                 options.append((canon, None))
-            options += [(stacked, index) for stacked, index in layer_splits(canon, names)
+            options += [(stacked, index) for stacked, index in splits(canon)
                         if stacked in whole_sources]
             if not options:
                 unmatched.append(key)
@@ -167,10 +195,12 @@ class _Planner:
                     + "; ckptshim will not guess. Add a rule that names the layer list.")
             stacked, index = options[0]
             if index is None:
-                groups[("stack",) + canon] = _Group(key, dict(layered_sources[canon]), stacking=True)
+                groups["stack", canon] = _Group(key, dict(layered_sources[canon]), stacking=True)
             else:
                 source_key = whole_sources[stacked]
-                group = groups.setdefault(("unstack",) + stacked, _Group(source_key, {}, stacking=False))
+                group = groups.get(("unstack", stacked))
+                if group is None:
+                    group = groups["unstack", stacked] = _Group(source_key, {}, stacking=False)
                 other = group.layers.setdefault(index, key)
                 if other != key:
                     raise PlanError(
@@ -191,7 +221,7 @@ class _Planner:
             if not group.axes:
                 continue  # already recorded as a mismatch
             axis = self._choose_axis(group, root_axes)
-            layers = tuple(group.layers[i] for i in range(len(group.layers)))
+            layers = tuple(map(group.layers.__getitem__, range(len(group.layers))))
             if group.stacking:
                 self.assigned[group.whole] = Stack(layers, group.whole, axis)
                 self.used.update(layers)
@@ -199,9 +229,11 @@ class _Planner:
             else:
                 op = Unstack(group.whole, layers, axis)
                 self.used.add(group.whole)
-                for key in layers:
-                    self.assigned[key] = op
-                    self._cast(self.source[group.whole], self.target[key])
+                self.assigned.update(dict.fromkeys(layers, op))
+                src = self.source[group.whole]
+                if self.target[layers[0]].dtype != src.dtype:  # the layers share one dtype
+                    for key in layers:
+                        self._cast(src, self.target[key])
 
     def _candidate_axes(self, group: _Group) -> tuple[int, ...]:
         """Axes along which the per-layer shape and the stacked shape agree."""
@@ -215,11 +247,12 @@ class _Planner:
                 f"{join_key(group.whole)!r} but not {_span(absent or [i for i in range(max(have) + 1) if i not in group.layers])}; "
                 "the layer list must be complete to stack or unstack. Supply the missing layers "
                 "(or, for state the target can rebuild, a documented synthesis rule).")
-        dtypes = {per_layer_inv[k].dtype for k in group.layers.values()}
+        entries = [per_layer_inv[k] for k in group.layers.values()]
+        dtypes = {entry.dtype for entry in entries}
         if len(dtypes) != 1:
             raise PlanError(f"the layers of {join_key(group.whole)!r} have different dtypes "
                             f"({sorted(dtypes)}); they cannot be stacked into one array.")
-        shapes = {per_layer_inv[k].shape for k in group.layers.values()}
+        shapes = {entry.shape for entry in entries}
         whole = whole_inv[group.whole].shape
         example = next(iter(group.layers.values()))
         if len(shapes) != 1:
@@ -281,11 +314,32 @@ def _span(indices: list[int]) -> str:
 
 def _canonicalizer(rules: Rules) -> Callable[[KeyPath], KeyPath]:
     wrappers, aliases = rules.wrappers, rules.aliases
+    bare_parents: dict[KeyPath, KeyPath] = {}  # parent path -> the same without wrappers
 
     def canonical(key: KeyPath) -> KeyPath:
-        key = strip_wrappers(key, wrappers)
+        parent = key[:-1]
+        if not wrappers.isdisjoint(parent):  # wrapped keys share a few parents: strip each once
+            bare = bare_parents.get(parent)
+            if bare is None:
+                bare = bare_parents[parent] = strip_wrappers(key, wrappers)[:-1]
+            key = bare + key[-1:]
         for alias in aliases:
             key = alias.rewrite(key)
         return key
 
     return canonical
+
+
+def _layer_splitter(names: frozenset[str]) -> Callable[[KeyPath], list[tuple[KeyPath, int]]]:
+    """:func:`layer_splits` for many keys: a key's splits depend only on its parent path (the
+    leaf is never a list component and stays last), and keys share a few thousand parents."""
+    by_parent: dict[KeyPath, list[tuple[KeyPath, int]]] = {}
+
+    def splits(key: KeyPath) -> list[tuple[KeyPath, int]]:
+        parent, leaf = key[:-1], key[-1:]
+        found = by_parent.get(parent)
+        if found is None:
+            found = by_parent[parent] = [(stacked[:-1], index) for stacked, index in layer_splits(key, names)]
+        return [(stacked + leaf, index) for stacked, index in found]
+
+    return splits

@@ -48,9 +48,10 @@ class Plan:
 
     def __post_init__(self) -> None:
         for op in self.ops:
-            if not isinstance(op, (Cast, Drop)):
-                for key in op.targets:
-                    self._producers[key] = op
+            if isinstance(op, Unstack):
+                self._producers.update(dict.fromkeys(op.targets, op))
+            elif not isinstance(op, (Cast, Drop)):  # Rename, Stack, Synthesize: one target
+                self._producers[op.target] = op
 
     @property
     def complete(self) -> bool:
