@@ -10,6 +10,7 @@ from ckptshim.formats.detect import open_checkpoint
 from ckptshim.plan import Plan
 from ckptshim.plan import plan as make_plan
 from ckptshim.rules import DEFAULT_RULES, Rules
+from ckptshim.rules.profiles import rules_for_trees
 
 
 def inspect(path: str | Path) -> Checkpoint:
@@ -18,9 +19,16 @@ def inspect(path: str | Path) -> Checkpoint:
 
 
 def plan(source: str | Path, like: str | Path, rules: Rules | None = None) -> Plan:
-    """Dry run: how the checkpoint at ``source`` would load into the layout of ``like``."""
-    rules = rules or DEFAULT_RULES.extend(strict=config.strict())
+    """Dry run: how the checkpoint at ``source`` would load into the layout of ``like``.
+
+    Without explicit ``rules``, JAX-style checkpoints (``/`` keys) plan with the rules the Orbax
+    and Flax hooks use (Linen/NNX spellings, MaxText scan axes), torch ones with the defaults.
+    """
     src, tgt = open_checkpoint(source), open_checkpoint(like)
+    if rules is None:
+        jax_trees = "/" in (src.key_sep, tgt.key_sep)
+        rules = (rules_for_trees(src.inventory, tgt.inventory) if jax_trees
+                 else DEFAULT_RULES.extend(strict=config.strict()))
     try:
         return make_plan(src.inventory, tgt.inventory, rules)
     finally:

@@ -121,3 +121,15 @@ def test_truncated_torch_save_is_reported_as_truncated(tmp_path, capsys):
     (tmp_path / "model.pt").write_bytes(data[: len(data) // 2])
     assert main(["inspect", str(tmp_path / "model.pt")]) == 1
     assert "truncated" in capsys.readouterr().err
+
+
+def test_plan_on_maxtext_runs_uses_the_jax_tree_rules(capsys):
+    """`ckptshim plan` stacks a MaxText unscanned run onto the scanned one on axis 1."""
+    runs = FIXTURES / "maxtext_runs"
+    unscanned = runs / "tiny_unscanned/checkpoints/1/items"
+    scanned = runs / "tiny_scanned/checkpoints/1/items"
+    code, info = run_json(capsys, "plan", str(unscanned), "--like", str(scanned), "--json", "--sep", "/")
+    assert "params/params/decoder/layers_{0..2}/mlp/wo/kernel -> stack(axis=1) -> " \
+           "params/params/decoder/layers/mlp/wo/kernel" in info["lines"]
+    # the unscanned run keeps NNX rng state for layers_0 only: the rest cannot be planned
+    assert code == 1 and info["missing"] and all("rngs" in key for key in info["missing"])

@@ -26,19 +26,11 @@ from ckptshim.inventory import Inventory, join_key, unflatten
 from ckptshim.log import report_load
 from ckptshim.plan import Cast, Plan, Rename, Synthesize, plan as make_plan
 from ckptshim.plan.explain import _ranges
-from ckptshim.rules import DEFAULT_RULES, Rules
-from ckptshim.rules.flax_names import LINEN_NNX
+from ckptshim.rules import Rules
 from ckptshim.rules.layers import layer_splits
-from ckptshim.rules.profiles import maxtext
+from ckptshim.rules.profiles import maxtext, rules_for_trees
 
 SEP = "/"
-
-
-def rules_for(source: Inventory, target: Inventory) -> Rules:
-    rules = DEFAULT_RULES.extend(aliases=LINEN_NNX, strict=config.strict())
-    if maxtext.applies(source, target):
-        rules = rules.extend(scan_axes=maxtext.SCAN_AXES)
-    return rules
 
 
 @dataclass(frozen=True)
@@ -64,7 +56,7 @@ def prepare(checkpoint: Checkpoint, tree: Any, where: str, restore_args: Any = N
     checkpoint.require_complete()
     target = TargetTree(as_stored(checkpoint) if tree is None else tree, restore_args)
     target_inv = target.inventory(f"given to {where}")
-    rules = rules_for(checkpoint.inventory, target_inv)
+    rules = rules_for_trees(checkpoint.inventory, target_inv)
     plan = _plan(checkpoint.inventory, target_inv, rules)
     _require_fit(plan, rules)
     for op in plan.ops:

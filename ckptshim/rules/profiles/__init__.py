@@ -4,3 +4,19 @@ Where a framework already publishes its own rename table (transformers' checkpoi
 mapping), the profile is read from it at load time rather than copied here, so it never goes
 stale; see :mod:`.transformers_mapping`.
 """
+
+from __future__ import annotations
+
+from ckptshim import config
+from ckptshim.inventory import Inventory
+from ckptshim.rules import DEFAULT_RULES, Rules
+from ckptshim.rules.flax_names import LINEN_NNX
+from ckptshim.rules.profiles import maxtext
+
+
+def rules_for_trees(source: Inventory, target: Inventory) -> Rules:
+    """The rules for a JAX tree pair: Linen/NNX spellings, MaxText scan axes where they apply."""
+    rules = DEFAULT_RULES.extend(aliases=LINEN_NNX, strict=config.strict())
+    if maxtext.applies(source, target):
+        rules = rules.extend(scan_axes=maxtext.SCAN_AXES)
+    return rules
