@@ -44,6 +44,8 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec("torch-dcp", "torch.distributed.checkpoint", "ckptshim.hooks.torch_dcp", "torch", ("2.4", "3")),
     HookSpec("orbax", "orbax.checkpoint", "ckptshim.hooks.orbax", "orbax-checkpoint", ("0.11", "1")),
     HookSpec("flax", "flax.training.checkpoints", "ckptshim.hooks.flax", "flax", ("0.10", "1")),
+    HookSpec("deepspeed", "deepspeed", "ckptshim.hooks.deepspeed", "deepspeed", ("0.14", "1")),
+    HookSpec("t5x", "t5x.checkpoints", "ckptshim.hooks.t5x", "t5x", ("0", "1")),
 )
 
 _lock = _thread.RLock()

@@ -1,0 +1,273 @@
+"""T5X checkpoints, both generations, read as T5X's own optimizer state dict.
+
+- **Legacy** (``t5x.checkpoints.Checkpointer``, versions 2 and 3): ``checkpoint_<step>/checkpoint``
+  is a Flax msgpack ``{'version': 3, 'optimizer': {'target': ..., 'state': ...}}`` whose
+  partitioned arrays are tensorstore spec dicts ``{'driver': 'zarr', 'kvstore': {'driver':
+  'file'|'gcs', 'path': 'target.<dotted>/'}, 'metadata': ...}`` relative to the step folder, and
+  whose small arrays and scalars are stored inline. (Version 2 differs only in writing bfloat16
+  arrays to tensorstore as uint16 bit patterns; those are listed and read as bfloat16, as
+  T5X's ``LazyAwaitableArray.from_tensor_store_spec`` reads them.)
+- **Orbax-era** (``OrbaxCheckpointManagerInterface``): ``checkpoint_<step>/state/`` is an Orbax
+  PyTree item whose tree paths are ``('target', ...)`` / ``('state', ...)``, next to a
+  ``dataset/`` item.
+
+Both are listed with the keys of the state dict ``load_t5x_checkpoint`` returns (``target/...``,
+``state/...``), so one generation plans against the other with no renames. A spec is rewritten
+to the local step folder whatever bucket or driver it names -- the checkpoint may have been
+copied off GCS -- and refused if its path leaves that folder: a checkpoint must not make
+ckptshim read files it does not contain.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
+from ckptshim.formats import kvstore, msgpack_tree, orbax, zarr
+from ckptshim.formats.base import Checkpoint, file_info, storage_dtype
+from ckptshim.formats.ts_arrays import numpy_dtype
+from ckptshim.inventory import Entry, Inventory, KeyPath
+
+NAME = "t5x"
+AGGREGATE = "checkpoint"
+STATE_ITEM = "state"
+VERSIONS = (2, 3)
+_STEP = re.compile(r"^checkpoint_(\d+)$")
+_TOP_KEYS = frozenset({"version", "optimizer"})
+_SPEC_KEYS = frozenset({"driver", "kvstore", "metadata"})
+_KVSTORE_DRIVERS = frozenset({"file", "gfile", "gcs"})
+
+
+# -- recognising ------------------------------------------------------------------------------
+
+
+def _first_key(path: Path) -> str | None:
+    """The first key of the msgpack map in ``path`` (reads a few bytes), or ``None``."""
+    if not msgpack_tree.is_msgpack_file(path):
+        return None
+    with open(path, "rb") as f:
+        head = f.read(64)
+    offset = 1 if head[0] <= 0x8F else 3 if head[0] == 0xDE else 5
+    if len(head) <= offset:
+        return None
+    b = head[offset]
+    start, length = (offset + 1, b & 0x1F) if 0xA0 <= b <= 0xBF else \
+        (offset + 2, head[offset + 1]) if b == 0xD9 and len(head) > offset + 1 else (0, -1)
+    if length < 0:
+        return None
+    return head[start:start + length].decode("utf-8", "replace")
+
+
+def is_legacy_step(path: Path) -> bool:
+    """Cheap: a folder whose ``checkpoint`` msgpack starts with T5X's ``version``/``optimizer``."""
+    return path.is_dir() and _first_key(path / AGGREGATE) in _TOP_KEYS
+
+
+def is_orbax_step(path: Path) -> bool:
+    """A step folder written by T5X's Orbax path: a ``state`` item whose tree is target/state."""
+    item = path / STATE_ITEM
+    if not (path.is_dir() and orbax.sniff(item)):
+        return False
+    meta = path / "_CHECKPOINT_METADATA"
+    if meta.is_file() and "t5x." in meta.read_text(errors="replace"):
+        return True
+    tree = item / orbax.METADATA
+    return (path / "dataset").is_dir() and tree.is_file() and "('target'," in tree.read_text(errors="replace")
+
+
+def steps(root: Path) -> dict[int, Path]:
+    """Step number -> ``checkpoint_<step>`` folder of either generation, under a model dir."""
+    if not root.is_dir():
+        return {}
+    found = {}
+    for child in root.iterdir():
+        match = _STEP.match(child.name)
+        if match and (is_legacy_step(child) or is_orbax_step(child)):
+            found[int(match.group(1))] = child
+    return dict(sorted(found.items()))
+
+
+def sniff(path: Path) -> bool:
+    if path.is_file():
+        return path.name == AGGREGATE and is_legacy_step(path.parent)
+    return is_legacy_step(path) or is_orbax_step(path) or bool(steps(path))
+
+
+# -- the legacy msgpack -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Uint16Bits(orbax._Stored):  # noqa: SLF001 -- the same location type as Orbax's leaves
+    """A version-2 leaf: bfloat16 values that T5X wrote to tensorstore as uint16 bit patterns."""
+
+
+def _is_spec(node: Any) -> bool:
+    return isinstance(node, dict) and _SPEC_KEYS <= node.keys()
+
+
+def _walk(node: Any, prefix: KeyPath, out: dict[KeyPath, Any]) -> None:
+    """Flatten ``node`` into ``out``, keeping tensorstore spec dicts whole as leaves."""
+    if _is_spec(node):
+        out[prefix] = node
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            _walk(value, prefix + (str(key),), out)
+    elif isinstance(node, (msgpack_tree.ArrayRef, bool, int, float)):
+        out[prefix] = node
+    # None (a parameter no optimizer updates) and strings hold no array
+
+
+def local_folder(spec: dict, step_dir: Path, where: str) -> str:
+    """The spec's zarr folder as a path relative to ``step_dir``; refuses one outside it.
+
+    T5X resolves ``kvstore.path`` (or the pre-0.1.14 top-level ``path``) against the folder of
+    the msgpack file, and rewrites ``gcs`` to ``file`` when reading locally; so does this.
+    """
+    store = spec.get("kvstore")
+    if isinstance(store, dict) and "path" in store:
+        driver, relative = store.get("driver"), store["path"]
+    elif "path" in spec:
+        driver, relative = "file", spec["path"]
+    else:
+        raise CorruptCheckpointError(
+            f"{where}: tensorstore spec without a path ({spec!r}); T5X expects 'path' in the spec "
+            "or its 'kvstore'. The msgpack is corrupt; re-copy the checkpoint.")
+    if driver not in _KVSTORE_DRIVERS or not isinstance(relative, str) or not relative.strip("/"):
+        raise CorruptCheckpointError(
+            f"{where}: tensorstore spec with kvstore driver {driver!r} and path {relative!r}; T5X "
+            f"writes drivers {sorted(_KVSTORE_DRIVERS)} with a relative folder name.")
+    root = step_dir.resolve()
+    resolved = Path(os.path.normpath(root / relative))
+    if resolved == root or root not in resolved.parents:
+        raise UnsafeCheckpointError(
+            f"{where}: its tensorstore spec points at {relative!r}, outside the checkpoint folder "
+            f"{step_dir}. T5X writes each array next to the msgpack file; ckptshim does not read "
+            "files a checkpoint does not contain. Fix the spec or move the array into the folder.")
+    return resolved.relative_to(root).as_posix()
+
+
+class T5XCheckpoint(orbax.OrbaxCheckpoint):
+    """A legacy T5X step: zarr folders beside an aggregate msgpack, read as Orbax's legacy layout.
+
+    Locations are Orbax's (zarr folder name and driver, or :class:`msgpack_tree.Inline`), so
+    reads are :class:`~ckptshim.formats.orbax.OrbaxCheckpoint`'s, except for version-2 bfloat16
+    arrays, whose uint16 bits are copied, never converted as numbers.
+    """
+
+    def __init__(self, path: Path, version: str, inventory: Inventory, files, problems,
+                 aggregate, t5x_version: int) -> None:
+        super().__init__(path, version, inventory, files, problems, ocdbt=False, native=False,
+                         aggregate=aggregate)
+        self.format = NAME
+        #: Today's Orbax cannot read the tensorstore-spec leaves; the Orbax hooks always step in.
+        self.orbax_readers = frozenset()
+        self.t5x_version = t5x_version
+
+    def read_into(self, entry: Entry, index: tuple, out: np.ndarray):
+        if not isinstance(entry.location, _Uint16Bits):
+            return super().read_into(entry, index, out)
+        same = out.dtype == numpy_dtype("bfloat16")
+        bits = out.view(np.uint16) if same else np.empty(out.shape, np.uint16)
+        pending = super().read_into(Entry(entry.key, entry.shape, "uint16", entry.location), index, bits)
+        if same:
+            return pending
+        pending.result()
+        np.copyto(out, bits.view(numpy_dtype("bfloat16")), casting="unsafe")
+        return None
+
+
+def read_contents(step_dir: Path) -> tuple[Any, Any, int]:
+    """(memory map, tree, version) of a legacy step's msgpack; refuses versions T5X does not read."""
+    where = step_dir / AGGREGATE
+    data = msgpack_tree.map_file(where)
+    tree = msgpack_tree.read_tree(data, str(where))
+    if not isinstance(tree, dict) or "optimizer" not in tree:
+        raise CorruptCheckpointError(
+            f"{where}: a T5X checkpoint holds {{'version', 'optimizer'}}, this one "
+            f"{sorted(tree) if isinstance(tree, dict) else type(tree).__name__}. Re-copy it.")
+    version = tree.get("version", 0)
+    if isinstance(version, msgpack_tree.ArrayRef):
+        version = int(np.frombuffer(data, storage_dtype(version.dtype), 1, version.ranges[0][0])[0])
+    if version not in VERSIONS:
+        raise UnknownFormatError(
+            f"{where}: T5X checkpoint version {version!r}; ckptshim (like T5X) reads versions "
+            f"{', '.join(map(str, VERSIONS))}. Re-save it with a T5X from after 2021.")
+    return data, tree, int(version)
+
+
+def _open_legacy(step_dir: Path) -> T5XCheckpoint:
+    data, tree, t5x_version = read_contents(step_dir)
+    found: dict[KeyPath, Any] = {}
+    _walk(tree["optimizer"], (), found)
+    listed = kvstore.list_keys(step_dir, False)
+    by_folder: dict[str, set[str]] = {}
+    for key in listed:
+        folder, _, rest = key.rpartition("/")
+        by_folder.setdefault(folder, set()).add(rest)
+    entries: list[Entry] = []
+    problems: list[str] = []
+    specs = {key: local_folder(leaf, step_dir, f"{step_dir / AGGREGATE} leaf {'/'.join(key)!r}")
+             for key, leaf in found.items() if _is_spec(leaf)}
+    raw = kvstore.read_values(step_dir, False, [f"{name}/.zarray" for name in specs.values()])
+    for key, leaf in found.items():
+        if not _is_spec(leaf):
+            entries.append(msgpack_tree.inline_entry(key, leaf))
+            continue
+        name = specs[key]
+        meta = raw.get(f"{name}/.zarray")
+        if meta is None:
+            problems.append(f"{name}/: the zarr folder of {'/'.join(key)!r} is missing (the "
+                            "msgpack names it, the step folder lacks it)")
+            shape, dtype = _spec_shape_dtype(leaf)
+            entries.append(Entry(key, shape, dtype, orbax._Stored(name, str(leaf["driver"]))))
+            continue
+        array = zarr.parse(meta, f"{step_dir / name}/.zarray")
+        if t5x_version == 2 and array.dtype == "uint16":
+            entries.append(Entry(key, array.shape, "bfloat16", _Uint16Bits(name, array.driver)))
+        else:
+            entries.append(Entry(key, array.shape, array.dtype, orbax._Stored(name, array.driver)))
+        if zarr.chunk_keys_required(array, False):
+            absent = [c for c in array.chunk_keys() if c not in by_folder.get(name, ())]
+            if absent:
+                problems.append(f"{name}/: {len(absent)} chunk(s) missing ({', '.join(absent[:4])})")
+    return T5XCheckpoint(step_dir, f"legacy msgpack v{t5x_version}", Inventory(entries, str(step_dir)),
+                         [file_info(step_dir / AGGREGATE, len(data), root=step_dir)], problems,
+                         data, t5x_version)
+
+
+def _spec_shape_dtype(spec: dict) -> tuple[tuple[int, ...], str]:
+    """What the spec itself says (used for inspect when the array's folder is gone)."""
+    from ckptshim.inventory import dtype_name
+
+    try:
+        shape = tuple(int(n) for n in spec["metadata"]["shape"])
+        dtype = dtype_name(spec.get("dtype") or np.dtype(spec["metadata"]["dtype"]))
+    except (KeyError, TypeError, ValueError):
+        return (), "uint8"
+    return shape, dtype
+
+
+# -- opening ----------------------------------------------------------------------------------
+
+
+def open_checkpoint(path: Path) -> Checkpoint:
+    """A step folder of either generation, its ``checkpoint`` file, or a model dir (latest step)."""
+    if path.is_file():
+        path = path.parent
+    if not (is_legacy_step(path) or is_orbax_step(path)):
+        found = steps(path)
+        if not found:
+            raise CorruptCheckpointError(f"{path}: no T5X checkpoint_<step> folder found")
+        path = found[max(found)]
+    if is_legacy_step(path):
+        return _open_legacy(path)
+    item = orbax.open_checkpoint(path / STATE_ITEM)
+    item.format, item.version = NAME, f"orbax-era, {STATE_ITEM}/ item ({item.version})"
+    return item
+

@@ -1,0 +1,169 @@
+"""T5X (legacy msgpack + tensorstore, Orbax-era) and PaxML formats on the real fixtures.
+
+Inventories come from metadata only; every read is compared with the manifest's sha256. The
+two T5X generations of one training state must list the same keys and hold the same bits.
+Bad-input cases damage copies (``tests/fixtures`` is never written).
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import numpy as np
+import pytest
+
+from ckptshim.api import inspect
+from ckptshim.cli import main
+from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
+from manifest import FIXTURES, array_sha256, expected_arrays
+from orbax_fixtures import copy_fixture
+
+T5X = "t5x_tiny_decoder"
+LEGACY = FIXTURES / T5X / "legacy_checkpointer/checkpoint_0"
+ORBAX_ERA = FIXTURES / T5X / "orbax_checkpoint_manager/checkpoint_0"
+
+
+def t5x_expected() -> dict[str, dict]:
+    """Manifest entries of legacy step 0 keyed as T5X's state dict (``optimizer/`` stripped)."""
+    prefix = "legacy/checkpoint_0::optimizer/"
+    return {k[len(prefix):]: v for k, v in expected_arrays(T5X).items() if k.startswith(prefix)}
+
+
+def read_all(checkpoint) -> dict[str, np.ndarray]:
+    return {"/".join(e.key): checkpoint.read(e) for e in checkpoint.inventory.values()}
+
+
+@pytest.mark.parametrize("path,version", [
+    (LEGACY, "legacy msgpack v3"),
+    (LEGACY / "checkpoint", "legacy msgpack v3"),
+    (FIXTURES / T5X / "legacy_checkpointer", "legacy msgpack v3"),
+    (ORBAX_ERA, "orbax-era, state/ item (ocdbt zarr2)"),
+    (FIXTURES / T5X / "orbax_checkpoint_manager", "orbax-era, state/ item (ocdbt zarr2)"),
+], ids=["legacy-step", "legacy-file", "legacy-model-dir", "orbax-step", "orbax-model-dir"])
+def test_t5x_both_generations_match_the_manifest(path, version):
+    expected = t5x_expected()
+    checkpoint = inspect(path)
+    try:
+        assert (checkpoint.format, checkpoint.version) == ("t5x", version)
+        assert checkpoint.complete, checkpoint.all_problems()
+        arrays = read_all(checkpoint)
+        assert set(arrays) == set(expected)
+        assert any(k.startswith("target/") for k in arrays) and any(k.startswith("state/") for k in arrays)
+        for key, array in arrays.items():
+            entry = checkpoint.inventory[tuple(key.split("/"))]
+            assert [list(entry.shape), entry.dtype] == [expected[key]["shape"], expected[key]["dtype"]], key
+            assert array_sha256(array) == expected[key]["sha256"], key
+    finally:
+        checkpoint.close()
+
+
+def test_t5x_cli_inspect_json_on_both_generations(capsys):
+    found = {}
+    for path in (LEGACY, ORBAX_ERA):
+        assert main(["inspect", str(path), "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["format"] == "t5x" and info["complete"] is True
+        found[path] = {e["key"]: (e["shape"], e["dtype"]) for e in info["entries"]}
+    assert found[LEGACY] == found[ORBAX_ERA]
+    expected = t5x_expected()
+    assert {k: (v["shape"], v["dtype"]) for k, v in expected.items()} == found[LEGACY]
+
+
+def _rewrite_msgpack(step, edit) -> None:
+    """Decode the T5X msgpack of a copied step with msgpack (no pickle), edit, write back."""
+    path = step / "checkpoint"
+    tree = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
+    edit(tree)
+    path.write_bytes(msgpack.packb(tree, use_bin_type=True))
+
+
+def _spec(tree, *keys):
+    node = tree["optimizer"]
+    for key in keys:
+        node = node[key]
+    return node
+
+
+def test_t5x_spec_pointing_outside_the_folder_is_refused(tmp_path):
+    step = copy_fixture(f"{T5X}/legacy_checkpointer/checkpoint_0", tmp_path)
+    (tmp_path / "secret.v").mkdir()
+    _rewrite_msgpack(step, lambda t: _spec(t, "target", "decoder", "decoder_norm", "scale")["kvstore"]
+                     .update(path="../secret.v/"))
+    with pytest.raises(UnsafeCheckpointError, match=r"outside the checkpoint folder"):
+        inspect(step)
+
+
+def test_t5x_gcs_spec_reads_from_the_local_folder(tmp_path):
+    step = copy_fixture(f"{T5X}/legacy_checkpointer/checkpoint_0", tmp_path)
+
+    def to_gcs(tree):
+        spec = _spec(tree, "target", "decoder", "token_embedder", "embedding")
+        spec["kvstore"] = {"driver": "gcs", "bucket": "some-bucket", "path": spec["kvstore"]["path"]}
+
+    _rewrite_msgpack(step, to_gcs)
+    checkpoint = inspect(step)
+    key = "target/decoder/token_embedder/embedding"
+    assert array_sha256(read_all(checkpoint)[key]) == t5x_expected()[key]["sha256"]
+
+
+def test_t5x_missing_target_folder_is_named(tmp_path, capsys):
+    step = copy_fixture(f"{T5X}/legacy_checkpointer/checkpoint_0", tmp_path)
+    import shutil
+
+    shutil.rmtree(step / "target.decoder.layers_1.mlp.wo.kernel")
+    assert main(["inspect", str(step), "--json"]) == 1
+    info = json.loads(capsys.readouterr().out)
+    assert info["complete"] is False
+    assert any("target.decoder.layers_1.mlp.wo.kernel/" in p and "missing" in p for p in info["problems"])
+    with pytest.raises(CorruptCheckpointError, match="target.decoder.layers_1.mlp.wo.kernel"):
+        inspect(step).require_complete()
+
+
+def test_t5x_unknown_version_is_refused(tmp_path):
+    step = copy_fixture(f"{T5X}/legacy_checkpointer/checkpoint_0", tmp_path)
+    _rewrite_msgpack(step, lambda t: t.update(version=7))
+    with pytest.raises(UnknownFormatError, match=r"version 7.*reads versions 2, 3"):
+        inspect(step)
+    _rewrite_msgpack(step, lambda t: t.update(version=1))
+    with pytest.raises(UnknownFormatError, match=r"version 1"):
+        inspect(step)
+
+
+def test_t5x_corrupt_msgpack_is_refused(tmp_path):
+    step = copy_fixture(f"{T5X}/legacy_checkpointer/checkpoint_0", tmp_path)
+    data = (step / "checkpoint").read_bytes()
+    (step / "checkpoint").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        inspect(step)
+
+
+def test_t5x_version_2_uint16_arrays_read_as_bfloat16_bits(tmp_path):
+    """Version 2 wrote bfloat16 arrays as uint16 bit patterns; they come back as those bfloat16s."""
+    import ml_dtypes
+    import tensorstore as ts
+
+    step = copy_fixture(f"{T5X}/legacy_checkpointer/checkpoint_0", tmp_path)
+    values = np.linspace(-3, 3, 32, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    folder = step / "target.decoder.decoder_norm.scale"
+    import shutil
+
+    shutil.rmtree(folder)
+    spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(folder) + "/"},
+            "metadata": {"shape": [32], "chunks": [32], "dtype": "<u2", "compressor": {"id": "gzip"}}}
+    ts.open(spec, create=True).result().write(values.view(np.uint16)).result()
+
+    def as_v2(tree):
+        tree["version"] = 2
+        leaf = _spec(tree, "target", "decoder", "decoder_norm", "scale")
+        leaf.update(dtype="uint16")
+
+    _rewrite_msgpack(step, as_v2)
+    checkpoint = inspect(step)
+    assert checkpoint.version == "legacy msgpack v2"
+    entry = checkpoint.inventory["target", "decoder", "decoder_norm", "scale"]
+    assert entry.dtype == "bfloat16"
+    assert checkpoint.read(entry).tobytes() == values.tobytes()
+    as_float = np.empty(32, np.float32)
+    checkpoint.read_into(entry, (), as_float)
+    assert np.array_equal(as_float, values.astype(np.float32))

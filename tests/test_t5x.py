@@ -1,0 +1,156 @@
+"""T5X seams against a stand-in ``t5x.checkpoints`` and Orbax restores of T5X checkpoints.
+
+t5x is not on PyPI, so ``tests/t5x_standin/checkpoints.py`` -- the real module's names,
+signatures and return structures with its legacy read path re-implemented (see its docstring)
+-- is installed as package ``t5x`` in a temporary folder. Its own loader reads the legacy
+fixture; the hook must make the Orbax-era fixture load through the same calls with the same
+structure and bits, and both must equal the manifest.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from ckptshim.hooks import registry
+from manifest import FIXTURES, array_sha256
+from orbax_fixtures import copy_fixture, flat
+from test_formats_t5x_paxml import T5X, t5x_expected
+
+STANDIN = FIXTURES.parent / "t5x_standin" / "checkpoints.py"
+
+
+@pytest.fixture
+def t5x(tmp_path, monkeypatch):
+    """``import t5x.checkpoints`` (the stand-in) with the ckptshim hook attached; steps copied."""
+    package = tmp_path / "site" / "t5x"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text('"""Stand-in t5x package for ckptshim tests."""\n')
+    shutil.copy(STANDIN, package / "checkpoints.py")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for name in ("t5x", "t5x.checkpoints"):
+        sys.modules.pop(name, None)
+    registry.install(["t5x"])
+    import t5x.checkpoints
+
+    assert registry.states()["t5x"].startswith("active"), registry.states()
+    yield t5x.checkpoints
+    registry.uninstall(["t5x"])
+    for name in ("t5x", "t5x.checkpoints"):
+        sys.modules.pop(name, None)
+
+
+def steps(tmp_path):
+    legacy = copy_fixture(f"{T5X}/legacy_checkpointer", tmp_path) / "checkpoint_0"
+    orbax_era = copy_fixture(f"{T5X}/orbax_checkpoint_manager", tmp_path) / "checkpoint_0"
+    return legacy, orbax_era
+
+
+def assert_manifest(tree) -> None:
+    expected = t5x_expected()
+    found = flat(tree)
+    assert set(found) == set(expected)
+    for key, value in found.items():
+        array = np.asarray(value)
+        assert [list(array.shape), str(array.dtype)] == [expected[key]["shape"], expected[key]["dtype"]], key
+        assert array_sha256(array) == expected[key]["sha256"], key
+
+
+def test_standin_alone_reads_legacy_and_fails_on_orbax_era_like_t5x(t5x, tmp_path):
+    legacy, orbax_era = steps(tmp_path)
+    registry.uninstall(["t5x"])
+    assert_manifest(t5x.load_t5x_checkpoint(str(legacy)))
+    with pytest.raises(ValueError, match="not a valid checkpoint"):
+        t5x.load_t5x_checkpoint(str(orbax_era))
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_load_t5x_checkpoint_orbax_era_equals_legacy(t5x, tmp_path, lazy):
+    legacy, orbax_era = steps(tmp_path)
+    old = t5x.load_t5x_checkpoint(str(legacy), lazy_parameters=lazy)
+    new = t5x.load_t5x_checkpoint(str(orbax_era), lazy_parameters=lazy)
+    by_dir = t5x.load_t5x_checkpoint(str(orbax_era.parent), step=0, lazy_parameters=lazy)
+    assert sorted(new) == sorted(old) == sorted(by_dir) == ["state", "target"]
+    leaf_types = {type(v) for v in flat(new).values()}
+    if lazy:
+        assert leaf_types == {t5x.LazyAwaitableArray} == {type(v) for v in flat(old).values()}
+        old, new, by_dir = ({k: v.get() for k, v in flat(t).items()} for t in (old, new, by_dir))
+    else:
+        assert leaf_types == {np.ndarray}
+    for tree in (old, new, by_dir):
+        assert_manifest(tree)
+
+
+def test_load_t5x_checkpoint_remap_and_restore_dtype(t5x, tmp_path):
+    legacy, orbax_era = steps(tmp_path)
+    seen = []
+
+    def rename(state, _target):
+        seen.append(sorted(state))
+        return {"target": {"renamed": state["target"]["decoder"]}, "state": state["state"]}
+
+    for path in (legacy, orbax_era):
+        remapped = t5x.load_t5x_checkpoint(str(path), state_transformation_fns=[rename],
+                                           restore_dtype=np.float16)
+        assert sorted(remapped["target"]) == ["renamed"]
+        assert remapped["target"]["renamed"]["decoder_norm"]["scale"].dtype == np.float16
+        assert remapped["state"]["param_states"]["decoder"]["decoder_norm"]["scale"]["v"].dtype == np.float32
+        unmapped = t5x.load_t5x_checkpoint(str(path), state_transformation_fns=[rename], remap=False)
+        assert sorted(unmapped["target"]) == ["decoder"]
+    assert seen == [["state", "target"], ["state", "target"]]
+
+
+class TrainState:
+    """Minimal stand-in for t5x.train_state.FlaxOptimTrainState: state_dict/restore_state."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+    def restore_state(self, state_dict):
+        return TrainState(state_dict)
+
+
+def test_checkpointer_restore_reads_either_generation(t5x, tmp_path):
+    legacy, orbax_era = steps(tmp_path)
+    template = t5x.load_t5x_checkpoint(str(legacy))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), template)
+    restored = {}
+    for path in (legacy, orbax_era):
+        checkpointer = t5x.Checkpointer(TrainState(abstract), None, str(path.parent))
+        restored[path] = checkpointer.restore(step=0).state
+        assert_manifest(restored[path])
+    assert all(isinstance(v, jax.Array) for v in flat(restored[orbax_era]).values())
+    lazy = t5x.Checkpointer(TrainState(abstract), None, str(orbax_era.parent)).restore(
+        path=str(orbax_era), lazy_parameters=True, fallback_state={"extra": 1}).state
+    assert lazy["extra"] == 1
+    assert_manifest({k: v for k, v in lazy.items() if k != "extra"} | {
+        "target": jax.tree.map(lambda x: x.get(), lazy["target"]),
+        "state": jax.tree.map(lambda x: x.get(), lazy["state"])})
+
+
+@pytest.mark.parametrize("checkpointer", ["PyTreeCheckpointer", "StandardCheckpointer"])
+def test_orbax_restores_a_legacy_t5x_step(tmp_path, checkpointer):
+    import orbax.checkpoint as ocp
+
+    import ckptshim  # noqa: F401  (hooks on)
+
+    legacy, orbax_era = steps(tmp_path)
+    as_stored = getattr(ocp, checkpointer)().restore(legacy)
+    assert sorted(as_stored) == ["state", "target"]
+    assert_manifest(as_stored)
+    native = ocp.StandardCheckpointer().restore(orbax_era / "state")
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), native)
+    if checkpointer == "StandardCheckpointer":
+        into_target = ocp.StandardCheckpointer().restore(legacy, abstract)
+    else:
+        into_target = ocp.PyTreeCheckpointer().restore(legacy, args=ocp.args.PyTreeRestore(abstract))
+    assert all(isinstance(v, jax.Array) for v in flat(into_target).values())
+    assert_manifest(into_target)
+    assert_manifest(native)
