@@ -10,26 +10,31 @@ that already fits costs one dict lookup per key:
    into per-layer targets, with the axis read off the shapes;
 4. drops (derivable buffers, the target's non-persistent buffers) and syntheses.
 
-Everything here is linear in the number of keys and touches no tensor bytes.
+Everything here is linear in the number of keys and touches no tensor bytes. Passes 1 to 3 work
+on runs of keys that share a parent path where runs are long (:mod:`ckptshim.plan.runs`), and key
+by key otherwise, with the per-key work done in bulk (``map`` over lists, dicts built whole) so
+that it runs in C; both ways give the same plan, and the same error.
 """
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter
 
 from ckptshim.errors import PlanError
-from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, KeyPath, join_key
-from ckptshim.plan.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Unstack
+from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, KeyPath, gc_paused, join_key
+from ckptshim.plan import runs
+from ckptshim.plan.names import Names
+from ckptshim.plan.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Unstack, renames
 from ckptshim.plan.plan import Mismatch, Plan
+from ckptshim.plan.runs import Group, Run, key_of
 from ckptshim.rules import DEFAULT_RULES, Rules
 from ckptshim.rules.buffers import derivable_rule
-from ckptshim.rules.layers import layer_splits, stack_root
-from ckptshim.rules.prefixes import strip_wrappers
+from ckptshim.rules.layers import stack_root
 
 _FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+_shape_of = attrgetter("shape")
+_dtype_of = attrgetter("dtype")
 
 
 def plan(source: Inventory, target: Inventory, rules: Rules = DEFAULT_RULES) -> Plan:
@@ -39,70 +44,62 @@ def plan(source: Inventory, target: Inventory, rules: Rules = DEFAULT_RULES) -> 
     wanted, a stacking axis the shapes and rules leave open); anything that simply does not
     match ends up in the plan's ``missing``/``unexpected``/``mismatched``.
     """
-    with _gc_paused():
+    # Planning allocates about one small, acyclic object per key; with a million keys the
+    # collector's passes over everything alive would take a third of the time and free nothing.
+    with gc_paused():
         return _Planner(source, target, rules).run()
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while planning.
-
-    Planning allocates about one small, acyclic object per key; with a million keys the
-    collector's full passes over everything alive (the inventories alone hold millions of
-    tuples) would otherwise take a third of the time, and free nothing.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-@dataclass
-class _Group:
-    """Per-layer keys (by layer index) that stack into, or unstack from, one ``whole`` key."""
-
-    whole: KeyPath          # the stacked key (source for unstack, target for stack)
-    layers: dict[int, KeyPath]
-    stacking: bool           # True: per-layer sources -> stacked target
-    axes: tuple[int, ...] = ()
 
 
 class _Planner:
     def __init__(self, source: Inventory, target: Inventory, rules: Rules) -> None:
         self.source, self.target, self.rules = source, target, rules
-        self.canonical = _canonicalizer(rules)
-        self.assigned: dict[KeyPath, Op] = {}         # target key -> producing op
+        self.names = Names(rules)
+        self.canonical = self.names.canonical_key
+        self.produced: list[list[Op]] = []             # each pass's producers, in target order
         self.casts: dict[KeyPath, Cast] = {}
         self.mismatched: list[Mismatch] = []
-        self.used: set[KeyPath] = set()               # source keys consumed
-        self.source_canonical: dict[KeyPath, KeyPath] = {}  # canonical -> source key (pass 2)
+        self.used: set[KeyPath] = set()                # source keys the layer pass consumed
 
     def run(self) -> Plan:
-        unmatched: list[KeyPath] = []
-        for key in self.target:
-            if key in self.source:
-                self._pair(key, key)
-            else:
-                unmatched.append(key)
-        if unmatched:
-            unmatched_canonical = self._match_canonical(unmatched)
-            unmatched = self._match_layers(unmatched_canonical) if unmatched_canonical else []
-        leftover_sources = [key for key in self.source if key not in self.used]
-        drops = self._drops(leftover_sources)
+        leftover, unmatched = self._match()
+        drops = self._drops(leftover)
+        synthesized: list[Op] = []
         missing: list[KeyPath] = []
-        for key in unmatched:
+        for key in map(key_of, unmatched):
             if key in self.rules.synthesize:
-                self.assigned[key] = Synthesize(key, derivable_rule(key, self.rules.derivable)
-                                                or "target's own value")
+                synthesized.append(Synthesize(key, derivable_rule(key, self.rules.derivable)
+                                              or "target's own value"))
             else:
                 missing.append(key)
+        self.produced.append(synthesized)
+        ops = self._ordered_ops()
+        ops.extend(drops)
+        dropped = {op.source for op in drops}
+        unexpected = tuple(key for key in map(key_of, leftover) if key not in dropped)
+        return Plan(self.source, self.target, tuple(ops), missing=tuple(missing),
+                    unexpected=unexpected, mismatched=tuple(self.mismatched))
+
+    def _ordered_ops(self) -> list[Op]:
+        """The producers in target order, each listed once and before its target's cast.
+
+        Every pass lists its producers in the order of their first target key, so when one pass
+        produced them all (a checkpoint that fits, or one that only torch.compile renamed, or
+        only a layout change) and nothing is cast, that list is already the answer.
+        """
+        batches = [batch for batch in self.produced if batch]
+        if not self.casts and len(batches) <= 1:
+            return batches[0] if batches else []
+        assigned: dict[KeyPath, Op] = {}
+        for batch in batches:
+            for op in batch:
+                if isinstance(op, Unstack):
+                    assigned.update(dict.fromkeys(op.targets, op))
+                else:
+                    assigned[op.target] = op
         ops: list[Op] = []
         emitted: set[int] = set()
-        for key in self.target:  # target order, each producer once and before its casts
-            op = self.assigned.get(key)
+        for key in self.target:
+            op = assigned.get(key)
             if isinstance(op, Unstack):  # the only producer with several targets: list it once
                 if id(op) not in emitted:
                     emitted.add(id(op))
@@ -111,167 +108,250 @@ class _Planner:
                 ops.append(op)
             if key in self.casts:
                 ops.append(self.casts[key])
-        ops.extend(drops)
-        dropped = {op.source for op in drops}
-        unexpected = tuple(k for k in leftover_sources if k not in dropped)
-        return Plan(self.source, self.target, tuple(ops), missing=tuple(missing),
-                    unexpected=unexpected, mismatched=tuple(self.mismatched))
+        return ops
 
-    # -- pass 1 and 2: one source per target ------------------------------------------------
+    # -- passes 1 to 3 ------------------------------------------------------------------------------
 
-    def _pair(self, source_key: KeyPath, target_key: KeyPath) -> None:
-        """Match a source key (which the source has) to one target key."""
-        src, tgt = self.source[source_key], self.target[target_key]
-        self.used.add(source_key)
-        if src.shape != tgt.shape:
-            self.mismatched.append(Mismatch(source_key, target_key, src.shape, tgt.shape))
-            return
-        self.assigned[target_key] = Rename(source_key, target_key)
-        if src.dtype != tgt.dtype:
-            self._cast(src, tgt)
+    def _match(self) -> tuple[list[Entry], list[Entry]]:
+        """Passes 1 to 3; the sources left unused and the targets left unmatched, in inventory
+        order. Run by run where runs give the per-key answer, key by key otherwise."""
+        sources, targets = list(self.source.table.values()), list(self.target.table.values())
+        if list(self.source) == list(self.target):  # it fits as it is, in the same order
+            self._pair_all(sources, targets)
+            return [], []
+        split = self._split(sources, targets)
+        exact = split and runs.match(*split, by="path")
+        if exact is None:  # short runs, or a parent path in several runs: look each key up
+            sources, targets = self._match_exact(sources, targets)
+            if not targets:
+                return sources, []
+            split = self._split(sources, targets)
+            if split is None:
+                return self._match_renamed_by_key(sources, targets)
+        else:
+            self._pair_all(exact.sources, exact.targets)
+            if not exact.unmatched:
+                return runs.entries_of(exact.unused), []
+            split = exact.unused, exact.unmatched
+        return self._match_renamed(*split)
 
-    def _match_canonical(self, targets: list[KeyPath]) -> dict[KeyPath, KeyPath]:
-        """Pair targets and sources by canonical name; the unmatched targets -> their canonical."""
-        by_canonical = self._unique_canonical((k for k in self.source if k not in self.used), "checkpoint")
-        self.source_canonical = by_canonical
-        wanted = self._unique_canonical(targets, "target")
-        unmatched: dict[KeyPath, KeyPath] = {}
-        for canon, target_key in wanted.items():
-            source_key = by_canonical.get(canon)
-            if source_key is None:
-                unmatched[target_key] = canon
-            else:
-                self._pair(source_key, target_key)
-        return unmatched
+    def _split(self, sources: list[Entry], targets: list[Entry]) -> tuple[list[Run], list[Run]] | None:
+        """Both sides cut into runs, or None if either side does not suit runs."""
+        source_runs = runs.split_runs(sources, self.names)
+        target_runs = None if source_runs is None else runs.split_runs(targets, self.names)
+        return None if target_runs is None else (source_runs, target_runs)
 
-    def _unique_canonical(self, keys, side: str) -> dict[KeyPath, KeyPath]:
-        table: dict[KeyPath, KeyPath] = {}
-        for key in keys:
-            canon = self.canonical(key)
-            other = table.setdefault(canon, key)
-            if other != key:
-                raise PlanError(
-                    f"{side} keys {join_key(other)!r} and {join_key(key)!r} both mean "
-                    f"{join_key(canon)!r} once wrapper prefixes and aliases are removed, so "
-                    "ckptshim cannot tell which one to use. Remove one of them, or load without "
-                    "ckptshim (CKPTSHIM_DISABLE=1) if the names already match exactly.")
+    def _match_exact(self, sources: list[Entry], targets: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+        """Pass 1 key by key: pair each target with the source of the same name."""
+        table = self.source.table
+        hits = list(map(table.get, map(key_of, targets)))
+        found = list(filter(None, hits))  # the sources that matched (an Entry is never false)
+        if not found:
+            return sources, targets
+        if len(found) == len(targets):
+            unmatched = []
+        else:
+            unmatched = [entry for entry, hit in zip(targets, hits) if hit is None]
+            targets = [entry for entry, hit in zip(targets, hits) if hit is not None]
+        self._pair_all(found, targets)
+        if len(found) == len(sources):  # target keys are distinct, so these are all the sources
+            return [], unmatched
+        taken = set(map(key_of, found))
+        return [entry for entry in sources if entry.key not in taken], unmatched
+
+    def _pair_all(self, sources: list[Entry], targets: list[Entry]) -> None:
+        """Rename each source to the target at the same position; record those that differ.
+
+        In a plan that loads at all, nearly every pair agrees on shape and dtype; two list
+        comparisons say so at C speed, and only otherwise is each pair looked at in Python.
+        """
+        if (list(map(_shape_of, sources)) != list(map(_shape_of, targets))
+                or list(map(_dtype_of, sources)) != list(map(_dtype_of, targets))):
+            self._pair_each(sources, targets)
+        else:
+            self.produced.append(renames(list(map(key_of, sources)), list(map(key_of, targets))))
+
+    def _pair_each(self, sources: list[Entry], targets: list[Entry]) -> None:
+        ops: list[Op] = []
+        for src, tgt in zip(sources, targets):
+            if src.shape != tgt.shape:
+                self.mismatched.append(Mismatch(src.key, tgt.key, src.shape, tgt.shape))
+                continue
+            ops.append(Rename(src.key, tgt.key))
+            if src.dtype != tgt.dtype:
+                self._cast(src, tgt)
+        self.produced.append(ops)
+
+    def _match_renamed(self, sources: list[Run], targets: list[Run]) -> tuple[list[Entry], list[Entry]]:
+        """Passes 2 and 3 run by run, handing over to the per-key passes where they must decide."""
+        found = runs.match(sources, targets, by="canonical")
+        if found is None:
+            return self._match_renamed_by_key(runs.entries_of(sources), runs.entries_of(targets))
+        self._pair_all(found.sources, found.targets)
+        if not found.unmatched:
+            return runs.entries_of(found.unused), []
+        grouped = runs.layer_groups(found.unused, found.unmatched, self.names)
+        if grouped is None:
+            whole = {canon: entry for run in found.unused for canon, entry in run.canonical_items()}
+            wanted = [(entry, canon) for run in found.unmatched for canon, entry in run.canonical_items()]
+            grouped = self._layer_groups(whole, wanted)
+        groups, unmatched = grouped
+        self._resolve_axes(groups)
+        return self._unused(runs.entries_of(found.unused)), unmatched
+
+    def _match_renamed_by_key(self, sources: list[Entry], targets: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+        """Passes 2 and 3 key by key."""
+        whole, wanted = self._match_canonical(sources, targets)
+        if not wanted:
+            return list(whole.values()), []
+        groups, unmatched = self._layer_groups(whole, wanted)
+        self._resolve_axes(groups)
+        return self._unused(list(whole.values())), unmatched
+
+    def _unused(self, sources: list[Entry]) -> list[Entry]:
+        """``sources`` the layer pass did not consume (it only consumes some of these)."""
+        if len(self.used) == len(sources):
+            return []
+        return [entry for entry in sources if entry.key not in self.used]
+
+    def _match_canonical(self, sources: list[Entry], targets: list[Entry]) -> tuple[dict[KeyPath, Entry], list[tuple[Entry, KeyPath]]]:
+        """Pass 2 key by key: pair by canonical name. Returns the unused sources by canonical
+        name (in source order) and the unmatched targets with their canonical names."""
+        by_canonical = self._by_canonical(sources, "checkpoint")
+        names = self._canonical_names(targets)
+        if len(set(names)) != len(names):
+            _refuse_clash(targets, names, "target")
+        hits = list(map(by_canonical.pop, names, repeat(None)))  # pop: what is left is unused
+        found = list(filter(None, hits))  # (an Entry is never false)
+        if len(found) == len(targets):
+            unmatched = []
+        else:
+            unmatched = [(entry, name) for entry, name, hit in zip(targets, names, hits) if hit is None]
+            targets = [entry for entry, hit in zip(targets, hits) if hit is not None]
+        self._pair_all(found, targets)
+        return by_canonical, unmatched
+
+    def _by_canonical(self, entries: list[Entry], side: str) -> dict[KeyPath, Entry]:
+        names = self._canonical_names(entries)
+        table = dict(zip(names, entries))
+        if len(table) != len(entries):
+            _refuse_clash(entries, names, side)
         return table
 
-    # -- pass 3: layer lists ---------------------------------------------------------------
+    def _canonical_names(self, entries: list[Entry]) -> list[KeyPath]:
+        return self.names.canonical_keys(list(map(key_of, entries)))
 
-    def _match_layers(self, targets: dict[KeyPath, KeyPath]) -> list[KeyPath]:
-        """Stack or unstack ``targets`` (target key -> canonical); return those still unmatched."""
-        splits = _layer_splitter(self.rules.layer_lists)
-        whole_sources = {canon: key for canon, key in self.source_canonical.items()
-                         if key not in self.used}  # in source order
-        layered_sources: dict[KeyPath, dict[int, KeyPath]] = {}
-        for canon, key in whole_sources.items():
-            for stacked, index in splits(canon):
-                layer = layered_sources.get(stacked)
+    def _layer_groups(self, whole: dict[KeyPath, Entry],
+                      targets: list[tuple[Entry, KeyPath]]) -> tuple[list[Group], list[Entry]]:
+        """Pass 3 key by key: the stack and unstack groups ``targets`` (entry, canonical name)
+        form with the unused sources ``whole`` (by canonical name), and the targets left over."""
+        layered: dict[KeyPath, dict[int, Entry]] = {}
+        for canon, entry in whole.items():
+            for stacked, index in self.names.key_splits(canon):
+                layer = layered.get(stacked)
                 if layer is None:
-                    layer = layered_sources[stacked] = {}
+                    layer = layered[stacked] = {}
                 elif index in layer:
                     raise PlanError(
-                        f"checkpoint keys {join_key(layer[index])!r} and {join_key(key)!r} are "
-                        f"both layer {index} of {join_key(stacked)!r}; keep one of them.")
-                layer[index] = key
+                        f"checkpoint keys {join_key(layer[index].key)!r} and {join_key(entry.key)!r} "
+                        f"are both layer {index} of {join_key(stacked)!r}; keep one of them.")
+                layer[index] = entry
 
-        groups: dict[tuple[str, KeyPath], _Group] = {}
-        unmatched: list[KeyPath] = []
-        for key, canon in targets.items():
+        groups: dict[tuple[str, KeyPath], Group] = {}
+        unmatched: list[Entry] = []
+        for entry, canon in targets:
             options: list[tuple[KeyPath, int | None]] = []
-            if canon in layered_sources:
+            if canon in layered:
                 options.append((canon, None))
-            options += [(stacked, index) for stacked, index in splits(canon)
-                        if stacked in whole_sources]
+            options += [(stacked, index) for stacked, index in self.names.key_splits(canon)
+                        if stacked in whole]
             if not options:
-                unmatched.append(key)
+                unmatched.append(entry)
                 continue
             if len(options) > 1:
                 raise PlanError(
-                    f"target key {join_key(key)!r} could come from "
+                    f"target key {join_key(entry.key)!r} could come from "
                     + " or ".join(repr(join_key(s)) + (" (stacked)" if i is None else f" (layer {i})")
                                   for s, i in options)
                     + "; ckptshim will not guess. Add a rule that names the layer list.")
             stacked, index = options[0]
             if index is None:
-                groups["stack", canon] = _Group(key, dict(layered_sources[canon]), stacking=True)
-            else:
-                source_key = whole_sources[stacked]
-                group = groups.get(("unstack", stacked))
-                if group is None:
-                    group = groups["unstack", stacked] = _Group(source_key, {}, stacking=False)
-                other = group.layers.setdefault(index, key)
-                if other != key:
-                    raise PlanError(
-                        f"target keys {join_key(other)!r} and {join_key(key)!r} both name layer "
-                        f"{index} of checkpoint key {join_key(source_key)!r}; ckptshim will not "
-                        "load one layer twice. Rename one of them in the target.")
-        self._resolve_axes(list(groups.values()))
-        return unmatched
+                groups["stack", canon] = Group(entry, dict(layered[canon]), stacking=True)
+                continue
+            source = whole[stacked]
+            group = groups.get(("unstack", stacked))
+            if group is None:
+                group = groups["unstack", stacked] = Group(source, {}, stacking=False)
+            other = group.layers.setdefault(index, entry)
+            if other is not entry:
+                raise PlanError(
+                    f"target keys {join_key(other.key)!r} and {join_key(entry.key)!r} both name layer "
+                    f"{index} of checkpoint key {join_key(source.key)!r}; ckptshim will not "
+                    "load one layer twice. Rename one of them in the target.")
+        return list(groups.values()), unmatched
 
-    def _resolve_axes(self, groups: list[_Group]) -> None:
+    def _resolve_axes(self, groups: list[Group]) -> None:
         names = self.rules.layer_lists
         root_axes: dict[KeyPath, set[int]] = {}
         for group in groups:
             group.axes = self._candidate_axes(group)
             if len(group.axes) == 1:
-                root_axes.setdefault(stack_root(self.canonical(group.whole), names), set()).update(group.axes)
+                root_axes.setdefault(stack_root(self.canonical(group.whole.key), names), set()).update(group.axes)
+        ops: list[Op] = []
         for group in groups:
             if not group.axes:
                 continue  # already recorded as a mismatch
             axis = self._choose_axis(group, root_axes)
             layers = tuple(map(group.layers.__getitem__, range(len(group.layers))))
+            keys = tuple(map(key_of, layers))
             if group.stacking:
-                self.assigned[group.whole] = Stack(layers, group.whole, axis)
-                self.used.update(layers)
-                self._cast(self.source[layers[0]], self.target[group.whole])
+                ops.append(Stack(keys, group.whole.key, axis))
+                self.used.update(keys)
+                self._cast(layers[0], group.whole)
             else:
-                op = Unstack(group.whole, layers, axis)
-                self.used.add(group.whole)
-                self.assigned.update(dict.fromkeys(layers, op))
-                src = self.source[group.whole]
-                if self.target[layers[0]].dtype != src.dtype:  # the layers share one dtype
-                    for key in layers:
-                        self._cast(src, self.target[key])
+                ops.append(Unstack(group.whole.key, keys, axis))
+                self.used.add(group.whole.key)
+                if layers[0].dtype != group.whole.dtype:  # the layers share one dtype
+                    for entry in layers:
+                        self._cast(group.whole, entry)
+        self.produced.append(ops)
 
-    def _candidate_axes(self, group: _Group) -> tuple[int, ...]:
+    def _candidate_axes(self, group: Group) -> tuple[int, ...]:
         """Axes along which the per-layer shape and the stacked shape agree."""
-        per_layer_inv, whole_inv = (self.source, self.target) if group.stacking else (self.target, self.source)
         count = len(group.layers)
-        absent = sorted(set(range(count)) - set(group.layers))
-        if absent or max(group.layers) != count - 1:
+        if max(group.layers) != count - 1:  # distinct indices from 0 are complete iff so
             have = sorted(group.layers)
+            absent = sorted(set(range(count)) - set(group.layers))
             raise PlanError(
                 f"{'checkpoint' if group.stacking else 'target'} has layers {_span(have)} of "
-                f"{join_key(group.whole)!r} but not {_span(absent or [i for i in range(max(have) + 1) if i not in group.layers])}; "
+                f"{join_key(group.whole.key)!r} but not {_span(absent or [i for i in range(max(have) + 1) if i not in group.layers])}; "
                 "the layer list must be complete to stack or unstack. Supply the missing layers "
                 "(or, for state the target can rebuild, a documented synthesis rule).")
-        entries = [per_layer_inv[k] for k in group.layers.values()]
-        dtypes = {entry.dtype for entry in entries}
+        entries = group.layers.values()
+        dtypes = set(map(_dtype_of, entries))
         if len(dtypes) != 1:
-            raise PlanError(f"the layers of {join_key(group.whole)!r} have different dtypes "
+            raise PlanError(f"the layers of {join_key(group.whole.key)!r} have different dtypes "
                             f"({sorted(dtypes)}); they cannot be stacked into one array.")
-        shapes = {entry.shape for entry in entries}
-        whole = whole_inv[group.whole].shape
-        example = next(iter(group.layers.values()))
+        shapes = set(map(_shape_of, entries))
         if len(shapes) != 1:
-            raise PlanError(f"the layers of {join_key(group.whole)!r} have different shapes "
+            raise PlanError(f"the layers of {join_key(group.whole.key)!r} have different shapes "
                             f"({sorted(shapes)}); they cannot be stacked along one axis.")
         (layer_shape,) = shapes
+        whole = group.whole.shape
         axes = tuple(a for a in range(len(whole))
                      if whole[a] == count and whole[:a] + whole[a + 1:] == layer_shape)
         if not axes:
+            example = next(iter(entries))
             src, tgt = (example, group.whole) if group.stacking else (group.whole, example)
             why = f"shape (as {count} stacked layers)" if group.stacking else f"shape (one of {count} layers)"
-            self.mismatched.append(Mismatch(src, tgt, self.source[src].shape, self.target[tgt].shape, why))
-            self.used.update(group.layers.values() if group.stacking else (group.whole,))
+            self.mismatched.append(Mismatch(src.key, tgt.key, src.shape, tgt.shape, why))
+            self.used.update(map(key_of, entries) if group.stacking else (group.whole.key,))
         return axes
 
-    def _choose_axis(self, group: _Group, root_axes: dict[KeyPath, set[int]]) -> int:
+    def _choose_axis(self, group: Group, root_axes: dict[KeyPath, set[int]]) -> int:
         if len(group.axes) == 1:
             return group.axes[0]
-        canon = self.canonical(group.whole)
+        canon = self.canonical(group.whole.key)
         ruled = self.rules.scan_axis(canon)
         if ruled is not None and ruled in group.axes:
             return ruled
@@ -279,16 +359,16 @@ class _Planner:
         if len(siblings) == 1 and not self.rules.strict and next(iter(siblings)) in group.axes:
             return next(iter(siblings))
         raise PlanError(
-            f"{join_key(group.whole)!r} could be stacked along axis {' or '.join(map(str, group.axes))}: "
+            f"{join_key(group.whole.key)!r} could be stacked along axis {' or '.join(map(str, group.axes))}: "
             "its shape fits several" + (", and its sibling layers do not agree on one" if siblings else "")
             + (" (CKPTSHIM_STRICT=1 forbids taking the axis from siblings)" if self.rules.strict and siblings else "")
             + ". Add a scan-axis rule for it (Rules(scan_axes=(ScanAxis(component, axis),)).")
 
     # -- pass 4: drops and casts ---------------------------------------------------------------
 
-    def _drops(self, leftover_sources: list[KeyPath]) -> list[Drop]:
+    def _drops(self, leftover: list[Entry]) -> list[Drop]:
         drops = []
-        for key in leftover_sources:
+        for key in map(key_of, leftover):
             canon = self.canonical(key)
             if canon in self.rules.drop or key in self.rules.drop:
                 drops.append(Drop(key, "not persistent in target"))
@@ -307,39 +387,19 @@ class _Planner:
         self.casts[tgt.key] = Cast(tgt.key, src.dtype, tgt.dtype)
 
 
+def _refuse_clash(entries: list[Entry], names: list[KeyPath], side: str) -> None:
+    """Raise for the first of ``entries`` whose canonical name an earlier one already has."""
+    table: dict[KeyPath, Entry] = {}
+    for entry, name in zip(entries, names):
+        other = table.setdefault(name, entry)
+        if other is not entry:
+            raise PlanError(
+                f"{side} keys {join_key(other.key)!r} and {join_key(entry.key)!r} both mean "
+                f"{join_key(name)!r} once wrapper prefixes and aliases are removed, so "
+                "ckptshim cannot tell which one to use. Remove one of them, or load without "
+                "ckptshim (CKPTSHIM_DISABLE=1) if the names already match exactly.")
+
+
 def _span(indices: list[int]) -> str:
     from ckptshim.plan.explain import _ranges
     return "{" + _ranges(indices) + "}" if indices else "{}"
-
-
-def _canonicalizer(rules: Rules) -> Callable[[KeyPath], KeyPath]:
-    wrappers, aliases = rules.wrappers, rules.aliases
-    bare_parents: dict[KeyPath, KeyPath] = {}  # parent path -> the same without wrappers
-
-    def canonical(key: KeyPath) -> KeyPath:
-        parent = key[:-1]
-        if not wrappers.isdisjoint(parent):  # wrapped keys share a few parents: strip each once
-            bare = bare_parents.get(parent)
-            if bare is None:
-                bare = bare_parents[parent] = strip_wrappers(key, wrappers)[:-1]
-            key = bare + key[-1:]
-        for alias in aliases:
-            key = alias.rewrite(key)
-        return key
-
-    return canonical
-
-
-def _layer_splitter(names: frozenset[str]) -> Callable[[KeyPath], list[tuple[KeyPath, int]]]:
-    """:func:`layer_splits` for many keys: a key's splits depend only on its parent path (the
-    leaf is never a list component and stays last), and keys share a few thousand parents."""
-    by_parent: dict[KeyPath, list[tuple[KeyPath, int]]] = {}
-
-    def splits(key: KeyPath) -> list[tuple[KeyPath, int]]:
-        parent, leaf = key[:-1], key[-1:]
-        found = by_parent.get(parent)
-        if found is None:
-            found = by_parent[parent] = [(stacked[:-1], index) for stacked, index in layer_splits(key, names)]
-        return [(stacked + leaf, index) for stacked, index in found]
-
-    return splits

@@ -7,18 +7,28 @@ inverse of every op is the op that undoes it, so a plan for A -> B inverts into 
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TypeAlias
 
 from ckptshim.inventory import KeyPath
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Rename:
     """The target array is the source array under another name (identity when both agree)."""
 
     source: KeyPath
     target: KeyPath
+
+    def __init__(self, source: KeyPath, target: KeyPath) -> None:
+        # A plan for a checkpoint that fits (or one torch.compile renamed) holds one Rename per
+        # key. Assigning through the slots' own descriptors costs half of what the generated
+        # frozen __init__ pays (object.__setattr__ looks each slot up by name); as in Entry.
+        _set_source(self, source)
+        _set_target(self, target)
 
     @property
     def sources(self) -> tuple[KeyPath, ...]:
@@ -30,6 +40,22 @@ class Rename:
 
     def inverse(self) -> Rename:
         return Rename(self.target, self.source)
+
+
+_set_source, _set_target = Rename.source.__set__, Rename.target.__set__
+
+
+def renames(sources: Sequence[KeyPath], targets: Sequence[KeyPath]) -> list[Rename]:
+    """``list(map(Rename, sources, targets))``, in bulk: for a million keys, in half the time.
+
+    Calling ``Rename`` runs ``__init__`` as one Python frame per op. Here all the instances are
+    allocated first, then each slot is filled for all of them, every step a ``map`` that runs in
+    C. The ops are the very ones ``Rename`` would make (equal, hashable, frozen).
+    """
+    ops = list(map(object.__new__, repeat(Rename, len(sources))))
+    deque(map(_set_source, ops, sources), maxlen=0)  # a deque of no length runs a map out
+    deque(map(_set_target, ops, targets), maxlen=0)
+    return ops
 
 
 @dataclass(frozen=True, slots=True)

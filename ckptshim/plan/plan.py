@@ -44,14 +44,7 @@ class Plan:
     missing: tuple[KeyPath, ...] = ()
     unexpected: tuple[KeyPath, ...] = ()
     mismatched: tuple[Mismatch, ...] = ()
-    _producers: dict[KeyPath, Producer] = field(default_factory=dict, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        for op in self.ops:
-            if isinstance(op, Unstack):
-                self._producers.update(dict.fromkeys(op.targets, op))
-            elif not isinstance(op, (Cast, Drop)):  # Rename, Stack, Synthesize: one target
-                self._producers[op.target] = op
+    _producers: dict[KeyPath, Producer] | None = field(default=None, repr=False, compare=False)
 
     @property
     def complete(self) -> bool:
@@ -59,7 +52,23 @@ class Plan:
 
     def producer(self, target_key: KeyPath) -> Producer | None:
         """The op that gives ``target_key`` its value (``None`` when nothing does)."""
-        return self._producers.get(target_key)
+        return self._producer_index().get(target_key)
+
+    def _producer_index(self) -> dict[KeyPath, Producer]:
+        """Target key -> producing op, built on first use.
+
+        Only some executors ask (torch's walks the ops instead), and for a million-key plan the
+        index costs a sizeable share of planning, so a plan does not build it up front.
+        """
+        if self._producers is None:
+            producers: dict[KeyPath, Producer] = {}
+            for op in self.ops:
+                if isinstance(op, Unstack):
+                    producers.update(dict.fromkeys(op.targets, op))
+                elif not isinstance(op, (Cast, Drop)):  # Rename, Stack, Synthesize: one target
+                    producers[op.target] = op
+            object.__setattr__(self, "_producers", producers)  # a cache on a frozen dataclass
+        return self._producers
 
     def casts(self) -> dict[KeyPath, Cast]:
         return {op.target: op for op in self.ops if isinstance(op, Cast)}
@@ -79,7 +88,7 @@ class Plan:
         cast: set[KeyPath] = set()  # an Unstack's per-layer casts invert into one cast
         for op in self.ops:
             if isinstance(op, Cast):
-                for key in self._producers[op.target].sources:
+                for key in self._producer_index()[op.target].sources:
                     if key not in cast:
                         cast.add(key)
                         ops.append(Cast(key, op.target_dtype, op.source_dtype))

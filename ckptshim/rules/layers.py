@@ -42,13 +42,25 @@ def layer_splits(key: KeyPath, names: frozenset[str]) -> Iterator[tuple[KeyPath,
     ``("layers", "3", "w")`` and ``("layers_3", "w")`` both yield ``(("layers", "w"), 3)``.
     A key with two list components (layers inside experts) yields one split per component.
     """
-    for pos, part in enumerate(key[:-1]):
-        if part.isdigit() and pos > 0 and key[pos - 1] in names:
-            yield key[:pos] + key[pos + 1:], int(part)
+    leaf = key[-1:]
+    for stacked, index in parent_splits(key[:-1], names):
+        yield stacked + leaf, index
+
+
+def parent_splits(parent: KeyPath, names: frozenset[str]) -> Iterator[tuple[KeyPath, int]]:
+    """:func:`layer_splits` of every key under ``parent``, without the leaf.
+
+    A key's last component is never a list component, so keys that share a parent path share
+    their splits: ``("decoder", "layers_3", "mlp")`` yields ``(("decoder", "layers", "mlp"), 3)``
+    for every key under it, and the planner works them out once per parent.
+    """
+    for pos, part in enumerate(parent):
+        if part.isdigit() and pos > 0 and parent[pos - 1] in names:
+            yield parent[:pos] + parent[pos + 1:], int(part)
         else:
             base, sep, index = part.rpartition("_")
             if sep and index.isdigit() and base in names:
-                yield key[:pos] + (base,) + key[pos + 1:], int(index)
+                yield parent[:pos] + (base,) + parent[pos + 1:], int(index)
 
 
 def stack_root(stacked: KeyPath, names: frozenset[str]) -> KeyPath:
