@@ -10,12 +10,13 @@ from __future__ import annotations
 from ckptshim.errors import ShimError
 from ckptshim.hooks.registry import install, uninstall
 
-__all__ = ["ShimError", "inspect", "install", "plan", "uninstall", "__version__"]
+__all__ = ["ShimError", "convert", "inspect", "install", "plan", "uninstall", "__version__"]
 __version__ = "0.1.0"
 
 _LAZY = {
     "inspect": ("ckptshim.api", "inspect"),
     "plan": ("ckptshim.api", "plan"),
+    "convert": ("ckptshim.api", "convert"),
 }
 
 

@@ -1,4 +1,4 @@
-"""The functions behind ``ckptshim.inspect`` and ``ckptshim.plan`` (and the CLI)."""
+"""The functions behind ``ckptshim.inspect``, ``plan`` and ``convert`` (and the CLI)."""
 
 from __future__ import annotations
 
@@ -21,19 +21,28 @@ def inspect(path: str | Path) -> Checkpoint:
 def plan(source: str | Path, like: str | Path, rules: Rules | None = None) -> Plan:
     """Dry run: how the checkpoint at ``source`` would load into the layout of ``like``.
 
-    Without explicit ``rules``, JAX-style checkpoints (``/`` keys) plan with the rules the Orbax
-    and Flax hooks use (Linen/NNX spellings, MaxText scan axes), torch ones with the defaults.
+    ``like`` is another checkpoint, or ``"module:function"`` naming a function that returns a
+    model, a state dict or an abstract tree (see :mod:`ckptshim.like`). Without explicit
+    ``rules``, JAX-style layouts (``/`` keys) plan with the rules the Orbax and Flax hooks use
+    (Linen/NNX spellings, MaxText scan axes), torch ones with the defaults.
     """
-    src, tgt = open_checkpoint(source), open_checkpoint(like)
-    if rules is None:
-        jax_trees = "/" in (src.key_sep, tgt.key_sep)
-        rules = (rules_for_trees(src.inventory, tgt.inventory) if jax_trees
-                 else DEFAULT_RULES.extend(strict=config.strict()))
+    from ckptshim import like as like_module
+
+    src = open_checkpoint(source)
     try:
-        return make_plan(src.inventory, tgt.inventory, rules)
+        if like_module.is_callable_spec(like):
+            target, target_sep = like_module.target_inventory(str(like))
+        else:
+            tgt = open_checkpoint(like)
+            tgt.close()  # the inventory is all a plan needs
+            target, target_sep = tgt.inventory, tgt.key_sep
+        if rules is None:
+            jax_trees = "/" in (src.key_sep, target_sep)
+            rules = (rules_for_trees(src.inventory, target) if jax_trees
+                     else DEFAULT_RULES.extend(strict=config.strict()))
+        return make_plan(src.inventory, target, rules)
     finally:
         src.close()
-        tgt.close()
 
 
 def describe(checkpoint: Checkpoint) -> dict:
@@ -52,3 +61,16 @@ def describe(checkpoint: Checkpoint) -> dict:
         "complete": checkpoint.complete,
         "problems": checkpoint.all_problems(),
     }
+
+
+def convert(source: str | Path, destination: str | Path, to: str, like: str | Path | None = None,
+            *, force: bool = False, progress: bool | None = None) -> Path:
+    """Write ``source`` to ``destination`` in format ``to`` (``"safetensors"`` or ``"dcp"``).
+
+    See :func:`ckptshim.conversion.convert`: streamed array by array into a temporary sibling that
+    is renamed into place on success; ``source`` is never written; ``destination`` is replaced
+    only with ``force``.
+    """
+    from ckptshim.conversion import convert as run_convert
+
+    return run_convert(source, destination, to, like, force=force, progress=progress)

@@ -133,3 +133,96 @@ def test_plan_on_maxtext_runs_uses_the_jax_tree_rules(capsys):
            "params/params/decoder/layers/mlp/wo/kernel" in info["lines"]
     # the unscanned run keeps NNX rng state for layers_0 only: the rest cannot be planned
     assert code == 1 and info["missing"] and all("rngs" in key for key in info["missing"])
+
+
+def _every_fixture_checkpoint() -> list[tuple[str, str, str]]:
+    """(path under fixtures, manifest folder, manifest key prefix) for every checkpoint there."""
+    from test_formats_orbax import LAYOUTS
+
+    dcp = [(f"torch_dcp_single/{name}", "torch_dcp_single", prefix)
+           for name, prefix in (("dcp_plain", "model."), ("dcp_compiled", "model._orig_mod."),
+                                ("dcp_plain_toplevel", ""))]
+    torch_files = [(f"{folder}/{item}", folder, "") for folder, item, _ in TORCH_FILES]
+    jax = [(path, folder, prefix) for path, _, _, folder, prefix in LAYOUTS]
+    return torch_files + dcp + jax
+
+
+@pytest.mark.parametrize(("path", "folder", "prefix"), _every_fixture_checkpoint(), ids=lambda v: str(v))
+def test_inspect_json_on_every_fixture(capsys, path, folder, prefix):
+    """Entry count, shapes and dtypes as the manifest lists them (its key format per folder)."""
+    code, info = run_json(capsys, "inspect", str(FIXTURES / path), "--json")
+    assert code == 0 and info["complete"] is True, info["problems"]
+    manifest_prefix = prefix if prefix.startswith(("[", "step")) else ""
+    stored_prefix = "" if manifest_prefix else prefix
+    expected = {k[len(manifest_prefix):]: v for k, v in expected_arrays(folder).items() if k.startswith(manifest_prefix)}
+    found = {e["key"].removeprefix(stored_prefix): e for e in info["entries"]}
+    assert len(found) == len(info["entries"]) and set(found) <= set(expected)
+    if folder not in {"hf_gptneox_tf4.30.2", "hf_gptneox_tf5_resaved"}:  # HF files omit derived buffers
+        assert len(found) == len(expected)
+    for key, entry in found.items():
+        assert [entry["shape"], entry["dtype"]] == [expected[key]["shape"], expected[key]["dtype"]], key
+    assert info["total_bytes"] == sum(e["bytes"] for e in info["entries"])
+
+
+ZARR_TRUNCATED = pytest.mark.xfail(strict=True, reason=(
+    "per-leaf zarr chunks are compressed and their metadata records no chunk sizes, so a "
+    "truncated chunk is found only when read (the read raises CorruptCheckpointError)"))
+
+
+@pytest.mark.parametrize(("path", "damage"), [
+    ("orbax_0.12.8_scanned/standard_checkpointer_scanned", "delete"),
+    ("orbax_0.12.8_scanned/standard_checkpointer_scanned", "truncate"),
+    ("orbax_0.2.3_unscanned/pytree_checkpointer", "delete"),
+    pytest.param("orbax_0.2.3_unscanned/pytree_checkpointer", "truncate", marks=ZARR_TRUNCATED)])
+def test_damaged_jax_checkpoint_names_the_file(tmp_path, capsys, path, damage):
+    root = tmp_path / "copy"
+    shutil.copytree(FIXTURES / path, root)
+    victim = max((p for p in root.rglob("*") if p.is_file() and not p.name.startswith(("_", "."))
+                  and p.name not in {"manifest.ocdbt", "commit_success.txt", "checkpoint"}),
+                 key=lambda p: p.stat().st_size)
+    if damage == "delete":
+        victim.unlink()
+    else:
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    code, info = run_json(capsys, "inspect", str(root), "--json")
+    assert code == 1 and info["complete"] is False
+    named = victim.name if "ocdbt" in str(victim) else victim.parent.name
+    assert any(named in problem for problem in info["problems"]), info["problems"]
+
+
+LIKE_MODULE = '''
+import sys
+sys.path.insert(0, {model_dir!r})
+
+
+def compiled():
+    import torch
+    from dcp_tiny_model import TinyLM
+    return torch.compile(TinyLM())
+
+
+def scanned():
+    import jax
+    import numpy as np
+    layers = {{"mlp": {{"wi_0": {{"kernel": jax.ShapeDtypeStruct((32, 3, 64), np.float32)}}}}}}
+    return {{"params": {{"decoder": {{"layers": layers}}}}}}
+
+
+def empty():
+    return {{}}
+'''
+
+
+def test_plan_like_module_function(tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_models.py").write_text(LIKE_MODULE.format(model_dir=str(FIXTURES / "torch_dcp_single")))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, info = run_json(capsys, "plan", str(FIXTURES / "torch_dcp_single/torch_save/model.pt"),
+                          "--like", "my_models:compiled", "--json")
+    assert code == 0 and info["complete"] and info["summary"].startswith("26 renamed")
+    code, info = run_json(capsys, "plan", str(FIXTURES / "orbax_0.2.3_unscanned/pytree_checkpointer"),
+                          "--like", "my_models:scanned", "--json", "--sep", "/")
+    assert code == 1 and info["missing"] == [] and "params/decoder/decoder_norm/scale" in info["unexpected"]
+    assert any("stack(axis=1)" in line and "layers/mlp/wi_0/kernel" in line for line in info["lines"])
+    assert main(["plan", str(FIXTURES / "torch_dcp_single/torch_save/model.pt"), "--like", "my_models:empty"]) == 1
+    assert main(["plan", str(FIXTURES / "torch_dcp_single/torch_save/model.pt"), "--like", "my_models:absent"]) == 1
+    assert "cannot import it" in capsys.readouterr().err

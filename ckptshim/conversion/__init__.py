@@ -1,0 +1,47 @@
+"""``ckptshim convert SRC DST --to {safetensors,dcp}``: rewrite a checkpoint in another format.
+
+The arrays stream one at a time from SRC (usually straight from a memory map) into a temporary
+sibling of DST, which is renamed into place only when everything is written; SRC is only ever
+read. A convert that dies leaves no DST, and the next convert to the same DST removes the dead
+one's temporary folder. With ``like``, the arrays are first mapped onto another checkpoint's
+layout by the same plan a load would use (renames, stacking and unstacking layers).
+
+The package is not called ``convert`` so that it never shadows the lazy ``ckptshim.convert``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from ckptshim.conversion.arrays import planned_arrays
+from ckptshim.conversion.atomic import atomic_destination
+from ckptshim.errors import ShimError
+
+#: Output format -> module with ``write(arrays, folder, sep, progress) -> None``.
+WRITERS = ("safetensors", "dcp")
+
+
+class ConvertError(ShimError):
+    """The conversion cannot be done as asked (nothing has been written to DST)."""
+
+
+def convert(source: str | Path, destination: str | Path, to: str, like: str | Path | None = None,
+            *, force: bool = False, progress: bool | None = None,
+            on_array: Callable[[str], None] | None = None) -> Path:
+    """Write ``source``'s arrays (in ``like``'s layout, if given) to ``destination`` as ``to``.
+
+    ``progress=None`` shows a bar only on a terminal. ``on_array`` is called after each array
+    is written, with its key. Returns the destination path.
+    """
+    if to not in WRITERS:
+        raise ConvertError(f"cannot convert to {to!r}; choose one of {', '.join(WRITERS)}")
+    source, destination = Path(source).resolve(), Path(destination).resolve()
+    if destination == source or source in destination.parents or destination in source.parents:
+        raise ConvertError(f"{destination} overlaps the source {source}; write somewhere else")
+    from importlib import import_module
+
+    writer = import_module(f"ckptshim.conversion.{to}_writer")
+    with planned_arrays(source, like) as arrays, atomic_destination(destination, force=force) as tmp:
+        writer.write(arrays, tmp, destination.name, progress=progress, on_array=on_array)
+    return destination

@@ -1,0 +1,65 @@
+"""Streaming safetensors writer: the header is computed from the entries, then each array's bytes.
+
+safetensors needs every shape, dtype and byte range in the header before the data, and an
+inventory has all of them before any byte is read, so each array is written once, in order,
+without ever holding more than one in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ckptshim.conversion.arrays import PlannedArrays
+from ckptshim.conversion.progress import bar
+from ckptshim.formats.base import storage_dtype
+from ckptshim.inventory import join_key
+
+#: ckptshim dtype name -> safetensors header spelling.
+SAFETENSORS_DTYPES = {
+    "bool": "BOOL", "int8": "I8", "uint8": "U8", "int16": "I16", "uint16": "U16", "int32": "I32",
+    "uint32": "U32", "int64": "I64", "uint64": "U64", "float16": "F16", "bfloat16": "BF16",
+    "float32": "F32", "float64": "F64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}
+
+
+def file_name(destination_name: str) -> str:
+    """The file written: DST itself when it ends in .safetensors, else model.safetensors inside."""
+    return destination_name if destination_name.endswith(".safetensors") else "model.safetensors"
+
+
+def header(arrays: PlannedArrays) -> bytes:
+    from ckptshim.conversion import ConvertError
+
+    fields: dict = {"__metadata__": {"format": "pt", "written_by": "ckptshim convert"}}
+    offset = 0
+    for entry in arrays.entries:
+        if entry.dtype not in SAFETENSORS_DTYPES:
+            raise ConvertError(f"{join_key(entry.key, arrays.sep)}: safetensors cannot hold {entry.dtype}")
+        fields[join_key(entry.key, arrays.sep)] = {
+            "dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes]}
+        offset += entry.nbytes
+    raw = json.dumps(fields, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors itself writes
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def write(arrays: PlannedArrays, folder: Path, destination_name: str, *, progress: bool | None = None,
+          on_array: Callable[[str], None] | None = None) -> None:
+    path = folder / file_name(destination_name)
+    with open(path, "wb") as out, bar(arrays.total_bytes, path.name, progress) as shown:
+        out.write(header(arrays))
+        for entry in arrays.entries:
+            value = np.ascontiguousarray(arrays.read(entry), dtype=storage_dtype(entry.dtype))
+            out.write(memoryview(value.reshape(-1)).cast("B"))
+            shown.update(entry.nbytes)
+            if on_array is not None:
+                out.flush()
+                on_array(join_key(entry.key, arrays.sep))
+        out.flush()
+        os.fsync(out.fileno())
