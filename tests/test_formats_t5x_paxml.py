@@ -167,3 +167,76 @@ def test_t5x_version_2_uint16_arrays_read_as_bfloat16_bits(tmp_path):
     as_float = np.empty(32, np.float32)
     checkpoint.read_into(entry, (), as_float)
     assert np.array_equal(as_float, values.astype(np.float32))
+
+
+# -- PaxML ------------------------------------------------------------------------------------
+
+PAX = "paxml_runs/TinySpmdRepeat"
+PAX_STEPS = FIXTURES / PAX / "checkpoints"
+
+
+@pytest.mark.parametrize("step", ["checkpoint_00000000", "checkpoint_00000001", "checkpoint_00000002"])
+@pytest.mark.parametrize("item", ["", "state"])
+def test_paxml_tensorstore_layout_matches_the_manifest(step, item):
+    expected = {k.split("::", 1)[1]: v for k, v in expected_arrays(PAX).items() if k.startswith(step + "::")}
+    checkpoint = inspect(PAX_STEPS / step / item)
+    try:
+        assert (checkpoint.format, checkpoint.version) == ("paxml", "1.1, tensorstore")
+        assert checkpoint.complete, checkpoint.all_problems()
+        found = {".".join(e.key): e for e in checkpoint.inventory.values()}
+        assert set(found) == set(expected)
+        for key, entry in found.items():
+            assert [list(entry.shape), entry.dtype] == [expected[key]["shape"], expected[key]["dtype"]], key
+            assert array_sha256(checkpoint.read(entry)) == expected[key]["sha256"], key
+        layers = checkpoint.inventory["mdl_vars", "params", "lm", "transformer", "repeat", "sub",
+                                      "x_layers_0", "self_attention", "combined_qkv", "w"]
+        assert layers.shape == (2, 3, 32, 4, 8)  # the layer axis first
+    finally:
+        checkpoint.close()
+
+
+def test_paxml_cli_inspect_reads_the_latest_step(capsys):
+    assert main(["inspect", str(PAX_STEPS), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["format"] == "paxml" and info["complete"] is True
+    assert info["path"].endswith("checkpoint_00000002/state")
+    expected = {k.split("::", 1)[1]: v for k, v in expected_arrays(PAX).items()
+                if k.startswith("checkpoint_00000002::")}
+    assert {e["key"].replace("/", "."): e["shape"] for e in info["entries"]} == \
+        {k: v["shape"] for k, v in expected.items()}
+
+
+def _edit_metadata(step, key: tuple[str, ...], unpadded: list[int]) -> None:
+    path = step / "metadata" / "metadata"
+    meta = json.loads(path.read_text())
+    node = meta["train_state_metadata"]
+    for part in key:
+        node = node[part]
+    node["unpadded_shape"] = unpadded
+    path.write_text(json.dumps(meta))
+
+
+def test_paxml_padded_arrays_are_listed_and_read_unpadded(tmp_path):
+    step = copy_fixture(f"{PAX}/checkpoints/checkpoint_00000001", tmp_path)
+    key = ("mdl_vars", "params", "lm", "softmax", "logits_ffn", "linear", "w")
+    full = inspect(step)
+    stored = full.read(full.inventory[key]).copy()
+    _edit_metadata(step, key, [30, 250])
+    padded = inspect(step)
+    entry = padded.inventory[key]
+    assert entry.shape == (30, 250)
+    assert np.array_equal(padded.read(entry), stored[:30, :250])
+    part = np.empty((10, 250), np.float32)
+    padded.read_into(entry, (slice(20, None), slice(None)), part).result()
+    assert np.array_equal(part, stored[20:30, :250])
+    _edit_metadata(step, key, [40, 256])
+    with pytest.raises(CorruptCheckpointError, match=r"unpadded shape \[40, 256\], but its zarr array is \[32, 256\]"):
+        inspect(step)
+
+
+def test_paxml_missing_chunk_is_reported(tmp_path, capsys):
+    step = copy_fixture(f"{PAX}/checkpoints/checkpoint_00000001", tmp_path)
+    (step / "state" / "mdl_vars.params.lm.final_ln.scale" / "0").unlink()
+    assert main(["inspect", str(step), "--json"]) == 1
+    info = json.loads(capsys.readouterr().out)
+    assert any("mdl_vars.params.lm.final_ln.scale" in p and "missing" in p for p in info["problems"])

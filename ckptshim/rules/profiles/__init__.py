@@ -11,12 +11,15 @@ from ckptshim import config
 from ckptshim.inventory import Inventory
 from ckptshim.rules import DEFAULT_RULES, Rules
 from ckptshim.rules.flax_names import LINEN_NNX
-from ckptshim.rules.profiles import maxtext
+from ckptshim.rules.profiles import maxtext, paxml
 
 
 def rules_for_trees(source: Inventory, target: Inventory) -> Rules:
-    """The rules for a JAX tree pair: Linen/NNX spellings, MaxText scan axes where they apply."""
+    """The rules for a JAX tree pair: Linen/NNX spellings, MaxText scan axes and PaxML ``Repeat``
+    stacks where they apply."""
     rules = DEFAULT_RULES.extend(aliases=LINEN_NNX, strict=config.strict())
     if maxtext.applies(source, target):
         rules = rules.extend(scan_axes=maxtext.SCAN_AXES)
+    if paxml.applies(source, target):
+        rules = rules.extend(aliases=paxml.ALIASES, scan_axes=paxml.SCAN_AXES)
     return rules

@@ -1,0 +1,159 @@
+"""PaxML checkpoints in the tensorstore layout: ``checkpoint_%08d/{metadata/metadata, state/}``.
+
+PaxML (``paxml/checkpoint_version.py``) has written, newest first:
+
+- 1.2: ``state/`` is an OCDBT database plus an Orbax aggregate ``checkpoint`` file -- an Orbax
+  legacy-aggregate item, read by :mod:`ckptshim.formats.orbax`;
+- 1.1: as 1.0, and ``metadata/metadata`` gains ``train_state_metadata``: per ``mdl_vars`` array
+  its dtype and ``unpadded_shape`` (PaxML pads arrays to shard evenly; the padding is not data);
+- 1.0: per-step folders with items ``state/`` (one zarr folder per variable, named by its
+  ``.``-joined tree path: ``mdl_vars.params.lm.transformer.repeat.sub.x_layers_0.<...>``,
+  ``opt_states_0.<...>``, ``step``) and ``metadata/`` (``{"version": 1.0}``);
+- 0.0: no item folders; the zarr folders sit in the step folder itself.
+
+Keys are the tree paths (the folder names split at ``.``); a padded array is listed with its
+unpadded shape, and reads never touch the padding. A ``Repeat`` layer stack keeps the layers on
+axis 0 (``repeat/sub/x_layers_0/...`` is ``[L, ...]``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ckptshim.errors import CorruptCheckpointError
+from ckptshim.formats import kvstore, orbax, zarr
+from ckptshim.formats.base import Checkpoint
+from ckptshim.inventory import Entry, Inventory, KeyPath, flatten
+
+NAME = "paxml"
+STATE = "state"
+METADATA = Path("metadata") / "metadata"
+_STEP = re.compile(r"^checkpoint_(\d+)$")
+
+
+def _version(step_dir: Path) -> tuple[float | None, dict]:
+    """(version, metadata) from ``metadata/metadata``; ``(None, {})`` when there is none."""
+    where = step_dir / METADATA
+    if not where.is_file():
+        return None, {}
+    try:
+        meta = json.loads(where.read_text())
+        return float(meta["version"]), meta
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        raise CorruptCheckpointError(
+            f"{where}: not a valid PaxML metadata file ({type(error).__name__}: {error}); "
+            "PaxML writes {\"version\": ...}. Re-copy the checkpoint.") from None
+
+
+def _zarr_folders(folder: Path) -> list[str]:
+    """Names of the zarr array folders directly in ``folder``."""
+    if not folder.is_dir():
+        return []
+    return sorted(child.name for child in folder.iterdir()
+                  if child.is_dir() and any((child / m).is_file() for m in zarr.METADATA_FILES))
+
+
+def is_state_dir(path: Path) -> bool:
+    """A PaxML ``state/`` item (or 0.0 step folder) of per-variable zarr folders."""
+    if not path.is_dir() or (path / orbax.METADATA).exists() or (path / orbax.AGGREGATE).exists():
+        return False
+    names = _zarr_folders(path)
+    return any(n.startswith(("mdl_vars.", "opt_states")) for n in names)
+
+
+def is_step_dir(path: Path) -> bool:
+    return path.is_dir() and (path / METADATA).is_file() and (path / STATE).is_dir()
+
+
+def steps(root: Path) -> dict[int, Path]:
+    """Step number -> step folder, for ``checkpoint_%08d`` folders under ``root``."""
+    if not root.is_dir():
+        return {}
+    found = {int(m.group(1)): child for child in root.iterdir()
+             if (m := _STEP.match(child.name)) and (is_step_dir(child) or is_state_dir(child))}
+    return dict(sorted(found.items()))
+
+
+def sniff(path: Path) -> bool:
+    return is_step_dir(path) or is_state_dir(path) or bool(steps(path))
+
+
+@dataclass(frozen=True)
+class _Padded(orbax._Stored):  # noqa: SLF001 -- Orbax's leaf location, plus the stored shape
+    """A leaf stored larger than its data (PaxML padding): reads stay inside the unpadded part."""
+
+    stored_shape: tuple[int, ...] = ()
+
+
+class PaxmlCheckpoint(orbax.OrbaxCheckpoint):
+    """A PaxML ``state/`` folder; reads are Orbax's per-leaf zarr reads, clipped to the data."""
+
+    def __init__(self, path: Path, version: str, inventory: Inventory, problems) -> None:
+        super().__init__(path, version, inventory, (), problems, ocdbt=False, native=False)
+        self.format = NAME
+        #: Today's Orbax finds no tree metadata here; the Orbax hooks always step in.
+        self.orbax_readers = frozenset()
+
+    def read_into(self, entry: Entry, index: tuple, out: np.ndarray):
+        if isinstance(entry.location, _Padded):
+            index = tuple(slice(*i.indices(n)) if isinstance(i, slice) else i
+                          for i, n in zip(index or (slice(None),) * len(entry.shape), entry.shape))
+        return super().read_into(entry, index, out)
+
+
+def unpadded_shapes(meta: dict) -> dict[KeyPath, tuple[int, ...]]:
+    """``mdl_vars`` key -> unpadded shape, from version >= 1.1 ``train_state_metadata``."""
+    tree = meta.get("train_state_metadata") or {}
+    out = {}
+    for key, leaf in flatten(tree, is_leaf=lambda n: isinstance(n, dict) and "_array_metadata_tag" in n).items():
+        if isinstance(leaf, dict) and leaf.get("unpadded_shape") is not None:
+            out[key] = tuple(int(n) for n in leaf["unpadded_shape"])
+    return out
+
+
+def open_checkpoint(path: Path) -> Checkpoint:
+    """A step folder, its ``state/`` item, or a ``checkpoints/`` root (latest step)."""
+    if not (is_step_dir(path) or is_state_dir(path)):
+        found = steps(path)
+        if not found:
+            raise CorruptCheckpointError(f"{path}: no PaxML checkpoint_%08d folder found")
+        path = found[max(found)]
+    step_dir, state = (path, path / STATE) if is_step_dir(path) else (
+        (path.parent, path) if (path.parent / METADATA).is_file() else (path, path))
+    version, meta = _version(step_dir)
+    if orbax.sniff(state):  # 1.2: OCDBT + Orbax aggregate
+        item = orbax.open_checkpoint(state)
+        item.format, item.version = NAME, f"{version} ({item.version})"
+        return item
+    unpadded = unpadded_shapes(meta)
+    names = _zarr_folders(state)
+    raw = kvstore.read_values(state, False, [f"{n}/{m}" for n in names for m in zarr.METADATA_FILES])
+    listed: dict[str, set[str]] = {}
+    for key in kvstore.list_keys(state, False):
+        folder, _, rest = key.partition("/")
+        listed.setdefault(folder, set()).add(rest)
+    entries, problems = [], []
+    for name in names:
+        meta_key = next(f"{name}/{m}" for m in zarr.METADATA_FILES if raw.get(f"{name}/{m}") is not None)
+        array = zarr.parse(raw[meta_key], f"{state / meta_key}")
+        key = tuple(name.split("."))
+        shape = unpadded.get(key, array.shape)
+        if len(shape) != len(array.shape) or any(u > s for u, s in zip(shape, array.shape)):
+            raise CorruptCheckpointError(
+                f"{step_dir / METADATA}: {name} has unpadded shape {list(shape)}, but its zarr "
+                f"array is {list(array.shape)}; an unpadded shape never exceeds the stored one. "
+                "The metadata belongs to another checkpoint; re-copy the step folder.")
+        location = orbax._Stored(name, array.driver) if shape == array.shape else \
+            _Padded(name, array.driver, array.shape)
+        entries.append(Entry(key, shape, array.dtype, location))
+        if zarr.chunk_keys_required(array, False):
+            absent = [c for c in array.chunk_keys() if c not in listed.get(name, ())]
+            if absent:
+                problems.append(f"{name}: {len(absent)} chunk(s) missing ({', '.join(absent[:4])})")
+    shown = "0.0 (no metadata)" if version is None else f"{version:g}"
+    return PaxmlCheckpoint(state, f"{shown}, tensorstore", Inventory(entries, str(state)), problems)
