@@ -16,7 +16,8 @@ import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from collections.abc import Callable, Mapping
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -75,15 +76,21 @@ _ALLOWED = {
 }
 
 
+#: Extra globals a caller allows for one read: ``(module, name)`` -> the inert stand-in to
+#: build instead (a function or class that makes plain data, never the real global).
+ExtraGlobals = Mapping[tuple[str, str], Callable[..., Any]]
+
+
 class _SafeUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, where: str) -> None:
+    def __init__(self, data: bytes, where: str, extra: ExtraGlobals | None = None) -> None:
         super().__init__(io.BytesIO(data))
         self.where = where
+        self.extra = extra or {}
 
     def find_class(self, module: str, name: str):
         if module == "torch" and name in _STORAGE_DTYPES:
             return _StorageType(name)
-        found = _ALLOWED.get((module, name))
+        found = _ALLOWED.get((module, name)) or self.extra.get((module, name))
         if found is None:
             raise UnsafeCheckpointError(_unsafe_message(self.where, f"{module}.{name}"))
         return found
@@ -172,9 +179,12 @@ class Archive:
     problems: tuple[str, ...]
 
 
-def read_archive(raw: BinaryIO, where: str) -> Archive:
+def read_archive(raw: BinaryIO, where: str, extra: ExtraGlobals | None = None) -> Archive:
     """Parse the ``torch.save`` zip in the seekable ``raw`` (a file, or a window onto one: DCP
-    stores each chunk as one such archive inside a larger file) without running its code."""
+    stores each chunk as one such archive inside a larger file) without running its code.
+
+    ``extra`` widens the allow-list for this one read only (DeepSpeed's ``mp_rank`` files hold
+    numpy RNG state): each allowed global maps to an inert stand-in that builds data."""
     try:
         archive = zipfile.ZipFile(raw)
     except (zipfile.BadZipFile, OSError) as error:
@@ -187,7 +197,7 @@ def read_archive(raw: BinaryIO, where: str) -> Archive:
         prefix = pkl[: -len("data.pkl")]
         try:
             byteorder = archive.read(prefix + "byteorder").decode() if prefix + "byteorder" in archive.namelist() else "little"
-            tree = _SafeUnpickler(archive.read(pkl), where).load()
+            tree = _SafeUnpickler(archive.read(pkl), where, extra).load()
         except (UnsafeCheckpointError, CorruptCheckpointError):
             raise
         except Exception as error:

@@ -50,6 +50,7 @@ from ckptshim.plan import plan as make_plan
 from ckptshim.rules import DEFAULT_RULES, Rules
 from ckptshim.rules.buffers import derivable_rule
 from ckptshim.rules.layers import TORCH_SCAN_AXES
+from ckptshim.rules.profiles import neox
 from ckptshim.rules.prefixes import WRAPPER_SEGMENTS, strip_wrappers
 from ckptshim.rules.profiles.transformers_mapping import aliases_for
 
@@ -176,7 +177,8 @@ def _prepare(original: Callable[..., Any], native: Callable[[], Any], module: nn
     if source is None or target is None:
         logger.debug("%s: a dtype ckptshim does not know; leaving the load to torch", HOOK)
         return native
-    plan = make_plan(source, target, _rules(module, layout))
+    rules = _rules(module, layout).extend(aliases=neox.aliases_between(source, target))
+    plan = make_plan(source, target, rules)
     if strict and not plan.complete and layout.own_load_logic:
         logger.debug("%s: the state dict does not fit, but %s transforms its own state dict on "
                      "load; leaving the load to torch", HOOK, type(module).__name__)

@@ -1,0 +1,341 @@
+"""DeepSpeed pipeline checkpoints as GPT-NeoX writes them, read as one tensor-parallel-free model.
+
+Layout (``PipelineModule.save_state_dict`` / ``ckpt_layer_path``)::
+
+    CKPT/latest                                   text: the tag, e.g. ``global_step1000``
+    CKPT/<tag>/layer_<ii>-model_<rr>-model_states.pt   pipeline layer ii, tensor-parallel rank rr
+    CKPT/<tag>/mp_rank_<rr>_model_states.pt       engine state: args, RNG, optimizer, iteration
+
+(``layer_<ii>-model_states.pt`` without ``model_<rr>`` when the topology has no model axis.)
+A NeoX run without pipeline parallelism instead keeps the whole ``sequential.<i>.*`` state dict
+under ``module`` in each ``mp_rank`` file; both read the same way.
+
+The inventory is the model as NeoX names it at tensor-parallel degree 1 --
+``sequential.<layer>.<name>`` -- whatever degree it was saved with: each entry's read merges the
+ranks' shards by the NeoX rule for that tensor (:mod:`ckptshim.rules.profiles.neox`), so plans,
+conversions and loads into another degree see one tensor per name. Each layer file's own shards
+are listed under its :class:`FileInfo` and read with :meth:`DeepSpeedPipelineCheckpoint.read_shard`.
+
+The ``.pt`` files are read with :mod:`ckptshim.formats.torch_pickle`'s allow-listed unpickler.
+``mp_rank`` files also hold numpy RNG state and (Megatron-style) an ``argparse.Namespace``; for
+those files only, exactly these globals are allowed, each built as inert data here. Anything
+else is refused, naming the global.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
+from ckptshim.execute import tensor_parallel
+from ckptshim.formats import torch_pickle
+from ckptshim.formats.base import Checkpoint, FileInfo, file_info
+from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, flatten, join_key
+from ckptshim.rules.profiles import neox
+
+NAME = "deepspeed-pipeline"
+_LAYER_FILE = re.compile(r"layer_(\d+)-(?:model_(\d+)-)?model_states\.pt")
+_MP_RANK_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+
+
+# -- inert stand-ins for the globals an mp_rank file may name -------------------------------
+
+class _NumpyDtype:
+    """``numpy.dtype(name, align, copy)`` as data: the type code and byte order."""
+
+    def __init__(self, name: str, *_flags: Any) -> None:
+        self.name, self.byteorder = str(name), "|"
+
+    def __setstate__(self, state: tuple) -> None:
+        self.byteorder = state[1] if len(state) > 1 and isinstance(state[1], str) else "|"
+
+    def numpy(self) -> np.dtype:
+        return np.dtype(self.name).newbyteorder("<" if self.byteorder in "<|=" else ">")
+
+
+class NumpyArray:
+    """A pickled ``numpy.ndarray`` as data: shape, dtype and raw bytes (never a live array)."""
+
+    def __init__(self, *_args: Any) -> None:
+        self.shape: tuple[int, ...] = ()
+        self.dtype: _NumpyDtype | None = None
+        self.raw = b""
+
+    def __setstate__(self, state: tuple) -> None:
+        _version, shape, dtype, _fortran, raw = state if len(state) == 5 else (1, *state)
+        self.shape, self.dtype = tuple(shape), dtype
+        self.raw = raw if isinstance(raw, bytes) else b""
+
+    def value(self) -> np.ndarray:
+        """A copy as a real array (only ``bytes`` and a dtype name go into numpy)."""
+        return np.frombuffer(self.raw, dtype=self.dtype.numpy()).reshape(self.shape).copy()
+
+
+def _reconstruct(_cls: Any, _shape: Any, _typecode: Any) -> NumpyArray:
+    return NumpyArray()
+
+
+def _scalar(dtype: _NumpyDtype, raw: bytes = b"") -> Any:
+    return np.frombuffer(raw, dtype=dtype.numpy())[0].item() if isinstance(raw, bytes) else None
+
+
+def _encode(text: str, encoding: str = "utf-8") -> bytes:
+    """``_codecs.encode``, which numpy pickles use to carry bytes as latin-1 text."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise CorruptCheckpointError(f"_codecs.encode({type(text).__name__}, {encoding!r}) is not "
+                                     "how numpy pickles bytes; refusing the file")
+    return text.encode("latin1")
+
+
+class Namespace(dict):
+    """``argparse.Namespace`` (Megatron/DeepSpeed ``args``) as a plain dict of its attributes."""
+
+    def __setstate__(self, state: dict) -> None:
+        self.update(state if isinstance(state, dict) else {})
+
+
+MP_RANK_GLOBALS: torch_pickle.ExtraGlobals = {
+    ("numpy", "ndarray"): NumpyArray,
+    ("numpy", "dtype"): _NumpyDtype,
+    ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+    ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+    ("numpy.core.multiarray", "scalar"): _scalar,
+    ("numpy._core.multiarray", "scalar"): _scalar,
+    ("_codecs", "encode"): _encode,
+    ("argparse", "Namespace"): Namespace,
+}
+
+
+def _layer_of(key: KeyPath) -> int | None:
+    """The pipeline index of a ``sequential.<i>.<name>`` key, else ``None``."""
+    return int(key[1]) if len(key) > 2 and key[0] == neox.SEQUENTIAL and key[1].isdigit() else None
+
+
+# -- finding the step directory -------------------------------------------------------------
+
+def _is_step_dir(path: Path) -> bool:
+    return any(_LAYER_FILE.fullmatch(p.name) or _MP_RANK_FILE.fullmatch(p.name) for p in path.iterdir())
+
+
+def step_directory(path: Path) -> Path:
+    """The ``global_stepN`` directory ``path`` means: itself, or the one ``path/latest`` names."""
+    latest = path / "latest"
+    if latest.is_file() and not _is_step_dir(path):
+        tag = latest.read_text().strip()
+        step = (path / tag).resolve()
+        if not tag or path.resolve() not in step.parents:
+            raise CorruptCheckpointError(f"{latest} names {tag!r}, which is not a folder inside {path}")
+        if not step.is_dir():
+            raise CorruptCheckpointError(f"{latest} names {tag!r}, but {path / tag} does not exist; "
+                                         "point at an existing global_step folder instead.")
+        return path / tag
+    return path
+
+
+def sniff(path: Path) -> bool:
+    if not path.is_dir():
+        return False
+    if _is_step_dir(path):
+        return True
+    latest = path / "latest"
+    if not latest.is_file() or latest.stat().st_size > 4096:
+        return False
+    step = path / latest.read_text().strip()
+    return step.is_dir() and _is_step_dir(step)
+
+
+# -- the checkpoint -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shard:
+    """One tensor-parallel rank's piece of one tensor: the file part that holds it."""
+
+    part: Checkpoint
+    entry: Entry
+
+
+@dataclass
+class _Scan:
+    """What the files hold, before the checks that turn shards into model entries."""
+
+    shards: dict[KeyPath, dict[int, Shard]] = field(default_factory=dict)
+    ranks_by_layer: dict[int, set[int]] = field(default_factory=dict)
+    files: list[FileInfo] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    engine: dict[str, Any] = field(default_factory=dict)
+    parts: list[Checkpoint] = field(default_factory=list)
+
+
+class DeepSpeedPipelineCheckpoint(Checkpoint):
+    """A NeoX pipeline (or sequential) checkpoint; entries are merged over tensor parallelism."""
+
+    def __init__(self, path: Path, version: str, entries: list[Entry], scan: _Scan, degree: int) -> None:
+        super().__init__(path, NAME, version, Inventory(entries, str(path)), tuple(scan.files),
+                         tuple(scan.problems))
+        self.shards = scan.shards
+        self.tp_degree = degree
+        self.engine = scan.engine
+        self._parts = scan.parts
+
+    def read_shard(self, key: KeyPath, rank: int) -> np.ndarray:
+        shard = self.shards[key][rank]
+        return shard.part.read(shard.entry)
+
+    def read(self, entry: Entry) -> np.ndarray:
+        shards = self.shards.get(entry.key)
+        if shards is None:
+            raise CorruptCheckpointError(f"{self.path}: no tensor {join_key(entry.key)!r}")
+        rule = neox.tp_rule(entry.key[2:]) or neox.TPRule("replicate")
+        return tensor_parallel.merge([self.read_shard(entry.key, rank) for rank in sorted(shards)],
+                                     rule, entry.dtype, f"{self.path}: {join_key(entry.key)}")
+
+    def close(self) -> None:
+        for part in self._parts:
+            part.close()
+
+
+def open_checkpoint(path: Path) -> DeepSpeedPipelineCheckpoint:
+    step = step_directory(path)
+    scan = _Scan()
+    layer_files = [(int(m[1]), int(m[2] or 0), f) for f in sorted(step.iterdir())
+                   if (m := _LAYER_FILE.fullmatch(f.name)) is not None]
+    for file in sorted(step.iterdir()):
+        if (match := _MP_RANK_FILE.fullmatch(file.name)) is not None:
+            _scan_mp_rank(file, int(match[1]), step, scan, weights_elsewhere=bool(layer_files))
+    if layer_files:
+        scan.shards.clear()  # a pipeline run's mp_rank files hold no module; layer files rule
+        scan.ranks_by_layer.clear()
+    for layer, rank, file in layer_files:
+        part = torch_pickle.open_checkpoint(file)
+        scan.parts.append(part)
+        scan.files.append(FileInfo(file.name, part.files[0].size, part.files[0].expected_size,
+                                   tuple(f"{join_key(e.key)} {e.dtype}{list(e.shape)}" for e in part.inventory.values())))
+        scan.problems += [f"{file.name}: {p}" for p in part.problems]
+        scan.ranks_by_layer.setdefault(layer, set()).add(rank)
+        for entry in part.inventory.values():
+            key = (neox.SEQUENTIAL, str(layer)) + entry.key
+            scan.shards.setdefault(key, {})[rank] = Shard(part, entry)
+    if not scan.shards and not scan.problems:
+        raise CorruptCheckpointError(f"{step}: no layer_*-model_states.pt files and no module in the "
+                                     "mp_rank files; this DeepSpeed checkpoint holds no model weights.")
+    degree = _check_layers(step, scan)
+    entries = _merged_entries(scan, degree)
+    return DeepSpeedPipelineCheckpoint(path, _version(step, scan, degree), entries, scan, degree)
+
+
+def _scan_mp_rank(file: Path, rank: int, step: Path, scan: _Scan, weights_elsewhere: bool) -> None:
+    """Engine state (args, versions) from ``mp_rank_00``; ``module`` tensors from every rank.
+
+    When layer files hold the weights, an ``mp_rank`` file that needs a global outside the
+    allow-list is not read (and said so): the weights do not depend on it, and DeepSpeed's
+    ``load_state_dir`` does not read it either. Otherwise the refusal stands.
+    """
+    try:
+        with open(file, "rb") as raw:
+            archive = torch_pickle.read_archive(raw, str(file), MP_RANK_GLOBALS)
+    except OSError as error:
+        raise CorruptCheckpointError(f"{file}: cannot be read ({error})") from None
+    except UnsafeCheckpointError as error:
+        if not weights_elsewhere:
+            raise
+        scan.files.append(FileInfo(file.name, file.stat().st_size, None,
+                                   (f"engine state not read: {str(error).split(' to unpickle')[0]}",)))
+        return
+    tree = archive.tree if isinstance(archive.tree, dict) else {}
+    if rank == 0:
+        scan.engine = {k: v for k, v in tree.items() if k in (
+            "ds_version", "iteration", "args", "mp_world_size", "checkpoint_parallel_dimensions")}
+    part = torch_pickle.TorchPickleCheckpoint(file, Inventory([], str(file)), [file_info(file, root=step)],
+                                              archive.offsets)
+    scan.parts.append(part)
+    module = tree.get("module")
+    scan.files.append(FileInfo(file.name, file.stat().st_size, None,
+                               ("engine state (args, RNG, optimizer)",) if module is None else ()))
+    if isinstance(module, dict):
+        for path, leaf in flatten(module).items():
+            if isinstance(leaf, torch_pickle.TensorRef):
+                key = tuple(part for component in path for part in component.split("."))
+                entry = Entry(key, leaf.shape, dtype_name(leaf.storage.dtype), (str(file), leaf))
+                if (layer := _layer_of(key)) is not None:
+                    scan.ranks_by_layer.setdefault(layer, set()).add(rank)
+                scan.shards.setdefault(key, {})[rank] = Shard(part, entry)
+
+
+def _check_layers(step: Path, scan: _Scan) -> int:
+    """The tensor-parallel degree; missing layer files and uneven ranks become problems."""
+    args = scan.engine.get("args") or {}
+    degrees = {len(ranks) for ranks in scan.ranks_by_layer.values()}
+    degree = max(degrees, default=1)
+    stated = args.get("model_parallel_size") if isinstance(args, dict) else None
+    if isinstance(stated, int) and stated != degree and scan.ranks_by_layer:
+        scan.problems.append(f"the layer files hold {degree} tensor-parallel rank(s) but the run's "
+                             f"args say model_parallel_size={stated}")
+    for layer, ranks in sorted(scan.ranks_by_layer.items()):
+        if ranks != set(range(degree)):
+            missing = sorted(set(range(degree)) - ranks)
+            scan.problems.append(f"layer {layer:02d} has tensor-parallel ranks {sorted(ranks)}; ranks "
+                                 f"{missing} are missing (other layers have {degree})")
+            scan.files += [file_info(step / f"layer_{layer:02d}-model_{r:02d}-model_states.pt", root=step)
+                           for r in missing]
+    num_layers = args.get("num_layers") if isinstance(args, dict) else None
+    if isinstance(num_layers, int) and scan.ranks_by_layer:
+        for layer in neox.state_layer_indices(num_layers):
+            if layer not in scan.ranks_by_layer:
+                scan.files += [file_info(step / f"layer_{layer:02d}-model_{r:02d}-model_states.pt", root=step)
+                               for r in range(degree)]
+    elif scan.ranks_by_layer:  # no args: the transformer layers must at least be contiguous
+        blocks = sorted(i for i in scan.ranks_by_layer if neox.FIRST_BLOCK <= i < max(scan.ranks_by_layer) - 2)
+        for gap in sorted(set(range(neox.FIRST_BLOCK, blocks[-1] + 1)) - set(blocks)) if blocks else ():
+            scan.problems.append(f"layer {gap:02d}: no layer file (layers {blocks[0]}..{blocks[-1]} expected)")
+    return degree
+
+
+def _merged_entries(scan: _Scan, degree: int) -> list[Entry]:
+    """One entry per tensor at degree 1; shards that disagree in shape or presence are problems."""
+    entries = []
+    for key, shards in scan.shards.items():
+        name = join_key(key)
+        first = shards[min(shards)].entry
+        layer = _layer_of(key)
+        if layer is None:  # a plain DeepSpeed engine's module
+            if len(shards) == 1:
+                entries.append(Entry(key, first.shape, first.dtype, key))
+            else:
+                scan.problems.append(f"{name}: held by {len(shards)} mp_rank files, and ckptshim knows "
+                                     "how to merge GPT-NeoX's sequential.<i> tensors only")
+            continue
+        if len(shards) != len(scan.ranks_by_layer.get(layer, shards)):
+            scan.problems.append(f"{name}: only in tensor-parallel rank(s) {sorted(shards)} of layer {key[1]}")
+            continue
+        shapes = {s.entry.shape for s in shards.values()}
+        dtypes = {s.entry.dtype for s in shards.values()}
+        if len(shapes) > 1 or len(dtypes) > 1:
+            scan.problems.append(f"{name}: tensor-parallel shards disagree "
+                                 f"({', '.join(f'rank {r}: {s.entry.dtype}{list(s.entry.shape)}' for r, s in sorted(shards.items()))})")
+            continue
+        shape = first.shape
+        if degree > 1:
+            rule = neox.tp_rule(key[2:])
+            if rule is None:
+                scan.problems.append(f"{name}: no tensor-parallel rule for this GPT-NeoX tensor, so its "
+                                     f"{degree} shards cannot be merged; ckptshim knows NeoX's own tensors")
+                continue
+            if rule.kind == "cat":
+                shape = shape[:rule.axis] + (shape[rule.axis] * degree,) + shape[rule.axis + 1:]
+        entries.append(Entry(key, shape, first.dtype, key))
+    entries.sort(key=lambda e: -1 if (layer := _layer_of(e.key)) is None else layer)
+    return entries
+
+
+def _version(step: Path, scan: _Scan, degree: int) -> str:
+    dims = scan.engine.get("checkpoint_parallel_dimensions") or {}
+    pp = dims.get("pp_degree") if isinstance(dims, dict) else None
+    ds = scan.engine.get("ds_version")
+    parts = [f"deepspeed {ds}" if ds else "deepspeed", step.name]
+    parts.append(f"tp={degree}" + (f" pp={pp}" if pp else ""))
+    return ", ".join(parts)

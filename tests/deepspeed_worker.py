@@ -1,0 +1,62 @@
+"""Runs in a subprocess (DeepSpeed sets up torch.distributed): real ``PipelineModule.load_state_dir``.
+
+Usage: ``python deepspeed_worker.py JOBS.json``, a list of ``{"source", "tokens", "out", "options"}``:
+for each, builds GPT-NeoX's pipeline layers as a real DeepSpeed ``PipelineModule`` (one stage,
+gloo), loads ``source`` through ``load_state_dir(strict=True)``, runs NeoX's forward on the
+``tokens`` (.npy) and saves the logits to ``out``. Prints one JSON line: per job, whether
+ckptshim built the layers' state dicts (``shimmed``) or DeepSpeed loaded natively, or the error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+os.environ.setdefault("MASTER_PORT", "29517")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import ckptshim  # noqa: E402,F401
+import ckptshim.hooks.deepspeed as shim  # noqa: E402
+import deepspeed  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from deepspeed.pipe import PipelineModule  # noqa: E402
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine  # noqa: E402
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: E402
+
+from test_neox import NeoXSequential, Stateless, neox_layers  # noqa: E402
+
+
+def _load(job: dict, calls: list) -> dict:
+    layers = neox_layers(**job["options"])
+    functions = [(lambda x: x) if isinstance(layer, Stateless) else layer for layer in layers.values()]
+    topology = PipeModelDataParallelTopology(num_pp=1, num_mp=1, num_dp=1)
+    module = PipelineModule(layers=functions, topology=topology, partition_method="uniform")
+    before = len(calls)
+    try:
+        module.load_state_dir(job["source"], checkpoint_engine=TorchCheckpointEngine(), strict=True)
+    except ckptshim.ShimError as error:
+        return {"error": str(error)}
+    model = NeoXSequential(**job["options"]).eval()
+    for index, layer in layers.items():
+        model.sequential[index].load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        np.save(job["out"], model(torch.from_numpy(np.load(job["tokens"]))).numpy())
+    return {"shimmed": len(calls) > before}
+
+
+def main() -> None:
+    jobs = json.loads(Path(sys.argv[1]).read_text())
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    calls: list = []
+    real = shim.layer_state_dicts
+    shim.layer_state_dicts = lambda *a, **k: calls.append(1) or real(*a, **k)
+    patched = type(vars(PipelineModule)["load_state_dir"]).__name__ == "FunctionWrapper"
+    print("RESULT " + json.dumps({"patched": patched, "jobs": [_load(job, calls) for job in jobs]}))
+
+
+if __name__ == "__main__":
+    main()
