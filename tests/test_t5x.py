@@ -154,3 +154,44 @@ def test_orbax_restores_a_legacy_t5x_step(tmp_path, checkpointer):
     assert all(isinstance(v, jax.Array) for v in flat(into_target).values())
     assert_manifest(into_target)
     assert_manifest(native)
+
+
+def _placeholder_step(tmp_path):
+    """A T5X step as T5X's Orbax path wrote it with Orbax < 0.5: ``state/checkpoint`` is an
+    aggregate msgpack of the state dict whose arrays are ``PLACEHOLDER://<zarr folder>`` strings,
+    the zarr folders beside it. Built from the legacy fixture's own bytes (no version key)."""
+    import msgpack
+
+    legacy = copy_fixture(f"{T5X}/legacy_checkpointer", tmp_path / "src") / "checkpoint_0"
+    step = tmp_path / "old_orbax" / "checkpoint_0"
+    state = step / "state"
+    state.mkdir(parents=True)
+    (step / "dataset").mkdir()
+    tree = msgpack.unpackb((legacy / "checkpoint").read_bytes(), raw=False, strict_map_key=False)
+
+    def placeholders(node):
+        if isinstance(node, dict) and "kvstore" in node:
+            folder = node["kvstore"]["path"].strip("/")
+            shutil.copytree(legacy / folder, state / folder)
+            return "PLACEHOLDER://" + folder
+        if isinstance(node, dict):
+            return {k: placeholders(v) for k, v in node.items()}
+        return node
+
+    contents = placeholders(tree["optimizer"])
+    (state / "checkpoint").write_bytes(msgpack.packb({"state": contents["state"], "target": contents["target"]},
+                                                     use_bin_type=True))
+    return step
+
+
+def test_load_t5x_checkpoint_reads_an_old_orbax_placeholder_step(t5x, tmp_path):
+    step = _placeholder_step(tmp_path)
+    registry.uninstall(["t5x"])
+    with pytest.raises(ValueError, match="versions earlier than 2"):  # the issue's first error
+        t5x.load_t5x_checkpoint(str(step / "state"))
+    with pytest.raises(AttributeError, match="'str' object has no attribute"):  # and its second
+        t5x.load_t5x_checkpoint(str(step / "state"), remap=False)
+    registry.install(["t5x"])
+    for path in (step, step / "state", step / "state" / "checkpoint"):
+        for remap in (True, False):
+            assert_manifest(t5x.load_t5x_checkpoint(str(path), remap=remap))

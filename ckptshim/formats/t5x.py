@@ -70,7 +70,12 @@ def is_legacy_step(path: Path) -> bool:
 
 
 def is_orbax_step(path: Path) -> bool:
-    """A step folder written by T5X's Orbax path: a ``state`` item whose tree is target/state."""
+    """A step folder written by T5X's Orbax path: a ``state`` item whose tree is target/state.
+
+    Recognised by the manager's ``_CHECKPOINT_METADATA`` naming T5X's handlers, or else by the
+    item's own tree: ``('target', ...)`` keys in ``_METADATA``, or (Orbax before ``_METADATA``)
+    an aggregate ``checkpoint`` whose first key is ``state`` or ``target``.
+    """
     item = path / STATE_ITEM
     if not (path.is_dir() and orbax.sniff(item)):
         return False
@@ -78,7 +83,9 @@ def is_orbax_step(path: Path) -> bool:
     if meta.is_file() and "t5x." in meta.read_text(errors="replace"):
         return True
     tree = item / orbax.METADATA
-    return (path / "dataset").is_dir() and tree.is_file() and "('target'," in tree.read_text(errors="replace")
+    if tree.is_file():
+        return "('target'," in tree.read_text(errors="replace")
+    return _first_key(item / AGGREGATE) in {"state", "target"}
 
 
 def steps(root: Path) -> dict[int, Path]:
