@@ -65,7 +65,7 @@ def describe(checkpoint: Checkpoint) -> dict:
 
 def convert(source: str | Path, destination: str | Path, to: str, like: str | Path | None = None,
             *, force: bool = False, progress: bool | None = None) -> Path:
-    """Write ``source`` to ``destination`` in format ``to`` (``"safetensors"`` or ``"dcp"``).
+    """Write ``source`` to ``destination`` in format ``to`` (``"safetensors"``, ``"dcp"``, ``"orbax"``).
 
     See :func:`ckptshim.conversion.convert`: streamed array by array into a temporary sibling that
     is renamed into place on success; ``source`` is never written; ``destination`` is replaced

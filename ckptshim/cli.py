@@ -128,7 +128,9 @@ def _disable_venv(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckptshim", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="ckptshim", description=__doc__.splitlines()[0].replace("``", ""),
+                                     epilog="exit codes: 0 ok, 1 a problem was found, 2 a usage error "
+                                            "(run: the command's own). Docs: docs/cli.md")
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser("inspect", help="describe a checkpoint from its metadata")
     inspect.add_argument("path")
@@ -145,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert", help="write SOURCE in another format (atomically)")
     convert.add_argument("source")
     convert.add_argument("destination")
-    convert.add_argument("--to", required=True, choices=["safetensors", "dcp"])
+    convert.add_argument("--to", required=True, choices=["safetensors", "dcp", "orbax"])
     convert.add_argument("--like", help="map the arrays onto this checkpoint's layout first")
     convert.add_argument("--force", action="store_true", help="replace DESTINATION if it exists")
     convert.add_argument("--no-progress", action="store_true", help="never show a progress bar")

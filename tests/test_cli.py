@@ -166,7 +166,7 @@ def test_inspect_json_on_every_fixture(capsys, path, folder, prefix):
 
 ZARR_TRUNCATED = pytest.mark.xfail(strict=True, reason=(
     "per-leaf zarr chunks are compressed and their metadata records no chunk sizes, so a "
-    "truncated chunk is found only when read (the read raises CorruptCheckpointError)"))
+    "truncated chunk is found only when it is read"))
 
 
 @pytest.mark.parametrize(("path", "damage"), [

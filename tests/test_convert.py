@@ -24,11 +24,11 @@ DCP = FIXTURES / "torch_dcp_single" / "dcp_plain"
 ORBAX = FIXTURES / "orbax_0.12.8_scanned"
 
 
-def hashes(path: Path) -> dict[str, tuple[tuple[int, ...], str, str]]:
-    """Key -> (shape, dtype, sha256 of the bytes) for every array a checkpoint holds."""
+def hashes(path: Path) -> dict[tuple[str, ...], tuple[tuple[int, ...], str, str]]:
+    """Key path -> (shape, dtype, sha256 of the bytes) for every array a checkpoint holds."""
     checkpoint = open_checkpoint(path)
     try:
-        return {checkpoint.key_sep.join(e.key): (e.shape, e.dtype, array_sha256(checkpoint.read(e)))
+        return {e.key: (e.shape, e.dtype, array_sha256(checkpoint.read(e)))
                 for e in checkpoint.inventory.values()}
     finally:
         checkpoint.close()
@@ -54,7 +54,7 @@ def test_dcp_to_safetensors_to_dcp_is_bit_exact(tmp_path):
     safetensors_numpy = pytest.importorskip("safetensors.numpy")  # an independent reader agrees
     loaded = safetensors_numpy.load_file(str(st))
     assert {k: (tuple(v.shape), array_sha256(v)) for k, v in loaded.items()} == \
-        {k: (shape, sha) for k, (shape, _, sha) in original.items()}
+        {".".join(k): (shape, sha) for k, (shape, _, sha) in original.items()}
     back = tmp_path / "dcp_again"
     assert main(["convert", str(st), str(back), "--to", "dcp"]) == 0
     assert hashes(back) == original
@@ -90,6 +90,25 @@ def test_unscanned_orbax_converts_into_the_scanned_layout(tmp_path):
     assert tree_state(source) == before
 
 
+def test_orbax_output_scanned_like_target_restores_natively(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    import ckptshim
+
+    like = ORBAX / "standard_checkpointer_scanned"
+    out = tmp_path / "scanned_orbax"
+    assert main(["convert", str(ORBAX / "standard_checkpointer_unscanned"), str(out), "--to", "orbax",
+                 "--like", str(like)]) == 0
+    assert hashes(out) == hashes(like) and leftovers(out) == []
+    ckptshim.uninstall()  # today's Orbax reads it with no help
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            restored = checkpointer.restore(out)
+    finally:
+        ckptshim.install()
+    kernel = restored["params"]["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]
+    assert array_sha256(np.asarray(kernel)) == hashes(like)[("params", "decoder", "layers", "mlp", "wi_0", "kernel")][2]
+
+
 def test_existing_destination_needs_force(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
@@ -103,6 +122,7 @@ def test_existing_destination_needs_force(tmp_path, capsys):
 
 def test_refusals_write_nothing(tmp_path, capsys):
     assert main(["convert", str(DCP), str(tmp_path / "x"), "--to", "pickle"]) == 2  # usage
+    assert main(["convert", str(DCP), str(tmp_path / "x")]) == 2                     # no --to
     assert main(["convert", str(DCP), str(DCP / "inside"), "--to", "dcp"]) == 1     # into SRC
     assert "overlaps the source" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "absent"), str(tmp_path / "y"), "--to", "dcp"]) == 1
@@ -124,7 +144,8 @@ convert(sys.argv[1], sys.argv[2], sys.argv[3], on_array=die)
 """
 
 
-@pytest.mark.parametrize(("to", "name"), [("safetensors", "out.safetensors"), ("dcp", "out_dcp")])
+@pytest.mark.parametrize(("to", "name"), [("safetensors", "out.safetensors"), ("dcp", "out_dcp"),
+                                          ("orbax", "out_orbax")])
 def test_killed_convert_leaves_no_destination(tmp_path, to, name):
     out = tmp_path / name
     killed = subprocess.run([sys.executable, "-c", KILLER, str(DCP), str(out), to],
@@ -154,3 +175,12 @@ def test_python_api_is_lazy_and_returns_the_path(tmp_path):
     assert out == (tmp_path / "m.safetensors").resolve()
     assert np.isclose(sum(e.nbytes for e in open_checkpoint(out).inventory.values()),
                       open_checkpoint(DCP).inventory.total_bytes)
+
+
+def test_progress_bar_only_when_asked_or_on_a_terminal(tmp_path, capsys):
+    import ckptshim
+
+    ckptshim.convert(DCP, tmp_path / "a.safetensors", "safetensors")  # stderr is no terminal here
+    assert capsys.readouterr().err == ""
+    ckptshim.convert(DCP, tmp_path / "b.safetensors", "safetensors", progress=True)
+    assert "100%" in capsys.readouterr().err

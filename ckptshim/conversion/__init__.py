@@ -1,4 +1,4 @@
-"""``ckptshim convert SRC DST --to {safetensors,dcp}``: rewrite a checkpoint in another format.
+"""``ckptshim convert SRC DST --to {safetensors,dcp,orbax}``: rewrite a checkpoint in another format.
 
 The arrays stream one at a time from SRC (usually straight from a memory map) into a temporary
 sibling of DST, which is renamed into place only when everything is written; SRC is only ever
@@ -19,7 +19,7 @@ from ckptshim.conversion.atomic import atomic_destination
 from ckptshim.errors import ShimError
 
 #: Output format -> module with ``write(arrays, folder, sep, progress) -> None``.
-WRITERS = ("safetensors", "dcp")
+WRITERS = ("safetensors", "dcp", "orbax")
 
 
 class ConvertError(ShimError):

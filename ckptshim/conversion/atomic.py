@@ -56,10 +56,11 @@ def _remove(path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_destination(destination: Path, *, force: bool = False) -> Iterator[Path]:
-    """Yield an empty temporary folder; on success it (or the one file in it) becomes DST.
+    """Yield an empty temporary folder; on success it (or the one entry in it) becomes DST.
 
-    When DST names a file (e.g. ``model.safetensors``) the writer puts exactly one file of that
-    name in the folder, and that file is what gets renamed. An existing DST is replaced only with
+    A writer that leaves exactly one file or folder named like DST in the temporary folder (a
+    ``model.safetensors`` file; an Orbax checkpoint, which Orbax insists on creating itself)
+    has that entry renamed to DST. An existing DST is replaced only with
     ``force``, and only after the new one is complete.
     """
     if not destination.parent.is_dir():
@@ -72,7 +73,7 @@ def atomic_destination(destination: Path, *, force: bool = False) -> Iterator[Pa
     try:
         yield tmp
         single = tmp / destination.name
-        produced = single if single.is_file() and len(list(tmp.iterdir())) == 1 else tmp
+        produced = single if single.exists() and len(list(tmp.iterdir())) == 1 else tmp
         old = None
         if destination.exists() or destination.is_symlink():
             old = temp_name(destination, os.getpid()).with_name(

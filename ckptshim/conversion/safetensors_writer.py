@@ -32,15 +32,22 @@ def file_name(destination_name: str) -> str:
     return destination_name if destination_name.endswith(".safetensors") else "model.safetensors"
 
 
+def key_sep(arrays: PlannedArrays) -> str:
+    """``.``, as torch and transformers name tensors, so readers split keys back into the same
+    paths; ``/`` only when some key component itself contains a dot."""
+    return "/" if any("." in part for entry in arrays.entries for part in entry.key) else "."
+
+
 def header(arrays: PlannedArrays) -> bytes:
     from ckptshim.conversion import ConvertError
 
+    sep = key_sep(arrays)
     fields: dict = {"__metadata__": {"format": "pt", "written_by": "ckptshim convert"}}
     offset = 0
     for entry in arrays.entries:
         if entry.dtype not in SAFETENSORS_DTYPES:
-            raise ConvertError(f"{join_key(entry.key, arrays.sep)}: safetensors cannot hold {entry.dtype}")
-        fields[join_key(entry.key, arrays.sep)] = {
+            raise ConvertError(f"{join_key(entry.key, sep)}: safetensors cannot hold {entry.dtype}")
+        fields[join_key(entry.key, sep)] = {
             "dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
             "data_offsets": [offset, offset + entry.nbytes]}
         offset += entry.nbytes
