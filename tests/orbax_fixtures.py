@@ -67,3 +67,19 @@ def assert_same(actual: dict[str, object], expected: dict[str, np.ndarray]) -> N
         got = np.asarray(actual[key])
         assert got.dtype == value.dtype and got.shape == value.shape, (key, got.dtype, got.shape, value.dtype, value.shape)
         assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(value).tobytes(), key
+
+
+def run_device_worker(worker: str, *argv: str, devices: int = 4) -> dict:
+    """Run ``tests/<worker>`` in a fresh process with ``devices`` forced CPU devices; its last
+    stdout line, as JSON. (The device count must be fixed before jax initialises, and forcing it
+    for the whole session would change the device every other test's arrays land on.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, str(Path(__file__).with_name(worker)), *argv], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])

@@ -18,7 +18,7 @@ from ckptshim.api import inspect
 from ckptshim.errors import ShimError
 from ckptshim.inventory import flatten, unflatten
 from manifest import array_sha256, expected_arrays
-from orbax_fixtures import copy_fixture
+from orbax_fixtures import copy_fixture, run_device_worker
 
 PAX = "paxml_runs/TinySpmdRepeat"
 STEP = "checkpoint_00000001"
@@ -83,3 +83,9 @@ def test_restore_refuses_a_target_with_other_layer_count(state_dir):
             target[key] = jax.ShapeDtypeStruct(value.shape, value.dtype)
     with pytest.raises(ShimError, match="x_layers"):
         ocp.StandardCheckpointer().restore(state_dir, unflatten(target))
+
+
+def test_unrepeated_restore_sharded_over_four_devices(state_dir):
+    """Each of 4 forced CPU devices holds exactly its slice (in a subprocess; see the worker)."""
+    report = run_device_worker("paxml_sharded_worker.py", str(state_dir))
+    assert report["devices"] == 4 and report["arrays"] == 22 and report["shards"] == 4 * 22
