@@ -226,3 +226,15 @@ def test_plan_like_module_function(tmp_path, capsys, monkeypatch):
     assert main(["plan", str(FIXTURES / "torch_dcp_single/torch_save/model.pt"), "--like", "my_models:empty"]) == 1
     assert main(["plan", str(FIXTURES / "torch_dcp_single/torch_save/model.pt"), "--like", "my_models:absent"]) == 1
     assert "cannot import it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("step", ["checkpoint_00000000", "checkpoint_00000002"])
+def test_inspect_json_on_paxml_fixture(capsys, step):
+    """PaxML's manifest keys are ``<step>::<zarr folder name>``, the path joined with dots."""
+    code, info = run_json(capsys, "inspect", str(FIXTURES / "paxml_runs/TinySpmdRepeat/checkpoints" / step), "--json")
+    expected = {k.split("::", 1)[1]: v for k, v in expected_arrays("paxml_runs/TinySpmdRepeat").items()
+                if k.startswith(step + "::")}
+    found = {e["key"].replace("/", "."): e for e in info["entries"]}
+    assert code == 0 and info["complete"] and set(found) == set(expected)
+    for key, entry in found.items():
+        assert [entry["shape"], entry["dtype"]] == [expected[key]["shape"], expected[key]["dtype"]], key
