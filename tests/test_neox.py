@@ -333,3 +333,53 @@ def test_real_deepspeed_load_state_dir(tmp_path: Path) -> None:
         assert outcome == {"shimmed": shimmed}, (job["source"], outcome)
         np.testing.assert_allclose(np.load(job["out"]), logits, atol=1e-5, rtol=0, err_msg=job["source"])
     assert "layer_03-model_00-model_states.pt: missing" in result["jobs"][-1]["error"]
+
+
+def test_each_pipeline_stage_and_rank_gets_exactly_its_files_shards() -> None:
+    """pp2_mp2 loaded stage by stage, rank by rank, equals its own layer files bit for bit; HF
+    weights load into a later stage alone (other stages' tensors are not its business)."""
+    checkpoint = open_checkpoint(NEOX / "pp2_mp2" / "checkpoint")
+    for rank in range(2):
+        layers = neox_layers(tp=2)
+        for stage in ((0, 1, 2), (3, 4, 5, 6)):
+            states = layer_state_dicts(checkpoint, {i: layers[i] for i in stage}, rank, 2)
+            assert set(states) == {i for i in stage if not isinstance(layers[i], Stateless)}
+            for index, state in states.items():
+                assert state.keys() == layers[index].state_dict().keys()
+                for name, value in state.items():
+                    key = ("sequential", str(index)) + tuple(name.split("."))
+                    assert value.numpy().tobytes() == np.ascontiguousarray(checkpoint.read_shard(key, rank)).tobytes()
+    hf = open_checkpoint(HF4 / "safetensors")
+    layers = neox_layers(save_inv_freqs=True)
+    late = {i: layers[i] for i in (3, 4, 5, 6)}
+    states = layer_state_dicts(hf, late, 0, 1)
+    for index in (3, 5, 6):
+        late[index].load_state_dict(states[index], strict=True)
+    inv_freq = hf.read(hf.inventory[("gpt_neox", "layers", "1", "attention", "rotary_emb", "inv_freq")])
+    np.testing.assert_array_equal(late[3].attention.rotary_emb.inv_freq.numpy(), inv_freq)
+
+
+def test_other_pipeline_models_are_left_to_deepspeed(tmp_path: Path) -> None:
+    """A Megatron-DeepSpeed-style layer file (``self_attention``) is not NeoX: the hook stays out."""
+    from ckptshim.hooks.deepspeed import _is_neox
+
+    step = tmp_path / "global_step1"
+    step.mkdir()
+    torch.save({"self_attention.query_key_value.weight": torch.zeros(6, 2)},
+               step / "layer_02-model_00-model_states.pt")
+    torch.save({"word_embeddings.weight": torch.zeros(4, 2)}, step / "layer_00-model_00-model_states.pt")
+    assert not _is_neox(open_checkpoint(step))
+    assert _is_neox(open_checkpoint(NEOX / "old_pp1_mp1" / "checkpoint"))
+    assert _is_neox(open_checkpoint(HF5 / "save_pretrained_default"))
+
+
+def test_cutting_vocab_rows_warns_and_strict_refuses(monkeypatch, caplog) -> None:
+    checkpoint = open_checkpoint(HF5 / "save_pretrained_default")
+    layers = neox_layers(vocab=128)
+    with caplog.at_level("WARNING", logger="ckptshim"):
+        states = layer_state_dicts(checkpoint, layers, 0, 1)
+    assert "256 vocab rows but the model's padded vocab is 128" in caplog.text
+    assert states[0]["word_embeddings.weight"].shape == (128, HIDDEN)
+    monkeypatch.setenv("CKPTSHIM_STRICT", "1")
+    with pytest.raises(PlanError, match="CKPTSHIM_STRICT=1 refuses"):
+        layer_state_dicts(checkpoint, neox_layers(vocab=128), 0, 1)

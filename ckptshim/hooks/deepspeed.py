@@ -84,7 +84,7 @@ def _shimmed(module: Any, load_dir: Path, strict: bool, native: Callable[[], Any
     except UnknownFormatError:  # nothing ckptshim reads (e.g. legacy pickles): DeepSpeed's call
         return native()
     try:
-        if _native_fits(source, layers, degree):
+        if not _is_neox(source) or _native_fits(source, layers, degree):
             return native()
         states = layer_state_dicts(source, layers, rank, degree, strict)
     finally:
@@ -93,6 +93,17 @@ def _shimmed(module: Any, load_dir: Path, strict: bool, native: Callable[[], Any
         layer.load_state_dict(states.get(index, OrderedDict()), strict=strict)
     module._synchronize_tied_weights()
     return None
+
+
+def _is_neox(source: Checkpoint) -> bool:
+    """An HF GPT-NeoX checkpoint, or one whose every tensor is a GPT-NeoX layer's. Other
+    pipeline models (Megatron-DeepSpeed's ``self_attention``...) are DeepSpeed's to load: its
+    own loader re-shards Megatron names, and ckptshim knows only NeoX's."""
+    if neox.HF_MARK in source.inventory:
+        return True
+    keys = list(source.inventory)
+    return bool(keys) and all(key[:1] == (neox.SEQUENTIAL,) and (
+        neox.tp_rule(key[2:]) is not None or derivable_rule(key) is not None) for key in keys)
 
 
 def _native_fits(source: Checkpoint, layers: Mapping[int, nn.Module], degree: int) -> bool:
@@ -117,7 +128,7 @@ def layer_state_dicts(source: Checkpoint, layers: Mapping[int, nn.Module], rank:
     """
     source.require_complete()
     target, destinations, drop, synthesize = _targets(layers)
-    aliases = neox.aliases_between(source.inventory, target)
+    aliases = neox.aliases_into_neox(source.inventory)
     stage = {str(index) for index in layers}
     full_rows = {role: e.shape[0] * degree for e in target.values()
                  if (role := neox.vocab_role(e.key)) is not None}
@@ -130,6 +141,7 @@ def layer_state_dicts(source: Checkpoint, layers: Mapping[int, nn.Module], rank:
         shape = entry.shape
         rows = full_rows.get(neox.vocab_role(entry.key) or "")
         if rows is not None and shape[0] != rows:
+            _check_cut(entry.key, shape[0], rows)
             shape = (rows, *shape[1:])
         rule = _rule(key, degree)
         reads[entry.key] = (rows if shape != entry.shape else None, rule)
@@ -157,7 +169,22 @@ def layer_state_dicts(source: Checkpoint, layers: Mapping[int, nn.Module], rank:
     return states
 
 
-def _targets(layers: Mapping[int, nn.Module]):
+def _check_cut(key: KeyPath, have: int, rows: int) -> None:
+    """Cutting vocab rows is right only if they are padding, which the bytes cannot tell."""
+    if have <= rows:
+        return
+    message = (f"{join_key(key)} has {have} vocab rows but the model's padded vocab is {rows}; rows "
+               f"{rows}.. are dropped, which is right only if they are padding (check the model's "
+               "vocab size and make-vocab-size-divisible-by)")
+    if config.strict():
+        raise PlanError(message + ". CKPTSHIM_STRICT=1 refuses this.")
+    logger.warning("%s: %s", HOOK, message)
+
+
+_Targets = tuple[Inventory, dict[KeyPath, torch.Tensor], list[KeyPath], list[KeyPath]]
+
+
+def _targets(layers: Mapping[int, nn.Module]) -> _Targets:
     """The stage's tensors under NeoX's ``sequential.<index>`` names, the live tensors, and the
     buffers to drop (non-persistent) or keep from the module (persistent, derivable)."""
     entries, destinations, drop, synthesize = [], {}, [], []

@@ -150,6 +150,16 @@ def aliases_between(source: Collection[KeyPath], target: Collection[KeyPath]) ->
     return ()
 
 
+def aliases_into_neox(source: Collection[KeyPath]) -> tuple[Alias, ...]:
+    """The aliases for loading ``source`` into NeoX layers that may be only one pipeline stage
+    (so the target's keys cannot say which naming it is): HF names if ``source`` is an HF
+    GPT-NeoX checkpoint, else the MLP renames between NeoX's old and new names."""
+    if HF_MARK in source:
+        head = "lm_head" if ("lm_head", "weight") in source else "embed_out"
+        return aliases(hf_num_layers(source), head)
+    return tuple(Alias(("mlp", hf), ("mlp", new), "anywhere") for hf, new in MLP_RENAMES)
+
+
 def to_neox(key: KeyPath, rules: Iterable[Alias]) -> KeyPath:
     """``key`` in NeoX spelling under ``rules`` (from :func:`aliases`); NeoX keys come back as they are."""
     for alias in rules:
