@@ -83,6 +83,13 @@ def _run(args: argparse.Namespace) -> int:
               "`ckptshim run -- torchrun --nproc_per_node=2 train.py`", file=sys.stderr)
         return EXIT_USAGE
     disabled = [n.strip() for n in (args.disable_hooks or "").split(",") if n.strip()]
+    from ckptshim.hooks.registry import HOOKS
+
+    unknown = sorted(set(disabled) - {spec.name for spec in HOOKS})
+    if unknown:
+        print(f"ckptshim run: no hook named {', '.join(unknown)}; hooks are "
+              f"{', '.join(spec.name for spec in HOOKS)}", file=sys.stderr)
+        return EXIT_USAGE
     env = launcher.child_environment(os.environ, disable_hooks=disabled, strict=args.strict, log=args.log)
     try:
         return launcher.run(command, env)

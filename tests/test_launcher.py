@@ -149,6 +149,8 @@ def test_exit_code_and_usage_errors(tmp_path):
     bare = subprocess.run([sys.executable, "-m", "ckptshim", "run"], capture_output=True, text=True,
                           env=clean_env(), check=False)
     assert bare.returncode == 2 and "after `--`" in bare.stderr
+    typo = shim_run(sys.executable, "-c", "pass", options=("--disable-hooks", "orbx"))
+    assert typo.returncode == 2 and "no hook named orbx" in typo.stderr
 
 
 def test_broken_bootstrap_import_never_stops_the_child(tmp_path):
