@@ -240,3 +240,12 @@ def test_paxml_missing_chunk_is_reported(tmp_path, capsys):
     assert main(["inspect", str(step), "--json"]) == 1
     info = json.loads(capsys.readouterr().out)
     assert any("mdl_vars.params.lm.final_ln.scale" in p and "missing" in p for p in info["problems"])
+
+
+def test_t5x_orbax_era_step_is_recognised_by_its_tree_without_manager_metadata(tmp_path):
+    step = copy_fixture(f"{T5X}/orbax_checkpoint_manager/checkpoint_0", tmp_path)
+    (step / "_CHECKPOINT_METADATA").unlink()
+    checkpoint = inspect(step)
+    assert checkpoint.format == "t5x" and {k[0] for k in checkpoint.inventory} == {"target", "state"}
+    maxtext_state = FIXTURES / "orbax_0.12.8_scanned"
+    assert inspect(next(p for p in sorted(maxtext_state.rglob("state")) if p.is_dir()).parent).format != "t5x"

@@ -42,6 +42,8 @@ _STEP = re.compile(r"^checkpoint_(\d+)$")
 _TOP_KEYS = frozenset({"version", "optimizer"})
 _SPEC_KEYS = frozenset({"driver", "kvstore", "metadata"})
 _KVSTORE_DRIVERS = frozenset({"file", "gfile", "gcs"})
+#: The first key of an Orbax ``_METADATA`` tree written for T5X's state dict.
+_FIRST_TREE_KEY = re.compile(r'"tree_metadata"\s*:\s*\{\s*"\(\'(?:state|target)\',')
 
 
 # -- recognising ------------------------------------------------------------------------------
@@ -83,8 +85,9 @@ def is_orbax_step(path: Path) -> bool:
     if meta.is_file() and "t5x." in meta.read_text(errors="replace"):
         return True
     tree = item / orbax.METADATA
-    if tree.is_file():
-        return "('target'," in tree.read_text(errors="replace")
+    if tree.is_file():  # the first tree key is near the start; the file may be many MiB
+        with open(tree, "rb") as f:
+            return _FIRST_TREE_KEY.search(f.read(4096).decode("utf-8", "replace")) is not None
     return _first_key(item / AGGREGATE) in {"state", "target"}
 
 
