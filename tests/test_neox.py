@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ckptshim  # noqa: F401  (attaches the hooks)
-from ckptshim.errors import PlanError
+from ckptshim.errors import CorruptCheckpointError, PlanError
 from ckptshim.execute import tensor_parallel
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.hooks.deepspeed import layer_state_dicts
@@ -259,10 +259,16 @@ def test_missing_tensor_is_refused_before_any_write(tmp_path: Path) -> None:
     import shutil
 
     shutil.copytree(NEOX / "pp1_mp1" / "checkpoint", tmp_path / "ckpt")
-    (tmp_path / "ckpt" / "global_step0" / "layer_06-model_00-model_states.pt").unlink()
     layers = neox_layers()
     before = {i: {k: v.clone() for k, v in m.state_dict().items()} for i, m in layers.items()}
-    with pytest.raises(Exception, match="layer_06"):
+    (tmp_path / "ckpt" / "global_step0" / "layer_03-model_00-model_states.pt").unlink()
+    with pytest.raises(CorruptCheckpointError, match="layer_03-model_00-model_states.pt: missing"):
+        layer_state_dicts(open_checkpoint(tmp_path / "ckpt"), layers, 0, 1)
+    shutil.copy(NEOX / "pp1_mp1/checkpoint/global_step0/layer_03-model_00-model_states.pt",
+                tmp_path / "ckpt" / "global_step0")
+    # no output-layer file reads as a tied model; a model with its own output layer is refused
+    (tmp_path / "ckpt" / "global_step0" / "layer_06-model_00-model_states.pt").unlink()
+    with pytest.raises(PlanError, match="sequential.6.final_linear.weight"):
         layer_state_dicts(open_checkpoint(tmp_path / "ckpt"), layers, 0, 1)
     for index, layer in layers.items():
         for k, v in layer.state_dict().items():

@@ -285,7 +285,10 @@ def _check_layers(step: Path, scan: _Scan) -> int:
     num_layers = args.get("num_layers") if isinstance(args, dict) else None
     if isinstance(num_layers, int) and scan.ranks_by_layer:
         for layer in neox.state_layer_indices(num_layers):
-            if layer not in scan.ranks_by_layer:
+            # With weight tying (NeoX's default) the output layer is a function of the embedding
+            # (TiedLayerSpec with forward_fn) and has no file; the args do not say which it is,
+            # so its absence is not a problem here -- a model that wants final_linear says so.
+            if layer not in scan.ranks_by_layer and layer != neox.output_index(num_layers):
                 scan.files += [file_info(step / f"layer_{layer:02d}-model_{r:02d}-model_states.pt", root=step)
                                for r in range(degree)]
     elif scan.ranks_by_layer:  # no args: the transformer layers must at least be contiguous
