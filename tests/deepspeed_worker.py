@@ -1,10 +1,12 @@
 """Runs in a subprocess (DeepSpeed sets up torch.distributed): real ``PipelineModule.load_state_dir``.
 
-Usage: ``python deepspeed_worker.py JOBS.json``, a list of ``{"source", "tokens", "out", "options"}``:
-for each, builds GPT-NeoX's pipeline layers as a real DeepSpeed ``PipelineModule`` (one stage,
-gloo), loads ``source`` through ``load_state_dir(strict=True)``, runs NeoX's forward on the
-``tokens`` (.npy) and saves the logits to ``out``. Prints one JSON line: per job, whether
-ckptshim built the layers' state dicts (``shimmed``) or DeepSpeed loaded natively, or the error.
+Usage: ``python deepspeed_worker.py JOBS.json [RANK WORLD_SIZE PORT]``, a list of ``{"source",
+"tokens", "out", "options"}``: for each, builds GPT-NeoX's pipeline layers as a real DeepSpeed
+``PipelineModule`` (one stage, gloo, tensor-parallel over WORLD_SIZE processes), loads ``source``
+through ``load_state_dir(strict=True)`` and saves to ``out`` the logits of NeoX's forward on
+``tokens`` (.npy) at degree 1, or this rank's layer tensors (.npz, ``"<index>|<name>"``) at a
+higher degree. Prints one JSON line: per job, whether ckptshim built the layers' state dicts
+(``shimmed``) or DeepSpeed loaded natively, or the error.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-os.environ.setdefault("MASTER_PORT", "29517")
+RANK, WORLD_SIZE, PORT = (sys.argv[2:5] if len(sys.argv) > 2 else ("0", "1", "29517"))
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT, RANK=RANK, WORLD_SIZE=WORLD_SIZE, LOCAL_RANK=RANK)
 sys.path.insert(0, str(Path(__file__).parent))
 
 import ckptshim  # noqa: E402,F401
@@ -31,15 +33,20 @@ from test_neox import NeoXSequential, Stateless, neox_layers  # noqa: E402
 
 
 def _load(job: dict, calls: list) -> dict:
-    layers = neox_layers(**job["options"])
+    degree = int(WORLD_SIZE)
+    layers = neox_layers(tp=degree, **job["options"])
     functions = [(lambda x: x) if isinstance(layer, Stateless) else layer for layer in layers.values()]
-    topology = PipeModelDataParallelTopology(num_pp=1, num_mp=1, num_dp=1)
+    topology = PipeModelDataParallelTopology(num_pp=1, num_mp=degree, num_dp=1)
     module = PipelineModule(layers=functions, topology=topology, partition_method="uniform")
     before = len(calls)
     try:
         module.load_state_dir(job["source"], checkpoint_engine=TorchCheckpointEngine(), strict=True)
     except ckptshim.ShimError as error:
         return {"error": str(error)}
+    if degree > 1:
+        np.savez(job["out"], **{f"{index}|{name}": value.numpy() for index, layer in layers.items()
+                                for name, value in layer.state_dict().items()})
+        return {"shimmed": len(calls) > before}
     model = NeoXSequential(**job["options"]).eval()
     for index, layer in layers.items():
         model.sequential[index].load_state_dict(layer.state_dict())

@@ -329,8 +329,8 @@ def test_real_deepspeed_load_state_dir(tmp_path: Path) -> None:
     jobs.append({"source": str(broken), "tokens": hf_tokens, "out": "", "options": {}})
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     run = subprocess.run([sys.executable, str(Path(__file__).parent / "deepspeed_worker.py"),
-                          str(tmp_path / "jobs.json")], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
+                          str(tmp_path / "jobs.json"), "0", "1", _free_port()],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
@@ -389,3 +389,65 @@ def test_cutting_vocab_rows_warns_and_strict_refuses(monkeypatch, caplog) -> Non
     monkeypatch.setenv("CKPTSHIM_STRICT", "1")
     with pytest.raises(PlanError, match="CKPTSHIM_STRICT=1 refuses"):
         layer_state_dicts(checkpoint, neox_layers(vocab=128), 0, 1)
+
+
+def test_real_deepspeed_load_state_dir_at_tensor_parallel_degree_2(tmp_path: Path) -> None:
+    """Two gloo processes, DeepSpeed's own grid (num_mp=2): NeoX at degree 1 is split 1 -> 2 and
+    HF weights are split per rank; NeoX at degree 2 is DeepSpeed's own load. Each rank ends
+    up with exactly its slice."""
+    pytest.importorskip("deepspeed")
+    import subprocess
+    import sys
+
+    sources = {"pp1_mp1": NEOX / "pp1_mp1/checkpoint/global_step0",
+               "pp2_mp2": NEOX / "pp2_mp2/checkpoint/global_step0",
+               "hf": HF5 / "save_pretrained_default"}
+    worker = str(Path(__file__).parent / "deepspeed_worker.py")
+    results = []
+    for rank in range(2):
+        jobs = [{"source": str(path), "tokens": "", "out": str(tmp_path / f"{name}_{rank}.npz"),
+                 "options": {}} for name, path in sources.items()]
+        (tmp_path / f"jobs{rank}.json").write_text(json.dumps(jobs))
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, worker, str(tmp_path / f"jobs{rank}.json"), str(rank), "2",
+                               port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+             for rank in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, out[-3000:] + err[-3000:]
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    for rank, result in enumerate(results):
+        assert [job["shimmed"] for job in result["jobs"]] == [True, False, True]
+        for name, path in sources.items():
+            checkpoint = open_checkpoint(path)
+            loaded = np.load(tmp_path / f"{name}_{rank}.npz")
+            assert len(loaded.files) == 28
+            for field in loaded.files:
+                index, tensor = field.split("|")
+                key = ("sequential", index) + tuple(tensor.split("."))
+                if name == "pp2_mp2":
+                    expected = checkpoint.read_shard(key, rank)
+                else:
+                    source_key = key if name != "hf" else _hf_key(key)
+                    expected = tensor_parallel.split(checkpoint.read(checkpoint.inventory[source_key]),
+                                                     neox.tp_rule(key[2:]), rank, 2, "float32", field)
+                assert loaded[field].tobytes() == np.ascontiguousarray(expected).tobytes(), (name, field)
+
+
+def _hf_key(key: tuple[str, ...]) -> tuple[str, ...]:
+    """The HF GPT-NeoX name of a NeoX key (the profile's aliases read backwards)."""
+    for alias in neox.aliases(LAYERS):
+        if alias.where == "prefix" and key[:len(alias.other)] == alias.other:
+            key = alias.canonical + key[len(alias.other):]
+            break
+    renames = {new: hf for hf, new in neox.MLP_RENAMES}
+    return tuple(renames.get(part, part) for part in key)
+
+
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
