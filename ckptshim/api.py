@@ -10,7 +10,7 @@ from ckptshim.formats.detect import open_checkpoint
 from ckptshim.plan import Plan
 from ckptshim.plan import plan as make_plan
 from ckptshim.rules import DEFAULT_RULES, Rules
-from ckptshim.rules.profiles import rules_for_trees
+from ckptshim.rules.profiles import neox, rules_for_trees
 
 
 def inspect(path: str | Path) -> Checkpoint:
@@ -24,7 +24,8 @@ def plan(source: str | Path, like: str | Path, rules: Rules | None = None) -> Pl
     ``like`` is another checkpoint, or ``"module:function"`` naming a function that returns a
     model, a state dict or an abstract tree (see :mod:`ckptshim.like`). Without explicit
     ``rules``, JAX-style layouts (``/`` keys) plan with the rules the Orbax and Flax hooks use
-    (Linen/NNX spellings, MaxText scan axes), torch ones with the defaults.
+    (Linen/NNX spellings, MaxText scan axes), torch ones with the defaults plus the GPT-NeoX
+    <-> Hugging Face names when one side is each.
     """
     from ckptshim import like as like_module
 
@@ -39,7 +40,8 @@ def plan(source: str | Path, like: str | Path, rules: Rules | None = None) -> Pl
         if rules is None:
             jax_trees = "/" in (src.key_sep, target_sep)
             rules = (rules_for_trees(src.inventory, target) if jax_trees
-                     else DEFAULT_RULES.extend(strict=config.strict()))
+                     else DEFAULT_RULES.extend(strict=config.strict(),
+                                               aliases=neox.aliases_between(src.inventory, target)))
         return make_plan(src.inventory, target, rules)
     finally:
         src.close()

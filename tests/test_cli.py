@@ -238,3 +238,12 @@ def test_inspect_json_on_paxml_fixture(capsys, step):
     assert code == 0 and info["complete"] and set(found) == set(expected)
     for key, entry in found.items():
         assert [entry["shape"], entry["dtype"]] == [expected[key]["shape"], expected[key]["dtype"]], key
+
+
+def test_plan_neox_pipeline_like_its_hf_conversion(capsys):
+    """The GPT-NeoX <-> Hugging Face profile applies to `ckptshim plan` as it does to loads."""
+    run = FIXTURES / "neox_deepspeed/pp1_mp1"
+    code, info = run_json(capsys, "plan", str(run / "checkpoint"), "--like", str(run / "hf"), "--json")
+    assert code == 0 and info["complete"]
+    assert "sequential.6.final_linear.weight -> rename -> embed_out.weight" in info["lines"]
+    assert info["summary"].startswith("28 renamed")
