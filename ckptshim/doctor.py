@@ -33,7 +33,7 @@ class HookReport:
 def versions() -> dict[str, str | None]:
     """Distribution name -> installed version (``None`` when not installed)."""
     names = dict.fromkeys([*DISTRIBUTIONS, *(spec.distribution for spec in registry.HOOKS)])
-    return {name: registry._version_of(name) for name in names}
+    return {name: registry.installed_version(name) for name in names}
 
 
 def hook_reports() -> list[HookReport]:
@@ -41,7 +41,7 @@ def hook_reports() -> list[HookReport]:
     states = registry.states()
     reports = []
     for spec in registry.HOOKS:
-        found = registry._version_of(spec.distribution)
+        found = registry.installed_version(spec.distribution)
         low, high = spec.supported
         state = states.get(spec.name, "")
         if config.disabled():
@@ -50,7 +50,7 @@ def hook_reports() -> list[HookReport]:
             status, why = "disabled", "named in CKPTSHIM_DISABLE_HOOKS"
         elif found is None:
             status, why = "absent", f"{spec.distribution} is not installed"
-        elif not registry._in_range(found, spec.supported):
+        elif not registry.supports_version(found, spec.supported):
             status, why = "gated", f"{spec.distribution} {found} is outside >={low},<{high}"
         elif state.startswith("active"):
             status, why = "active", "attached in this process"

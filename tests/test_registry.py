@@ -252,7 +252,7 @@ def test_version_gate_upper_bound_is_exclusive(fake):
     ("2.10", ("2.4", "2.9"), False),  # numeric, not text, comparison
 ])
 def test_version_range_rules(version, supported, inside):
-    assert registry._in_range(version, supported) is inside
+    assert registry.supports_version(version, supported) is inside
 
 
 def test_failing_install_does_not_break_the_import(fake, caplog):

@@ -114,8 +114,8 @@ def _attach(spec: HookSpec) -> None:
         from ckptshim.log import logger
 
         try:
-            found = _version_of(spec.distribution)
-            if found is not None and not _in_range(found, spec.supported):
+            found = installed_version(spec.distribution)
+            if found is not None and not supports_version(found, spec.supported):
                 _states[spec.name] = (f"not attached: {spec.distribution} {found} is outside the "
                                       f"supported range >={spec.supported[0]},<{spec.supported[1]}")
                 logger.warning("%s hook %s", spec.name, _states[spec.name])
@@ -133,7 +133,8 @@ def _attach(spec: HookSpec) -> None:
         _states[spec.name] = f"active ({spec.distribution} {found or 'unknown version'})"
 
 
-def _version_of(distribution: str) -> str | None:
+def installed_version(distribution: str) -> str | None:
+    """The installed version of ``distribution`` from package metadata (nothing is imported)."""
     from importlib import metadata
 
     try:
@@ -155,5 +156,6 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def _in_range(version: str, supported: tuple[str, str]) -> bool:
+def supports_version(version: str, supported: tuple[str, str]) -> bool:
+    """Whether ``version`` lies in the half-open release range ``[low, high)``."""
     return _release(supported[0]) <= _release(version) < _release(supported[1])
