@@ -84,11 +84,18 @@ class _Planner:
 
         Every pass lists its producers in the order of their first target key, so when one pass
         produced them all (a checkpoint that fits, or one that only torch.compile renamed, or
-        only a layout change) and nothing is cast, that list is already the answer.
+        only a layout change), that list is the answer once each cast is put after its producer;
+        only an ``Unstack``, whose targets' casts fall between later producers, needs the walk
+        over every target key.
         """
         batches = [batch for batch in self.produced if batch]
-        if not self.casts and len(batches) <= 1:
-            return batches[0] if batches else []
+        if len(batches) <= 1:
+            ops = batches[0] if batches else []
+            if not self.casts:
+                return ops
+            if not any(isinstance(op, Unstack) for op in ops):  # each cast follows its one producer
+                return [op for producer in ops
+                        for op in (producer, self.casts.get(producer.target)) if op is not None]
         assigned: dict[KeyPath, Op] = {}
         for batch in batches:
             for op in batch:
@@ -116,10 +123,11 @@ class _Planner:
         """Passes 1 to 3; the sources left unused and the targets left unmatched, in inventory
         order. Run by run where runs give the per-key answer, key by key otherwise."""
         sources, targets = list(self.source.table.values()), list(self.target.table.values())
-        if list(self.source) == list(self.target):  # it fits as it is, in the same order
+        source_keys, target_keys = list(self.source), list(self.target)
+        if source_keys == target_keys:  # it fits as it is, in the same order
             self._pair_all(sources, targets)
             return [], []
-        split = self._split(sources, targets)
+        split = self._split(sources, targets, source_keys, target_keys)
         exact = split and runs.match(*split, by="path")
         if exact is None:  # short runs, or a parent path in several runs: look each key up
             sources, targets = self._match_exact(sources, targets)
@@ -135,10 +143,11 @@ class _Planner:
             split = exact.unused, exact.unmatched
         return self._match_renamed(*split)
 
-    def _split(self, sources: list[Entry], targets: list[Entry]) -> tuple[list[Run], list[Run]] | None:
+    def _split(self, sources: list[Entry], targets: list[Entry], source_keys: list[KeyPath] | None = None,
+               target_keys: list[KeyPath] | None = None) -> tuple[list[Run], list[Run]] | None:
         """Both sides cut into runs, or None if either side does not suit runs."""
-        source_runs = runs.split_runs(sources, self.names)
-        target_runs = None if source_runs is None else runs.split_runs(targets, self.names)
+        source_runs = runs.split_runs(sources, self.names, source_keys)
+        target_runs = None if source_runs is None else runs.split_runs(targets, self.names, target_keys)
         return None if target_runs is None else (source_runs, target_runs)
 
     def _match_exact(self, sources: list[Entry], targets: list[Entry]) -> tuple[list[Entry], list[Entry]]:
@@ -162,14 +171,18 @@ class _Planner:
     def _pair_all(self, sources: list[Entry], targets: list[Entry]) -> None:
         """Rename each source to the target at the same position; record those that differ.
 
-        In a plan that loads at all, nearly every pair agrees on shape and dtype; two list
-        comparisons say so at C speed, and only otherwise is each pair looked at in Python.
+        In a plan that loads at all, every pair agrees on shape, and most on dtype; comparing
+        the lists says so at C speed, and only pairs that differ are looked at in Python.
         """
-        if (list(map(_shape_of, sources)) != list(map(_shape_of, targets))
-                or list(map(_dtype_of, sources)) != list(map(_dtype_of, targets))):
+        if list(map(_shape_of, sources)) != list(map(_shape_of, targets)):
             self._pair_each(sources, targets)
-        else:
-            self.produced.append(renames(list(map(key_of, sources)), list(map(key_of, targets))))
+            return
+        self.produced.append(renames(list(map(key_of, sources)), list(map(key_of, targets))))
+        source_dtypes, target_dtypes = list(map(_dtype_of, sources)), list(map(_dtype_of, targets))
+        if source_dtypes != target_dtypes:
+            for src, tgt, source_dtype, target_dtype in zip(sources, targets, source_dtypes, target_dtypes):
+                if source_dtype != target_dtype:
+                    self._cast(src, tgt)
 
     def _pair_each(self, sources: list[Entry], targets: list[Entry]) -> None:
         ops: list[Op] = []

@@ -9,11 +9,12 @@ parent's canonical name, worked out once, plus its leaf.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from itertools import chain, filterfalse, repeat
 from operator import itemgetter
 
 from ckptshim.inventory import KeyPath
-from ckptshim.rules import Rules
+from ckptshim.rules import Alias, Rules
 from ckptshim.rules.layers import parent_splits
 from ckptshim.rules.prefixes import strip_wrappers
 
@@ -35,11 +36,13 @@ class Names:
     def __init__(self, rules: Rules) -> None:
         self.rules = rules
         self._aliased_leaves = frozenset(alias.other[-1] for alias in rules.aliases if alias.other)
+        # suffix aliases end at the leaf, so on a parent path (of a key whose leaf is not
+        # aliased) only prefix and anywhere aliases apply
         self._path_aliases = tuple(alias for alias in rules.aliases if alias.where != "suffix")
-        self._aliased = _PerPath(self._apply_path_aliases)
+        self._aliased = _PerPath(partial(_rewrite, self._path_aliases))
         self._bare_parents: dict[KeyPath, KeyPath] = {}
         #: canonical parent path -> every ``(stacked parent, layer index)`` reading of it
-        self.splits = _PerPath(lambda parent: list(parent_splits(parent, rules.layer_lists)))
+        self.splits = _PerPath(partial(_splits, rules.layer_lists))
 
     def canonical_key(self, key: KeyPath) -> KeyPath:
         """``key`` with wrapper components stripped and aliases applied: any key, one at a time."""
@@ -54,15 +57,22 @@ class Names:
         return key
 
     def canonical_keys(self, keys: list[KeyPath]) -> list[KeyPath]:
-        """The canonical name of each key: its parent's plus its leaf, where the leaf is not
-        aliased (the others one at a time)."""
+        """The canonical name of each key: its parent's plus its leaf, except for keys whose leaf
+        an alias may rewrite (and the empty key), which are canonicalized whole."""
+        if self._aliased_leaves or () in keys:
+            aliased = self._aliased_leaves
+            whole = [not key or key[-1] in aliased for key in keys]
+            if any(whole):
+                rest = iter(self._through_parents([key for key, one in zip(keys, whole) if not one]))
+                return [self.canonical_key(key) if one else next(rest) for key, one in zip(keys, whole)]
+        return self._through_parents(keys)
+
+    def _through_parents(self, keys: list[KeyPath]) -> list[KeyPath]:
         parents = list(map(parent_of, keys))
         canonical = self.canonical_parents(parents)
-        names = keys if canonical is parents else list(map(tuple.__add__, canonical, map(leaf_path_of, keys)))
-        if self._aliased_leaves or () in keys:
-            aliased, whole = self._aliased_leaves, self.canonical_key
-            names = [whole(key) if not key or key[-1] in aliased else name for key, name in zip(keys, names)]
-        return names
+        if canonical is parents:  # no wrappers, no aliases: already canonical
+            return keys
+        return list(map(tuple.__add__, canonical, map(leaf_path_of, keys)))
 
     def canonical_parents(self, parents: list[KeyPath]) -> list[KeyPath]:
         """The canonical name of each parent path (of a key whose leaf is not aliased): wrapper
@@ -86,10 +96,15 @@ class Names:
         leaf = key[-1:]
         return [(stacked + leaf, index) for stacked, index in self.splits[key[:-1]]]
 
-    def _apply_path_aliases(self, parent: KeyPath) -> KeyPath:
-        for alias in self._path_aliases:  # suffix aliases end at the leaf, which is not aliased
-            parent = alias.rewrite(parent)
-        return parent
+
+def _rewrite(aliases: tuple[Alias, ...], path: KeyPath) -> KeyPath:
+    for alias in aliases:
+        path = alias.rewrite(path)
+    return path
+
+
+def _splits(names: frozenset[str], parent: KeyPath) -> list[tuple[KeyPath, int]]:
+    return list(parent_splits(parent, names))
 
 
 class _PerPath(dict):

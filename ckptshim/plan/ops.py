@@ -52,6 +52,8 @@ def renames(sources: Sequence[KeyPath], targets: Sequence[KeyPath]) -> list[Rena
     allocated first, then each slot is filled for all of them, every step a ``map`` that runs in
     C. The ops are the very ones ``Rename`` would make (equal, hashable, frozen).
     """
+    if len(sources) != len(targets):
+        raise ValueError(f"{len(sources)} sources but {len(targets)} targets")
     ops = list(map(object.__new__, repeat(Rename, len(sources))))
     deque(map(_set_source, ops, sources), maxlen=0)  # a deque of no length runs a map out
     deque(map(_set_target, ops, targets), maxlen=0)

@@ -70,11 +70,12 @@ class Run:
         return [(self.canonical + (leaf,), entry) for leaf, entry in zip(self.leaves, self.entries)]
 
 
-def split_runs(entries: list[Entry], names: Names) -> list[Run] | None:
-    """``entries`` cut into runs; None unless each key's canonical name is its canonical parent
-    plus its leaf and the runs hold :data:`MIN_RUN` keys on average (on shorter runs, key by key
-    is quicker)."""
-    keys = list(map(key_of, entries))
+def split_runs(entries: list[Entry], names: Names, keys: list[KeyPath] | None = None) -> list[Run] | None:
+    """``entries`` (whose ``keys`` the caller may have at hand) cut into runs; None unless each
+    key's canonical name is its canonical parent plus its leaf and the runs hold
+    :data:`MIN_RUN` keys on average (on shorter runs, key by key is quicker)."""
+    if keys is None:
+        keys = list(map(key_of, entries))
     if not names.parent_only(keys):
         return None
     most = len(keys) // MIN_RUN  # stop counting runs as soon as there are too many
