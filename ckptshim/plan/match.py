@@ -133,7 +133,7 @@ class _Planner:
             sources, targets = self._match_exact(sources, targets)
             if not targets:
                 return sources, []
-            split = self._split(sources, targets)
+            split = split and self._split(sources, targets)  # what is left may suit runs again
             if split is None:
                 return self._match_renamed_by_key(sources, targets)
         else:
