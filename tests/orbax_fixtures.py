@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ckptshim.inventory import split_key, unflatten
 from manifest import FIXTURES
 
 
@@ -23,6 +24,11 @@ def copy_fixture(name: str, into: Path) -> Path:
         for path in [destination, *destination.rglob("*")]:
             path.chmod(path.stat().st_mode | stat.S_IWUSR)
     return destination
+
+
+def nest(flat: dict[str, object]) -> dict:
+    """``{"a/b": x}`` -> ``{"a": {"b": x}}``: the nested tree Orbax saves and restores."""
+    return unflatten({split_key(key, "/"): value for key, value in flat.items()})
 
 
 def flat(tree) -> dict[str, object]:

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ckptshim  # noqa: F401  (installs the hooks)
 from ckptshim.formats.orbax import OrbaxCheckpoint
+from orbax_fixtures import nest
 
 LAYERS, EMB, MLP = 4, 8, 16
 
@@ -33,17 +34,6 @@ def values() -> dict[str, np.ndarray]:
         out[f"params/decoder/layers_{i}/norm/scale"] = rng.standard_normal(EMB).astype(np.float32)
     out["params/decoder/embed"] = rng.standard_normal((MLP, EMB)).astype(np.float32)
     return out
-
-
-def nest(flat: dict) -> dict:
-    root: dict = {}
-    for key, value in flat.items():
-        node = root
-        *parents, leaf = key.split("/")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return root
 
 
 def stacked(flat: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

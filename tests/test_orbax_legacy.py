@@ -15,20 +15,9 @@ import pytest
 
 from ckptshim.errors import PlanError
 from manifest import FIXTURES
-from orbax_fixtures import assert_same, copy_fixture, flat, scanned_expected
+from orbax_fixtures import assert_same, copy_fixture, flat, nest, scanned_expected
 
 LAYERS = 3
-
-
-def nest(values: dict[str, np.ndarray]) -> dict:
-    out: dict = {}
-    for key, value in values.items():
-        node = out
-        *parents, leaf = key.split("/")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
 
 
 @pytest.fixture(scope="module")
