@@ -39,6 +39,9 @@ _DTYPE_ALIASES = {
     "u8": "uint8", "i16": "int16", "u16": "uint16", "i32": "int32", "u32": "uint32",
     "i64": "int64", "u64": "uint64", "f8_e4m3": "float8_e4m3fn", "f8_e5m2": "float8_e5m2",
 }
+# Python's own scalar types mean what numpy makes of them (``np.dtype(float)`` is float64), not
+# what torch's ``torch.float`` alias means.
+_PYTHON_SCALARS = {float: "float64", int: "int64", bool: "bool", complex: "complex128"}
 
 
 def dtype_name(dtype: Any) -> str:
@@ -47,6 +50,8 @@ def dtype_name(dtype: Any) -> str:
     ``torch.float32``, ``np.dtype('float32')``, ``jnp.float32`` and ``"F32"`` all become
     ``"float32"``. Raises ``ValueError`` for a dtype ckptshim does not know.
     """
+    if isinstance(dtype, type) and dtype in _PYTHON_SCALARS:  # classes compare by identity
+        return _PYTHON_SCALARS[dtype]
     name = getattr(dtype, "name", None)  # numpy dtypes and scalar types
     if not isinstance(name, str) and isinstance(dtype, type):
         name = getattr(dtype, "__name__", None)
@@ -186,7 +191,8 @@ def flatten(tree: Any, is_leaf=None) -> dict[KeyPath, _Leaf]:
 
     Dict keys become path components via ``str``; list and tuple positions become ``"0"``,
     ``"1"``, ... Empty containers vanish (they hold no arrays). ``is_leaf`` can stop the descent
-    early (e.g. at a NamedTuple that a framework treats as one value).
+    early (e.g. at a NamedTuple that a framework treats as one value). Two keys that spell the
+    same path (``{1: a, "1": b}``) raise ``ValueError`` rather than one silently hiding the other.
     """
     out: dict[KeyPath, _Leaf] = {}
     stack: list[tuple[KeyPath, Any]] = [((), tree)]
@@ -195,7 +201,13 @@ def flatten(tree: Any, is_leaf=None) -> dict[KeyPath, _Leaf]:
         if is_leaf is not None and is_leaf(node):
             out[prefix] = node
         elif isinstance(node, Mapping):
-            stack.extend((prefix + (str(k),), v) for k, v in reversed(list(node.items())))
+            names = [str(k) for k in node]
+            if len(set(names)) != len(names):
+                clash = next(n for n in names if names.count(n) > 1)
+                raise ValueError(f"keys {[k for k in node if str(k) == clash]!r} under "
+                                 f"{'/'.join(prefix) or 'the root'!r} all spell the path "
+                                 f"component {clash!r}; rename one of them")
+            stack.extend((prefix + (name,), v) for name, v in zip(reversed(names), reversed(list(node.values()))))
         elif isinstance(node, (list, tuple)):
             stack.extend((prefix + (str(i),), v) for i, v in reversed(list(enumerate(node))))
         else:

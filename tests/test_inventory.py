@@ -131,6 +131,11 @@ def test_dtype_name_numpy(given, expected):
     assert dtype_name(given) == expected
 
 
+@pytest.mark.parametrize("scalar", [float, int, bool, complex])
+def test_dtype_name_python_scalar_types_mean_what_numpy_makes_of_them(scalar):
+    assert dtype_name(scalar) == np.dtype(scalar).name
+
+
 def test_dtype_name_ml_dtypes_bfloat16():
     ml_dtypes = pytest.importorskip("ml_dtypes")
     assert dtype_name(np.dtype(ml_dtypes.bfloat16)) == "bfloat16"
@@ -195,6 +200,11 @@ def test_flatten_nested_dicts_lists_tuples_in_order():
 def test_flatten_drops_empty_containers():
     assert flatten({"a": {}, "b": [], "c": (), "d": {"e": {}}, "f": 1}) == {("f",): 1}
     assert flatten({}) == {}
+
+
+def test_flatten_refuses_two_keys_spelling_one_path():
+    with pytest.raises(ValueError, match=r"\[1, '1'\] under 'a' all spell .* '1'"):
+        flatten({"a": {1: "int key", "1": "str key"}})
 
 
 def test_flatten_is_leaf_stops_descent():
