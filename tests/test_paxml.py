@@ -85,7 +85,14 @@ def test_restore_refuses_a_target_with_other_layer_count(state_dir):
         ocp.StandardCheckpointer().restore(state_dir, unflatten(target))
 
 
-def test_unrepeated_restore_sharded_over_four_devices(state_dir):
-    """Each of 4 forced CPU devices holds exactly its slice (in a subprocess; see the worker)."""
+def test_restores_sharded_over_four_devices(state_dir):
+    """Each of 4 forced CPU devices holds exactly its slice, unrepeated and in a MaxText GPT-3
+    state (layer axes moved, ``combined_qkv`` split); a sharding that does not divide an array is
+    refused as a ShimError naming it, not left to JAX half-way (in one subprocess; see the worker)."""
     report = run_device_worker("paxml_sharded_worker.py", str(state_dir))
-    assert report["devices"] == 4 and report["arrays"] == 22 and report["shards"] == 4 * 22
+    assert report["devices"] == 4
+    assert report["unrepeated"] == {"arrays": 22, "shards": 4 * 22}
+    assert report["maxtext"] == {"arrays": 47, "shards": 4 * 47}
+    assert report["indivisible"].startswith("PlanError: params/params/decoder/layers/self_attention/qkv_proj/kernel "
+                                            "given to orbax StandardCheckpointer.restore("), report["indivisible"]
+    assert "cannot split shape (32, 2, 3, 4, 8) evenly" in report["indivisible"]

@@ -20,8 +20,10 @@ from hypothesis import strategies as st
 
 from ckptshim.errors import ShimError
 from ckptshim.inventory import Entry, Inventory, KeyPath
+from ckptshim.execute.jax import _filler
+from ckptshim.execute.jax_tree import TargetLeaf
 from ckptshim.plan import (
-    Cast, Drop, Plan, Rename, Stack, Synthesize, Unstack, explain, plan, summary,
+    Cast, Drop, Join, Plan, Rename, Split, Stack, Synthesize, Transpose, Unstack, explain, plan, summary,
 )
 from ckptshim.rules import DEFAULT_RULES, Rules, ScanAxis
 
@@ -60,6 +62,18 @@ def execute(p: Plan, arrays: dict[KeyPath, np.ndarray]) -> dict[KeyPath, np.ndar
         elif isinstance(op, Unstack):
             for i, key in enumerate(op.targets):
                 out[key] = np.take(arrays[op.source], i, axis=op.axis)
+        elif isinstance(op, Transpose):
+            out[op.target] = np.transpose(arrays[op.source], op.perm).copy()
+        elif isinstance(op, Split):
+            whole = arrays[op.source]
+            for key, index in zip(op.targets, _indices(whole.shape, op.axes)):
+                out[key] = np.transpose(whole[index], op.perm).copy()
+        elif isinstance(op, Join):
+            shape = p.target[op.target].shape
+            whole = np.empty(shape, arrays[op.sources[0]].dtype)
+            for key, index in zip(op.sources, _indices(shape, op.axes)):
+                whole[index] = np.transpose(arrays[key], op.perm)
+            out[op.target] = whole
         elif isinstance(op, Cast):
             assert op.target in out and op.target not in cast, op
             assert out[op.target].dtype.name == op.source_dtype, op
@@ -67,6 +81,17 @@ def execute(p: Plan, arrays: dict[KeyPath, np.ndarray]) -> dict[KeyPath, np.ndar
             out[op.target] = out[op.target].astype(op.target_dtype)
         elif not isinstance(op, (Synthesize, Drop)):  # pragma: no cover - a new kind of op
             raise AssertionError(f"unknown op {op!r}")
+    return out
+
+
+def _indices(shape: tuple[int, ...], axes: tuple[int, ...]) -> list[tuple]:
+    """Numpy indices fixing ``axes`` at every value, in row-major order (Split/Join's order)."""
+    out = []
+    for at in np.ndindex(*(shape[a] for a in axes)):
+        index = [slice(None)] * len(shape)
+        for axis, i in zip(axes, at):
+            index[axis] = i
+        out.append(tuple(index))
     return out
 
 
@@ -300,3 +325,80 @@ def test_swapping_source_and_target_plans_the_same_mapping(case):
         assert same_bits(back[key], value), key
     assert set(backward.unexpected) == set(case.synthesized)
     assert not backward.mismatched
+
+
+# -- layout ops: transposes, splits and joins ---------------------------------------------------
+
+
+class NumpySource:
+    """A checkpoint held as numpy arrays, read the way the JAX executor reads a real one."""
+
+    path = "numpy"
+
+    def __init__(self, arrays: dict[KeyPath, np.ndarray]) -> None:
+        self.arrays = arrays
+
+    def read_into(self, entry: Entry, index: tuple, out: np.ndarray) -> None:
+        np.copyto(out, self.arrays[entry.key][index], casting="unsafe")
+
+
+@st.composite
+def layout_plans(draw) -> tuple[Plan, dict[KeyPath, np.ndarray]]:
+    """One random Transpose or Split (or their inverses, Join and Transpose), maybe with a
+    widening cast of every target (the parts of one array share a dtype), and the source arrays."""
+    shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)))
+    dtype = draw(st.sampled_from(["float32", "int16", "uint8"]))
+    whole = _values(random.Random(draw(st.integers(0, 2**32 - 1))), shape, dtype)
+    if len(shape) > 1 and draw(st.booleans()):
+        axes = tuple(sorted(draw(st.sets(st.integers(0, len(shape) - 1), min_size=1, max_size=len(shape) - 1))))
+        perm = tuple(draw(st.permutations(range(len(shape) - len(axes)))))
+        count = int(np.prod([shape[a] for a in axes]))
+        op = Split(("w",), tuple((f"part_{i}",) for i in range(count)), axes, perm)
+        parts = {key: np.transpose(whole[index], perm) for key, index in zip(op.targets, _indices(shape, axes))}
+    else:
+        op = Transpose(("w",), ("t",), tuple(draw(st.permutations(range(len(shape))))))
+        parts = {("t",): np.transpose(whole, op.perm)}
+    widen = draw(st.sampled_from(WIDENINGS[dtype] or (dtype,)))
+    casts = tuple(Cast(key, dtype, widen) for key in parts) if widen != dtype and draw(st.booleans()) else ()
+    cast = {c.target for c in casts}
+    target = Inventory([Entry(k, v.shape, widen if k in cast else dtype) for k, v in parts.items()], "target")
+    p = Plan(Inventory([Entry(("w",), shape, dtype)], "source"), target, (op,) + casts)
+    if draw(st.booleans()):  # the other direction: a Join (or Transpose) of the parts
+        arrays = {k: v.astype(widen) if k in cast else v for k, v in parts.items()}
+        return p.inverse(), arrays
+    return p, {("w",): whole}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout_plans(), st.data())
+def test_layout_ops_execute_invert_and_read_by_block(drawn, data):
+    """Every layout op, executed by numpy and inverted, gives back its source bit for bit; the JAX
+    executor's block reads (one device's index range) give exactly that block of numpy's result."""
+    p, arrays = drawn
+    out = execute(p, arrays)
+    assert set(out) == set(p.target)
+    back = execute(p.inverse(), out)
+    assert set(back) == set(arrays) and all(same_bits(back[k], v) for k, v in arrays.items())
+    assert p.inverse().inverse().ops == p.ops
+    explain(p), summary(p)  # must not raise
+    for key, value in out.items():
+        bounds = [sorted(data.draw(st.tuples(st.integers(0, n), st.integers(0, n)))) for n in value.shape]
+        block = tuple(slice(a, b) for a, b in bounds)
+        leaf = TargetLeaf(key, value.shape, value.dtype, "numpy")
+        read = _filler(NumpySource(arrays), p, p.producer(key), leaf, "/")(block)
+        assert same_bits(read, value[block]), (key, block, p.producer(key))
+
+
+def test_layout_ops_in_words():
+    """Transposes, splits and joins read compactly in the plan summary and explanation."""
+    source = Inventory([Entry(("w",), (2, 3, 4), "float32"), Entry(("qkv",), (2, 3, 4), "float32")], "s")
+    split = Split(("qkv",), (("q",), ("k",), ("v",)), (1,), (1, 0))
+    target = Inventory([Entry(("t",), (3, 2, 4), "float32")] + [Entry(k, (4, 2), "float32") for k in split.targets], "t")
+    p = Plan(source, target, (Transpose(("w",), ("t",), (1, 0, 2)), split))
+    assert summary(p) == "1 transposed (perm 1,0,2), 3 split (axes 1; perm 1,0)"
+    assert explain(p, "/") == ["w -> transpose(perm 1,0,2) -> t", "qkv -> split(axes 1; perm 1,0) -> q, k, v"]
+    assert summary(p.inverse()) == "1 transposed (perm 1,0,2), 3 joined (axes 1; perm 1,0)"
+    with pytest.raises(ValueError, match="not a permutation"):
+        Transpose(("w",), ("t",), (0, 0, 1))
+    with pytest.raises(ValueError, match="ascending"):
+        Split(("w",), (), (1, 0), (0,))

@@ -2,9 +2,11 @@
 
 Every array is made with ``jax.make_array_from_callback`` in the target's sharding. The
 callback for a device gets the device's index range and reads exactly that range from the
-checkpoint: for a ``Rename`` the same range of the source; for an ``Unstack`` the range at one
-layer of the stacked source; for a ``Stack`` the matching range of each per-layer source that
-falls in the device's layer range, each written into its place in the shard. Reads go straight
+checkpoint: for a ``Rename`` the same range of the source; for an ``Unstack`` (``Split``) the range
+at one layer (one index of the split axes) of the stacked source; for a ``Stack`` (``Join``) the
+matching range of each per-layer source that falls in the device's layer range, each written into
+its place in the shard; for a ``Transpose`` (and the permutation of a ``Split``/``Join``) the
+source range the permutation maps the device's range to, read into a transposed view of the shard. Reads go straight
 into a 64-byte aligned host buffer that JAX's CPU backend then adopts without a copy, and a
 shard that several devices hold (replication) is read once. So no step holds the source tree,
 and host memory peaks near the size of the restored arrays.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from itertools import product
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -26,7 +29,8 @@ import numpy as np
 from ckptshim.errors import CorruptCheckpointError, PlanError, ShimError
 from ckptshim.execute.jax_tree import TargetLeaf
 from ckptshim.inventory import Entry, KeyPath, join_key
-from ckptshim.plan import Plan, Rename, Stack, Synthesize, Unstack
+from ckptshim.plan import Join, Plan, Rename, Split, Stack, Synthesize, Transpose, Unstack
+from ckptshim.plan.ops import inverse_perm
 
 _ALIGN = 64  # XLA's CPU client adopts host buffers aligned to this without copying them
 #: Reads started but not finished, in bytes of their destination. Each holds its chunks'
@@ -101,24 +105,17 @@ def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]
 
 def _filler(source: SliceSource, plan: Plan, producer, target: TargetLeaf, sep: str):
     """A function from an index range of the target to a freshly read buffer holding it."""
-    if isinstance(producer, Rename):
+    if isinstance(producer, (Rename, Transpose)):
+        reads = _moved(plan.source[producer.source], getattr(producer, "perm", None))
+    elif isinstance(producer, (Unstack, Split)):
         entry = plan.source[producer.source]
-
-        def reads(index, out):
-            return [(entry, index, out)]
-    elif isinstance(producer, Unstack):
-        entry, axis = plan.source[producer.source], producer.axis
-        layer = producer.targets.index(target.key)
-
-        def reads(index, out):
-            return [(entry, index[:axis] + (layer,) + index[axis:], out)]
-    elif isinstance(producer, Stack):
-        layers, axis = [plan.source[k] for k in producer.sources], producer.axis
-
-        def reads(index, out):
-            inner = index[:axis] + index[axis + 1:]
-            span = range(*index[axis].indices(len(layers))[:2])
-            return [(layers[i], inner, out[(slice(None),) * axis + (j,)]) for j, i in enumerate(span)]
+        axes, perm = ((producer.axis,), None) if isinstance(producer, Unstack) else (producer.axes, producer.perm)
+        at = np.unravel_index(producer.targets.index(target.key), [entry.shape[a] for a in axes])
+        reads = _split(entry, axes, tuple(map(int, at)), perm)
+    elif isinstance(producer, (Stack, Join)):
+        entries = [plan.source[k] for k in producer.sources]
+        axes, perm = ((producer.axis,), None) if isinstance(producer, Stack) else (producer.axes, producer.perm)
+        reads = _join(entries, axes, perm, target.shape)
     else:
         raise PlanError(f"{join_key(target.key, sep)}: the JAX executor cannot run {type(producer).__name__}")
 
@@ -141,6 +138,63 @@ def _filler(source: SliceSource, plan: Plan, producer, target: TargetLeaf, sep: 
         return out
 
     return fill
+
+
+# Each read list below is ``[(source entry, index into it, destination view)]`` for one block of
+# the target. Where a permutation is involved the destination is a transposed *view* of the
+# block's buffer, so the checkpoint reader writes every element straight into its final place:
+# no full source array and no second copy of the block.
+
+
+def _moved(entry: Entry, perm: tuple[int, ...] | None):
+    """Reads for ``target = source.transpose(perm)`` (a plain rename when ``perm`` is None)."""
+    def reads(index, out):
+        return [(entry, _source_order(index, perm), _source_view(out, perm))]
+    return reads
+
+
+def _split(entry: Entry, axes: tuple[int, ...], at: tuple[int, ...], perm: tuple[int, ...] | None):
+    """Reads for ``target = source[at along axes].transpose(perm)`` (Unstack, Split)."""
+    def reads(index, out):
+        full = list(_source_order(index, perm))
+        for axis, i in zip(axes, at):  # ascending axes: each insert lands at its full position
+            full.insert(axis, i)
+        return [(entry, tuple(full), _source_view(out, perm))]
+    return reads
+
+
+def _join(entries: list[Entry], axes: tuple[int, ...], perm: tuple[int, ...] | None, shape: tuple[int, ...]):
+    """Reads for ``target[index_k] = sources[k].transpose(perm)`` (Stack, Join): each source
+    whose index falls in the block fills its place there."""
+    sizes = [shape[a] for a in axes]
+
+    def reads(index, out):
+        spans = [range(*index[a].indices(shape[a])[:2]) for a in axes]
+        inner = _source_order(tuple(part for a, part in enumerate(index) if a not in axes), perm)
+        found = []
+        for at in product(*spans):
+            place = list((slice(None),) * len(shape))
+            for axis, i, span in zip(axes, at, spans):
+                place[axis] = i - span.start
+            found.append((entries[int(np.ravel_multi_index(at, sizes))], inner,
+                          _source_view(out[tuple(place)], perm)))
+        return found
+    return reads
+
+
+def _source_order(index: tuple, perm: tuple[int, ...] | None) -> tuple:
+    """A target block's index ranges rearranged into the source's axis order."""
+    if perm is None:
+        return index
+    out = [slice(None)] * len(perm)
+    for axis, part in zip(perm, index):
+        out[axis] = part
+    return tuple(out)
+
+
+def _source_view(out: np.ndarray, perm: tuple[int, ...] | None) -> np.ndarray:
+    """``out`` seen with the source's axis order (a view: writes land in ``out``)."""
+    return out if perm is None else out.transpose(inverse_perm(perm))
 
 
 def _wait(pending: Any, source: SliceSource, entry: Entry, sep: str) -> None:

@@ -23,12 +23,12 @@ from ckptshim.execute import jax as executor
 from ckptshim.execute.jax_tree import TargetTree
 from ckptshim.formats.base import Checkpoint
 from ckptshim.inventory import Inventory, join_key, unflatten
-from ckptshim.log import report_load
+from ckptshim.log import logger, report_load
 from ckptshim.plan import Cast, Plan, Rename, Synthesize, plan as make_plan
 from ckptshim.plan.explain import _ranges
 from ckptshim.rules import Rules
 from ckptshim.rules.layers import layer_splits
-from ckptshim.rules.profiles import maxtext, rules_for_trees
+from ckptshim.rules.profiles import maxtext, paxml_gpt3, rules_for_trees
 
 SEP = "/"
 
@@ -44,7 +44,8 @@ class Prepared:
 
     def run(self) -> Any:
         """Read what the plan needs and return the caller's tree filled with it."""
-        report_load(self.where, self.plan, SEP)
+        report_load(self.where, self.plan, SEP,
+                    read_as=f"{self.checkpoint.format} ({self.checkpoint.version})")
         return self.target.rebuild(executor.build(self.checkpoint, self.plan, self.target.targets, SEP))
 
 
@@ -55,10 +56,13 @@ def prepare(checkpoint: Checkpoint, tree: Any, where: str, restore_args: Any = N
     """
     checkpoint.require_complete()
     target = TargetTree(as_stored(checkpoint) if tree is None else tree, restore_args)
+    _require_divisible(target, where)
     target_inv = target.inventory(f"given to {where}")
     rules = rules_for_trees(checkpoint.inventory, target_inv)
     plan = _plan(checkpoint.inventory, target_inv, rules)
     _require_fit(plan, rules)
+    if paxml_gpt3.GPT3_LAYOUT in rules.layouts:
+        _report_unmapped(plan)
     for op in plan.ops:
         if isinstance(op, Synthesize) and not target.targets[op.target].concrete:
             raise PlanError(
@@ -66,6 +70,21 @@ def prepare(checkpoint: Checkpoint, tree: Any, where: str, restore_args: Any = N
                 f"{op.rule!r} keeps the target's own value, but the target gives only a shape "
                 "(jax.ShapeDtypeStruct). Pass concrete arrays for it (an initialised state).")
     return Prepared(checkpoint, target, plan, where)
+
+
+def _require_divisible(target: TargetTree, where: str) -> None:
+    """Refuse, before reading, a target sharding that does not divide its array's shape (JAX would
+    raise its own error half-way through the restore, and the hook would take that for a bug)."""
+    for leaf in target.targets.values():
+        if leaf.kind != "jax":
+            continue
+        try:
+            leaf.sharding.shard_shape(leaf.shape)
+        except ValueError as error:  # jax's IndivisibleError
+            raise PlanError(
+                f"{join_key(leaf.key, SEP)} given to {where}: its sharding cannot split shape "
+                f"{leaf.shape} evenly ({error}). Shard that array only along axes the mesh axis "
+                "size divides (None in the PartitionSpec for the others).") from None
 
 
 def native_fits(prepared: Prepared, *, readable: bool, partial: bool) -> bool:
@@ -141,6 +160,22 @@ def _require_fit(plan: Plan, rules: Rules) -> None:
             + ["Restore into a target with the checkpoint's layer count, or leave those keys out "
                "of the target."]))
     plan.require_complete(SEP, allow_unexpected=True)
+
+
+def _report_unmapped(plan: Plan) -> None:
+    """PaxML model variables MaxText's GPT-3 has no place for change what the model computes once
+    trained (``per_dim_scale`` rescales queries, a logits bias shifts logits): say so, and under
+    ``CKPTSHIM_STRICT`` refuse."""
+    lost = paxml_gpt3.unmapped_variables(plan.unexpected)
+    if not lost:
+        return
+    names = ", ".join(join_key(key, SEP) for key in lost)
+    message = (f"{plan.source.source}: PaxML model variable(s) {names} have no place in MaxText's GPT-3 "
+               "model, so the restored model computes without them (see docs/paxml-gpt3.md)")
+    if config.strict():
+        raise PlanError(message + "; CKPTSHIM_STRICT=1 refuses the restore. Restore into a model that "
+                        "has them, or unset CKPTSHIM_STRICT to accept the difference.")
+    logger.warning("%s.", message)
 
 
 def _layer_gaps(plan: Plan, rules: Rules) -> list[str]:

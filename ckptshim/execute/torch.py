@@ -22,7 +22,8 @@ import torch
 
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Entry, KeyPath, dtype_name, join_key
-from ckptshim.plan import Plan, Rename, Stack, Synthesize, Unstack
+from ckptshim.plan import Join, Plan, Rename, Split, Stack, Synthesize, Transpose, Unstack
+from ckptshim.plan.explain import describe_op
 
 #: Returns the source tensor for a source key (from a state dict, or a lazy view of a file).
 Fetch = Callable[[KeyPath], torch.Tensor]
@@ -86,6 +87,11 @@ def prepare(plan: Plan, fetch: Fetch, destinations: Mapping[KeyPath, torch.Tenso
     keys are errors unless allowed (a non-strict load); a shape mismatch always is.
     """
     plan.require_complete(allow_missing=allow_missing, allow_unexpected=allow_unexpected)
+    layout = next(plan.of_type(Transpose, Split, Join), None)
+    if layout is not None:
+        raise PlanError(f"{join_key(layout.targets[0])!r}: the plan changes its layout ({describe_op(layout)}), "
+                        "which only the JAX executor does; ckptshim will not load it into torch with the "
+                        "axes as stored. Restore it with JAX (Orbax), or plan without the layout profile.")
     return _Preparer(plan, fetch, destinations).run()
 
 

@@ -2,8 +2,8 @@
 
 from ckptshim.plan.explain import explain, summary
 from ckptshim.plan.match import plan
-from ckptshim.plan.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Unstack
+from ckptshim.plan.ops import Cast, Drop, Join, Op, Rename, Split, Stack, Synthesize, Transpose, Unstack
 from ckptshim.plan.plan import Mismatch, Plan
 
-__all__ = ["Cast", "Drop", "Mismatch", "Op", "Plan", "Rename", "Stack", "Synthesize", "Unstack",
-           "explain", "plan", "summary"]
+__all__ = ["Cast", "Drop", "Join", "Mismatch", "Op", "Plan", "Rename", "Split", "Stack", "Synthesize",
+           "Transpose", "Unstack", "explain", "plan", "summary"]

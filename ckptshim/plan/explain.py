@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 from ckptshim.inventory import KeyPath, join_key
-from ckptshim.plan.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Unstack
+from ckptshim.plan.ops import Cast, Drop, Join, Op, Rename, Split, Stack, Synthesize, Transpose, Unstack
 from ckptshim.plan.plan import Plan
 
 _NUMBER = re.compile(r"\d+")
@@ -34,8 +34,9 @@ def _ranges(values: Sequence[int]) -> str:
 
 
 def _keys(keys: Sequence[KeyPath], sep: str) -> str:
-    """Several keys that differ in one number -> one key with a ``{range}``."""
-    return compress([join_key(key, sep) for key in keys])[0] if keys else ""
+    """Several keys that differ in one number -> one key with a ``{range}``; others listed
+    (a split's ``query``, ``key``, ``value``)."""
+    return ", ".join(compress([join_key(key, sep) for key in keys]))
 
 
 def compress(lines: Iterable[str]) -> list[str]:
@@ -68,11 +69,23 @@ def describe_op(op: Op, sep: str = ".") -> str:
         return f"{_keys(op.sources, sep)} -> stack(axis={op.axis}) -> {join_key(op.target, sep)}"
     if isinstance(op, Unstack):
         return f"{join_key(op.source, sep)} -> unstack(axis={op.axis}) -> {_keys(op.targets, sep)}"
+    if isinstance(op, Transpose):
+        return f"{join_key(op.source, sep)} -> transpose({layout(op)}) -> {join_key(op.target, sep)}"
+    if isinstance(op, Split):
+        return f"{join_key(op.source, sep)} -> split({layout(op)}) -> {_keys(op.targets, sep)}"
+    if isinstance(op, Join):
+        return f"{_keys(op.sources, sep)} -> join({layout(op)}) -> {join_key(op.target, sep)}"
     if isinstance(op, Synthesize):
         return f"(not in checkpoint) -> synthesize({op.rule}) -> {join_key(op.target, sep)}"
     if isinstance(op, Drop):
         return f"{join_key(op.source, sep)} -> drop({op.rule})"
     return f"{join_key(op.target, sep)}: cast {op.source_dtype} -> {op.target_dtype}"
+
+
+def layout(op: Transpose | Split | Join) -> str:
+    """``perm 1,0,2`` for a transpose, ``axes 0,1; perm 1,0`` for a split or join."""
+    perm = "perm " + ",".join(map(str, op.perm))
+    return perm if isinstance(op, Transpose) else f"axes {','.join(map(str, op.axes))}; {perm}"
 
 
 def explain(plan: Plan, sep: str = ".") -> list[str]:
@@ -98,6 +111,9 @@ def summary(plan: Plan, sep: str = ".") -> str:
                     f"{join_key(op.source, sep)} -> {join_key(op.target, sep)}")
         elif isinstance(op, Stack | Unstack):
             details.setdefault("stacked" if isinstance(op, Stack) else "unstacked", []).append(f"axis {op.axis}")
+        elif isinstance(op, Transpose | Split | Join):
+            kind = "transposed" if isinstance(op, Transpose) else "split" if isinstance(op, Split) else "joined"
+            details.setdefault(kind, []).append(layout(op))
         elif isinstance(op, Synthesize | Drop):
             details.setdefault("synthesized" if isinstance(op, Synthesize) else "dropped", []).append(op.rule)
         else:
@@ -107,8 +123,8 @@ def summary(plan: Plan, sep: str = ".") -> str:
     for kind, examples in details.items():
         if kind == "renamed":
             shown = examples[0] + (", ..." if len(examples) > 1 else "")
-        else:
-            shown = ", ".join(sorted(set(examples)))
+        else:  # layouts hold commas of their own, so they are set apart by semicolons
+            shown = ("; " if kind in ("transposed", "split", "joined") else ", ").join(sorted(set(examples)))
         words.append(f"{counts[kind]} {kind} ({shown})")
     for kind, keys in (("missing", plan.missing), ("unexpected", plan.unexpected),
                        ("mismatched", plan.mismatched)):

@@ -47,7 +47,54 @@ def plan(source: Inventory, target: Inventory, rules: Rules = DEFAULT_RULES) -> 
     # Planning allocates about one small, acyclic object per key; with a million keys the
     # collector's passes over everything alive would take a third of the time and free nothing.
     with gc_paused():
+        if rules.layouts:
+            return _with_layouts(source, target, rules)
         return _Planner(source, target, rules).run()
+
+
+def _with_layouts(source: Inventory, target: Inventory, rules: Rules) -> Plan:
+    """The layouts' ops for the keys they map, then the name matcher's plan for the rest."""
+    ops: list[Op] = []
+    hints: dict[KeyPath, str] = {}
+    mismatched: list[Mismatch] = []
+    used: set[KeyPath] = set()
+    taken: set[KeyPath] = set()
+    for layout in rules.layouts:
+        paired = layout.pair(Inventory([e for e in source.values() if e.key not in used], source.source),
+                             Inventory([e for e in target.values() if e.key not in taken], target.source),
+                             rules)
+        hints.update(paired.missing)
+        taken.update(paired.missing)
+        for op in paired.ops:
+            used.update(op.sources)
+            taken.update(op.targets)
+            ops.append(op)
+            first = source[op.sources[0]]
+            for key in op.targets:
+                found = cast_or_mismatch(first, target[key], rules)
+                if isinstance(found, Cast):
+                    ops.append(found)
+                elif found is not None:
+                    mismatched.append(found)
+    if not taken:  # the layouts recognised nothing here
+        return _Planner(source, target, rules).run()
+    rest = _Planner(Inventory([e for e in source.values() if e.key not in used], source.source),
+                    Inventory([e for e in target.values() if e.key not in taken], target.source),
+                    rules).run()
+    return Plan(source, target, tuple(ops) + rest.ops, missing=tuple(hints) + rest.missing,
+                unexpected=rest.unexpected, mismatched=tuple(mismatched) + rest.mismatched, hints=hints)
+
+
+def cast_or_mismatch(src: Entry, tgt: Entry, rules: Rules) -> Cast | Mismatch | None:
+    """The ``Cast`` a dtype difference needs, or a ``Mismatch`` where the rules forbid it
+    (casts off, or a narrowing cast under ``strict``); ``None`` when the dtypes agree."""
+    if src.dtype == tgt.dtype:
+        return None
+    narrowing = (DTYPE_SIZES[tgt.dtype] < DTYPE_SIZES[src.dtype]
+                 or (src.dtype in _FLOATS) != (tgt.dtype in _FLOATS))
+    if not rules.allow_cast or (rules.strict and narrowing):
+        return Mismatch(src.key, tgt.key, (src.dtype,), (tgt.dtype,), "dtype")
+    return Cast(tgt.key, src.dtype, tgt.dtype)
 
 
 class _Planner:
@@ -390,14 +437,11 @@ class _Planner:
         return drops
 
     def _cast(self, src: Entry, tgt: Entry) -> None:
-        if src.dtype == tgt.dtype:
-            return
-        narrowing = (DTYPE_SIZES[tgt.dtype] < DTYPE_SIZES[src.dtype]
-                     or (src.dtype in _FLOATS) != (tgt.dtype in _FLOATS))
-        if not self.rules.allow_cast or (self.rules.strict and narrowing):
-            self.mismatched.append(Mismatch(src.key, tgt.key, (src.dtype,), (tgt.dtype,), "dtype"))
-            return
-        self.casts[tgt.key] = Cast(tgt.key, src.dtype, tgt.dtype)
+        found = cast_or_mismatch(src, tgt, self.rules)
+        if isinstance(found, Cast):
+            self.casts[tgt.key] = found
+        elif found is not None:
+            self.mismatched.append(found)
 
 
 def _refuse_clash(entries: list[Entry], names: list[KeyPath], side: str) -> None:

@@ -3,6 +3,12 @@
 Ops name keys only; they never hold tensor bytes. Executors give them meaning: a ``Stack``
 writes each source into a view of the target, an ``Unstack`` reads a slice of the source. The
 inverse of every op is the op that undoes it, so a plan for A -> B inverts into a plan B -> A.
+
+Layout changes -- a permutation of axes (``Transpose``), and slicing or filling with one
+(``Split``, ``Join``) -- are ops of their own rather than an optional field of ``Rename``,
+``Stack`` or ``Unstack``: an executor that has not been taught them then refuses the plan (it
+meets an op it does not know) instead of running the old op and loading the axes in the wrong
+order. The planner emits ``Unstack``/``Stack`` whenever no permutation is involved.
 """
 
 from __future__ import annotations
@@ -150,6 +156,111 @@ class Cast:
         return Cast(self.target, self.target_dtype, self.source_dtype)
 
 
-Op: TypeAlias = Rename | Stack | Unstack | Synthesize | Drop | Cast
+def inverse_perm(perm: Sequence[int]) -> tuple[int, ...]:
+    """The permutation that undoes ``perm`` (its argsort)."""
+    out = [0] * len(perm)
+    for position, axis in enumerate(perm):
+        out[axis] = position
+    return tuple(out)
+
+
+def moved_axis_perm(rank: int, source_axis: int, target_axis: int) -> tuple[int, ...]:
+    """The ``Transpose`` permutation of ``numpy.moveaxis(x, source_axis, target_axis)``."""
+    rest = [a for a in range(rank) if a != source_axis]
+    rest.insert(target_axis, source_axis)
+    return tuple(rest)
+
+
+def _check_perm(perm: tuple[int, ...]) -> None:
+    if sorted(perm) != list(range(len(perm))):
+        raise ValueError(f"{perm} is not a permutation of the axes 0..{len(perm) - 1}")
+
+
+@dataclass(frozen=True, slots=True)
+class Transpose:
+    """The target is the source with its axes permuted: ``target = source.transpose(perm)``.
+
+    Target axis ``i`` is source axis ``perm[i]``. Moving a stacked layer axis (PaxML keeps layers
+    on axis 0, MaxText on ``param_scan_axis``) is one such permutation; so is ``x.T``.
+    """
+
+    source: KeyPath
+    target: KeyPath
+    perm: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _check_perm(self.perm)
+
+    @property
+    def sources(self) -> tuple[KeyPath, ...]:
+        return (self.source,)
+
+    @property
+    def targets(self) -> tuple[KeyPath, ...]:
+        return (self.target,)
+
+    def inverse(self) -> Transpose:
+        return Transpose(self.target, self.source, inverse_perm(self.perm))
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """One source cut at every index of ``axes`` into targets, each then transposed by ``perm``.
+
+    Targets are in row-major order of the indices along ``axes`` (ascending): with ``axes``
+    ``(0, 1)`` of a ``[layers, 3, ...]`` array, target ``3 * i + j`` is ``source[i, j]``. Each
+    target is ``source[index].transpose(perm)``, ``perm`` over the axes left after indexing.
+    PaxML's fused ``combined_qkv`` (``[layers, 3, embed, heads, head_dim]``) splits so into
+    MaxText's ``query``/``key``/``value``. ``Unstack`` is the one-axis case without a permutation.
+    """
+
+    source: KeyPath
+    targets: tuple[KeyPath, ...]
+    axes: tuple[int, ...]
+    perm: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _check_axes(self.axes)
+        _check_perm(self.perm)
+
+    @property
+    def sources(self) -> tuple[KeyPath, ...]:
+        return (self.source,)
+
+    def inverse(self) -> Join:
+        return Join(self.targets, self.source, self.axes, inverse_perm(self.perm))
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """Sources, each transposed by ``perm``, fill ``target`` at every index of ``axes``.
+
+    ``target[index_k] = sources[k].transpose(perm)``, the indices in row-major order as in
+    :class:`Split`, whose inverse this is. ``Stack`` is the one-axis case without a permutation.
+    """
+
+    sources: tuple[KeyPath, ...]
+    target: KeyPath
+    axes: tuple[int, ...]
+    perm: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _check_axes(self.axes)
+        _check_perm(self.perm)
+
+    @property
+    def targets(self) -> tuple[KeyPath, ...]:
+        return (self.target,)
+
+    def inverse(self) -> Split:
+        return Split(self.target, self.sources, self.axes, inverse_perm(self.perm))
+
+
+def _check_axes(axes: tuple[int, ...]) -> None:
+    if not axes or list(axes) != sorted(set(axes)) or axes[0] < 0:
+        raise ValueError(f"axes {axes} must be distinct, ascending, non-negative and at least one")
+
+
+Op: TypeAlias = Rename | Stack | Unstack | Transpose | Split | Join | Synthesize | Drop | Cast
 #: Ops that put a value into target keys (as opposed to ``Drop`` and ``Cast``).
-Producer: TypeAlias = Rename | Stack | Unstack | Synthesize
+Producer: TypeAlias = Rename | Stack | Unstack | Transpose | Split | Join | Synthesize

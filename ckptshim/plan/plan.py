@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Inventory, KeyPath, join_key
-from ckptshim.plan.ops import Cast, Drop, Op, Producer, Rename, Stack, Synthesize, Unstack
+from ckptshim.plan.ops import Cast, Drop, Join, Op, Producer, Rename, Split, Stack, Synthesize, Transpose, Unstack
 
 #: How many keys an error message lists before it summarises the rest.
 MAX_LISTED = 12
@@ -44,6 +44,8 @@ class Plan:
     missing: tuple[KeyPath, ...] = ()
     unexpected: tuple[KeyPath, ...] = ()
     mismatched: tuple[Mismatch, ...] = ()
+    #: for some missing keys, what a profile knows they would be made from (instead of guessing)
+    hints: Mapping[KeyPath, str] = field(default_factory=dict, compare=False)
     _producers: dict[KeyPath, Producer] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -63,9 +65,9 @@ class Plan:
         if self._producers is None:
             producers: dict[KeyPath, Producer] = {}
             for op in self.ops:
-                if isinstance(op, Unstack):
+                if isinstance(op, (Unstack, Split)):
                     producers.update(dict.fromkeys(op.targets, op))
-                elif not isinstance(op, (Cast, Drop)):  # Rename, Stack, Synthesize: one target
+                elif not isinstance(op, (Cast, Drop)):  # the other producers have one target
                     producers[op.target] = op
             object.__setattr__(self, "_producers", producers)  # a cache on a frozen dataclass
         return self._producers
@@ -110,6 +112,12 @@ class Plan:
                 counts["stacked"] += len(op.sources)
             elif isinstance(op, Unstack):
                 counts["unstacked"] += len(op.targets)
+            elif isinstance(op, Transpose):
+                counts["transposed"] += 1
+            elif isinstance(op, Split):
+                counts["split"] += len(op.targets)
+            elif isinstance(op, Join):
+                counts["joined"] += len(op.sources)
             elif isinstance(op, Synthesize):
                 counts["synthesized"] += 1
             elif isinstance(op, Drop):
@@ -130,6 +138,9 @@ class Plan:
         if self.missing and not allow_missing:
             lines.append(f"{len(self.missing)} key(s) the target needs are not in the checkpoint:")
             for key in self.missing[:MAX_LISTED]:
+                if key in self.hints:
+                    lines.append(f"  {join_key(key, sep)} ({self.hints[key]})")
+                    continue
                 near = nearest(key, self.unexpected or tuple(self.source))
                 hint = f" (nearest in checkpoint: {', '.join(join_key(k, sep) for k in near)})" if near else ""
                 lines.append(f"  {join_key(key, sep)}{hint}")

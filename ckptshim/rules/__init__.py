@@ -7,15 +7,41 @@ buffers, a model family's profile) with :meth:`Rules.extend`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
-from ckptshim.inventory import KeyPath
+from ckptshim.inventory import Inventory, KeyPath
 from ckptshim.rules.aliases import Alias
 from ckptshim.rules.buffers import DERIVABLE_BUFFERS
 from ckptshim.rules.layers import LAYER_LIST_NAMES, ScanAxis
 from ckptshim.rules.prefixes import WRAPPER_SEGMENTS
 
-__all__ = ["Alias", "DEFAULT_RULES", "Rules", "ScanAxis"]
+if TYPE_CHECKING:
+    from ckptshim.plan.ops import Producer
+
+__all__ = ["Alias", "DEFAULT_RULES", "Layout", "Paired", "Rules", "ScanAxis"]
+
+
+@dataclass(frozen=True)
+class Paired:
+    """What a :class:`Layout` decided: producer ops for the keys it maps, and the target keys it
+    recognises but the checkpoint cannot fill, each with a hint naming what it would need."""
+
+    ops: tuple[Producer, ...] = ()
+    missing: Mapping[KeyPath, str] = field(default_factory=dict)
+
+
+class Layout(Protocol):
+    """A model profile that pairs some keys itself, with ops names alone cannot find.
+
+    Renames, stacks and unstacks fall out of matching names; a transpose or the slice of a fused
+    array does not, so a profile whose rows need them (PaxML GPT-3 -> MaxText) maps those keys
+    itself. The planner matches the keys it leaves as usual.
+    """
+
+    def pair(self, source: Inventory, target: Inventory, rules: Rules) -> Paired: ...
+
 
 
 @dataclass(frozen=True)
@@ -33,6 +59,7 @@ class Rules:
       checkpoint lacks them (persistent derivable buffers); never parameters.
     - ``allow_cast``: whether a dtype difference becomes a ``Cast`` or an error.
     - ``strict``: every guess (an axis taken from siblings, a narrowing cast) becomes an error.
+    - ``layouts``: profiles that pair keys themselves (see :class:`Layout`).
     """
 
     wrappers: frozenset[str] = WRAPPER_SEGMENTS
@@ -44,6 +71,7 @@ class Rules:
     synthesize: frozenset[KeyPath] = frozenset()
     allow_cast: bool = True
     strict: bool = False
+    layouts: tuple[Layout, ...] = ()
 
     def extend(self, **more) -> Rules:
         """A copy with collections extended (not replaced) and scalar fields overridden."""
