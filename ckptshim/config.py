@@ -4,7 +4,8 @@
 single hooks; ``CKPTSHIM_STRICT=1`` turns every guess into an error; ``CKPTSHIM_LOG=info|debug``
 prints the summary (or the whole plan) of every load on stderr; ``CKPTSHIM_RNG_FROM_TARGET=1``
 opts in to keeping the target's own rng state where the checkpoint's does not fit (see
-:mod:`ckptshim.rules.profiles.maxtext`).
+:mod:`ckptshim.rules.profiles.maxtext`); ``CKPTSHIM_PROGRESS=0`` hides progress bars even on a
+terminal (for logs captured through a pseudo-terminal, e.g. ``script`` or CI runners).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 
 _TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
 
 
 def disabled() -> bool:
@@ -29,6 +31,11 @@ def strict() -> bool:
 
 def rng_from_target() -> bool:
     return os.environ.get("CKPTSHIM_RNG_FROM_TARGET", "").strip().lower() in _TRUE
+
+
+def progress_enabled() -> bool:
+    """False only when ``CKPTSHIM_PROGRESS`` says no; a bar still needs a terminal to show."""
+    return os.environ.get("CKPTSHIM_PROGRESS", "").strip().lower() not in _FALSE
 
 
 def log_level() -> str | None:

@@ -1,17 +1,44 @@
 """Logging: one INFO line per shimmed load, the whole plan at DEBUG.
 
 The ``ckptshim`` logger is silent unless the application configures logging or
-``CKPTSHIM_LOG`` asks for a stderr handler.
+``CKPTSHIM_LOG`` asks for a stderr handler. Every process that loads logs its own summary (each
+rank of a torchrun job loads its own shards); once torch.distributed is initialised each line
+starts with ``rank N:``, so the ranks' interleaved lines on one terminal can be told apart.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
 from ckptshim import config
 
 logger = logging.getLogger("ckptshim")
 _HANDLER_NAME = "ckptshim-env"
+
+
+def _distributed_rank() -> int | None:
+    """This process's torch.distributed rank, or ``None`` when no process group is initialised.
+
+    Looks only at an already imported ``torch.distributed``: logging never imports torch.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.get_rank()
+
+
+class _RankPrefix(logging.Filter):
+    """Prefix each record with the torch.distributed rank, whatever handler prints it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rank = _distributed_rank()
+        if rank is not None:
+            record.msg = f"rank {rank}: {record.msg}"
+        return True
+
+
+logger.addFilter(_RankPrefix())
 
 
 def configure_from_env() -> None:
@@ -26,12 +53,21 @@ def configure_from_env() -> None:
     logger.setLevel(logging.DEBUG if level == "debug" else logging.INFO)
 
 
-def report_load(where: str, plan, sep: str = ".") -> None:
-    """Log what a load changed: a summary at INFO (only when something changed), the plan at DEBUG."""
+def report_load(where: str, plan, sep: str = ".", *, read_as: str | None = None) -> None:
+    """Log what a load changed: a summary at INFO (only when something changed), the plan at DEBUG.
+
+    Called on every process that loads, never only on a coordinator: each rank reads and
+    writes its own part, so each says what it did. ``read_as`` names the checkpoint's format
+    when ckptshim reads the bytes itself: that is worth its INFO line even when every key
+    already matches (a legacy layout the framework's own reader refuses).
+    """
     from ckptshim.plan.explain import explain, summary
 
     if plan.is_identity:
-        logger.debug("%s: checkpoint already matches; nothing to change", where)
+        if read_as is None:
+            logger.debug("%s: checkpoint already matches; nothing to change", where)
+        else:
+            logger.info("%s: read by ckptshim as %s; every array as stored", where, read_as)
         return
     logger.info("%s: %s", where, summary(plan))
     if logger.isEnabledFor(logging.DEBUG):

@@ -1,36 +1,34 @@
 """The ckptshim showcase: real "old" checkpoints, today's code, the normal framework calls.
 
-Each story writes its checkpoint with the installed framework into a temporary directory, then
-loads it twice through the framework's own call: once with the shim switched off (showing the
-error users hit) and once with it on (showing ckptshim's one-line summary of what it did).
+Each story sets up a checkpoint in a temporary directory and loads it twice through the
+framework's own call: once without the shim (showing the first line of the error users hit)
+and once with it (showing ckptshim's one-line summary of what it did). Most stories write their
+checkpoint with the installed framework. Three copy a real one from ``tests/fixtures`` because
+the tool that writes it cannot be installed from PyPI: GPT-NeoX (a repository, run under
+DeepSpeed), T5X and PaxML (whose releases need a jax from years ago). The launcher story runs a
+legacy script in a child process, plainly and then through ``ckptshim run``.
 Run with ``make demo`` or ``python examples/demo.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import ckptshim
 
-STORIES: list[tuple[str, Callable[[Path], Callable[[], object]]]] = []
-
-
-def story(title: str):
-    """Register a story: a function that writes inputs and returns the load to attempt.
-
-    The load runs twice: with the shim uninstalled (it must fail), then installed.
-    """
-    def register(prepare):
-        STORIES.append((title, prepare))
-        return prepare
-    return register
+HERE = Path(__file__).resolve().parent
+FIXTURES = HERE.parent / "tests" / "fixtures"
 
 
 class _Summaries(logging.Handler):
@@ -42,6 +40,80 @@ class _Summaries(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+@contextlib.contextmanager
+def _summaries() -> Iterator[list[str]]:
+    """Collect the ``ckptshim`` logger's INFO lines (printed by this script, not by a framework)."""
+    handler, shim_log = _Summaries(), logging.getLogger("ckptshim")
+    shim_log.addHandler(handler)
+    shim_log.setLevel(logging.INFO)
+    shim_log.propagate = False
+    try:
+        yield handler.lines
+    finally:
+        shim_log.removeHandler(handler)
+
+
+@dataclass(frozen=True)
+class InProcess:
+    """A load in this process: without the shim means with its hooks uninstalled."""
+
+    load: Callable[[], object]
+
+    def without(self) -> None:
+        ckptshim.uninstall()
+        self.load()
+
+    def with_shim(self) -> list[str]:
+        ckptshim.install()
+        with _summaries() as lines:
+            self.load()
+        return lines
+
+
+class ChildError(Exception):
+    """A child Python's uncaught exception, from the last lines of its traceback."""
+
+    def __init__(self, stderr: str) -> None:
+        lines = stderr.strip().splitlines()
+        start = max((i for i, line in enumerate(lines) if line and not line[0].isspace()
+                     and ": " in line and line.split(": ", 1)[0].replace(".", "").isidentifier()), default=0)
+        self.kind, _, first = lines[start].partition(": ") if lines else ("exit status", "", "")
+        super().__init__("\n".join([first, *lines[start + 1:]]))
+
+
+@dataclass(frozen=True)
+class Launched:
+    """An unedited script in a child Python: run plainly, then through ``ckptshim run``."""
+
+    command: tuple[str, ...]
+
+    def _run(self, *prefix: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTSHIM_")}
+        result = subprocess.run([*prefix, *self.command], capture_output=True, text=True, env=env, check=False)
+        if result.returncode != 0:
+            raise ChildError(result.stderr)
+        return result
+
+    def without(self) -> None:
+        self._run()
+
+    def with_shim(self) -> list[str]:
+        shimmed = self._run(sys.executable, "-m", "ckptshim", "run", "--log", "info", "--")
+        return [line.removeprefix("ckptshim: ") for line in shimmed.stderr.splitlines()
+                if line.startswith("ckptshim: ")]
+
+
+STORIES: list[tuple[str, Callable[[Path], InProcess | Launched]]] = []
+
+
+def story(title: str):
+    """Register a story: a function that sets up its inputs in a folder and returns the load."""
+    def register(prepare):
+        STORIES.append((title, prepare))
+        return prepare
+    return register
+
+
 def _tiny_model(seed: int):
     import torch
     from torch import nn
@@ -50,17 +122,38 @@ def _tiny_model(seed: int):
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
 
 
+def _fixture(name: str, tmp: Path) -> Path:
+    """A copy of ``tests/fixtures/<name>`` (never load from the fixtures themselves)."""
+    return Path(shutil.copytree(FIXTURES / name, tmp / Path(name).name, copy_function=shutil.copyfile))
+
+
+def _abstract(tree):
+    """What today's JAX code passes to a restore: shapes and dtypes of its train state."""
+    import jax
+
+    return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), tree)
+
+
+def _orbax_restore(path: Path, target) -> Callable[[], object]:
+    def restore():
+        import orbax.checkpoint as ocp
+
+        with ocp.StandardCheckpointer() as checkpointer:
+            return checkpointer.restore(path, target)
+    return restore
+
+
 @story("torch.compile'd model loads a plain model's torch.save checkpoint")
-def compiled_model(tmp: Path):
+def compiled_model(tmp: Path) -> InProcess:
     import torch
 
     torch.save(_tiny_model(0).state_dict(), tmp / "plain.pt")
     model = torch.compile(_tiny_model(1))  # keys are now "_orig_mod.0.weight", ...
-    return lambda: model.load_state_dict(torch.load(tmp / "plain.pt", weights_only=True))
+    return InProcess(lambda: model.load_state_dict(torch.load(tmp / "plain.pt", weights_only=True)))
 
 
 @story("old checkpoint with a now non-persistent rotary inv_freq buffer")
-def legacy_inv_freq(tmp: Path):
+def legacy_inv_freq(tmp: Path) -> InProcess:
     import torch
     from torch import nn
 
@@ -73,21 +166,44 @@ def legacy_inv_freq(tmp: Path):
 
     torch.save(Rotary(persistent=True).state_dict(), tmp / "old.pt")  # as transformers < 4.35 did
     model = Rotary(persistent=False)                                  # as transformers >= 4.35 does
-    return lambda: model.load_state_dict(torch.load(tmp / "old.pt", weights_only=True))
+    return InProcess(lambda: model.load_state_dict(torch.load(tmp / "old.pt", weights_only=True)))
 
 
 @story("DCP checkpoint of a plain model loads into the torch.compile'd model")
-def dcp_into_compiled(tmp: Path):
+def dcp_into_compiled(tmp: Path) -> InProcess:
     import torch
     import torch.distributed.checkpoint as dcp
 
     dcp.save({"model": _tiny_model(0).state_dict()}, checkpoint_id=tmp / "dcp")
     state_dict = torch.compile(_tiny_model(1)).state_dict()
-    return lambda: dcp.load({"model": state_dict}, checkpoint_id=tmp / "dcp")
+    return InProcess(lambda: dcp.load({"model": state_dict}, checkpoint_id=tmp / "dcp"))
+
+
+@story("legacy launch script (never imports ckptshim) resumes a compiled model: plain, then `ckptshim run`")
+def launch_script(tmp: Path) -> Launched:
+    import torch
+
+    torch.save(_tiny_model(0).state_dict(), tmp / "plain.pt")
+    return Launched((sys.executable, str(HERE / "legacy_scripts" / "train_legacy.py"), str(tmp / "plain.pt")))
+
+
+@story("GPT-NeoX pipeline checkpoint (DeepSpeed layer files) loads into transformers' GPTNeoXForCausalLM")
+def neox_into_transformers(tmp: Path) -> InProcess:
+    import torch
+    import transformers
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    run = _fixture("neox_deepspeed/pp1_mp1", tmp)  # written by GPT-NeoX under DeepSpeed 0.19.8
+    # what NeoX's own convert_neox_to_hf.py reads: each pipeline layer file, keyed sequential.<i>.
+    layer_files = sorted((run / "checkpoint" / "global_step0").glob("layer_*-model_00-model_states.pt"))
+    state_dict = {f"sequential.{int(path.name.split('-')[0].removeprefix('layer_'))}.{key}": value
+                  for path in layer_files for key, value in torch.load(path, weights_only=True).items()}
+    model = transformers.GPTNeoXForCausalLM(transformers.AutoConfig.from_pretrained(run / "hf"))
+    return InProcess(lambda: model.load_state_dict(state_dict))
 
 
 @story("unscanned Orbax checkpoint (layers_0..3) restores into a scan_layers=True model")
-def orbax_scan(tmp: Path):
+def orbax_scan(tmp: Path) -> InProcess:
     import jax
     import numpy as np
     import orbax.checkpoint as ocp
@@ -95,16 +211,41 @@ def orbax_scan(tmp: Path):
     layers, rng = 4, np.random.default_rng(0)
     unscanned = {"params": {"decoder": {f"layers_{i}": {"mlp": {"wi": {"kernel": rng.standard_normal((8, 16), np.float32)}}}
                                         for i in range(layers)}}}
-    path = tmp / "unscanned"
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path, unscanned)
+        checkpointer.save(tmp / "unscanned", unscanned)
     # MaxText with scan_layers=True: one `layers` subtree, params stacked on axis 1
     scanned = {"params": {"decoder": {"layers": {"mlp": {"wi": {"kernel": jax.ShapeDtypeStruct((8, layers, 16), np.float32)}}}}}}
+    return InProcess(_orbax_restore(tmp / "unscanned", scanned))
 
-    def restore():
-        with ocp.StandardCheckpointer() as checkpointer:
-            return checkpointer.restore(path, scanned)
-    return restore
+
+@story("legacy T5X checkpoint (msgpack + tensorstore) restores with Orbax into today's T5X train state")
+def t5x_legacy(tmp: Path) -> InProcess:
+    import orbax.checkpoint as ocp
+
+    legacy = _fixture("t5x_tiny_decoder/legacy_checkpointer", tmp) / "checkpoint_0"
+    today = _fixture("t5x_tiny_decoder/orbax_checkpoint_manager", tmp) / "checkpoint_0" / "state"
+    with ocp.StandardCheckpointer() as checkpointer:  # the train state today's T5X saves
+        state = checkpointer.metadata(today).item_metadata.tree
+    return InProcess(_orbax_restore(legacy, _abstract(state)))
+
+
+@story("PaxML checkpoint (praxis Repeat: layers stacked on axis 0) restores into an unrepeated model")
+def paxml_unrepeated(tmp: Path) -> InProcess:
+    import jax
+
+    from ckptshim.inventory import unflatten
+
+    step = _fixture("paxml_runs/TinySpmdRepeat/checkpoints/checkpoint_00000001", tmp)
+    target = {}
+    with contextlib.closing(ckptshim.inspect(step / "state")) as checkpoint:  # stored shapes; a run has its model's
+        for key, entry in checkpoint.inventory.items():
+            if "repeat" not in key:
+                target[key] = jax.ShapeDtypeStruct(entry.shape, entry.dtype)
+                continue
+            at = key.index("repeat")  # .../repeat/sub/x_layers_0/... -> .../x_layers_{i}/...
+            for layer in range(entry.shape[0]):
+                target[key[:at] + (f"x_layers_{layer}",) + key[at + 3:]] = jax.ShapeDtypeStruct(entry.shape[1:], entry.dtype)
+    return InProcess(_orbax_restore(step / "state", unflatten(target)))
 
 
 def _headline(error: BaseException) -> str:
@@ -113,36 +254,28 @@ def _headline(error: BaseException) -> str:
     if isinstance(failures, dict) and failures:
         error = next(iter(failures.values()))
         error = error[0] if isinstance(error, tuple) else error  # (exception, traceback)
-    head = " ".join(str(error).strip().splitlines()[:2])
-    return f"{type(error).__name__}: {textwrap.shorten(head, 150)}"
+    head = " ".join(line.strip() for line in str(error).strip().splitlines()[:2])
+    return f"{getattr(error, 'kind', type(error).__name__)}: {textwrap.shorten(head, 150)}"
 
 
 def main() -> int:
-    summaries = _Summaries()
-    shim_log = logging.getLogger("ckptshim")
-    shim_log.addHandler(summaries)
-    shim_log.setLevel(logging.INFO)
-    shim_log.propagate = False  # printed by this script, not again by a framework's root handler
     failures = 0
     for number, (title, prepare) in enumerate(STORIES, 1):
-        print(f"\n[{number}] {title}")
+        print(f"\n[{number}] {title}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
-            load = prepare(Path(tmp))
-            ckptshim.uninstall()
+            attempt = prepare(Path(tmp))
             try:
-                load()
+                attempt.without()
                 print("    without ckptshim: loads (nothing to fix)")
             except BaseException as error:  # the error users hit (DCP's is a BaseException)
                 print(f"    without ckptshim: {_headline(error)}")
-            ckptshim.install()
-            summaries.lines.clear()
             try:
-                load()
+                lines = attempt.with_shim()
             except Exception as error:
                 failures += 1
-                print(f"    with ckptshim:    FAILED: {type(error).__name__}: {error}")
+                print(f"    with ckptshim:    FAILED: {_headline(error)}")
                 continue
-            print(f"    with ckptshim:    {'; '.join(summaries.lines) or 'loaded, nothing to change'}")
+            print(f"    with ckptshim:    {'; '.join(lines) or 'loaded, nothing to change'}", flush=True)
     print(f"\n{len(STORIES) - failures} of {len(STORIES)} stories load with ckptshim.")
     return 1 if failures else 0
 
@@ -150,4 +283,5 @@ def main() -> int:
 if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on absent optional metadata
     sys.exit(main())

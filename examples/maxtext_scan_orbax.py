@@ -54,7 +54,7 @@ def main() -> int:
     import numpy as np
     import orbax.checkpoint as ocp
 
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", force=True)  # not absl's
     logging.getLogger("absl").setLevel(logging.ERROR)
     unscanned = unscanned_params()
     scanned = as_scanned(unscanned)

@@ -177,10 +177,62 @@ def test_python_api_is_lazy_and_returns_the_path(tmp_path):
                       open_checkpoint(DCP).inventory.total_bytes)
 
 
-def test_progress_bar_only_when_asked_or_on_a_terminal(tmp_path, capsys):
+TARGETS = ("safetensors", "dcp", "orbax")
+
+
+def test_no_progress_bar_when_stderr_is_no_terminal_and_every_array_reported(tmp_path, capsys):
+    from ckptshim.conversion import convert
+
+    expected = sorted(".".join(key) for key in hashes(DCP))
+    for to in TARGETS:  # pytest's captured stderr is no terminal
+        reported: list[str] = []
+        convert(DCP, tmp_path / to, to, on_array=reported.append)
+        assert "%|" not in capsys.readouterr().err, to
+        assert sorted(reported) == expected, to  # each array once, as it is written
     import ckptshim
 
-    ckptshim.convert(DCP, tmp_path / "a.safetensors", "safetensors")  # stderr is no terminal here
-    assert capsys.readouterr().err == ""
-    ckptshim.convert(DCP, tmp_path / "b.safetensors", "safetensors", progress=True)
-    assert "100%" in capsys.readouterr().err
+    ckptshim.convert(DCP, tmp_path / "asked", "safetensors", progress=True)
+    assert "100%|" in capsys.readouterr().err
+
+
+ON_A_TERMINAL = """
+import os, sys
+from ckptshim.cli import main
+source, out = sys.argv[1], sys.argv[2]
+for to in sys.argv[3:]:
+    print("== " + to, file=sys.stderr, flush=True)
+    assert main(["convert", source, os.path.join(out, to), "--to", to]) == 0
+os.environ["CKPTSHIM_PROGRESS"] = "0"
+print("== switched off", file=sys.stderr, flush=True)
+assert main(["convert", source, os.path.join(out, "off"), "--to", "safetensors"]) == 0
+"""
+
+
+def test_progress_bar_on_a_terminal_for_every_target(tmp_path):
+    """stderr on a pseudo-terminal: each target format shows a bar that reaches 100%, array by
+    array (as many updates as arrays at most); CKPTSHIM_PROGRESS=0 hides it on a terminal too."""
+    import pty
+    import termios
+
+    controller, terminal = pty.openpty()
+    termios.tcsetwinsize(terminal, (24, 80))  # a terminal's size, as a real one (or `script`) has
+    child = subprocess.Popen([sys.executable, "-c", ON_A_TERMINAL, str(DCP), str(tmp_path), *TARGETS],
+                             stdout=subprocess.PIPE, stderr=terminal, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(controller)
+    assert child.wait(timeout=120) == 0, shown.decode(errors="replace")
+    sections = dict(part.split("\n", 1) for part in shown.decode(errors="replace").replace("\r\n", "\n")
+                    .split("== ")[1:])
+    for to in TARGETS:
+        assert "100%|" in sections[to] and sections[to].count("%|") >= 2, (to, sections[to])
+    assert "%|" not in sections["switched off"]
+    assert all(hashes(tmp_path / to) == hashes(DCP) for to in TARGETS)

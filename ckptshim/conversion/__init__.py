@@ -16,9 +16,11 @@ from pathlib import Path
 
 from ckptshim.conversion.arrays import planned_arrays
 from ckptshim.conversion.atomic import atomic_destination
+from ckptshim.conversion.progress import tracking
 from ckptshim.errors import ShimError
 
-#: Output format -> module with ``write(arrays, folder, sep, progress) -> None``.
+#: Output format -> module ``ckptshim.conversion.<format>_writer`` with
+#: ``write(arrays, folder, destination_name, progress) -> None``.
 WRITERS = ("safetensors", "dcp", "orbax")
 
 
@@ -31,7 +33,8 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
             on_array: Callable[[str], None] | None = None) -> Path:
     """Write ``source``'s arrays (in ``like``'s layout, if given) to ``destination`` as ``to``.
 
-    ``progress=None`` shows a bar only on a terminal. ``on_array`` is called after each array
+    ``progress=None`` shows a bar (bytes, array by array, on stderr) only when stderr is a
+    terminal and ``CKPTSHIM_PROGRESS`` is not ``0``. ``on_array`` is called after each array
     is written, with its key. Returns the destination path.
     """
     if to not in WRITERS:
@@ -42,6 +45,8 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
     from importlib import import_module
 
     writer = import_module(f"ckptshim.conversion.{to}_writer")
-    with planned_arrays(source, like) as arrays, atomic_destination(destination, force=force) as tmp:
-        writer.write(arrays, tmp, destination.name, progress=progress, on_array=on_array)
+    with planned_arrays(source, like) as arrays, atomic_destination(destination, force=force) as tmp, \
+            tracking(arrays.total_bytes, destination.name, arrays.sep, enabled=progress,
+                     on_array=on_array) as reporting:
+        writer.write(arrays, tmp, destination.name, reporting)
     return destination

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from ckptshim.conversion.arrays import PlannedArrays
-from ckptshim.conversion.progress import bar
+from ckptshim.conversion.progress import Progress
 from ckptshim.formats.base import storage_dtype
 from ckptshim.inventory import join_key
 
@@ -56,17 +55,13 @@ def header(arrays: PlannedArrays) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
-def write(arrays: PlannedArrays, folder: Path, destination_name: str, *, progress: bool | None = None,
-          on_array: Callable[[str], None] | None = None) -> None:
+def write(arrays: PlannedArrays, folder: Path, destination_name: str, progress: Progress) -> None:
     path = folder / file_name(destination_name)
-    with open(path, "wb") as out, bar(arrays.total_bytes, path.name, progress) as shown:
+    with open(path, "wb") as out:
         out.write(header(arrays))
         for entry in arrays.entries:
             value = np.ascontiguousarray(arrays.read(entry), dtype=storage_dtype(entry.dtype))
             out.write(memoryview(value.reshape(-1)).cast("B"))
-            shown.update(entry.nbytes)
-            if on_array is not None:
-                out.flush()
-                on_array(join_key(entry.key, arrays.sep))
-        out.flush()
+            out.flush()  # handed to the OS before it counts as written
+            progress.written(entry)
         os.fsync(out.fileno())

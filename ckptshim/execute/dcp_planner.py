@@ -252,10 +252,9 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
             plan = make_plan(source.inventory, target.inventory, _rules(target))
             plan.require_complete(allow_missing=self._allow_missing, allow_unexpected=True)
             _check_objects(plan, source, target)
-            if is_coordinator:
-                report_load(HOOK, plan)
-                if note:
-                    logger.info("%s: %s", HOOK, note)
+            report_load(HOOK, plan)  # on every rank: each loads its own part
+            if note:
+                logger.info("%s: %s", HOOK, note)
             metadata, self._links = _virtual(metadata, plan, source, target)
         self._base.set_up_planner(state_dict, metadata, is_coordinator)
 
