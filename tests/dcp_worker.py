@@ -14,6 +14,7 @@ import os
 import pickle
 import shutil
 import sys
+import time
 import traceback
 import warnings
 from datetime import timedelta
@@ -101,7 +102,8 @@ def _copy(out: Path, name: str, source: Path) -> Path:
     return target
 
 
-def _expect_refusal(checkpoint: Path, mesh, model_seed: int = 13, build_model=fsdp2) -> None:
+def _expect_refusal(checkpoint: Path, mesh, model_seed: int = 13, build_model=fsdp2) -> list[str]:
+    """Load, expect every rank's failure to be a ShimError and nothing changed; their messages."""
     state_dict = torch.compile(build_model(model_seed, mesh)).state_dict()
     before = {k: (v.to_local() if isinstance(v, DTensor) else v).clone() for k, v in state_dict.items()}
     try:
@@ -114,15 +116,21 @@ def _expect_refusal(checkpoint: Path, mesh, model_seed: int = 13, build_model=fs
     for key, value in state_dict.items():
         local = value.to_local() if isinstance(value, DTensor) else value
         assert torch.equal(local, before[key]), f"{key} changed although the load failed"
+    return [str(exc) for exc, _ in failures]
 
 
 def case_missing_file_of_one_rank(mesh, out: Path) -> None:
-    """Only rank 1 reads ``__1_0.distcp``; rank 0 must fail too, and change nothing."""
+    """Only rank 1 reads ``__1_0.distcp``; rank 0 must fail too, and change nothing. How long
+    the refusal took and what it said go to ``missing_rank1_rank<N>.json`` for the test to
+    compare across ranks (a hang would take the process group's 60 s timeout)."""
     copy = _copy(out, "missing_rank1", out / "fsdp2_plain")
     if dist.get_rank() == 0:
         (copy / "__1_0.distcp").unlink()
     dist.barrier()
-    _expect_refusal(copy, mesh)
+    start = time.monotonic()
+    messages = _expect_refusal(copy, mesh)
+    (out / f"missing_rank1_rank{dist.get_rank()}.json").write_text(
+        json.dumps({"seconds": time.monotonic() - start, "messages": messages}))
 
 
 def case_truncated_file(mesh, out: Path) -> None:

@@ -53,6 +53,15 @@ def test_every_case_passes_on_every_rank(two_ranks, rank):
     assert not failed, "\n".join(f"{case}:\n{text}" for case, text in failed.items())
 
 
+def test_missing_rank_file_fails_both_ranks_quickly_with_one_message(two_ranks):
+    """A file only rank 1 reads is gone: both ranks raise within seconds (no rank waits for the
+    other until the process group's timeout), and both report the same refusal naming it."""
+    reports = [json.loads((two_ranks / f"missing_rank1_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(report["seconds"] < 20 for report in reports), reports
+    assert reports[0]["messages"] == reports[1]["messages"], reports
+    assert any("__1_0.distcp" in message and "missing" in message for message in reports[0]["messages"]), reports
+
+
 def test_two_rank_checkpoint_into_one_compiled_process(two_ranks):
     state_dict = torch.compile(build(seed=4)).state_dict()
     dcp.load({"model": state_dict}, checkpoint_id=two_ranks / "fsdp2_plain")

@@ -27,6 +27,7 @@ from ckptshim.plan import Rename, Split, Transpose, plan
 from ckptshim.rules.profiles import rules_for_trees
 from orbax_fixtures import copy_fixture
 from test_paxml import PAX, STEP, native
+from test_plan_properties import execute, same_bits
 
 R = "transformer/repeat/sub/x_layers_0/"
 
@@ -135,18 +136,38 @@ def test_restore_into_maxtext_equals_the_converters_numpy(state_dir, stored, lay
     assert ("split (axes 0" in summary) == (layout == "unscanned")
 
 
-def test_the_plan_uses_the_layout_ops(stored):
+@pytest.mark.parametrize("layout", ["scan1", "unscanned"])
+def test_the_plan_uses_the_layout_ops_and_inverts(stored, layout):
     """Scanned on axis 1: a layer norm's [layers, embed] moves to [embed, layers]; the fused
-    [layers, 3, embed, heads, head_dim] splits on axis 1 into query/key/value [embed, layers, ...]."""
-    expected = expected_state(stored, "scan1", fused=False)
+    [layers, 3, embed, heads, head_dim] splits on axis 1 into query/key/value [embed, layers, ...].
+    The inverse plan (joins, inverse transposes) gives back every PaxML array it read, bit for bit."""
+    expected = expected_state(stored, layout, fused=False)
     source = Inventory([Entry(k, v.shape, v.dtype.name) for k, v in stored.items()], "pax")
     target = Inventory([Entry(k, v.shape, v.dtype.name) for k, v in expected.items()], "maxtext")
     p = plan(source, target, rules_for_trees(source, target))
-    norm = p.producer(K("params/params/decoder/layers/pre_self_attention_norm/scale"))
-    assert norm == Transpose(K("mdl_vars/params/lm/" + R + "layer_norm/scale"), norm.target, (1, 0))
-    qkv = p.producer(K("params/params/decoder/layers/self_attention/key/kernel"))
-    assert isinstance(qkv, Split) and qkv.axes == (1,) and qkv.perm == (1, 0, 2, 3)
     assert p.producer(K("opt_state/count")) == Rename(K("opt_states_0/no_prefix_0/count"), K("opt_state/count"))
+    if layout == "scan1":
+        norm = p.producer(K("params/params/decoder/layers/pre_self_attention_norm/scale"))
+        assert norm == Transpose(K("mdl_vars/params/lm/" + R + "layer_norm/scale"), norm.target, (1, 0))
+        qkv = p.producer(K("params/params/decoder/layers/self_attention/key/kernel"))
+        assert isinstance(qkv, Split) and qkv.axes == (1,) and qkv.perm == (1, 0, 2, 3)
+    else:
+        qkv = p.producer(K("params/params/decoder/layers_1/self_attention/key/kernel"))
+        assert isinstance(qkv, Split) and qkv.axes == (0, 1) and qkv.targets.index(qkv.targets[4]) == 4
+        assert qkv.targets[4] == K("params/params/decoder/layers_1/self_attention/key/kernel")  # 3 * 1 + 1
+    out = execute(p, stored)
+    assert all(same_bits(out[key], value) for key, value in expected.items() if key != ("step",))
+    back = execute(p.inverse(), out)
+    assert set(back) == set(stored) - set(p.unexpected)
+    assert all(same_bits(value, stored[key]) for key, value in back.items() if key != ("step",))
+
+
+def test_refuses_an_unscanned_target_with_a_layer_too_many(state_dir, stored):
+    expected = expected_state(stored, "unscanned", fused=False)
+    for key in [k for k in expected if "layers_1" in k]:
+        expected[tuple(part.replace("layers_1", "layers_2") for part in key)] = expected[key]
+    with pytest.raises(ShimError, match=r"holds indices \(0,\)..\(1,\) \(layer\), but the target also asks for \[\(2,\)\]"):
+        ocp.StandardCheckpointer().restore(state_dir, abstract(expected))
 
 
 def test_refuses_a_target_shape_no_layer_axis_fits(state_dir, stored):

@@ -306,8 +306,9 @@ class FormatReader(_Reader):
         return Path(checkpoint_id).exists()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        try:
+        try:  # an incomplete checkpoint is refused before planning: a missing shard, not its keys
             self._checkpoint = open_checkpoint(self.path)
+            self._checkpoint.require_complete()
         except ShimError as error:
             return _refused(error)
         entries = self._checkpoint.inventory.values()
@@ -318,8 +319,6 @@ class FormatReader(_Reader):
             storage_meta=self._storage_meta())
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        assert self._checkpoint is not None, "read_metadata runs first"
-        self._checkpoint.require_complete()
         return plan
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:

@@ -8,6 +8,7 @@ from a memory map so that nothing is copied until the executor writes into its d
 
 from __future__ import annotations
 
+import json
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -114,3 +115,31 @@ def check_view(entry: Entry, begin: int, end: int, available: int, where: str) -
 
 def itemsize(dtype: str) -> int:
     return DTYPE_SIZES[dtype]
+
+
+def strict_json(raw: str | bytes) -> object:
+    """``json.loads`` that refuses an object naming one key twice (a ``ValueError``).
+
+    JSON allows duplicate keys and Python keeps the last one silently; in checkpoint metadata
+    two values for one name mean the file was damaged or tampered with, and picking one would
+    be a guess.
+    """
+    return json.loads(raw, object_pairs_hook=_unique_pairs)
+
+
+def _unique_pairs(pairs: list[tuple[str, object]]) -> dict:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice in one JSON object (duplicate key)")
+        out[key] = value
+    return out
+
+
+def inside(root: Path, path: Path) -> bool:
+    """Whether ``path``, with ``..`` and symlinks resolved, lies inside ``root`` (also resolved).
+
+    A checkpoint's metadata must not make ckptshim read files the checkpoint does not contain.
+    """
+    resolved_root = root.resolve()
+    return resolved_root in path.resolve().parents

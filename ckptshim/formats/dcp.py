@@ -383,6 +383,7 @@ def _contents(metadata: DcpMetadata) -> dict[str, list[str]]:
 
 
 def _problems(metadata: DcpMetadata) -> list[str]:
+    """Where ``.metadata`` contradicts itself (each line names it: the fault is in that file)."""
     problems = []
     for fqn, meta in metadata.tensors.items():
         covered = 0
@@ -397,7 +398,7 @@ def _problems(metadata: DcpMetadata) -> list[str]:
             problems.append(f"{fqn}: its chunks hold {covered} of {math.prod(meta.size)} elements")
     problems += [f"{fqn}: object has no storage record" for fqn in sorted(metadata.objects)
                  if (fqn, None) not in metadata.storage]
-    return problems
+    return [f"{METADATA_FILE}: {problem}" for problem in problems]
 
 
 def open_checkpoint(path: Path) -> DcpCheckpoint:

@@ -126,7 +126,7 @@ def step_directory(path: Path) -> Path:
     """The ``global_stepN`` directory ``path`` means: itself, or the one ``path/latest`` names."""
     latest = path / "latest"
     if latest.is_file() and not _is_step_dir(path):
-        tag = latest.read_text().strip()
+        tag = _tag(latest)
         step = (path / tag).resolve()
         if not tag or path.resolve() not in step.parents:
             raise CorruptCheckpointError(f"{latest} names {tag!r}, which is not a folder inside {path}")
@@ -145,8 +145,21 @@ def sniff(path: Path) -> bool:
     latest = path / "latest"
     if not latest.is_file() or latest.stat().st_size > 4096:
         return False
-    step = path / latest.read_text().strip()
+    try:
+        step = path / _tag(latest)
+    except CorruptCheckpointError:  # a damaged ``latest`` beside step folders: open says why
+        return any(child.is_dir() and child.name.startswith("global_step") for child in path.iterdir())
     return step.is_dir() and _is_step_dir(step)
+
+
+def _tag(latest: Path) -> str:
+    """The step folder name DeepSpeed wrote into ``latest`` (one line of text)."""
+    try:
+        return latest.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError as error:
+        raise CorruptCheckpointError(
+            f"{latest}: not text ({error}); DeepSpeed writes the latest step folder's name there. "
+            "Fix the file, or point at a global_stepN folder directly.") from None
 
 
 # -- the checkpoint -------------------------------------------------------------------------

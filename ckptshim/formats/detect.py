@@ -25,6 +25,10 @@ def detect(path: str | Path) -> ModuleType:
         if fmt.sniff(path):
             return fmt
     known = ", ".join(fmt.NAME for fmt in FORMATS)
+    if path.is_dir() and (path / "config.json").is_file():
+        raise CorruptCheckpointError(
+            f"{path} holds a config.json but no weights: none of {', '.join(hf_dir.WEIGHT_FILES)} "
+            "is in it (missing). Restore the weights file (or re-copy the model folder).")
     raise UnknownFormatError(
         f"{path} is not in a format ckptshim knows ({known}). Run `ckptshim inspect` on the "
         "checkpoint's top-level folder, or check that the file is not truncated.")

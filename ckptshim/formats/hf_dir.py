@@ -8,23 +8,24 @@ the directory lacks is reported, not skipped.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import safetensors, torch_pickle
-from ckptshim.formats.base import Checkpoint, FileInfo, file_info
+from ckptshim.formats.base import Checkpoint, FileInfo, file_info, strict_json
 from ckptshim.inventory import Entry, Inventory
 
 NAME = "hf-dir"
 _SINGLE = ("model.safetensors", "pytorch_model.bin")
 _INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+#: What a Hugging Face model folder holds its weights in.
+WEIGHT_FILES = _SINGLE + _INDEX
 
 
 def sniff(path: Path) -> bool:
-    return path.is_dir() and any((path / name).is_file() for name in _SINGLE + _INDEX)
+    return path.is_dir() and any((path / name).is_file() for name in WEIGHT_FILES)
 
 
 def _open_file(path: Path) -> Checkpoint:
@@ -57,10 +58,12 @@ def open_checkpoint(path: Path) -> HFDirCheckpoint:
         version = shards[0]
     else:
         try:
-            weight_map = json.loads((path / index_name).read_text())["weight_map"]
+            weight_map = strict_json((path / index_name).read_bytes())["weight_map"]
             shards = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
-            raise CorruptCheckpointError(f"{path / index_name}: not a valid weight index ({error!r})") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as error:  # UnicodeDecodeError too
+            raise CorruptCheckpointError(
+                f"{path / index_name}: not a valid weight index ({type(error).__name__}: {error}); "
+                "re-copy it from the original.") from None
         version = index_name
     parts: dict[str, Checkpoint] = {}
     for shard in shards:

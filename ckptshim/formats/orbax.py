@@ -18,14 +18,14 @@ completeness from the OCDBT index and the listing of chunk keys.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import kvstore, msgpack_tree, zarr
-from ckptshim.formats.base import Checkpoint, FileInfo, file_info, storage_dtype
+from ckptshim.formats.base import Checkpoint, FileInfo, file_info, inside, storage_dtype, strict_json
 from ckptshim.formats.ts_arrays import TensorstoreArrays, numpy_dtype
 from ckptshim.inventory import Entry, Inventory, KeyPath
 
@@ -76,9 +76,14 @@ class OrbaxCheckpoint(Checkpoint):
 
     def read(self, entry: Entry) -> np.ndarray:
         out = np.empty(entry.shape, numpy_dtype(entry.dtype))
-        pending = self.read_into(entry, (), out)
-        if pending is not None:
-            pending.result()
+        try:
+            pending = self.read_into(entry, (), out)
+            if pending is not None:
+                pending.result()
+        except (ValueError, OSError) as error:  # tensorstore: a chunk missing, cut short, corrupt
+            raise CorruptCheckpointError(
+                f"{self.path}: reading {'/'.join(entry.key)!r} failed ({error}); the checkpoint is "
+                "incomplete or corrupt. Re-copy it from the original.") from None
         return out.view(storage_dtype(entry.dtype))
 
     def close(self) -> None:
@@ -92,7 +97,7 @@ def _metadata_leaves(path: Path) -> tuple[list[tuple[KeyPath, str]], dict]:
     """``_METADATA`` -> [(key path, zarr array name)] for array leaves, and the file's options."""
     where = path / METADATA
     try:
-        meta = json.loads(where.read_text())
+        meta = strict_json(where.read_bytes())
         tree = meta["tree_metadata"]
         leaves = []
         for record in tree.values():
@@ -107,6 +112,26 @@ def _metadata_leaves(path: Path) -> tuple[list[tuple[KeyPath, str]], dict]:
             "Orbax writes it last, so the save may have been interrupted; restore an intact copy "
             "of the checkpoint, or remove the file to read the folder as a legacy layout.") from None
     return leaves, meta
+
+
+def _require_plain_names(path: Path, leaves: list[tuple[KeyPath, object]]) -> None:
+    """Each ``PLACEHOLDER://<name>`` must name a folder of this item: no ``/``, ``..`` or root."""
+    for key, name in leaves:
+        if isinstance(name, str) and (not name or name in (".", "..") or PurePosixPath(name).name != name):
+            raise CorruptCheckpointError(
+                f"{path / AGGREGATE}: leaf {'/'.join(key)!r} points at {name!r}, which is not a folder "
+                "of this checkpoint (it lies outside it); ckptshim reads only files inside the "
+                "checkpoint. Re-copy the checkpoint from the original.")
+
+
+def _require_inside(path: Path, names: list[str]) -> None:
+    """Per-leaf array folders that are symlinks must not lead out of the checkpoint."""
+    for name in names:
+        folder = path / name
+        if folder.is_symlink() and not inside(path, folder):
+            raise CorruptCheckpointError(
+                f"{folder} is a symlink to {folder.resolve()}, outside the checkpoint folder {path}; "
+                "ckptshim reads only files inside the checkpoint. Copy the array into it instead.")
 
 
 def open_checkpoint(path: Path) -> OrbaxCheckpoint:
@@ -130,7 +155,10 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
                 "legacy checkpoints as Orbax ones.")
         leaves = [(key, leaf[len(PLACEHOLDER):] if isinstance(leaf, str) else leaf)
                   for key, leaf in found.items() if not isinstance(leaf, str) or leaf.startswith(PLACEHOLDER)]
+        _require_plain_names(path, leaves)
         version = f"legacy aggregate{' + ocdbt' if ocdbt else ''}"
+    if not ocdbt:
+        _require_inside(path, [name for _, name in leaves if isinstance(name, str)])
 
     listed = kvstore.list_keys(path, ocdbt)
     by_array: dict[str, set[str]] = {}

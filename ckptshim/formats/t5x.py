@@ -30,7 +30,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats import kvstore, msgpack_tree, orbax, zarr
-from ckptshim.formats.base import Checkpoint, file_info, storage_dtype
+from ckptshim.formats.base import Checkpoint, file_info, inside, storage_dtype
 from ckptshim.formats.ts_arrays import numpy_dtype
 from ckptshim.inventory import Entry, Inventory, KeyPath
 
@@ -154,7 +154,7 @@ def local_folder(spec: dict, step_dir: Path, where: str) -> str:
             f"writes drivers {sorted(_KVSTORE_DRIVERS)} with a relative folder name.")
     root = step_dir.resolve()
     resolved = Path(os.path.normpath(root / relative))
-    if resolved == root or root not in resolved.parents:
+    if resolved == root or root not in resolved.parents or not inside(root, resolved):  # a symlink out
         raise UnsafeCheckpointError(
             f"{where}: its tensorstore spec points at {relative!r}, outside the checkpoint folder "
             f"{step_dir}. T5X writes each array next to the msgpack file; ckptshim does not read "

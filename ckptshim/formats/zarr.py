@@ -9,7 +9,6 @@ such chunks; :func:`chunk_keys_required` says when absence is an error.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
+from ckptshim.formats.base import strict_json
 from ckptshim.inventory import dtype_name
 
 #: The metadata file of each zarr version, relative to the array's folder/prefix.
@@ -52,7 +52,7 @@ class ZarrArray:
 def parse(raw: bytes, where: str) -> ZarrArray:
     """Parse ``.zarray`` or ``zarr.json`` bytes (the file name decides; see :data:`METADATA_FILES`)."""
     try:
-        meta = json.loads(raw)
+        meta = strict_json(raw)
         if meta.get("zarr_format") == 3:
             return _parse_v3(meta)
         return _parse_v2(meta)

@@ -261,13 +261,13 @@ def _ordered(source: Entry, group: list[_Want], axes: tuple[int, ...], index) ->
     absent = [i for i in wanted if i not in by_index]
     extra = [i for i in by_index if i not in set(wanted)]
     if absent or extra:
-        example = join_key(group[0].entry.key, "/")
+        meaning = {(0,): "layer", (1,): "query/key/value", (0, 1): "layer, query/key/value"}[axes]
         raise PlanError(
-            f"{example}: PaxML {join_key(source.key, '/')} {source.shape} holds indices {wanted[0]}.."
-            f"{wanted[-1]} along axes {axes}, but the target "
+            f"{join_key(group[0].entry.key, '/')}: PaxML {join_key(source.key, '/')} {source.shape} holds "
+            f"indices {wanted[0]}..{wanted[-1]} ({meaning}), but the target "
             + (f"lacks {absent[:6]}" if absent else f"also asks for {extra[:6]}")
-            + " (layer, then query/key/value); MaxText's GPT-3 has every layer and all three "
-            "projections. Build the target with the checkpoint's layer count.")
+            + ". MaxText's GPT-3 has every layer and all three of query, key and value; build the "
+            "target with the checkpoint's layer count.")
     return tuple(by_index[i] for i in wanted)
 
 

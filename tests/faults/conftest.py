@@ -1,0 +1,80 @@
+"""The fault suite's shared set-up: its fixtures saved once, the T5X stand-in, and the count.
+
+``pytest -q tests`` ends with ``N fault cases, N passed`` (plus any known, strict-xfailed ones),
+counted from the reports of ``test_faults.py::test_fault``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+_counts = {"cases": 0, "passed": 0, "xfailed": 0}
+
+
+def pytest_runtest_logreport(report) -> None:
+    if "test_faults.py::test_fault[" not in report.nodeid:
+        return
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        _counts["cases"] += 1
+        if hasattr(report, "wasxfail"):
+            _counts["xfailed"] += 1
+        elif report.passed:
+            _counts["passed"] += 1
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _counts["cases"]:
+        line = f"{_counts['cases']} fault cases, {_counts['passed']} passed"
+        if _counts["xfailed"]:
+            line += f", {_counts['xfailed']} known failures (strict xfail, reasons in tests/faults/test_faults.py)"
+        terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory) -> dict[str, Path]:
+    """Checkpoints the fixtures lack, saved by the real library: a sharded Hugging Face folder
+    (huggingface_hub's ``save_torch_state_dict``, as ``save_pretrained`` shards) of the
+    transformers 4.30.2 GPT-NeoX weights."""
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import load_file
+
+    from manifest import FIXTURES
+
+    root = tmp_path_factory.mktemp("built")
+    folder = root / "hf_sharded"
+    folder.mkdir()
+    state = load_file(FIXTURES / "hf_gptneox_tf4.30.2/safetensors/model.safetensors")
+    save_torch_state_dict(state, folder, max_shard_size=300_000)
+    shutil.copy(FIXTURES / "hf_gptneox_tf4.30.2/safetensors/config.json", folder)
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    return {"hf_sharded": folder}
+
+
+@pytest.fixture(scope="session")
+def t5x_standin(tmp_path_factory):
+    """``import t5x.checkpoints`` is the stand-in (tests/t5x_standin), with ckptshim's hook on."""
+    from ckptshim.hooks import registry
+
+    site = tmp_path_factory.mktemp("t5x_site")
+    (site / "t5x").mkdir()
+    (site / "t5x" / "__init__.py").write_text('"""Stand-in t5x package for ckptshim tests."""\n')
+    shutil.copy(Path(__file__).parent.parent / "t5x_standin" / "checkpoints.py", site / "t5x")
+    sys.path.insert(0, str(site))
+    for name in ("t5x", "t5x.checkpoints"):
+        sys.modules.pop(name, None)
+    registry.install(["t5x"])
+    import t5x.checkpoints
+
+    assert registry.states()["t5x"].startswith("active"), registry.states()
+    yield t5x.checkpoints
+    registry.uninstall(["t5x"])
+    sys.path.remove(str(site))
+    for name in ("t5x", "t5x.checkpoints"):
+        sys.modules.pop(name, None)

@@ -1,0 +1,132 @@
+"""Hooks under threads: concurrent loads, and hooks switched on and off while a load runs.
+
+Two threads load different checkpoints into different models through the hooks at the same
+moment, and both get every bit right. A thread that keeps installing and uninstalling the torch
+hook (ckptshim.hooks.registry) while another loads never exposes a half-patched function: each
+load runs either shimmed (and succeeds) or as torch's own (and raises torch's own error for the
+keys it cannot match), never anything else.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import ckptshim  # noqa: F401  (hooks attach as torch modules import)
+from ckptshim.hooks import registry
+from manifest import FIXTURES
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+DCP = FIXTURES / "torch_dcp_single"
+sys.path.insert(0, str(DCP))
+
+from dcp_tiny_model import build  # noqa: E402
+
+REFERENCE = torch.load(DCP / "torch_save" / "model.pt", weights_only=True)
+
+
+def _plain(key: str) -> str:
+    return key.replace("_orig_mod.", "")
+
+
+def _run_together(*jobs: Callable[[], None], timeout: float = 120) -> None:
+    """Start every job at the same moment on its own thread; re-raise the first failure."""
+    barrier = threading.Barrier(len(jobs))
+    errors: list[BaseException] = []
+
+    def run(job: Callable[[], None]) -> None:
+        barrier.wait()
+        try:
+            job()
+        except BaseException as error:  # noqa: BLE001  (reported to the test below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    assert not any(thread.is_alive() for thread in threads), "a thread hung"
+    if errors:
+        raise errors[0]
+
+
+def test_two_threads_load_different_checkpoints_through_the_hooks():
+    import torch.distributed.checkpoint as dcp
+
+    from test_atomicity import PerLayer, Stacked
+
+    compiled = torch.compile(build(seed=5)).state_dict()
+    stacked = Stacked()
+    per_layer = PerLayer().state_dict()
+
+    def dcp_load() -> None:
+        for _ in range(3):
+            dcp.load({"model": compiled}, checkpoint_id=DCP / "dcp_plain")
+
+    def module_load() -> None:
+        for _ in range(20):
+            stacked.load_state_dict(per_layer)
+
+    _run_together(dcp_load, module_load)
+    for key, value in compiled.items():
+        assert torch.equal(value, REFERENCE[_plain(key)]), key
+    for i in range(3):
+        assert torch.equal(stacked.layers.weight[i], per_layer[f"layers.{i}.weight"])
+        assert torch.equal(stacked.layers.bias[i], per_layer[f"layers.{i}.bias"])
+
+
+def test_hooks_switched_on_and_off_while_another_thread_loads():
+    model = torch.compile(build(seed=7))
+    original = registry_original()
+    outcomes = {"shimmed": 0, "native": 0}
+    done = threading.Event()
+
+    def toggle() -> None:
+        try:
+            while not done.is_set():  # each state held about as long as one load takes
+                registry.uninstall(["torch"])
+                time.sleep(0.002)
+                registry.install(["torch"])
+                time.sleep(0.002)
+        finally:
+            registry.install(["torch"])
+
+    def load() -> None:
+        try:
+            for _ in range(150):
+                for value in model.state_dict().values():
+                    value.detach().zero_()
+                try:
+                    model.load_state_dict(REFERENCE)
+                except RuntimeError as error:  # torch's own loader: the compiled names do not match
+                    assert "Missing key(s)" in str(error) and not isinstance(error, ckptshim.ShimError), error
+                    outcomes["native"] += 1
+                    continue
+                for key, value in model.state_dict().items():
+                    assert torch.equal(value, REFERENCE[_plain(key)]), key
+                outcomes["shimmed"] += 1
+        finally:
+            done.set()
+
+    _run_together(toggle, load)
+    assert outcomes["shimmed"] + outcomes["native"] == 150, outcomes
+    assert outcomes["shimmed"] and outcomes["native"], f"the toggling never met a load: {outcomes}"
+    patched = nn.Module.__dict__["load_state_dict"]
+    assert registry.states()["torch"].startswith("active")
+    assert getattr(patched, "__wrapped__", None) is original, "left half-patched"
+    registry.uninstall(["torch"])
+    assert nn.Module.__dict__["load_state_dict"] is original
+    registry.install(["torch"])
+
+
+def registry_original():
+    """torch's own ``load_state_dict``, whether or not the hook is on now."""
+    function = nn.Module.__dict__["load_state_dict"]
+    return getattr(function, "__wrapped__", function)
