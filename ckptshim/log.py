@@ -54,7 +54,8 @@ def configure_from_env() -> None:
 
 
 def report_load(where: str, plan, sep: str = ".", *, read_as: str | None = None) -> None:
-    """Log what a load changed: a summary at INFO (only when something changed), the plan at DEBUG.
+    """Log what a load changed: a summary at INFO (only when something changed), the plan at DEBUG,
+    key paths joined with ``sep`` (``/`` for JAX trees, as Orbax spells them).
 
     Called on every process that loads, never only on a coordinator: each rank reads and
     writes its own part, so each says what it did. ``read_as`` names the checkpoint's format
@@ -69,7 +70,7 @@ def report_load(where: str, plan, sep: str = ".", *, read_as: str | None = None)
         else:
             logger.info("%s: read by ckptshim as %s; every array as stored", where, read_as)
         return
-    logger.info("%s: %s", where, summary(plan))
+    logger.info("%s: %s", where, summary(plan, sep))
     if logger.isEnabledFor(logging.DEBUG):
         for line in explain(plan, sep):
             logger.debug("  %s", line)

@@ -5,8 +5,9 @@ framework's own call: once without the shim (showing the first line of the error
 and once with it (showing ckptshim's one-line summary of what it did). Most stories write their
 checkpoint with the installed framework. Three copy a real one from ``tests/fixtures`` because
 the tool that writes it cannot be installed from PyPI: GPT-NeoX (a repository, run under
-DeepSpeed), T5X and PaxML (whose releases need a jax from years ago). The launcher story runs a
-legacy script in a child process, plainly and then through ``ckptshim run``.
+DeepSpeed), T5X (not on PyPI) and PaxML (its last release, 1.4, needs jax 0.4). The launcher story runs a
+legacy script in a child process, plainly and then through ``ckptshim run``; the PaxML story
+takes MaxText GPT-3's shapes from ``paxml_to_maxtext.py`` beside this file.
 Run with ``make demo`` or ``python examples/demo.py``.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,19 +33,21 @@ HERE = Path(__file__).resolve().parent
 FIXTURES = HERE.parent / "tests" / "fixtures"
 
 
-class _Summaries(logging.Handler):
+class _Collected(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+        message = record.getMessage()
+        self.lines.append(message if record.levelno == logging.INFO else f"{record.levelname}: {message}")
 
 
 @contextlib.contextmanager
 def _summaries() -> Iterator[list[str]]:
-    """Collect the ``ckptshim`` logger's INFO lines (printed by this script, not by a framework)."""
-    handler, shim_log = _Summaries(), logging.getLogger("ckptshim")
+    """Collect the ``ckptshim`` logger's lines (printed by this script, not by a framework):
+    summaries as they are, warnings marked ``WARNING:``."""
+    handler, shim_log = _Collected(), logging.getLogger("ckptshim")
     shim_log.addHandler(handler)
     shim_log.setLevel(logging.INFO)
     shim_log.propagate = False
@@ -70,15 +74,21 @@ class InProcess:
         return lines
 
 
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*): (.*)$")
+
+
 class ChildError(Exception):
-    """A child Python's uncaught exception, from the last lines of its traceback."""
+    """A child Python's uncaught exception: the traceback's last ``Type: message`` line onwards."""
 
     def __init__(self, stderr: str) -> None:
         lines = stderr.strip().splitlines()
-        start = max((i for i, line in enumerate(lines) if line and not line[0].isspace()
-                     and ": " in line and line.split(": ", 1)[0].replace(".", "").isidentifier()), default=0)
-        self.kind, _, first = lines[start].partition(": ") if lines else ("exit status", "", "")
-        super().__init__("\n".join([first, *lines[start + 1:]]))
+        last = max((i for i, line in enumerate(lines) if _EXCEPTION_LINE.match(line)), default=None)
+        if last is None:
+            self.kind, message = "child process failed", stderr.strip()
+        else:
+            self.kind, first = _EXCEPTION_LINE.match(lines[last]).groups()
+            message = "\n".join([first, *lines[last + 1:]])
+        super().__init__(message)
 
 
 @dataclass(frozen=True)
@@ -229,23 +239,17 @@ def t5x_legacy(tmp: Path) -> InProcess:
     return InProcess(_orbax_restore(legacy, _abstract(state)))
 
 
-@story("PaxML checkpoint (praxis Repeat: layers stacked on axis 0) restores into an unrepeated model")
-def paxml_unrepeated(tmp: Path) -> InProcess:
+@story("PaxML GPT-3 run (praxis Repeat, fused qkv) restores into MaxText GPT-3 params (scan_layers=True)")
+def paxml_into_maxtext(tmp: Path) -> InProcess:
     import jax
-
-    from ckptshim.inventory import unflatten
+    import numpy as np
+    from paxml_to_maxtext import maxtext_params  # (examples/) MaxText GPT-3's shapes for this run's sizes
 
     step = _fixture("paxml_runs/TinySpmdRepeat/checkpoints/checkpoint_00000001", tmp)
-    target = {}
-    with contextlib.closing(ckptshim.inspect(step / "state")) as checkpoint:  # stored shapes; a run has its model's
-        for key, entry in checkpoint.inventory.items():
-            if "repeat" not in key:
-                target[key] = jax.ShapeDtypeStruct(entry.shape, entry.dtype)
-                continue
-            at = key.index("repeat")  # .../repeat/sub/x_layers_0/... -> .../x_layers_{i}/...
-            for layer in range(entry.shape[0]):
-                target[key[:at] + (f"x_layers_{layer}",) + key[at + 3:]] = jax.ShapeDtypeStruct(entry.shape[1:], entry.dtype)
-    return InProcess(_orbax_restore(step / "state", unflatten(target)))
+    params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, np.float32), maxtext_params(),
+                          is_leaf=lambda node: isinstance(node, tuple))
+    # the parameters alone, as MaxText's load_parameters_path restores them
+    return InProcess(_orbax_restore(step / "state", {"params": {"params": params}}))
 
 
 def _headline(error: BaseException) -> str:
@@ -275,7 +279,10 @@ def main() -> int:
                 failures += 1
                 print(f"    with ckptshim:    FAILED: {_headline(error)}")
                 continue
-            print(f"    with ckptshim:    {'; '.join(lines) or 'loaded, nothing to change'}", flush=True)
+            summaries = [line for line in lines if not line.startswith("WARNING: ")]
+            print(f"    with ckptshim:    {'; '.join(summaries) or 'loaded, nothing to change'}")
+            for warning in sorted(set(lines) - set(summaries)):
+                print(f"      {textwrap.shorten(warning, 200)}")
     print(f"\n{len(STORIES) - failures} of {len(STORIES)} stories load with ckptshim.")
     return 1 if failures else 0
 

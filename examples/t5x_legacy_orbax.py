@@ -7,7 +7,7 @@ bit what T5X's Orbax path saved for the same state; ``ckptshim plan`` shows the 
 ``ckptshim convert --to orbax`` rewrites the old step once for good, which today's Orbax then
 restores with no help.
 
-t5x is not on PyPI and its last releases need a jax from years ago, so this example copies a
+t5x is not on PyPI (it installs only from its repository), so this example copies a
 real T5X run's two steps from ``tests/fixtures/t5x_tiny_decoder`` (the same train state saved by
 T5X's legacy checkpointer and by its Orbax path) into a temporary folder instead of writing
 them. The other direction -- an Orbax-era step through T5X's own ``load_t5x_checkpoint`` and

@@ -217,7 +217,7 @@ def test_progress_bar_on_a_terminal_for_every_target(tmp_path):
     controller, terminal = pty.openpty()
     termios.tcsetwinsize(terminal, (24, 80))  # a terminal's size, as a real one (or `script`) has
     child = subprocess.Popen([sys.executable, "-c", ON_A_TERMINAL, str(DCP), str(tmp_path), *TARGETS],
-                             stdout=subprocess.PIPE, stderr=terminal, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                             stdout=subprocess.DEVNULL, stderr=terminal, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     os.close(terminal)
     shown = b""
     while True:
