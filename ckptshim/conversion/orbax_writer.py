@@ -7,8 +7,11 @@ through ml_dtypes, no copy); only arrays a plan stacks are built in memory. Orba
 handler would first deep-copy every leaf (the whole model in memory at once) and reports no
 progress, so the save goes through a handler registry of its own whose numpy handler skips the
 copy (nothing else holds these arrays, and the source stays open until the save is done) and
-counts each array once tensorstore has written it. The checkpoint goes into ``<tmp>/<DST
-name>``, which :func:`ckptshim.conversion.atomic.atomic_destination` then renames to DST.
+counts each array once tensorstore has written it. The count hooks
+``NumpyHandler._open_and_write``, the per-array step of Orbax 0.12's numpy handler and not public
+API: tests/test_convert.py checks that every array is reported once, so an Orbax that renames it
+fails there, not silently. The checkpoint goes into ``<tmp>/<DST name>``, which
+:func:`ckptshim.conversion.atomic.atomic_destination` then renames to DST.
 """
 
 from __future__ import annotations
