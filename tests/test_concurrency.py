@@ -57,14 +57,25 @@ def _run_together(*jobs: Callable[[], None], timeout: float = 120) -> None:
         raise errors[0]
 
 
-def test_two_threads_load_different_checkpoints_through_the_hooks():
+def test_threads_load_different_checkpoints_through_the_hooks():
+    """``dcp.load`` into a compiled model, ``load_state_dict`` stacking layers into another, and an
+    Orbax restore stacking the legacy per-leaf checkpoint, all at once, each several times."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
     import torch.distributed.checkpoint as dcp
 
+    from orbax_fixtures import flat, scanned_expected
     from test_atomicity import PerLayer, Stacked
 
     compiled = torch.compile(build(seed=5)).state_dict()
     stacked = Stacked()
     per_layer = PerLayer().state_dict()
+    scanned = FIXTURES / "orbax_0.12.8_scanned/standard_checkpointer_scanned"
+    with ocp.StandardCheckpointer() as checkpointer:
+        target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                        checkpointer.restore(scanned))
+    restored = []
 
     def dcp_load() -> None:
         for _ in range(3):
@@ -74,12 +85,25 @@ def test_two_threads_load_different_checkpoints_through_the_hooks():
         for _ in range(20):
             stacked.load_state_dict(per_layer)
 
-    _run_together(dcp_load, module_load)
+    def orbax_restore() -> None:
+        for _ in range(3):
+            with ocp.StandardCheckpointer() as checkpointer:
+                restored.append(checkpointer.restore(FIXTURES / "orbax_0.2.3_unscanned/pytree_checkpointer", target))
+
+    _run_together(dcp_load, module_load, orbax_restore)
     for key, value in compiled.items():
         assert torch.equal(value, REFERENCE[_plain(key)]), key
     for i in range(3):
         assert torch.equal(stacked.layers.weight[i], per_layer[f"layers.{i}.weight"])
         assert torch.equal(stacked.layers.bias[i], per_layer[f"layers.{i}.bias"])
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        as_stored = flat(checkpointer.restore(FIXTURES / "orbax_0.2.3_unscanned/pytree_checkpointer"))
+    expected = scanned_expected(as_stored, 3, lambda key: 1)
+    assert len(restored) == 3
+    for tree in restored:
+        assert set(flat(tree)) == set(expected)
+        for key, value in flat(tree).items():
+            assert np.asarray(value).tobytes() == np.ascontiguousarray(expected[key]).tobytes(), key
 
 
 def test_hooks_switched_on_and_off_while_another_thread_loads():

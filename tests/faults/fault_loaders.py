@@ -108,7 +108,7 @@ def _jax_target(fmt, path: Path) -> dict:
     so that ckptshim -- not the framework -- does the reading)."""
     import jax.numpy as jnp
 
-    inventory = _inventory(FIXTURES / fmt.target if fmt.target else path)
+    inventory = _inventory(FIXTURES / fmt.target if fmt.target else path / fmt.item)
     leaves = {}
     for entry in inventory.values():
         if fmt.target_keys and entry.key[0] not in fmt.target_keys:
@@ -132,6 +132,31 @@ def orbax(fmt, path: Path, original: Path) -> Load:
     def call() -> Any:
         with ocp.StandardCheckpointer() as checkpointer:
             return checkpointer.restore(path, target)
+    return Load(call, lambda: _leaves(target))
+
+
+def pytree(fmt, path: Path, original: Path) -> Load:
+    """``PyTreeCheckpointer().restore`` with ``PyTreeRestore`` args (Orbax's older entry point)."""
+    import orbax.checkpoint as ocp
+
+    target = _jax_target(fmt, path)
+
+    def call() -> Any:
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            return checkpointer.restore(path, args=ocp.args.PyTreeRestore(target))
+    return Load(call, lambda: _leaves(target))
+
+
+def manager(fmt, path: Path, original: Path) -> Load:
+    """``CheckpointManager(root).restore(step, args=Composite(items=StandardRestore(target)))``:
+    the manager's own step and item resolution before the item is read."""
+    import orbax.checkpoint as ocp
+
+    target = _jax_target(fmt, path)
+
+    def call() -> Any:
+        with ocp.CheckpointManager(path) as checkpoints:
+            return checkpoints.restore(fmt.step, args=ocp.args.Composite(items=ocp.args.StandardRestore(target)))
     return Load(call, lambda: _leaves(target))
 
 
@@ -169,6 +194,6 @@ def deepspeed(fmt, path: Path, original: Path) -> Load:
 
 
 LOADERS: dict[str, Callable[[Any, Path, Path], Load]] = {
-    "inspect": inspect, "plan": plan, "dcp": dcp, "orbax": orbax, "flax": flax, "t5x": t5x,
-    "deepspeed": deepspeed,
+    "inspect": inspect, "plan": plan, "dcp": dcp, "orbax": orbax, "pytree": pytree, "manager": manager,
+    "flax": flax, "t5x": t5x, "deepspeed": deepspeed,
 }

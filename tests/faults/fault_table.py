@@ -45,6 +45,8 @@ class Format:
     msgpack_file: str = ""
     target: str = ""  # the layout the hooks' destination has (default: the checkpoint's own)
     target_keys: tuple[str, ...] = field(default=())  # top-level keys of it to ask for
+    step: int | None = None  # for a CheckpointManager root: the step to restore
+    item: str = ""  # ... and the item folder in it that holds the arrays
 
     def flip_offset(self, path: Path) -> int:
         return 0
@@ -348,13 +350,19 @@ FORMATS: tuple[Format, ...] = (
         {**_TRUNCATE, "delete": COMPLETE, "zero_chunk": READ, "bad_compression": READ, "flip_metadata": OPEN,
          "duplicate_key": OPEN}, ("orbax",),
         target="maxtext_runs/tiny_scanned/checkpoints/1/items", target_keys=("params",)),
+    OrbaxTree(
+        "orbax-manager-root", "maxtext_runs/tiny_unscanned/checkpoints", "",
+        "1/items/ocdbt.process_0/d/dc775d40b3bf42803307423c42910092", "1/items/_METADATA",
+        {**_TRUNCATE, "delete": COMPLETE, "zero_chunk": READ, "bad_compression": READ, "flip_metadata": OPEN,
+         "duplicate_key": OPEN}, ("manager",),
+        target="maxtext_runs/tiny_scanned/checkpoints/1/items", target_keys=("params",), step=1, item="1/items"),
     OrbaxAggregateZarr(
         "orbax-per-leaf-zarr", "orbax_0.2.3_unscanned/pytree_checkpointer", "",
         "params.decoder.logits_dense.kernel/0.0", "params.decoder.logits_dense.kernel/.zarray",
         {"delete": COMPLETE, "truncate_0": READ, "truncate_64": READ, "truncate_half": READ, "zero_chunk": READ,
          "bad_compression": READ, "flip_metadata": OPEN, "wrong_dtype": READ, "wrong_shape": READ,
-         "duplicate_key": OPEN, **_ESCAPES, **_BOMBS, "empty_directory": LISTING}, ("orbax",),
-        names_missing="params.decoder.logits_dense.kernel",
+         "duplicate_key": OPEN, **_ESCAPES, **_BOMBS, "empty_directory": LISTING}, ("orbax", "pytree"),
+        target=_STEP, names_missing="params.decoder.logits_dense.kernel",
         escape_target="params.decoder.logits_dense.kernel", msgpack_file="checkpoint"),
     FlaxMsgpack(
         "orbax-aggregate-msgpack", "flax_0.6.11_legacy_msgpack/flax_default_orbax_backend/checkpoint_2", "",
