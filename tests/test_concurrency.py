@@ -4,7 +4,8 @@ Two threads load different checkpoints into different models through the hooks a
 moment, and both get every bit right. A thread that keeps installing and uninstalling the torch
 hook (ckptshim.hooks.registry) while another loads never exposes a half-patched function: each
 load runs either shimmed (and succeeds) or as torch's own (and raises torch's own error for the
-keys it cannot match), never anything else.
+keys it cannot match), never anything else. And an uninstall that lands while another thread's
+import is patching DCP's state-dict setters leaves neither of them patched.
 """
 
 from __future__ import annotations
@@ -154,3 +155,45 @@ def registry_original():
     """torch's own ``load_state_dict``, whether or not the hook is on now."""
     function = nn.Module.__dict__["load_state_dict"]
     return getattr(function, "__wrapped__", function)
+
+
+def test_uninstall_during_a_late_patch_leaves_no_setter_patched(monkeypatch):
+    """``set_model_state_dict``/``set_state_dict`` are patched when their module is imported,
+    on the importing thread and outside the registry's lock. An uninstall that lands half-way
+    through that must not leave one setter patched and the hook reported off."""
+    import torch.distributed.checkpoint.state_dict as setters
+
+    from ckptshim.hooks import torch_dcp
+    from ckptshim.hooks.seam import Patches
+
+    registry.install(["torch-dcp"])
+    registry.uninstall(["torch-dcp"])
+    originals = {name: setters.__dict__[name] for name in ("set_model_state_dict", "set_state_dict")}
+    assert not any(hasattr(f, "__wrapped__") for f in originals.values())
+    first_done, uninstalled = threading.Event(), threading.Event()
+    wrap = Patches.wrap
+
+    def slow_wrap(self, owner, attribute, wrapper):
+        wrap(self, owner, attribute, wrapper)
+        if owner is setters and attribute == "set_model_state_dict":
+            first_done.set()
+            uninstalled.wait(1.0)  # an uninstall now may slip in between the two setters
+
+    monkeypatch.setattr(Patches, "wrap", slow_wrap)
+
+    def late_import() -> None:  # what the import callback does once the module finishes importing
+        monkeypatch.setattr(torch_dcp, "_wanted", True)
+        torch_dcp._patch_setters(setters)
+
+    def uninstall() -> None:
+        first_done.wait(5.0)
+        torch_dcp.uninstall()
+        uninstalled.set()
+
+    try:
+        _run_together(late_import, uninstall)
+        left = [name for name, function in originals.items() if setters.__dict__[name] is not function]
+        assert not left, f"{left} left patched although the hook was uninstalled"
+    finally:
+        torch_dcp.uninstall()
+        registry.install(["torch-dcp"])

@@ -23,6 +23,7 @@ are patched so that the given model state dict is re-keyed to what the model exp
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -39,6 +40,10 @@ _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent) + os.sep
 _load_patches = Patches()
 _set_patches = Patches()
 _wanted = False
+#: The setters are patched on whichever thread imports their module, outside the registry's
+#: lock; this lock keeps an uninstall from landing between the two of them. Nothing is
+#: imported for the first time while it is held (wrapt came with the load patches).
+_setters_lock = threading.Lock()
 
 
 def install() -> None:
@@ -47,7 +52,8 @@ def install() -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict_loader
 
-    _wanted = True
+    with _setters_lock:
+        _wanted = True
     if not _load_patches.active:
         for owner in (dcp, state_dict_loader):
             _load_patches.wrap(owner, "load", _load)
@@ -57,22 +63,27 @@ def install() -> None:
 
 def uninstall() -> None:
     global _wanted
-    _wanted = False
+    with _setters_lock:
+        _wanted = False
+        _set_patches.restore()
     _load_patches.restore()
-    _set_patches.restore()
 
 
 def _patch_setters(module: ModuleType) -> None:
     """Runs inside the user's ``import``: whatever goes wrong is logged, never raised."""
-    if not _wanted or _set_patches.active:
-        return
     try:
         from ckptshim.execute.dcp_state_dict import set_model_state_dict, set_state_dict
 
-        _set_patches.wrap(module, "set_model_state_dict", set_model_state_dict)
-        _set_patches.wrap(module, "set_state_dict", set_state_dict)
+        with _setters_lock:
+            if not _wanted or _set_patches.active:
+                return
+            try:
+                _set_patches.wrap(module, "set_model_state_dict", set_model_state_dict)
+                _set_patches.wrap(module, "set_state_dict", set_state_dict)
+            except Exception:
+                _set_patches.restore()
+                raise
     except Exception:
-        _set_patches.restore()
         logger.warning("could not patch %s; set_model_state_dict is not shimmed", module.__name__,
                        exc_info=True)
 
