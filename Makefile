@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: dev demo test bench clean
+.PHONY: dev demo test bench fuzz clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,14 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/bench_import.py
 	$(PY) bench/bench_plan.py
+
+# Every byte parser fuzzed for FUZZ_SECONDS each (see bench/README.md); atheris (libFuzzer) is
+# installed here, on demand, not by `make dev`. Example: make fuzz FUZZ_SECONDS=60 FUZZ=safetensors
+FUZZ_SECONDS ?= 300
+FUZZ ?=
+fuzz: $(STAMP)
+	$(PY) -m pip install --quiet atheris==2.3.0
+	$(PY) bench/fuzz.py --seconds $(FUZZ_SECONDS) $(FUZZ)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -122,9 +122,12 @@ def strict_json(raw: str | bytes) -> object:
 
     JSON allows duplicate keys and Python keeps the last one silently; in checkpoint metadata
     two values for one name mean the file was damaged or tampered with, and picking one would
-    be a guess.
+    be a guess. Nesting too deep for Python's parser (a hostile file) is a ``ValueError`` too.
     """
-    return json.loads(raw, object_pairs_hook=_unique_pairs)
+    try:
+        return json.loads(raw, object_pairs_hook=_unique_pairs)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to parse") from None
 
 
 def _unique_pairs(pairs: list[tuple[str, object]]) -> dict:

@@ -27,7 +27,7 @@ import numpy as np
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats.base import Checkpoint, file_info, storage_dtype
 from ckptshim.formats.torch_pickle import TensorRef, read_archive, tensor_view
-from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
+from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, dtype_name, split_key
 
 NAME = "torch-dcp"
 METADATA_FILE = ".metadata"
@@ -167,8 +167,9 @@ def _tensor_meta(record: _Record) -> TensorMeta:
     state = _state(record, "TensorStorageMetadata")
     properties = _state(state["properties"], "TensorProperties")
     dtype = properties[0] if isinstance(properties, tuple) else properties["dtype"]
-    if not isinstance(dtype, str):
-        raise TypeError(f"dtype {dtype!r} is not a torch dtype")
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:  # a torch.<dtype> global's name
+        raise TypeError(f"dtype {dtype if isinstance(dtype, str) else type(dtype).__name__!r:.60} "
+                        "is not a torch dtype")
     chunks = tuple(Chunk(_ints(c["offsets"]), _ints(c["sizes"]))
                    for c in (_state(chunk, "ChunkStorageMetadata") for chunk in state["chunks"]))
     return TensorMeta(dtype, _ints(state["size"]), chunks)

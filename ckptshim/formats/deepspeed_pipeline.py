@@ -35,7 +35,7 @@ from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptshim.execute import tensor_parallel
 from ckptshim.formats import torch_pickle
 from ckptshim.formats.base import Checkpoint, FileInfo, file_info
-from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, flatten, join_key
+from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key
 from ckptshim.rules.profiles import neox
 
 NAME = "deepspeed-pipeline"
@@ -130,8 +130,8 @@ def step_directory(path: Path) -> Path:
         step = (path / tag).resolve()
         if not tag or path.resolve() not in step.parents:
             raise CorruptCheckpointError(f"{latest} names {tag!r}, which is not a folder inside {path}")
-        if not step.is_dir():
-            raise CorruptCheckpointError(f"{latest} names {tag!r}, but {path / tag} does not exist; "
+        if not _is_dir(step):
+            raise CorruptCheckpointError(f"{latest} names {tag!r:.200}, but {path / tag} does not exist; "
                                          "point at an existing global_step folder instead.")
         return path / tag
     return path
@@ -147,9 +147,17 @@ def sniff(path: Path) -> bool:
         return False
     try:
         step = path / _tag(latest)
-    except CorruptCheckpointError:  # a damaged ``latest`` beside step folders: open says why
+        return step.is_dir() and _is_step_dir(step)
+    except (CorruptCheckpointError, OSError):  # a damaged ``latest`` beside step folders: open says why
         return any(child.is_dir() and child.name.startswith("global_step") for child in path.iterdir())
-    return step.is_dir() and _is_step_dir(step)
+
+
+def _is_dir(path: Path) -> bool:
+    """``path.is_dir()``, and False for a name no file system holds (too long for one)."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
 
 
 def _tag(latest: Path) -> str:
@@ -270,7 +278,7 @@ def _scan_mp_rank(file: Path, rank: int, step: Path, scan: _Scan, weights_elsewh
     scan.files.append(FileInfo(file.name, file.stat().st_size, None,
                                ("engine state (args, RNG, optimizer)",) if module is None else ()))
     if isinstance(module, dict):
-        for path, leaf in flatten(module).items():
+        for path, leaf in torch_pickle.flat_tree(module, str(file)).items():
             if isinstance(leaf, torch_pickle.TensorRef):
                 key = tuple(part for component in path for part in component.split("."))
                 entry = Entry(key, leaf.shape, dtype_name(leaf.storage.dtype), (str(file), leaf))

@@ -67,10 +67,16 @@ def open_checkpoint(path: Path) -> HFDirCheckpoint:
         version = index_name
     parts: dict[str, Checkpoint] = {}
     for shard in shards:
-        shard_path = (path / shard).resolve()
-        if path.resolve() not in shard_path.parents:
+        try:
+            shard_path = (path / shard).resolve()
+            outside = path.resolve() not in shard_path.parents
+            present = not outside and shard_path.is_file()
+        except (OSError, ValueError, TypeError) as error:  # not a string, too long, a NUL byte
+            raise CorruptCheckpointError(f"{path / index_name}: shard {shard!r:.100} is not a file "
+                                         f"name ({error}); re-copy the index from the original.") from None
+        if outside:
             raise CorruptCheckpointError(f"{path / index_name}: shard {shard!r} lies outside the directory")
-        if not shard_path.is_file():
+        if not present:
             files.append(file_info(path / shard, root=path))
             continue
         part = _open_file(shard_path)

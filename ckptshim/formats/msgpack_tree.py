@@ -24,6 +24,9 @@ from ckptshim.inventory import DTYPE_SIZES, Entry, KeyPath, dtype_name, flatten
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
 _CHUNKED = "__msgpack_chunked_array__"
+#: Nesting deeper than any checkpoint tree; each level costs this reader two Python frames, so
+#: the limit keeps a hostile file's nesting well inside Python's recursion limit.
+MAX_DEPTH = 128
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,8 @@ class _Reader:
             raise self.fail("a string that is not UTF-8") from None
 
     def value(self, depth: int = 0) -> Any:
-        if depth > 512:
-            raise self.fail("nesting deeper than any checkpoint tree")
+        if depth > MAX_DEPTH:
+            raise self.fail(f"nesting deeper than {MAX_DEPTH} levels, more than any checkpoint tree")
         b = self.data[self.take(1)]
         if b <= 0x7F:
             return b
@@ -93,37 +96,46 @@ class _Reader:
         if b in (0xDE, 0xDF):
             return self.mapping(self.unpack(_LENGTH[b]), depth)
         if b in _FIXEXT:
-            return self.ext(_FIXEXT[b])
+            return self.ext(_FIXEXT[b], depth)
         if b in (0xC7, 0xC8, 0xC9):
-            return self.ext(self.unpack(_LENGTH[b]))
+            return self.ext(self.unpack(_LENGTH[b]), depth)
         raise self.fail(f"byte 0x{b:02x}, which msgpack never uses")
 
     def mapping(self, n: int, depth: int) -> dict:
         out = {}
         for _ in range(n):
             key = self.value(depth + 1)
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
+                # Flax and Orbax write string keys; str() of a nested container as a key grows
+                # exponentially with nesting (each level escapes the quotes of the one below).
+                raise self.fail(f"a map key that is a {type(key).__name__}, not a string")
             out[str(key)] = self.value(depth + 1)
         return _unchunk(out, self) if out.get(_CHUNKED) is True else out
 
-    def ext(self, n: int) -> Any:
+    def ext(self, n: int, depth: int) -> Any:
         code = self.unpack(">b")
         end = self.pos + n
         if code in (_EXT_NDARRAY, _EXT_NPSCALAR):
-            triple = self.value()
+            triple = self.value(depth + 1)
             if not (isinstance(triple, list) and len(triple) == 3 and isinstance(triple[2], _Bytes)):
                 raise self.fail("an array record that is not (shape, dtype, bytes)")
             shape, name, raw = triple
             try:
                 dtype = dtype_name(name.decode() if isinstance(name, bytes) else name)
                 shape = tuple(int(d) for d in shape)
-            except (ValueError, TypeError):
-                raise self.fail(f"an array of unsupported dtype {name!r}") from None
+            except (ValueError, TypeError, OverflowError):
+                raise self.fail(f"an array record with dtype {name!r:.40} and shape {shape!r:.60}") from None
+            if any(d < 0 for d in shape):
+                raise self.fail(f"an array of negative shape {list(shape)}")
             if raw.length != math.prod(shape) * DTYPE_SIZES[dtype]:
                 raise self.fail(f"an array {dtype}{list(shape)} whose data holds {raw.length} bytes")
             value: Any = ArrayRef(shape, dtype, ((raw.offset, raw.length),))
         elif code == _EXT_COMPLEX:
-            real, imag = self.value()
-            value = complex(real, imag)
+            pair = self.value(depth + 1)
+            if not (isinstance(pair, list) and len(pair) == 2
+                    and all(isinstance(x, (int, float)) for x in pair)):
+                raise self.fail("a complex number record that is not (real, imag)")
+            value = complex(*pair)
         else:
             raise self.fail(f"msgpack extension type {code}, which Flax never writes")
         if self.pos != end:
@@ -149,8 +161,10 @@ def _unchunk(node: dict, reader: _Reader) -> ArrayRef:
     try:
         shape = tuple(int(node["shape"][str(i)]) for i in range(len(node["shape"])))
         chunks = [node["chunks"][str(i)] for i in range(len(node["chunks"]))]
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         raise reader.fail("a chunked array without shape or chunks") from None
+    if any(d < 0 for d in shape):
+        raise reader.fail(f"a chunked array of negative shape {list(shape)}")
     if not chunks or not all(isinstance(c, ArrayRef) and c.dtype == chunks[0].dtype for c in chunks):
         raise reader.fail("a chunked array whose chunks are not arrays of one dtype")
     dtype = chunks[0].dtype
@@ -187,7 +201,12 @@ def inline_entry(key: KeyPath, leaf: ArrayRef | bool | int | float) -> Entry:
     """The entry for an inline array, or for a scalar (stored by msgpack as a plain number)."""
     if isinstance(leaf, ArrayRef):
         return Entry(key, leaf.shape, leaf.dtype, Inline(ref=leaf))
-    dtype = "bool" if isinstance(leaf, bool) else "int64" if isinstance(leaf, int) else "float64"
+    if isinstance(leaf, bool):
+        dtype = "bool"
+    elif isinstance(leaf, int):  # msgpack's uint64 holds values past int64 (what numpy makes of them)
+        dtype = "int64" if leaf < 2**63 else "uint64"
+    else:
+        dtype = "float64"
     return Entry(key, (), dtype, Inline(scalar=leaf))
 
 

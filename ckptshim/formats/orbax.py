@@ -185,11 +185,10 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
         array = zarr.parse(raw[meta_key], f"{path}/{meta_key}")
         entries.append(Entry(key, array.shape, array.dtype, _Stored(leaf, array.driver)))
         if zarr.chunk_keys_required(array, fill_stored):
-            present = by_array.get(leaf, set())
-            absent = [c for c in array.chunk_keys() if c not in present]
-            if absent:
-                shown = ", ".join(absent[:4]) + (f" and {len(absent) - 4} more" if len(absent) > 4 else "")
-                problems.append(f"{leaf}: {len(absent)} chunk(s) missing ({shown})")
+            count, absent = array.missing_chunks(by_array.get(leaf, set()))
+            if count:
+                shown = ", ".join(absent) + (f" and {count - len(absent)} more" if count > len(absent) else "")
+                problems.append(f"{leaf}: {count} chunk(s) missing ({shown})")
 
     files: list[FileInfo] = []
     if ocdbt:

@@ -44,7 +44,7 @@ def _version(step_dir: Path) -> tuple[float | None, dict]:
     try:
         meta = json.loads(where.read_text())
         return float(meta["version"]), meta
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
         raise CorruptCheckpointError(
             f"{where}: not a valid PaxML metadata file ({type(error).__name__}: {error}); "
             "PaxML writes {\"version\": ...}. Re-copy the checkpoint.") from None
@@ -130,7 +130,11 @@ def open_checkpoint(path: Path) -> Checkpoint:
         item = orbax.open_checkpoint(state)
         item.format, item.version = NAME, f"{version} ({item.version})"
         return item
-    unpadded = unpadded_shapes(meta)
+    try:
+        unpadded = unpadded_shapes(meta)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise CorruptCheckpointError(f"{step_dir / METADATA}: an unpadded_shape that is not a list of "
+                                     f"sizes ({type(error).__name__}: {error}). Re-copy the checkpoint.") from None
     names = _zarr_folders(state)
     raw = kvstore.read_values(state, False, [f"{n}/{m}" for n in names for m in zarr.METADATA_FILES])
     listed: dict[str, set[str]] = {}
@@ -143,7 +147,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
         array = zarr.parse(raw[meta_key], f"{state / meta_key}")
         key = tuple(name.split("."))
         shape = unpadded.get(key, array.shape)
-        if len(shape) != len(array.shape) or any(u > s for u, s in zip(shape, array.shape)):
+        if len(shape) != len(array.shape) or any(not 0 <= u <= s for u, s in zip(shape, array.shape)):
             raise CorruptCheckpointError(
                 f"{step_dir / METADATA}: {name} has unpadded shape {list(shape)}, but its zarr "
                 f"array is {list(array.shape)}; an unpadded shape never exceeds the stored one. "
@@ -152,8 +156,8 @@ def open_checkpoint(path: Path) -> Checkpoint:
             _Padded(name, array.driver, array.shape)
         entries.append(Entry(key, shape, array.dtype, location))
         if zarr.chunk_keys_required(array, False):
-            absent = [c for c in array.chunk_keys() if c not in listed.get(name, ())]
-            if absent:
-                problems.append(f"{name}: {len(absent)} chunk(s) missing ({', '.join(absent[:4])})")
+            count, absent = array.missing_chunks(listed.get(name, set()))
+            if count:
+                problems.append(f"{name}: {count} chunk(s) missing ({', '.join(absent)})")
     shown = "0.0 (no metadata)" if version is None else f"{version:g}"
     return PaxmlCheckpoint(state, f"{shown}, tensorstore", Inventory(entries, str(state)), problems)

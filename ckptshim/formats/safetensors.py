@@ -38,7 +38,7 @@ def read_header(path: Path) -> tuple[dict, int]:
                 "or not a safetensors file.")
         try:
             header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
             raise CorruptCheckpointError(f"{path}: header is not valid JSON ({error})") from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{path}: header is not a JSON object")
@@ -54,8 +54,8 @@ def entries(path: Path, header: dict, data_start: int, key_sep: str = ".") -> li
             dtype = dtype_name(info["dtype"])
             shape = tuple(int(d) for d in info["shape"])
             begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise CorruptCheckpointError(f"{path}: malformed header entry {name!r} ({error})") from None
+        except (KeyError, TypeError, ValueError, OverflowError) as error:
+            raise CorruptCheckpointError(f"{path}: malformed header entry {name!r:.80} ({error})") from None
         if begin < 0 or end < begin or any(d < 0 for d in shape):
             raise CorruptCheckpointError(f"{path}: entry {name!r} has an invalid shape or byte range")
         out.append(Entry(split_key(name, key_sep), shape, dtype, (str(path), data_start + begin, data_start + end)))

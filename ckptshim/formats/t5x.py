@@ -148,7 +148,8 @@ def local_folder(spec: dict, step_dir: Path, where: str) -> str:
         raise CorruptCheckpointError(
             f"{where}: tensorstore spec without a path ({spec!r}); T5X expects 'path' in the spec "
             "or its 'kvstore'. The msgpack is corrupt; re-copy the checkpoint.")
-    if driver not in _KVSTORE_DRIVERS or not isinstance(relative, str) or not relative.strip("/"):
+    if (driver not in _KVSTORE_DRIVERS or not isinstance(relative, str) or not relative.strip("/")
+            or "\x00" in relative):  # no file name holds a NUL byte
         raise CorruptCheckpointError(
             f"{where}: tensorstore spec with kvstore driver {driver!r} and path {relative!r}; T5X "
             f"writes drivers {sorted(_KVSTORE_DRIVERS)} with a relative folder name.")
@@ -243,9 +244,9 @@ def _open_legacy(step_dir: Path) -> T5XCheckpoint:
         else:
             entries.append(Entry(key, array.shape, array.dtype, orbax._Stored(name, array.driver)))
         if zarr.chunk_keys_required(array, False):
-            absent = [c for c in array.chunk_keys() if c not in by_folder.get(name, ())]
-            if absent:
-                problems.append(f"{name}/: {len(absent)} chunk(s) missing ({', '.join(absent[:4])})")
+            count, absent = array.missing_chunks(by_folder.get(name, set()))
+            if count:
+                problems.append(f"{name}/: {count} chunk(s) missing ({', '.join(absent)})")
     return T5XCheckpoint(step_dir, f"legacy msgpack v{t5x_version}", Inventory(entries, str(step_dir)),
                          [file_info(step_dir / AGGREGATE, len(data), root=step_dir)], problems,
                          data, t5x_version)

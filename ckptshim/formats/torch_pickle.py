@@ -14,6 +14,7 @@ import io
 import pickle
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable, Mapping
@@ -21,7 +22,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
+from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError
 from ckptshim.formats.base import Checkpoint, check_view, file_info, storage_dtype
 from ckptshim.inventory import Entry, Inventory, dtype_name, flatten
 
@@ -61,7 +62,18 @@ class _StorageType:
 
 
 def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> TensorRef:
-    return TensorRef(storage, int(storage_offset), tuple(size), tuple(stride))
+    """A :class:`TensorRef`, once its arguments are what ``torch.save`` writes: a storage record,
+    a non-negative offset, and sizes and strides as equally long tuples of ints (sizes >= 0)."""
+    if not (isinstance(storage, StorageRef) and _is_int(storage_offset) and storage_offset >= 0
+            and isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride)
+            and all(_is_int(n) and n >= 0 for n in size) and all(_is_int(s) for s in stride)):
+        raise ValueError("a tensor record that is not (storage, offset, sizes, strides): "
+                         f"({', '.join(type(a).__name__ for a in (storage, storage_offset, size, stride))})")
+    return TensorRef(storage, storage_offset, size, stride)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _rebuild_parameter(data, *_ignored):
@@ -98,9 +110,12 @@ class _SafeUnpickler(pickle.Unpickler):
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
                 and isinstance(pid[1], _StorageType)):
-            raise CorruptCheckpointError(f"{self.where}: unexpected storage record {pid!r:.80}")
+            raise CorruptCheckpointError(f"{self.where}: unexpected storage record (a {type(pid).__name__})")
         _, storage_type, key, _location, numel = pid
-        return StorageRef(str(key), storage_type.dtype, int(numel))
+        if not (_is_int(numel) and numel >= 0):
+            raise CorruptCheckpointError(f"{self.where}: storage record whose element count is not a "
+                                         f"size ({numel if _is_int(numel) else type(numel).__name__})")
+        return StorageRef(str(key), storage_type.dtype, numel)
 
 
 def _unsafe_message(where: str, first: str) -> str:
@@ -158,11 +173,11 @@ class TorchPickleCheckpoint(Checkpoint):
 def tensor_view(storage_bytes: np.ndarray, ref: TensorRef, where: str) -> np.ndarray:
     """The tensor ``ref`` describes, as a read-only strided view of its storage's bytes."""
     storage = storage_bytes.view(storage_dtype(ref.storage.dtype))
+    extent = ref.offset + 1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride))
+    if min(ref.shape, default=1) > 0 and (extent > ref.storage.numel or min(ref.stride, default=0) < 0):
+        raise CorruptCheckpointError(f"{where} reaches past its storage")
     if not ref.shape:
         return storage[ref.offset:ref.offset + 1].reshape(())
-    extent = ref.offset + 1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride))
-    if min(ref.shape) > 0 and (extent > ref.storage.numel or min(ref.stride) < 0):
-        raise CorruptCheckpointError(f"{where} reaches past its storage")
     return np.lib.stride_tricks.as_strided(
         storage[ref.offset:], shape=ref.shape,
         strides=tuple(s * storage.itemsize for s in ref.stride), writeable=False)
@@ -179,6 +194,12 @@ class Archive:
     problems: tuple[str, ...]
 
 
+#: What :mod:`zipfile` raises on a damaged archive: bad or inconsistent headers, names that are
+#: not UTF-8, unknown versions or compression methods, "encrypted" flags, offsets past the end.
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError,
+               RuntimeError, NotImplementedError, struct.error, zlib.error, OverflowError)
+
+
 def read_archive(raw: BinaryIO, where: str, extra: ExtraGlobals | None = None) -> Archive:
     """Parse the ``torch.save`` zip in the seekable ``raw`` (a file, or a window onto one: DCP
     stores each chunk as one such archive inside a larger file) without running its code.
@@ -186,26 +207,72 @@ def read_archive(raw: BinaryIO, where: str, extra: ExtraGlobals | None = None) -
     ``extra`` widens the allow-list for this one read only (DeepSpeed's ``mp_rank`` files hold
     numpy RNG state): each allowed global maps to an inert stand-in that builds data."""
     try:
-        archive = zipfile.ZipFile(raw)
-    except (zipfile.BadZipFile, OSError) as error:
-        raise CorruptCheckpointError(f"{where}: not a readable torch.save zip archive ({error}); "
-                                     "the file may be truncated.") from None
-    with archive:
-        pkl = next((n for n in archive.namelist() if n.endswith("/data.pkl")), None)
+        return _read_archive(raw, where, extra)
+    except ShimError:
+        raise
+    except _ZIP_ERRORS as error:
+        raise CorruptCheckpointError(f"{where}: not a readable torch.save zip archive "
+                                     f"({type(error).__name__}: {error}); the file may be truncated "
+                                     "or damaged. Re-copy it from the original.") from None
+
+
+def _read_archive(raw: BinaryIO, where: str, extra: ExtraGlobals | None) -> Archive:
+    size = raw.seek(0, io.SEEK_END)
+    with zipfile.ZipFile(raw) as archive:
+        names = archive.namelist()
+        pkl = next((n for n in names if n.endswith("/data.pkl")), None)
         if pkl is None:
             raise CorruptCheckpointError(f"{where}: zip archive without data.pkl is not a torch.save file")
         prefix = pkl[: -len("data.pkl")]
+        byteorder = _stored_member(archive, prefix + "byteorder", size, where) if prefix + "byteorder" in names else b"little"
+        data = _stored_member(archive, pkl, size, where)
         try:
-            byteorder = archive.read(prefix + "byteorder").decode() if prefix + "byteorder" in archive.namelist() else "little"
-            tree = _SafeUnpickler(archive.read(pkl), where, extra).load()
-        except (UnsafeCheckpointError, CorruptCheckpointError):
+            tree = _SafeUnpickler(data, where, extra).load()
+            byteorder = byteorder.decode()
+        except ShimError:
             raise
         except Exception as error:
             raise CorruptCheckpointError(f"{where}: data.pkl does not unpickle ({type(error).__name__}: {error})") from None
+        _check_tree(tree, len(data), where)
         offsets, problems = _member_offsets(raw, archive, prefix)
     if byteorder != "little":
-        problems.append(f"stored {byteorder}-endian; ckptshim reads little-endian torch files only")
+        problems.append(f"stored {byteorder!r:.40}-endian; ckptshim reads little-endian torch files only")
     return Archive(tree, offsets, tuple(problems))
+
+
+def _stored_member(archive: zipfile.ZipFile, name: str, size: int, where: str) -> bytes:
+    """A small member's bytes, refused unless stored uncompressed (as torch.save stores every
+    member) and within the file: a compressed member could inflate to any size in memory."""
+    info = archive.getinfo(name)
+    if info.compress_type != zipfile.ZIP_STORED or info.header_offset + info.compress_size > size:
+        raise CorruptCheckpointError(
+            f"{where}: {name} is compressed or runs past the end of the file ({info.compress_size} "
+            f"bytes at {info.header_offset} of {size}); torch.save stores it uncompressed. The file "
+            "is damaged or was not written by torch.save.")
+    return archive.read(info)
+
+
+def _check_tree(tree: object, budget: int, where: str) -> None:
+    """Refuse an object graph that is not a tree of at most ``budget`` nodes.
+
+    A pickle can make a container hold itself, or refer to one container from many places, so
+    that walking the tree (as :func:`~ckptshim.inventory.flatten` does) never ends or takes
+    exponential time. ``torch.save`` writes each container of a state dict once, with at least
+    one opcode byte per node, so a walk longer than the pickle has bytes is such a graph.
+    """
+    stack, visited = [tree], 0
+    while stack:
+        node = stack.pop()
+        visited += 1
+        if visited > budget:
+            raise CorruptCheckpointError(
+                f"{where}: data.pkl's objects refer to themselves or to each other more often than "
+                f"a state dict does (over {budget} nodes from {budget} bytes); refusing to walk it. "
+                "The file was not written by torch.save of a state dict.")
+        if isinstance(node, Mapping):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
 
 
 def _member_offsets(raw: BinaryIO, archive: zipfile.ZipFile, prefix: str) -> tuple[dict[str, int], list[str]]:
@@ -228,6 +295,16 @@ def _member_offsets(raw: BinaryIO, archive: zipfile.ZipFile, prefix: str) -> tup
     return offsets, problems
 
 
+def flat_tree(tree: object, where: str) -> dict[tuple[str, ...], object]:
+    """:func:`~ckptshim.inventory.flatten` of an unpickled tree; keys that spell one path
+    (``{1: a, "1": b}``, which torch.save of a state dict never writes) make the file corrupt."""
+    try:
+        return flatten(tree)
+    except ValueError as error:
+        raise CorruptCheckpointError(f"{where}: {error}; a state dict names each tensor once. "
+                                     "The file is damaged or was not written by torch.save.") from None
+
+
 def open_checkpoint(path: Path) -> TorchPickleCheckpoint:
     try:
         with open(path, "rb") as raw:
@@ -236,7 +313,7 @@ def open_checkpoint(path: Path) -> TorchPickleCheckpoint:
         raise CorruptCheckpointError(f"{path}: cannot be read ({error})") from None
     problems = list(archive.problems)
     entries, expected = [], 0
-    for path_parts, leaf in flatten(archive.tree).items():
+    for path_parts, leaf in flat_tree(archive.tree, str(path)).items():
         if isinstance(leaf, TensorRef):
             key = tuple(part for component in path_parts for part in component.split("."))
             entries.append(Entry(key, leaf.shape, dtype_name(leaf.storage.dtype), (str(path), leaf)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,29 +37,77 @@ class ZarrArray:
     prefix: str                  # before the chunk indices ("c/" in zarr v3 default encoding)
     fill_value_null: bool        # v2 with no fill value: a missing chunk silently reads as zeros
 
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Chunks along each axis (none at all when an axis is empty)."""
+        return tuple(0 if n == 0 else -(-n // c) for n, c in zip(self.shape, self.chunks))
+
     def chunk_keys(self) -> Iterator[str]:
         """Every chunk key the full array consists of, relative to the array's folder."""
         if not self.shape:
-            yield self.prefix.rstrip("/") if self.prefix else "0"
+            yield self._scalar_key
             return
-        counts = [max(1, math.ceil(n / c)) for n, c in zip(self.shape, self.chunks)]
-        if 0 in self.shape:
+        grid = self.grid
+        if 0 in grid:
             return
-        for index in itertools.product(*(range(n) for n in counts)):
+        index = [0] * len(grid)  # counted up in C order, lazily: the grid may be astronomical
+        while True:
             yield self.prefix + self.separator.join(map(str, index))
+            for axis in reversed(range(len(grid))):
+                index[axis] += 1
+                if index[axis] < grid[axis]:
+                    break
+                index[axis] = 0
+            else:
+                return
+
+    @property
+    def _scalar_key(self) -> str:
+        return self.prefix.rstrip("/") if self.prefix else "0"
+
+    def is_chunk_key(self, key: str) -> bool:
+        """Whether ``key`` is one of :meth:`chunk_keys`, without enumerating them."""
+        if not self.shape:
+            return key == self._scalar_key
+        if not key.startswith(self.prefix):
+            return False
+        parts = key[len(self.prefix):].split(self.separator)
+        return len(parts) == len(self.grid) and all(
+            p.isdigit() and str(int(p)) == p and int(p) < n for p, n in zip(parts, self.grid))
+
+    def missing_chunks(self, present: Collection[str], shown: int = 4) -> tuple[int, list[str]]:
+        """How many chunk keys are not in ``present``, and the first ``shown`` of them.
+
+        Takes time in the size of ``present`` (what the folder or database lists), never in the
+        number of chunks the metadata declares, which a damaged file can make astronomical.
+        """
+        missing = math.prod(self.grid) - sum(1 for key in present if self.is_chunk_key(key))
+        first = itertools.islice((k for k in self.chunk_keys() if k not in present), min(shown, missing))
+        return missing, list(first)
 
 
 def parse(raw: bytes, where: str) -> ZarrArray:
     """Parse ``.zarray`` or ``zarr.json`` bytes (the file name decides; see :data:`METADATA_FILES`)."""
     try:
         meta = strict_json(raw)
-        if meta.get("zarr_format") == 3:
-            return _parse_v3(meta)
-        return _parse_v2(meta)
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        array = _parse_v3(meta) if meta.get("zarr_format") == 3 else _parse_v2(meta)
+        _check(array)
+        return array
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError,
+            SyntaxError) as error:  # SyntaxError: numpy reads some dtype strings as literals
         raise CorruptCheckpointError(
-            f"{where}: zarr metadata is not valid ({error}); the checkpoint is corrupt. "
-            "Re-copy it from the original.") from None
+            f"{where}: zarr metadata is not valid ({type(error).__name__}: {error}); the "
+            "checkpoint is corrupt. Re-copy it from the original.") from None
+
+
+def _check(array: ZarrArray) -> None:
+    """``ValueError`` unless shape and chunks are as zarr defines them (one positive chunk
+    length per axis, no negative lengths) and the key separator is a string."""
+    if len(array.chunks) != len(array.shape) or any(n < 0 for n in array.shape) or any(
+            c < 1 for c in array.chunks):
+        raise ValueError(f"shape {list(array.shape)} with chunks {list(array.chunks)}")
+    if not (isinstance(array.separator, str) and array.separator and isinstance(array.prefix, str)):
+        raise ValueError(f"chunk key separator {array.separator!r:.40}")
 
 
 def _parse_v2(meta: dict) -> ZarrArray:

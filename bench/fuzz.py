@@ -1,0 +1,126 @@
+"""Long fuzzing runs of every byte parser (``make fuzz``): the harnesses of tests/fuzz, for minutes.
+
+    python bench/fuzz.py [--seconds 300] [--engine atheris|hypothesis] [NAME ...]
+
+Each harness (``tests/fuzz/harnesses.py``; default: all) runs in its own process for
+``--seconds``, starting from its real fixture as the seed. With atheris installed (``make fuzz``
+installs it), libFuzzer mutates the seed, guided by coverage of ckptshim's own modules; a crash
+-- any exception other than ``ShimError``, a hang past ``--timeout`` seconds, or memory past
+``--rss-mb`` -- stops that harness and leaves the input in ``--out`` as ``<name>-crash-*``
+(replay it with ``python bench/fuzz.py --replay FILE NAME``). Without atheris the same
+harnesses run under hypothesis, unseeded, with as many examples as fit in the time; its
+report names the failing input. The exit status is 1 when any harness crashed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "fuzz"))
+
+
+def _atheris_available() -> bool:
+    try:
+        import atheris  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run_atheris(name: str, seconds: int, out: Path, timeout: int, rss_mb: int) -> None:
+    """Fuzz one harness in this process with libFuzzer; returns only if nothing crashed."""
+    import atheris
+
+    with atheris.instrument_imports(include=["ckptshim"]):
+        import harnesses
+
+    target = harnesses.Target(harnesses.BY_NAME[name], Path(tempfile.mkdtemp(prefix=f"fuzz-{name}-")))
+    corpus = Path(tempfile.mkdtemp(prefix=f"fuzz-corpus-{name}-"))
+    (corpus / "seed").write_bytes(target.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    atheris.Setup([sys.argv[0], str(corpus), f"-max_total_time={seconds}", f"-timeout={timeout}",
+                   f"-rss_limit_mb={rss_mb}", f"-max_len={max(4096, 2 * len(target.seed))}",
+                   f"-artifact_prefix={out}/{name}-", "-print_final_stats=1"], target)
+    atheris.Fuzz()
+
+
+def run_hypothesis(name: str, seconds: int) -> None:
+    """Fuzz one harness with hypothesis for about ``seconds`` (examples sized by a timed sample)."""
+    from hypothesis import HealthCheck, given, settings
+
+    import harnesses
+
+    target = harnesses.Target(harnesses.BY_NAME[name], Path(tempfile.mkdtemp(prefix=f"fuzz-{name}-")))
+    start = time.perf_counter()
+    for _ in range(5):
+        target(target.seed)
+    per_input = max((time.perf_counter() - start) / 5, 1e-4)
+
+    @settings(max_examples=max(10, int(seconds / per_input)), deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(harnesses.inputs(target.seed))
+    def fuzz(data: bytes) -> None:
+        target(data)
+
+    fuzz()
+
+
+def replay(path: Path, name: str) -> None:
+    """Feed one saved input to a harness without catching anything: shows the traceback."""
+    import harnesses
+
+    target = harnesses.Target(harnesses.BY_NAME[name], Path(tempfile.mkdtemp(prefix=f"fuzz-{name}-")))
+    target(path.read_bytes())
+    print(f"{name}: {path} is refused with a ShimError or loads: no crash")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="harnesses to run (default: all)")
+    parser.add_argument("--seconds", type=int, default=300, help="per harness (default 300)")
+    parser.add_argument("--engine", choices=("atheris", "hypothesis"),
+                        default="atheris" if _atheris_available() else "hypothesis")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fuzz")
+    parser.add_argument("--timeout", type=int, default=20, help="seconds one input may take")
+    parser.add_argument("--rss-mb", type=int, default=4096, help="memory one run may use")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child process
+    parser.add_argument("--replay", type=Path, help="run one saved input through NAME and exit")
+    args = parser.parse_args()
+    if args.one:  # before anything imports ckptshim: atheris instruments it as it is imported
+        if args.engine == "atheris":
+            run_atheris(args.names[0], args.seconds, args.out, args.timeout, args.rss_mb)
+        else:
+            run_hypothesis(args.names[0], args.seconds)
+        return 0
+
+    import harnesses
+
+    unknown = set(args.names) - set(harnesses.BY_NAME)
+    if unknown:
+        parser.error(f"unknown harness(es) {sorted(unknown)}; known: {', '.join(harnesses.BY_NAME)}")
+    if args.replay is not None:
+        replay(args.replay, args.names[0])
+        return 0
+
+    failed = []
+    for name in args.names or list(harnesses.BY_NAME):
+        print(f"== {name} ({harnesses.BY_NAME[name].parser}): {args.engine}, {args.seconds} s", flush=True)
+        child = [sys.executable, __file__, "--one", name, "--seconds", str(args.seconds),
+                 "--engine", args.engine, "--out", str(args.out), "--timeout", str(args.timeout),
+                 "--rss-mb", str(args.rss_mb)]
+        if subprocess.run(child, env={**os.environ, "JAX_PLATFORMS": "cpu"}).returncode != 0:
+            failed.append(name)
+    print(f"fuzzed {len(args.names or harnesses.BY_NAME)} harness(es) for {args.seconds} s each; "
+          + (f"CRASHED: {', '.join(failed)} (inputs in {args.out})" if failed else "no crash"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
