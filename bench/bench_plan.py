@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckptshim.inventory import Entry, Inventory  # noqa: E402
-from ckptshim.plan import plan  # noqa: E402
-from ckptshim.plan.ops import Rename, Stack, Unstack  # noqa: E402
+from ckptshim.planner import plan  # noqa: E402
+from ckptshim.planner.ops import Rename, Stack, Unstack  # noqa: E402
 
 TARGET_SECONDS = 2.0
 LAYER_SHAPE = (8, 16)

@@ -7,8 +7,8 @@ from pathlib import Path
 from ckptshim import config
 from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
-from ckptshim.plan import Plan
-from ckptshim.plan import plan as make_plan
+from ckptshim.planner import Plan
+from ckptshim.planner import plan as make_plan
 from ckptshim.rules import DEFAULT_RULES, Rules
 from ckptshim.rules.profiles import neox, rules_for_trees
 

@@ -46,7 +46,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from ckptshim.api import plan
-    from ckptshim.plan import explain, summary
+    from ckptshim.planner import explain, summary
 
     result = plan(args.source, args.like)
     sep = "/" if args.sep == "/" else "."

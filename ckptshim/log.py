@@ -62,7 +62,7 @@ def report_load(where: str, plan, sep: str = ".", *, read_as: str | None = None)
     when ckptshim reads the bytes itself: that is worth its INFO line even when every key
     already matches (a legacy layout the framework's own reader refuses).
     """
-    from ckptshim.plan.explain import explain, summary
+    from ckptshim.planner.explain import explain, summary
 
     if plan.is_identity:
         if read_as is None:

@@ -23,7 +23,7 @@ import ckptshim  # noqa: F401  (hooks on)
 from ckptshim.cli import main as cli
 from ckptshim.errors import ShimError
 from ckptshim.inventory import Entry, Inventory, KeyPath, flatten, unflatten
-from ckptshim.plan import Rename, Split, Transpose, plan
+from ckptshim.planner import Rename, Split, Transpose, plan
 from ckptshim.rules.profiles import rules_for_trees
 from orbax_fixtures import copy_fixture
 from test_paxml import PAX, STEP, native

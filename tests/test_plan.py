@@ -9,7 +9,7 @@ import pytest
 
 from ckptshim.errors import PlanError, ShimError
 from ckptshim.inventory import Entry, Inventory, join_key
-from ckptshim.plan import (
+from ckptshim.planner import (
     Cast, Drop, Mismatch, Plan, Rename, Stack, Synthesize, Unstack, explain, plan, summary,
 )
 from ckptshim.rules import DEFAULT_RULES, Alias, Rules, ScanAxis
@@ -36,12 +36,24 @@ def test_module_does_not_import_frameworks():
     # The planner must be usable without torch or jax; importing it must not pull them in.
     import subprocess
 
-    code = ("import sys, ckptshim.plan, ckptshim.rules; "
+    code = ("import sys, ckptshim.planner, ckptshim.rules; "
             "print('torch' in sys.modules, 'jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]),
                          check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_public_plan_function_survives_the_planner_package_import():
+    # Hooks import the planner package; importing a submodule sets it as an attribute of its
+    # parent, so a subpackage named like a public function would replace that function.
+    import subprocess
+
+    code = ("import ckptshim, ckptshim.planner, ckptshim.api; "
+            "print(ckptshim.plan is ckptshim.api.plan)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["True"]
 
 
 # -- exact names -------------------------------------------------------------------------------
@@ -802,7 +814,7 @@ def test_torch_executor_refuses_layout_ops():
     import torch
 
     from ckptshim.execute.torch import prepare
-    from ckptshim.plan import Transpose
+    from ckptshim.planner import Transpose
 
     source = Inventory([Entry(K("w"), (2, 3), "float32")], "ckpt")
     target = Inventory([Entry(K("t"), (3, 2), "float32")], "model")

@@ -22,7 +22,7 @@ from ckptshim.errors import ShimError
 from ckptshim.inventory import Entry, Inventory, KeyPath
 from ckptshim.execute.jax import _filler
 from ckptshim.execute.jax_tree import TargetLeaf
-from ckptshim.plan import (
+from ckptshim.planner import (
     Cast, Drop, Join, Plan, Rename, Split, Stack, Synthesize, Transpose, Unstack, explain, plan, summary,
 )
 from ckptshim.rules import DEFAULT_RULES, Rules, ScanAxis

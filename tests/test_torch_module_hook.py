@@ -28,7 +28,7 @@ from ckptshim.execute.torch import prepare
 from ckptshim.formats import torch_pickle
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
-from ckptshim.plan import plan
+from ckptshim.planner import plan
 from ckptshim.rules.aliases import Alias
 from ckptshim.rules.profiles.transformers_mapping import aliases_from_transforms
 

@@ -19,7 +19,7 @@ from ckptshim.errors import PlanError
 from ckptshim.formats.base import Checkpoint, storage_dtype
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, KeyPath, join_key
-from ckptshim.plan import Plan, Rename, Stack, Synthesize, Unstack
+from ckptshim.planner import Plan, Rename, Stack, Synthesize, Unstack
 
 
 @dataclass

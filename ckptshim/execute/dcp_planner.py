@@ -37,8 +37,8 @@ from ckptshim.errors import PlanError
 from ckptshim.execute.dcp_storage import Refusal
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, split_key
 from ckptshim.log import logger, report_load
-from ckptshim.plan import Plan, Rename, Stack, Synthesize, Unstack
-from ckptshim.plan import plan as make_plan
+from ckptshim.planner import Plan, Rename, Stack, Synthesize, Unstack
+from ckptshim.planner import plan as make_plan
 from ckptshim.rules.layers import TORCH_SCAN_AXES
 from ckptshim.rules import DEFAULT_RULES, Rules
 from ckptshim.rules.buffers import derivable_rule

@@ -24,8 +24,8 @@ from ckptshim.execute.torch import Prepared, prepare
 from ckptshim.hooks.seam import guarded
 from ckptshim.inventory import Entry, Inventory, dtype_name, join_key, split_key
 from ckptshim.log import report_load
-from ckptshim.plan import Plan, Rename
-from ckptshim.plan import plan as make_plan
+from ckptshim.planner import Plan, Rename
+from ckptshim.planner import plan as make_plan
 from ckptshim.rules import DEFAULT_RULES, Rules
 from ckptshim.rules.buffers import derivable_rule
 from ckptshim.rules.layers import TORCH_SCAN_AXES

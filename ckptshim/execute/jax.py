@@ -29,8 +29,8 @@ import numpy as np
 from ckptshim.errors import CorruptCheckpointError, PlanError, ShimError
 from ckptshim.execute.jax_tree import TargetLeaf
 from ckptshim.inventory import Entry, KeyPath, join_key
-from ckptshim.plan import Join, Plan, Rename, Split, Stack, Synthesize, Transpose, Unstack
-from ckptshim.plan.ops import inverse_perm
+from ckptshim.planner import Join, Plan, Rename, Split, Stack, Synthesize, Transpose, Unstack
+from ckptshim.planner.ops import inverse_perm
 
 _ALIGN = 64  # XLA's CPU client adopts host buffers aligned to this without copying them
 #: Reads started but not finished, in bytes of their destination. Each holds its chunks'

@@ -24,8 +24,8 @@ from ckptshim.execute.jax_tree import TargetTree
 from ckptshim.formats.base import Checkpoint
 from ckptshim.inventory import Inventory, join_key, unflatten
 from ckptshim.log import logger, report_load
-from ckptshim.plan import Cast, Plan, Rename, Synthesize, plan as make_plan
-from ckptshim.plan.explain import _ranges
+from ckptshim.planner import Cast, Plan, Rename, Synthesize, plan as make_plan
+from ckptshim.planner.explain import _ranges
 from ckptshim.rules import Rules
 from ckptshim.rules.layers import layer_splits
 from ckptshim.rules.profiles import maxtext, paxml_gpt3, rules_for_trees

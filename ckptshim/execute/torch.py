@@ -22,8 +22,8 @@ import torch
 
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Entry, KeyPath, dtype_name, join_key
-from ckptshim.plan import Join, Plan, Rename, Split, Stack, Synthesize, Transpose, Unstack
-from ckptshim.plan.explain import describe_op
+from ckptshim.planner import Join, Plan, Rename, Split, Stack, Synthesize, Transpose, Unstack
+from ckptshim.planner.explain import describe_op
 
 #: Returns the source tensor for a source key (from a state dict, or a lazy view of a file).
 Fetch = Callable[[KeyPath], torch.Tensor]

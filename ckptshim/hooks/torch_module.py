@@ -46,7 +46,7 @@ from ckptshim.execute.torch import prepare
 from ckptshim.hooks.seam import Patches, guarded
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, split_key
 from ckptshim.log import logger, report_load
-from ckptshim.plan import plan as make_plan
+from ckptshim.planner import plan as make_plan
 from ckptshim.rules import DEFAULT_RULES, Rules
 from ckptshim.rules.buffers import derivable_rule
 from ckptshim.rules.layers import TORCH_SCAN_AXES

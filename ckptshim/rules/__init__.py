@@ -18,7 +18,7 @@ from ckptshim.rules.layers import LAYER_LIST_NAMES, ScanAxis
 from ckptshim.rules.prefixes import WRAPPER_SEGMENTS
 
 if TYPE_CHECKING:
-    from ckptshim.plan.ops import Producer
+    from ckptshim.planner.ops import Producer
 
 __all__ = ["Alias", "DEFAULT_RULES", "Layout", "Paired", "Rules", "ScanAxis"]
 

@@ -1,11 +1,11 @@
 """Runs of keys that share a parent path: what the planner's bulk passes work on.
 
 Checkpoints list the keys of one module together, and a key's canonical name and layer splits
-follow from its parent path (:mod:`ckptshim.plan.names`). Cut into runs of consecutive keys with
+follow from its parent path (:mod:`ckptshim.planner.names`). Cut into runs of consecutive keys with
 one parent, a million keys of 1,000 layers x 1,000 leaves are 1,000 runs; the passes then pair
 whole runs (position by position when their leaves agree) and transpose runs of layers into
 columns to stack, instead of handling a million keys one at a time in Python. Each step gives
-what the per-key passes in :mod:`ckptshim.plan.match` would; where it cannot be sure of that
+what the per-key passes in :mod:`ckptshim.planner.match` would; where it cannot be sure of that
 (two runs of one name, one layer claimed twice) it returns None and leaves the work to them.
 """
 
@@ -16,7 +16,7 @@ from itertools import groupby, islice
 from operator import attrgetter, itemgetter
 
 from ckptshim.inventory import Entry, KeyPath
-from ckptshim.plan.names import Names, leaf_of, parent_of
+from ckptshim.planner.names import Names, leaf_of, parent_of
 
 key_of = attrgetter("key")
 

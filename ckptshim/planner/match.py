@@ -11,7 +11,7 @@ that already fits costs one dict lookup per key:
 4. drops (derivable buffers, the target's non-persistent buffers) and syntheses.
 
 Everything here is linear in the number of keys and touches no tensor bytes. Passes 1 to 3 work
-on runs of keys that share a parent path where runs are long (:mod:`ckptshim.plan.runs`), and key
+on runs of keys that share a parent path where runs are long (:mod:`ckptshim.planner.runs`), and key
 by key otherwise, with the per-key work done in bulk (``map`` over lists, dicts built whole) so
 that it runs in C; both ways give the same plan, and the same error.
 """
@@ -23,11 +23,11 @@ from operator import attrgetter
 
 from ckptshim.errors import PlanError
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, KeyPath, gc_paused, join_key
-from ckptshim.plan import runs
-from ckptshim.plan.names import Names
-from ckptshim.plan.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Unstack, renames
-from ckptshim.plan.plan import Mismatch, Plan
-from ckptshim.plan.runs import Group, Run, key_of
+from ckptshim.planner import runs
+from ckptshim.planner.names import Names
+from ckptshim.planner.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Unstack, renames
+from ckptshim.planner.plan import Mismatch, Plan
+from ckptshim.planner.runs import Group, Run, key_of
 from ckptshim.rules import DEFAULT_RULES, Rules
 from ckptshim.rules.buffers import derivable_rule
 from ckptshim.rules.layers import stack_root
@@ -458,5 +458,5 @@ def _refuse_clash(entries: list[Entry], names: list[KeyPath], side: str) -> None
 
 
 def _span(indices: list[int]) -> str:
-    from ckptshim.plan.explain import _ranges
+    from ckptshim.planner.explain import _ranges
     return "{" + _ranges(indices) + "}" if indices else "{}"

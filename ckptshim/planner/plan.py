@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Inventory, KeyPath, join_key
-from ckptshim.plan.ops import Cast, Drop, Join, Op, Producer, Rename, Split, Stack, Synthesize, Transpose, Unstack
+from ckptshim.planner.ops import Cast, Drop, Join, Op, Producer, Rename, Split, Stack, Synthesize, Transpose, Unstack
 
 #: How many keys an error message lists before it summarises the rest.
 MAX_LISTED = 12
@@ -129,7 +129,7 @@ class Plan:
     def require_complete(self, sep: str = ".", *, allow_missing: bool = False,
                          allow_unexpected: bool = False) -> None:
         """Raise a :class:`PlanError` listing what does not match, with the nearest candidates."""
-        from ckptshim.plan.explain import nearest
+        from ckptshim.planner.explain import nearest
 
         lines: list[str] = []
         if self.mismatched:

@@ -11,8 +11,8 @@ import re
 from collections.abc import Iterable, Sequence
 
 from ckptshim.inventory import KeyPath, join_key
-from ckptshim.plan.ops import Cast, Drop, Join, Op, Rename, Split, Stack, Synthesize, Transpose, Unstack
-from ckptshim.plan.plan import Plan
+from ckptshim.planner.ops import Cast, Drop, Join, Op, Rename, Split, Stack, Synthesize, Transpose, Unstack
+from ckptshim.planner.plan import Plan
 
 _NUMBER = re.compile(r"\d+")
 _MAX_CANDIDATES = 5000
