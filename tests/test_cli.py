@@ -74,6 +74,50 @@ def test_deleted_shard_is_named(tmp_path, capsys):
     assert any(shards[0].name in p and "missing" in p for p in info["problems"])
 
 
+def test_hub_cache_snapshot_reads_through_its_blob_symlinks(tmp_path, capsys):
+    """A sharded model in the Hugging Face hub cache: snapshot files are symlinks into the
+    repository's shared ``blobs/``; that is where the shards live, not an escape."""
+    import hashlib
+
+    from huggingface_hub import scan_cache_dir
+    from safetensors.numpy import load_file
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, intermediate_size=64)
+    saved = tmp_path / "saved"
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(saved, max_shard_size="20KB")
+    repo = tmp_path / "hub" / "models--tiny--neox"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    for file in saved.iterdir():
+        blob = hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.move(file, repo / "blobs" / blob)
+        (snapshot / file.name).symlink_to(Path("../../blobs") / blob)
+    assert [r.repo_id for r in scan_cache_dir(tmp_path / "hub").repos] == ["tiny/neox"]
+
+    code, info = run_json(capsys, "inspect", str(snapshot), "--json")
+    assert code == 0 and info["complete"], info["problems"]
+    checkpoint = open_checkpoint(snapshot)
+    expected = {key: value for shard in snapshot.glob("model-*.safetensors")
+                for key, value in load_file(shard).items()}
+    assert {".".join(e.key) for e in checkpoint.inventory.values()} == set(expected)
+    for entry in checkpoint.inventory.values():
+        assert checkpoint.read(entry).tobytes() == expected[".".join(entry.key)].tobytes()
+
+    # A snapshot file that leads anywhere but the repository's blobs is still refused.
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    shard = sorted(snapshot.glob("model-*.safetensors"))[0]
+    shutil.copy(shard, elsewhere)
+    shard.unlink()
+    shard.symlink_to(elsewhere)
+    code = main(["inspect", str(snapshot), "--json"])
+    assert code == 1 and "lies outside the directory" in capsys.readouterr().err
+
+
 def test_unknown_format_and_empty_dir(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["inspect", str(tmp_path / "empty")]) == 1

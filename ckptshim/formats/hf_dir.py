@@ -8,7 +8,7 @@ the directory lacks is reported, not skipped.
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
@@ -49,6 +49,20 @@ class HFDirCheckpoint(Checkpoint):
             part.close()
 
 
+def _roots(path: Path) -> tuple[Path, ...]:
+    """Where a shard of the folder ``path`` may really live.
+
+    Its own folder, and — for a snapshot in the Hugging Face hub cache
+    (``models--org--name/snapshots/<revision>/``, whose files are symlinks to
+    ``../../blobs/<hash>``) — that repository's ``blobs/`` folder, which the cache shares
+    between revisions.
+    """
+    blobs = path.parent.parent / "blobs"
+    if path.parent.name == "snapshots" and blobs.is_dir():
+        return path.resolve(), blobs.resolve()
+    return (path.resolve(),)
+
+
 def open_checkpoint(path: Path) -> HFDirCheckpoint:
     index_name = next((n for n in _INDEX if (path / n).is_file()), None)
     problems: list[str] = []
@@ -66,10 +80,12 @@ def open_checkpoint(path: Path) -> HFDirCheckpoint:
                 "re-copy it from the original.") from None
         version = index_name
     parts: dict[str, Checkpoint] = {}
+    roots = _roots(path)
     for shard in shards:
         try:
             shard_path = (path / shard).resolve()
-            outside = path.resolve() not in shard_path.parents
+            named_inside = not PurePosixPath(shard).is_absolute() and ".." not in PurePosixPath(shard).parts
+            outside = not named_inside or not any(root in shard_path.parents for root in roots)
             present = not outside and shard_path.is_file()
         except (OSError, ValueError, TypeError) as error:  # not a string, too long, a NUL byte
             raise CorruptCheckpointError(f"{path / index_name}: shard {shard!r:.100} is not a file "
@@ -79,7 +95,7 @@ def open_checkpoint(path: Path) -> HFDirCheckpoint:
         if not present:
             files.append(file_info(path / shard, root=path))
             continue
-        part = _open_file(shard_path)
+        part = _open_file(path / shard)  # by its name: a hub-cache blob has no suffix
         parts[shard] = part
         files += [FileInfo(shard, f.size, f.expected_size) for f in part.files]
         problems += [f"{shard}: {p}" for p in part.problems]
