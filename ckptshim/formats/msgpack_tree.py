@@ -44,7 +44,7 @@ class _Reader:
 
     def fail(self, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
-            f"{self.where}: {what} at byte {self.pos}; the file is truncated or not a Flax/Orbax "
+            f"{self.where}: {what} at byte {self.pos}; the file is damaged, truncated or not a Flax/Orbax "
             "msgpack checkpoint. Re-copy it from the original.")
 
     def take(self, n: int) -> int:
@@ -109,6 +109,8 @@ class _Reader:
                 # Flax and Orbax write string keys; str() of a nested container as a key grows
                 # exponentially with nesting (each level escapes the quotes of the one below).
                 raise self.fail(f"a map key that is a {type(key).__name__}, not a string")
+            if str(key) in out:  # msgpack allows it, Python would keep the last: a guess
+                raise self.fail(f"the map key {str(key)!r:.80} twice")
             out[str(key)] = self.value(depth + 1)
         return _unchunk(out, self) if out.get(_CHUNKED) is True else out
 

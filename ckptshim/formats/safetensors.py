@@ -6,14 +6,13 @@ read-only views of one memory map of the file.
 
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
-from ckptshim.formats.base import Checkpoint, check_view, file_info, storage_dtype
+from ckptshim.formats.base import Checkpoint, check_view, file_info, storage_dtype, strict_json
 from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
 
 NAME = "safetensors"
@@ -37,8 +36,8 @@ def read_header(path: Path) -> tuple[dict, int]:
                 f"{path}: header claims {length} bytes but the file has {size}; it is truncated "
                 "or not a safetensors file.")
         try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+            header = strict_json(f.read(length))
+        except ValueError as error:  # not JSON, not UTF-8, too deep, or a name listed twice
             raise CorruptCheckpointError(f"{path}: header is not valid JSON ({error})") from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{path}: header is not a JSON object")
@@ -58,7 +57,12 @@ def entries(path: Path, header: dict, data_start: int, key_sep: str = ".") -> li
             raise CorruptCheckpointError(f"{path}: malformed header entry {name!r:.80} ({error})") from None
         if begin < 0 or end < begin or any(d < 0 for d in shape):
             raise CorruptCheckpointError(f"{path}: entry {name!r} has an invalid shape or byte range")
-        out.append(Entry(split_key(name, key_sep), shape, dtype, (str(path), data_start + begin, data_start + end)))
+        entry = Entry(split_key(name, key_sep), shape, dtype, (str(path), data_start + begin, data_start + end))
+        if end - begin != entry.nbytes:  # as safetensors itself checks when it opens the file
+            raise CorruptCheckpointError(
+                f"{path}: entry {name!r:.80} is declared {dtype}{list(shape)} ({entry.nbytes} bytes) "
+                f"but its data_offsets span {end - begin}; the header is corrupt. Re-copy the file.")
+        out.append(entry)
     return out
 
 
