@@ -10,7 +10,6 @@ structure and bits, and both must equal the manifest.
 from __future__ import annotations
 
 import shutil
-import sys
 
 import jax
 import numpy as np
@@ -19,29 +18,15 @@ import pytest
 from ckptshim.hooks import registry
 from manifest import FIXTURES, array_sha256
 from orbax_fixtures import copy_fixture, flat
+from t5x_site import standin_t5x
 from test_formats_t5x_paxml import T5X, t5x_expected
-
-STANDIN = FIXTURES.parent / "t5x_standin" / "checkpoints.py"
 
 
 @pytest.fixture
-def t5x(tmp_path, monkeypatch):
-    """``import t5x.checkpoints`` (the stand-in) with the ckptshim hook attached; steps copied."""
-    package = tmp_path / "site" / "t5x"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text('"""Stand-in t5x package for ckptshim tests."""\n')
-    shutil.copy(STANDIN, package / "checkpoints.py")
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    for name in ("t5x", "t5x.checkpoints"):
-        sys.modules.pop(name, None)
-    registry.install(["t5x"])
-    import t5x.checkpoints
-
-    assert registry.states()["t5x"].startswith("active"), registry.states()
-    yield t5x.checkpoints
-    registry.uninstall(["t5x"])
-    for name in ("t5x", "t5x.checkpoints"):
-        sys.modules.pop(name, None)
+def t5x(tmp_path):
+    """``import t5x.checkpoints`` (the stand-in) with the ckptshim hook attached."""
+    with standin_t5x(tmp_path / "site") as checkpoints:
+        yield checkpoints
 
 
 def steps(tmp_path):

@@ -53,21 +53,7 @@ def built(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def t5x_standin(tmp_path_factory):
     """``import t5x.checkpoints`` is the stand-in (tests/t5x_standin), with ckptshim's hook on."""
-    from ckptshim.hooks import registry
+    from t5x_site import standin_t5x
 
-    site = tmp_path_factory.mktemp("t5x_site")
-    (site / "t5x").mkdir()
-    (site / "t5x" / "__init__.py").write_text('"""Stand-in t5x package for ckptshim tests."""\n')
-    shutil.copy(Path(__file__).parent.parent / "t5x_standin" / "checkpoints.py", site / "t5x")
-    sys.path.insert(0, str(site))
-    for name in ("t5x", "t5x.checkpoints"):
-        sys.modules.pop(name, None)
-    registry.install(["t5x"])
-    import t5x.checkpoints
-
-    assert registry.states()["t5x"].startswith("active"), registry.states()
-    yield t5x.checkpoints
-    registry.uninstall(["t5x"])
-    sys.path.remove(str(site))
-    for name in ("t5x", "t5x.checkpoints"):
-        sys.modules.pop(name, None)
+    with standin_t5x(tmp_path_factory.mktemp("t5x_site")) as checkpoints:
+        yield checkpoints
