@@ -73,7 +73,7 @@ def run_hypothesis(name: str, seconds: int) -> None:
 
 
 def replay(path: Path, name: str) -> None:
-    """Feed one saved input to a harness without catching anything: shows the traceback."""
+    """Feed one saved input to a harness: a crash shows its traceback, a refusal passes."""
     import harnesses
 
     target = harnesses.Target(harnesses.BY_NAME[name], Path(tempfile.mkdtemp(prefix=f"fuzz-{name}-")))
