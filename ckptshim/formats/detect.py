@@ -6,11 +6,11 @@ from pathlib import Path
 from types import ModuleType
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
-from ckptshim.formats import dcp, deepspeed_pipeline, flax_msgpack, hf_dir, orbax, orbax_manager, paxml, safetensors, t5x, torch_pickle
+from ckptshim.formats import dcp, deepspeed_pipeline, flax_msgpack, hf_dir, orbax, orbax_manager, paxml, paxml_flax, safetensors, t5x, torch_pickle
 from ckptshim.formats.base import Checkpoint
 
 #: Most specific first: a directory format before the single files it may contain.
-FORMATS: tuple[ModuleType, ...] = (hf_dir, dcp, deepspeed_pipeline, t5x, paxml, orbax, orbax_manager, safetensors, torch_pickle,
+FORMATS: tuple[ModuleType, ...] = (hf_dir, dcp, deepspeed_pipeline, paxml_flax, t5x, paxml, orbax, orbax_manager, safetensors, torch_pickle,
                                     flax_msgpack)
 
 

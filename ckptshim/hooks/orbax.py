@@ -27,7 +27,7 @@ from typing import Any
 
 from ckptshim.errors import PlanError
 from ckptshim.execute import jax_restore
-from ckptshim.formats import flax_msgpack, orbax as orbax_format, orbax_manager, paxml, t5x
+from ckptshim.formats import flax_msgpack, orbax as orbax_format, orbax_manager, paxml, paxml_flax, t5x
 from ckptshim.formats.base import Checkpoint
 from ckptshim.hooks.seam import Patches, guarded
 from ckptshim.log import logger
@@ -85,6 +85,8 @@ def open_item(path: Path) -> Checkpoint | None:
     """The checkpoint at an item path, if it is in a layout ckptshim reads (metadata only)."""
     if t5x.is_legacy_step(path):  # its msgpack would otherwise pass for an Orbax aggregate
         return t5x.open_checkpoint(path)
+    if paxml_flax.is_state_dir(path):  # its aggregate would otherwise pass for an Orbax one
+        return paxml_flax.open_checkpoint(path)
     if paxml.is_state_dir(path):  # PaxML 1.0/1.1: zarr folders with no Orbax tree metadata
         return paxml.open_checkpoint(path)
     if orbax_format.sniff(path):
