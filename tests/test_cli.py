@@ -208,16 +208,12 @@ def test_inspect_json_on_every_fixture(capsys, path, folder, prefix):
     assert info["total_bytes"] == sum(e["bytes"] for e in info["entries"])
 
 
-ZARR_TRUNCATED = pytest.mark.xfail(strict=True, reason=(
-    "per-leaf zarr chunks are compressed and their metadata records no chunk sizes, so a "
-    "truncated chunk is found only when it is read"))
-
-
 @pytest.mark.parametrize(("path", "damage"), [
     ("orbax_0.12.8_scanned/standard_checkpointer_scanned", "delete"),
     ("orbax_0.12.8_scanned/standard_checkpointer_scanned", "truncate"),
     ("orbax_0.2.3_unscanned/pytree_checkpointer", "delete"),
-    pytest.param("orbax_0.2.3_unscanned/pytree_checkpointer", "truncate", marks=ZARR_TRUNCATED)])
+    ("orbax_0.2.3_unscanned/pytree_checkpointer", "truncate"),
+    ("paxml_runs/TinySpmdRepeat/checkpoints/checkpoint_00000000", "truncate")])
 def test_damaged_jax_checkpoint_names_the_file(tmp_path, capsys, path, damage):
     root = tmp_path / "copy"
     shutil.copytree(FIXTURES / path, root)

@@ -6,10 +6,13 @@ refused even where Orbax would have read it (a missing zarr chunk reads as zeros
 
 from __future__ import annotations
 
+import shutil
+
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import tensorstore as ts
 
 from ckptshim.errors import CorruptCheckpointError, PlanError, ShimError
 from manifest import FIXTURES
@@ -63,9 +66,17 @@ def test_corrupt_metadata(tmp_path, scanned_target):
 
 
 def test_corrupt_chunk_fails_the_whole_restore(tmp_path):
-    """Reading fails half-way: the caller gets the error, no partly filled tree, its target intact."""
+    """Reading fails half-way: the caller gets the error, no partly filled tree, its target intact.
+
+    The chunk swapped in is a whole zstd frame (written by tensorstore, so its headers pass the
+    completeness check) holding one float where the array needs 128 x 32: only reading finds it.
+    """
     root = copy_fixture("orbax_0.2.3_unscanned", tmp_path) / "pytree_checkpointer"
-    (root / "params.token_embedder.embedding" / "0.0").write_bytes(b"not zstd data at all")
+    small = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(tmp_path / "small")},
+             "metadata": {"shape": [1], "chunks": [1], "dtype": "<f4",
+                          "compressor": {"id": "zstd", "level": 1}}}
+    ts.open(small, create=True).result().write(np.ones(1, np.float32)).result()
+    shutil.copy(tmp_path / "small" / "0", root / "params.token_embedder.embedding" / "0.0")
     with ocp.StandardCheckpointer() as checkpointer:
         target = checkpointer.restore(FIXTURES / "orbax_0.12.8_scanned" / "standard_checkpointer_scanned")
     before = jax.tree_util.tree_map(np.array, target)

@@ -189,6 +189,10 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
             if count:
                 shown = ", ".join(absent) + (f" and {count - len(absent)} more" if count > len(absent) else "")
                 problems.append(f"{leaf}: {count} chunk(s) missing ({shown})")
+        if not ocdbt:  # OCDBT records each chunk's size; plain files only their frames do
+            count, short = array.short_chunks(path / leaf, by_array.get(leaf, set()))
+            if count:
+                problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")
 
     files: list[FileInfo] = []
     if ocdbt:

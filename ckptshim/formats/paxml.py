@@ -159,5 +159,8 @@ def open_checkpoint(path: Path) -> Checkpoint:
             count, absent = array.missing_chunks(listed.get(name, set()))
             if count:
                 problems.append(f"{name}: {count} chunk(s) missing ({', '.join(absent)})")
+        count, short = array.short_chunks(state / name, listed.get(name, set()))
+        if count:
+            problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")
     shown = "0.0 (no metadata)" if version is None else f"{version:g}"
     return PaxmlCheckpoint(state, f"{shown}, tensorstore", Inventory(entries, str(state)), problems)

@@ -12,10 +12,12 @@ import itertools
 import math
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
+from ckptshim.formats import frames
 from ckptshim.formats.base import strict_json
 from ckptshim.inventory import dtype_name
 
@@ -36,6 +38,7 @@ class ZarrArray:
     separator: str               # between chunk indices in a key
     prefix: str                  # before the chunk indices ("c/" in zarr v3 default encoding)
     fill_value_null: bool        # v2 with no fill value: a missing chunk silently reads as zeros
+    compressor: str | None = None  # v2: of each chunk file ("zstd", "gzip", ...); None: not known
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -85,6 +88,16 @@ class ZarrArray:
         first = itertools.islice((k for k in self.chunk_keys() if k not in present), min(shown, missing))
         return missing, list(first)
 
+    def short_chunks(self, folder: Path, present: Collection[str], shown: int = 4) -> tuple[int, list[str]]:
+        """How many of the chunk files ``present`` in ``folder`` are shorter than their own
+        compressed frames say, and why for the first ``shown`` (see :mod:`frames`)."""
+        if self.compressor not in frames.MEASURABLE:
+            return 0, []
+        problems = (frames.short_chunk(folder / key, self.compressor, f"{folder.name}/{key}")
+                    for key in sorted(present) if self.is_chunk_key(key))
+        found = [problem for problem in problems if problem]
+        return len(found), found[:shown]
+
 
 def parse(raw: bytes, where: str) -> ZarrArray:
     """Parse ``.zarray`` or ``zarr.json`` bytes (the file name decides; see :data:`METADATA_FILES`)."""
@@ -113,9 +126,12 @@ def _check(array: ZarrArray) -> None:
 def _parse_v2(meta: dict) -> ZarrArray:
     raw_dtype = meta["dtype"]
     dtype = dtype_name(raw_dtype if raw_dtype == "bfloat16" else np.dtype(raw_dtype))
+    compressor = meta.get("compressor")
+    compressor = compressor.get("id") if isinstance(compressor, dict) else None
     return ZarrArray("zarr", tuple(int(n) for n in meta["shape"]), dtype,
                      tuple(int(n) for n in meta["chunks"]), meta.get("dimension_separator", "."),
-                     "", meta.get("fill_value") is None)
+                     "", meta.get("fill_value") is None,
+                     compressor if isinstance(compressor, str) else None)
 
 
 def _parse_v3(meta: dict) -> ZarrArray:
