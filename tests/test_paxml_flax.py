@@ -13,7 +13,6 @@ the optimizer states a list of ``NestedMap``s of per-prefix tuples -- then, as
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 
@@ -23,7 +22,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from etils import epath
-from flax import struct
 from flax.training import checkpoints
 from hypothesis import given, settings, strategies as st
 
@@ -34,66 +32,9 @@ from ckptshim.formats.detect import open_checkpoint
 from ckptshim.formats.paxml_flax import leaf_names, parse
 from ckptshim.inventory import flatten, unflatten
 from manifest import FIXTURES
+from paxml_flax_writer import NestedMap, TrainState, pax_payload, write_with_orbax
 
 PAX_STATE = FIXTURES / "paxml_runs/TinySpmdRepeat/checkpoints/checkpoint_00000001/state"
-
-
-class NestedMap(dict):
-    """praxis' NestedMap as far as pytrees see it: a dict node whose auxiliary data is its keys."""
-
-
-jax.tree_util.register_pytree_with_keys(
-    NestedMap,
-    lambda m: ([(jax.tree_util.DictKey(k), m[k]) for k in sorted(m)], tuple(sorted(m))),
-    lambda keys, values: NestedMap(zip(keys, values, strict=True)),
-    lambda m: ([m[k] for k in sorted(m)], tuple(sorted(m))))
-
-
-class TrainState(struct.PyTreeNode):
-    """The fields of PaxML's ``TrainState``, in its order."""
-
-    step: object
-    mdl_vars: object
-    opt_states: list
-    extra_state: object = ()
-
-
-def nested(flat: dict[tuple[str, ...], np.ndarray]) -> NestedMap:
-    out = NestedMap()
-    for key, value in flat.items():
-        node = out
-        for part in key[:-1]:
-            node = node.setdefault(part, NestedMap())
-        node[key[-1]] = value
-    return out
-
-
-def pax_train_state(stored: dict[tuple[str, ...], np.ndarray]) -> TrainState:
-    """``opt_states_0.<prefix>_<i>.<...>``: list position 0, then tuple position i of ``<prefix>``."""
-    chains: dict[str, dict[int, dict]] = {}
-    for key, value in stored.items():
-        if key[0] == "opt_states_0":
-            prefix, i = re.fullmatch(r"(.+)_(\d+)", key[1]).groups()
-            chains.setdefault(prefix, {}).setdefault(int(i), {})[key[2:]] = value
-    opt_state = NestedMap({prefix: tuple(nested(by_index[i]) for i in range(len(by_index)))
-                           for prefix, by_index in chains.items()})
-    return TrainState(step=stored[("step",)],
-                      mdl_vars=nested({k[1:]: v for k, v in stored.items() if k[0] == "mdl_vars"}),
-                      opt_states=[opt_state])
-
-
-def pax_payload(stored) -> dict:
-    """What ``FlaxCheckpointHandler.async_save`` stores for this train state."""
-    flattened_state, pytree_state = jax.tree_util.tree_flatten(jax.device_get(pax_train_state(stored)))
-    return {"flattened_state": flattened_state, "str_pytree_state": str(pytree_state)}
-
-
-def write_with_orbax(state_dir, payload) -> None:
-    async def save():
-        return await ocp.aggregate_handlers.MsgpackHandler().serialize(epath.Path(state_dir) / "checkpoint", payload)
-
-    state_dir.mkdir(parents=True)
-    asyncio.run(save()).result()
 
 
 @pytest.fixture(scope="module")

@@ -135,7 +135,11 @@ class _Parser:
 
     def string(self) -> str:
         # One quoted literal, checked by the pattern first: literal_eval only decodes its escapes.
-        return ast.literal_eval(self.match(_STRING, "a quoted string"))
+        literal = self.match(_STRING, "a quoted string")
+        try:
+            return ast.literal_eval(literal)
+        except (SyntaxError, ValueError):  # a NUL byte, an escape Python does not know
+            raise self.fail(f"a string Python cannot read back ({literal!r:.40})") from None
 
     def items(self, close: str, item, depth: int) -> list:
         out = []

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -147,6 +148,21 @@ def _seed_zarr3() -> bytes:
     return value
 
 
+def _write_paxml_flax(root: Path) -> None:
+    """Beside the copied PaxML run, its FLAX-type save (``flax/checkpoint_1/state/checkpoint``)
+    as ``tests/paxml_flax_writer.py`` reproduces it with the real Orbax writer."""
+    if str(FIXTURES.parent) not in sys.path:
+        sys.path.insert(0, str(FIXTURES.parent))  # tests/, where the writer lives
+    from paxml_flax_writer import pax_payload, write_with_orbax
+
+    checkpoint = detect.open_checkpoint(root)
+    try:
+        arrays = {key: checkpoint.read(entry).copy() for key, entry in checkpoint.inventory.items()}
+    finally:
+        checkpoint.close()
+    write_with_orbax(root / "flax" / "checkpoint_1" / "state", pax_payload(arrays))
+
+
 _DS = "neox_deepspeed/pp1_mp1/checkpoint"
 _PAX = "paxml_runs/TinySpmdRepeat/checkpoints/checkpoint_00000000"
 
@@ -190,6 +206,13 @@ HARNESSES: tuple[Harness, ...] = (
             "t5x_tiny_decoder/legacy_checkpointer/checkpoint_0", "checkpoint", examples=180),
     Harness("paxml_metadata", "formats/paxml.py: _version, unpadded_shapes",
             _PAX, "metadata/metadata", examples=120),
+    Harness("paxml_flax", "formats/paxml_flax.py: parse (str_pytree_state), leaf_names",
+            "paxml_runs/TinySpmdRepeat/checkpoints/checkpoint_00000001/state",
+            "flax/checkpoint_1/state/checkpoint", open_at="flax/checkpoint_1/state",
+            prepare=_write_paxml_flax, examples=180),
+    Harness("zstd_chunk", "formats/frames.py: needed_length (zstd frame and block headers)",
+            "orbax_0.2.3_unscanned/pytree_checkpointer", "params.decoder.decoder_norm.scale/0",
+            examples=300),
 )
 
 BY_NAME = {h.name: h for h in HARNESSES}

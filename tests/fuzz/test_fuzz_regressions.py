@@ -314,3 +314,10 @@ def test_t5x_spec_path_with_nul_bytes(tmp_path):
     folder = b"target.decoder.layers_0.mlp.wi_0.kernel/"
     assert folder in t.seed
     refused(t, t.seed.replace(folder, folder.replace(b"mlp", b"\x00\x00\x00")), "with a relative folder name")
+
+
+def test_paxml_flax_treedef_string_with_a_nul_byte(tmp_path):
+    """Found (tests/fuzz): a NUL byte inside a quoted key of ``str_pytree_state`` reached
+    ``ast.literal_eval``, which raised SyntaxError."""
+    t = target("paxml_flax", tmp_path)
+    refused(t, harnesses.mutate(t.seed, [("pack", 309191, 0)]), "a string Python cannot read back")
