@@ -287,3 +287,17 @@ def test_plan_neox_pipeline_like_its_hf_conversion(capsys):
     assert code == 0 and info["complete"]
     assert "sequential.6.final_linear.weight -> rename -> embed_out.weight" in info["lines"]
     assert info["summary"].startswith("28 renamed")
+
+
+@pytest.mark.parametrize("model_dir", [
+    "t5x_tiny_decoder/legacy_checkpointer", "paxml_runs/TinySpmdRepeat/checkpoints",
+    "orbax_0.2.3_unscanned/checkpoint_manager"])
+def test_two_folders_holding_one_step_are_refused(tmp_path, capsys, model_dir):
+    """``checkpoint_1`` beside ``checkpoint_01``: which one is meant would be a guess."""
+    root = shutil.copytree(FIXTURES / model_dir, tmp_path / "run")
+    step = max((p for p in root.iterdir() if p.is_dir() and p.name[-1].isdigit()),
+               key=lambda p: p.name)
+    prefix, number = step.name.rstrip("0123456789"), step.name[len(step.name.rstrip("0123456789")):]
+    shutil.copytree(step, root / f"{prefix}0{number}")
+    assert main(["inspect", str(root)]) == 1
+    assert f"both hold step {int(number)}" in capsys.readouterr().err

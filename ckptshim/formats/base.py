@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,6 +113,31 @@ def check_view(entry: Entry, begin: int, end: int, available: int, where: str) -
         raise CorruptCheckpointError(
             f"{where}: {'.'.join(entry.key)!r} needs bytes up to {end} but the file has "
             f"{available}; the file is truncated. Re-copy it from the original.")
+
+
+def step_folders(root: Path, pattern: re.Pattern, accept: Callable[[Path], Path | None]) -> dict[int, Path]:
+    """Step number -> ``accept(child)``, in step order, for each child of ``root`` whose name
+    ``pattern`` matches (its group 1 is the step) and that ``accept`` turns into a path (the
+    step folder itself, or the file in it that holds the step).
+
+    Two children naming one step (``checkpoint_1`` beside ``checkpoint_01``) are refused: which
+    one the writer meant would be a guess.
+    """
+    if not root.is_dir():
+        return {}
+    found: dict[int, tuple[str, Path]] = {}
+    for child in sorted(root.iterdir()):
+        match = pattern.match(child.name)
+        accepted = accept(child) if match else None
+        if accepted is None:
+            continue
+        step = int(match.group(1))
+        if step in found:
+            raise CorruptCheckpointError(
+                f"{root}: {found[step][0]} and {child.name} both hold step {step}; move the one "
+                "that is not the checkpoint you mean out of this folder.")
+        found[step] = child.name, accepted
+    return {step: found[step][1] for step in sorted(found)}
 
 
 def itemsize(dtype: str) -> int:

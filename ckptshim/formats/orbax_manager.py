@@ -17,7 +17,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import orbax
-from ckptshim.formats.base import Checkpoint, FileInfo
+from ckptshim.formats.base import Checkpoint, FileInfo, step_folders
 from ckptshim.inventory import Entry, Inventory
 
 NAME = "orbax-manager"
@@ -33,14 +33,7 @@ def items(step_dir: Path) -> dict[str, Path]:
 
 def steps(root: Path) -> dict[int, Path]:
     """Step number -> step folder, for the step folders (with at least one item) under ``root``."""
-    if not root.is_dir():
-        return {}
-    found: dict[int, Path] = {}
-    for child in sorted(root.iterdir()):
-        match = _STEP.match(child.name)
-        if match and items(child):
-            found.setdefault(int(match.group(1)), child)
-    return dict(sorted(found.items()))
+    return step_folders(root, _STEP, lambda child: child if items(child) else None)
 
 
 def sniff(path: Path) -> bool:

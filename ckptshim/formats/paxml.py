@@ -27,7 +27,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import kvstore, orbax, zarr
-from ckptshim.formats.base import Checkpoint
+from ckptshim.formats.base import Checkpoint, step_folders
 from ckptshim.inventory import Entry, Inventory, KeyPath, flatten
 
 NAME = "paxml"
@@ -72,11 +72,8 @@ def is_step_dir(path: Path) -> bool:
 
 def steps(root: Path) -> dict[int, Path]:
     """Step number -> step folder, for ``checkpoint_%08d`` folders under ``root``."""
-    if not root.is_dir():
-        return {}
-    found = {int(m.group(1)): child for child in root.iterdir()
-             if (m := _STEP.match(child.name)) and (is_step_dir(child) or is_state_dir(child))}
-    return dict(sorted(found.items()))
+    return step_folders(root, _STEP,
+                        lambda child: child if is_step_dir(child) or is_state_dir(child) else None)
 
 
 def sniff(path: Path) -> bool:

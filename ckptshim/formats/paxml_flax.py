@@ -25,7 +25,7 @@ from typing import Any
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import flax_msgpack, msgpack_tree
-from ckptshim.formats.base import file_info
+from ckptshim.formats.base import file_info, step_folders
 from ckptshim.inventory import Inventory, KeyPath
 
 NAME = "paxml-flax"
@@ -62,15 +62,7 @@ def _payload_of(path: Path) -> Path | None:
 
 def steps(root: Path) -> dict[int, Path]:
     """Step number -> payload file, for ``checkpoint_<step>`` folders or files under ``root``."""
-    if not root.is_dir():
-        return {}
-    found = {}
-    for child in root.iterdir():
-        match = _STEP.match(child.name)
-        payload = _payload_of(child) if match else None
-        if payload is not None:
-            found[int(match.group(1))] = payload
-    return dict(sorted(found.items()))
+    return step_folders(root, _STEP, _payload_of)
 
 
 def is_state_dir(path: Path) -> bool:

@@ -30,7 +30,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats import kvstore, msgpack_tree, orbax, zarr
-from ckptshim.formats.base import Checkpoint, file_info, inside, storage_dtype
+from ckptshim.formats.base import Checkpoint, file_info, inside, step_folders, storage_dtype
 from ckptshim.formats.ts_arrays import numpy_dtype
 from ckptshim.inventory import Entry, Inventory, KeyPath
 
@@ -93,14 +93,8 @@ def is_orbax_step(path: Path) -> bool:
 
 def steps(root: Path) -> dict[int, Path]:
     """Step number -> ``checkpoint_<step>`` folder of either generation, under a model dir."""
-    if not root.is_dir():
-        return {}
-    found = {}
-    for child in root.iterdir():
-        match = _STEP.match(child.name)
-        if match and (is_legacy_step(child) or is_orbax_step(child)):
-            found[int(match.group(1))] = child
-    return dict(sorted(found.items()))
+    return step_folders(root, _STEP,
+                        lambda child: child if is_legacy_step(child) or is_orbax_step(child) else None)
 
 
 def sniff(path: Path) -> bool:
