@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from itertools import product
 from collections.abc import Mapping
+from itertools import product
 from typing import Any, Protocol
 
 import numpy as np
@@ -109,13 +109,10 @@ def _filler(source: SliceSource, plan: Plan, producer, target: TargetLeaf, sep: 
         reads = _moved(plan.source[producer.source], getattr(producer, "perm", None))
     elif isinstance(producer, (Unstack, Split)):
         entry = plan.source[producer.source]
-        axes, perm = ((producer.axis,), None) if isinstance(producer, Unstack) else (producer.axes, producer.perm)
-        at = np.unravel_index(producer.targets.index(target.key), [entry.shape[a] for a in axes])
-        reads = _split(entry, axes, tuple(map(int, at)), perm)
+        at = np.unravel_index(producer.targets.index(target.key), [entry.shape[a] for a in producer.axes])
+        reads = _split(entry, producer.axes, tuple(map(int, at)), producer.perm)
     elif isinstance(producer, (Stack, Join)):
-        entries = [plan.source[k] for k in producer.sources]
-        axes, perm = ((producer.axis,), None) if isinstance(producer, Stack) else (producer.axes, producer.perm)
-        reads = _join(entries, axes, perm, target.shape)
+        reads = _join([plan.source[k] for k in producer.sources], producer.axes, producer.perm, target.shape)
     else:
         raise PlanError(f"{join_key(target.key, sep)}: the JAX executor cannot run {type(producer).__name__}")
 

@@ -78,6 +78,15 @@ class Stack:
     def targets(self) -> tuple[KeyPath, ...]:
         return (self.target,)
 
+    @property
+    def axes(self) -> tuple[int, ...]:
+        """As :class:`Join` spells it: ``Stack`` is the one-axis ``Join`` without a permutation."""
+        return (self.axis,)
+
+    @property
+    def perm(self) -> None:
+        return None
+
     def inverse(self) -> Unstack:
         return Unstack(self.target, self.sources, self.axis)
 
@@ -93,6 +102,15 @@ class Unstack:
     @property
     def sources(self) -> tuple[KeyPath, ...]:
         return (self.source,)
+
+    @property
+    def axes(self) -> tuple[int, ...]:
+        """As :class:`Split` spells it: ``Unstack`` is the one-axis ``Split`` without a permutation."""
+        return (self.axis,)
+
+    @property
+    def perm(self) -> None:
+        return None
 
     def inverse(self) -> Stack:
         return Stack(self.targets, self.source, self.axis)
