@@ -22,7 +22,7 @@ from torch import nn
 
 import ckptshim  # noqa: F401  (attaches the hooks)
 from ckptshim.errors import CorruptCheckpointError, PlanError
-from ckptshim.execute import tensor_parallel
+from ckptshim.formats import tensor_parallel
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.hooks.deepspeed import layer_state_dicts
 from ckptshim.inventory import join_key

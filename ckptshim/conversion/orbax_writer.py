@@ -22,7 +22,7 @@ import numpy as np
 
 from ckptshim.conversion.arrays import PlannedArrays
 from ckptshim.conversion.progress import Progress
-from ckptshim.formats.ts_arrays import numpy_dtype
+from ckptshim.formats.base import numpy_dtype
 from ckptshim.inventory import Entry, unflatten
 
 

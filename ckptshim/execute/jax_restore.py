@@ -112,9 +112,9 @@ def as_stored(checkpoint: Checkpoint) -> dict:
     import numpy as np
 
     from ckptshim.formats.msgpack_tree import Inline
-    from ckptshim.formats.ts_arrays import numpy_dtype
+    from ckptshim.formats.base import numpy_dtype
 
-    current = "standard" in getattr(checkpoint, "orbax_readers", ())
+    current = "standard" in checkpoint.orbax_readers
 
     def leaf(entry):
         if isinstance(entry.location, Inline) and entry.location.ref is None:

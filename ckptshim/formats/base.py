@@ -1,9 +1,12 @@
 """What every format provides: an inventory from metadata, and reads of exactly what is asked.
 
 A format module exposes ``NAME``, ``sniff(path) -> bool`` (cheap: file names, magic bytes,
-version fields) and ``open_checkpoint(path) -> Checkpoint``. Opening reads metadata only; bytes are
-read by :meth:`Checkpoint.read`, one entry (or one slice of one) at a time, usually straight
-from a memory map so that nothing is copied until the executor writes into its destination.
+version fields), ``READERS`` (which backends' load calls can be given such a checkpoint, each
+with the recogniser that says so: see :func:`ckptshim.formats.detect.detect`) and
+``open_checkpoint(path) -> Checkpoint``. Opening reads metadata only; bytes are read by
+:meth:`Checkpoint.read` (a whole entry, usually a view of a memory map, so nothing is copied
+until an executor writes it into its destination) or :meth:`Checkpoint.read_into` (one index
+range of an entry, straight into a buffer the caller owns).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any, ClassVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +32,16 @@ _NO_NUMPY_TYPE = {"bfloat16": "<u2", "float8_e4m3fn": "u1", "float8_e5m2": "u1",
 def storage_dtype(name: str) -> np.dtype:
     """The little-endian numpy dtype that holds ``name``'s bytes (bfloat16 -> uint16 bits)."""
     return np.dtype(_NO_NUMPY_TYPE.get(name, name)).newbyteorder("<") if name != "bool" else np.dtype(bool)
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype that computes with ``name``'s values (ml_dtypes for bfloat16 and float8)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
 
 
 @dataclass(frozen=True)
@@ -57,9 +71,13 @@ class Checkpoint(ABC):
     """An opened checkpoint: metadata (inventory, files, problems) and reads on demand.
 
     ``key_sep`` is how the format's own tools spell key paths (``.`` for torch, ``/`` for JAX).
+    ``orbax_readers`` names the restore args of today's Orbax (``"standard"``, ``"pytree"``)
+    that read this layout unaided: where the caller's args are among them and the keys fit,
+    the Orbax hook lets Orbax restore it.
     """
 
     key_sep = "."
+    orbax_readers: ClassVar[frozenset[str]] = frozenset()
 
     path: Path
     format: str
@@ -81,6 +99,17 @@ class Checkpoint(ABC):
 
         Usually a read-only view of a memory map: slicing it reads only the slice's pages.
         """
+
+    def read_into(self, entry: Entry, index: tuple, out: np.ndarray) -> Any:
+        """Copy ``entry[index]`` into ``out``, cast to ``out.dtype`` (as Orbax casts on restore).
+
+        Returns ``None`` when done, or a future whose ``result()`` waits for the copy. This
+        default slices :meth:`read`'s view, so a memory-mapped format reads only the pages of
+        that range; formats whose arrays are compressed chunks read just the chunks it needs.
+        """
+        value = self.read(entry).view(numpy_dtype(entry.dtype))
+        np.copyto(out, value[index], casting="unsafe")
+        return None
 
     def require_complete(self) -> None:
         problems = self.all_problems()

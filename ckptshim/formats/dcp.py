@@ -328,6 +328,9 @@ def sniff(path: Path) -> bool:
     return path.is_dir() and (path / METADATA_FILE).is_file()
 
 
+READERS = {"torch": sniff}
+
+
 class DcpCheckpoint(Checkpoint):
     """A DCP directory. Tensor entries' locations are their flat keys; object entries (pickled
     Python values) are listed as ``uint8`` arrays of their stored length."""

@@ -32,8 +32,7 @@ from typing import Any
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
-from ckptshim.execute import tensor_parallel
-from ckptshim.formats import torch_pickle
+from ckptshim.formats import tensor_parallel, torch_pickle
 from ckptshim.formats.base import Checkpoint, FileInfo, file_info
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key
 from ckptshim.rules.profiles import neox
@@ -150,6 +149,9 @@ def sniff(path: Path) -> bool:
         return step.is_dir() and _is_step_dir(step)
     except (CorruptCheckpointError, OSError):  # a damaged ``latest`` beside step folders: open says why
         return any(child.is_dir() and child.name.startswith("global_step") for child in path.iterdir())
+
+
+READERS = {"torch": sniff}
 
 
 def _is_dir(path: Path) -> bool:

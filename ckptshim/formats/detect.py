@@ -1,4 +1,11 @@
-"""Which format a path is in, from cheap fingerprints; and opening it."""
+"""Which format a path is in, from cheap fingerprints; and opening it.
+
+One detector, one order. ``detect(path)`` recognises anything ckptshim reads (what ``ckptshim
+inspect`` accepts: files, items, step folders, roots of steps); ``detect(path, backend=...)``
+only what a load call of that backend can be given, as each format's ``READERS`` says: for
+``"torch"`` (``dcp.load``, DeepSpeed) the files and folders torch's loaders read, for ``"jax"``
+(an Orbax, Flax or T5X restore) one restorable item.
+"""
 
 from __future__ import annotations
 
@@ -9,23 +16,28 @@ from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import dcp, deepspeed_pipeline, flax_msgpack, hf_dir, orbax, orbax_manager, paxml, paxml_flax, safetensors, t5x, torch_pickle
 from ckptshim.formats.base import Checkpoint
 
-#: Most specific first: a directory format before the single files it may contain.
+#: Most specific first: a directory format before the single files it may contain; PaxML's and
+#: T5X's msgpack aggregates before Orbax's, for which they would otherwise pass.
 FORMATS: tuple[ModuleType, ...] = (hf_dir, dcp, deepspeed_pipeline, paxml_flax, t5x, paxml, orbax, orbax_manager, safetensors, torch_pickle,
                                     flax_msgpack)
+#: The backends whose load calls name a checkpoint (see each format's ``READERS``).
+BACKENDS = ("torch", "jax")
 
 
-def detect(path: str | Path) -> ModuleType:
-    """The format module that recognises ``path``, or a :class:`UnknownFormatError`."""
+def detect(path: str | Path, backend: str | None = None) -> ModuleType:
+    """The format module that recognises ``path`` (for ``backend``'s load calls, if given), or a
+    :class:`UnknownFormatError`."""
     path = Path(path)
     if not path.exists():
         raise CorruptCheckpointError(f"{path}: no such file or directory")
     if path.is_dir() and not any(path.iterdir()):
         raise UnknownFormatError(f"{path} is an empty directory; point at a checkpoint file or folder.")
-    for fmt in FORMATS:
-        if fmt.sniff(path):
+    candidates = FORMATS if backend is None else tuple(fmt for fmt in FORMATS if backend in fmt.READERS)
+    for fmt in candidates:
+        if (fmt.sniff if backend is None else fmt.READERS[backend])(path):
             return fmt
-    known = ", ".join(fmt.NAME for fmt in FORMATS)
-    if path.is_dir() and (path / "config.json").is_file():
+    known = ", ".join(fmt.NAME for fmt in candidates)
+    if hf_dir in candidates and path.is_dir() and (path / "config.json").is_file():
         raise CorruptCheckpointError(
             f"{path} holds a config.json but no weights: none of {', '.join(hf_dir.WEIGHT_FILES)} "
             "is in it (missing). Restore the weights file (or re-copy the model folder).")
@@ -34,6 +46,6 @@ def detect(path: str | Path) -> ModuleType:
         "checkpoint's top-level folder, or check that the file is not truncated.")
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
+def open_checkpoint(path: str | Path, backend: str | None = None) -> Checkpoint:
     """Open ``path`` in whatever format it is in (metadata only; no tensor bytes are read)."""
-    return detect(path).open_checkpoint(Path(path))
+    return detect(path, backend).open_checkpoint(Path(path))

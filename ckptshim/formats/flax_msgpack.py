@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
 from ckptshim.formats import msgpack_tree
-from ckptshim.formats.base import Checkpoint, file_info, storage_dtype
-from ckptshim.formats.ts_arrays import numpy_dtype
+from ckptshim.formats.base import Checkpoint, file_info, numpy_dtype, storage_dtype
 from ckptshim.inventory import Entry, Inventory
 
 NAME = "flax-msgpack"
@@ -39,12 +39,15 @@ def sniff(path: Path) -> bool:
     return msgpack_tree.is_msgpack_file(path) or (path.is_dir() and bool(step_files(path)))
 
 
+READERS = {"jax": sniff}
+
+
 class FlaxMsgpackCheckpoint(Checkpoint):
     """One legacy Flax msgpack file; entry locations are :class:`msgpack_tree.Inline`."""
 
     key_sep = "/"
     #: Today's Orbax cannot read these files at all; the Orbax hooks always step in.
-    orbax_readers: frozenset[str] = frozenset()
+    orbax_readers: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, path: Path, version: str, inventory: Inventory, files, data) -> None:
         super().__init__(path, NAME, version, inventory, tuple(files))

@@ -28,6 +28,9 @@ def sniff(path: Path) -> bool:
     return path.is_dir() and any((path / name).is_file() for name in WEIGHT_FILES)
 
 
+READERS = {"torch": sniff}
+
+
 def _open_file(path: Path) -> Checkpoint:
     return safetensors.open_checkpoint(path) if path.suffix == ".safetensors" else torch_pickle.open_checkpoint(path)
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
+from ckptshim.formats.base import numpy_dtype
 from ckptshim.inventory import DTYPE_SIZES, Entry, KeyPath, dtype_name, flatten
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
@@ -214,8 +215,6 @@ def inline_entry(key: KeyPath, leaf: ArrayRef | bool | int | float) -> Entry:
 
 def copy_inline(data, entry: Entry, index: tuple, out: np.ndarray) -> None:
     """Copy ``entry[index]`` (an :class:`Inline` in the mapped file ``data``) into ``out``, cast."""
-    from ckptshim.formats.ts_arrays import numpy_dtype
-
     where: Inline = entry.location
     dtype = numpy_dtype(entry.dtype)
     if where.ref is None:

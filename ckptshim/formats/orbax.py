@@ -25,8 +25,8 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import kvstore, msgpack_tree, zarr
-from ckptshim.formats.base import Checkpoint, FileInfo, file_info, inside, storage_dtype, strict_json
-from ckptshim.formats.ts_arrays import TensorstoreArrays, numpy_dtype
+from ckptshim.formats.base import Checkpoint, FileInfo, file_info, inside, numpy_dtype, storage_dtype, strict_json
+from ckptshim.formats.ts_arrays import TensorstoreArrays
 from ckptshim.inventory import Entry, Inventory, KeyPath
 
 NAME = "orbax"
@@ -45,8 +45,11 @@ def sniff(path: Path) -> bool:
     return msgpack_tree.is_msgpack_file(path / AGGREGATE)
 
 
+READERS = {"jax": sniff}
+
+
 @dataclass(frozen=True)
-class _Stored:
+class StoredArray:
     """Where a tensorstore-backed leaf lives: its zarr array name and driver."""
 
     name: str
@@ -54,22 +57,26 @@ class _Stored:
 
 
 class OrbaxCheckpoint(Checkpoint):
-    """An Orbax item folder; entry locations are :class:`_Stored` or :class:`msgpack_tree.Inline`."""
+    """An Orbax item folder; entry locations are :class:`StoredArray` or :class:`msgpack_tree.Inline`."""
 
     key_sep = "/"
 
     def __init__(self, path: Path, version: str, inventory: Inventory, files, problems,
                  *, ocdbt: bool, native: bool, aggregate=None) -> None:
         super().__init__(path, NAME, version, inventory, tuple(files), tuple(problems))
-        #: Which of today's Orbax restore args read this folder unaided.
-        self.orbax_readers = frozenset({"standard", "pytree"} if native else {"pytree"})
+        self.native = native
         self._arrays = TensorstoreArrays(path, ocdbt)
         self._aggregate = aggregate
+
+    @property
+    def orbax_readers(self) -> frozenset[str]:
+        """``_METADATA`` layouts: both restore args; the legacy aggregate: ``PyTreeRestore`` only."""
+        return frozenset({"standard", "pytree"} if self.native else {"pytree"})
 
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray):
         """Copy ``entry``'s ``index`` range into ``out`` (cast to its dtype); may return a future."""
         where = entry.location
-        if isinstance(where, _Stored):
+        if isinstance(where, StoredArray):
             return self._arrays.read_into(where.name, where.driver, index, out)
         msgpack_tree.copy_inline(self._aggregate, entry, index, out)
         return None
@@ -183,7 +190,7 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
                             "cannot be read")
             continue
         array = zarr.parse(raw[meta_key], f"{path}/{meta_key}")
-        entries.append(Entry(key, array.shape, array.dtype, _Stored(leaf, array.driver)))
+        entries.append(Entry(key, array.shape, array.dtype, StoredArray(leaf, array.driver)))
         if zarr.chunk_keys_required(array, fill_stored):
             count, absent = array.missing_chunks(by_array.get(leaf, set()))
             if count:

@@ -40,6 +40,10 @@ def sniff(path: Path) -> bool:
     return bool(items(path)) or bool(steps(path))
 
 
+#: A root or step folder holds items; a restore call names one item (see :func:`items`).
+READERS: dict = {}
+
+
 class ManagerCheckpoint(Checkpoint):
     """The array items of one step; entry locations are ``(item name, item location)``."""
 

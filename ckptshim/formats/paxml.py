@@ -22,6 +22,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -80,8 +81,12 @@ def sniff(path: Path) -> bool:
     return is_step_dir(path) or is_state_dir(path) or bool(steps(path))
 
 
+#: An Orbax restore names the ``state/`` item (1.2's is an Orbax item).
+READERS = {"jax": is_state_dir}
+
+
 @dataclass(frozen=True)
-class _Padded(orbax._Stored):  # noqa: SLF001 -- Orbax's leaf location, plus the stored shape
+class _Padded(orbax.StoredArray):
     """A leaf stored larger than its data (PaxML padding): reads stay inside the unpadded part."""
 
     stored_shape: tuple[int, ...] = ()
@@ -90,11 +95,12 @@ class _Padded(orbax._Stored):  # noqa: SLF001 -- Orbax's leaf location, plus the
 class PaxmlCheckpoint(orbax.OrbaxCheckpoint):
     """A PaxML ``state/`` folder; reads are Orbax's per-leaf zarr reads, clipped to the data."""
 
+    #: Today's Orbax finds no tree metadata here; the Orbax hooks always step in.
+    orbax_readers: ClassVar[frozenset[str]] = frozenset()
+
     def __init__(self, path: Path, version: str, inventory: Inventory, problems) -> None:
         super().__init__(path, version, inventory, (), problems, ocdbt=False, native=False)
         self.format = NAME
-        #: Today's Orbax finds no tree metadata here; the Orbax hooks always step in.
-        self.orbax_readers = frozenset()
 
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray):
         if isinstance(entry.location, _Padded):
@@ -149,7 +155,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
                 f"{step_dir / METADATA}: {name} has unpadded shape {list(shape)}, but its zarr "
                 f"array is {list(array.shape)}; an unpadded shape never exceeds the stored one. "
                 "The metadata belongs to another checkpoint; re-copy the step folder.")
-        location = orbax._Stored(name, array.driver) if shape == array.shape else \
+        location = orbax.StoredArray(name, array.driver) if shape == array.shape else \
             _Padded(name, array.driver, array.shape)
         entries.append(Entry(key, shape, array.dtype, location))
         if zarr.chunk_keys_required(array, False):

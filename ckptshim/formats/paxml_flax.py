@@ -74,6 +74,11 @@ def sniff(path: Path) -> bool:
     return _payload_of(path) is not None or bool(steps(path))
 
 
+#: An Orbax restore names the ``state`` item (or its step folder); its aggregate would otherwise
+#: pass for an Orbax one.
+READERS = {"jax": is_state_dir}
+
+
 # -- str(PyTreeDef) ----------------------------------------------------------------------------
 
 

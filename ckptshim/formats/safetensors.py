@@ -23,6 +23,9 @@ def sniff(path: Path) -> bool:
     return path.is_file() and path.suffix == ".safetensors"
 
 
+READERS = {"torch": sniff}
+
+
 def read_header(path: Path) -> tuple[dict, int]:
     """The parsed JSON header and the offset where tensor data starts."""
     size = path.stat().st_size

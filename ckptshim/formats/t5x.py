@@ -24,14 +24,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats import kvstore, msgpack_tree, orbax, zarr
-from ckptshim.formats.base import Checkpoint, file_info, inside, step_folders, storage_dtype
-from ckptshim.formats.ts_arrays import numpy_dtype
+from ckptshim.formats.base import Checkpoint, file_info, inside, numpy_dtype, step_folders, storage_dtype
 from ckptshim.inventory import Entry, Inventory, KeyPath
 
 NAME = "t5x"
@@ -103,11 +102,16 @@ def sniff(path: Path) -> bool:
     return is_legacy_step(path) or is_orbax_step(path) or bool(steps(path))
 
 
+#: An Orbax restore names an item: a legacy step is one (its msgpack would otherwise pass for an
+#: Orbax aggregate); an Orbax-era step's ``state/`` item is an Orbax item.
+READERS = {"jax": is_legacy_step}
+
+
 # -- the legacy msgpack -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class _Uint16Bits(orbax._Stored):  # noqa: SLF001 -- the same location type as Orbax's leaves
+class _Uint16Bits(orbax.StoredArray):
     """A version-2 leaf: bfloat16 values that T5X wrote to tensorstore as uint16 bit patterns."""
 
 
@@ -165,13 +169,14 @@ class T5XCheckpoint(orbax.OrbaxCheckpoint):
     arrays, whose uint16 bits are copied, never converted as numbers.
     """
 
+    #: Today's Orbax cannot read the tensorstore-spec leaves; the Orbax hooks always step in.
+    orbax_readers: ClassVar[frozenset[str]] = frozenset()
+
     def __init__(self, path: Path, version: str, inventory: Inventory, files, problems,
                  aggregate, t5x_version: int) -> None:
         super().__init__(path, version, inventory, files, problems, ocdbt=False, native=False,
                          aggregate=aggregate)
         self.format = NAME
-        #: Today's Orbax cannot read the tensorstore-spec leaves; the Orbax hooks always step in.
-        self.orbax_readers = frozenset()
         self.t5x_version = t5x_version
 
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray):
@@ -230,13 +235,13 @@ def _open_legacy(step_dir: Path) -> T5XCheckpoint:
             problems.append(f"{name}/: the zarr folder of {'/'.join(key)!r} is missing (the "
                             "msgpack names it, the step folder lacks it)")
             shape, dtype = _spec_shape_dtype(leaf)
-            entries.append(Entry(key, shape, dtype, orbax._Stored(name, str(leaf["driver"]))))
+            entries.append(Entry(key, shape, dtype, orbax.StoredArray(name, str(leaf["driver"]))))
             continue
         array = zarr.parse(meta, f"{step_dir / name}/.zarray")
         if t5x_version == 2 and array.dtype == "uint16":
             entries.append(Entry(key, array.shape, "bfloat16", _Uint16Bits(name, array.driver)))
         else:
-            entries.append(Entry(key, array.shape, array.dtype, orbax._Stored(name, array.driver)))
+            entries.append(Entry(key, array.shape, array.dtype, orbax.StoredArray(name, array.driver)))
         if zarr.chunk_keys_required(array, False):
             count, absent = array.missing_chunks(by_folder.get(name, set()))
             if count:

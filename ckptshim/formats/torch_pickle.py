@@ -148,6 +148,9 @@ def sniff(path: Path) -> bool:
         return f.read(name_length).endswith(b"/data.pkl")
 
 
+READERS = {"torch": sniff}
+
+
 class TorchPickleCheckpoint(Checkpoint):
     def __init__(self, path: Path, inventory: Inventory, files, offsets: dict[str, int]) -> None:
         super().__init__(path, NAME, "zip", inventory, tuple(files))

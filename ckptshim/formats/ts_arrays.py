@@ -25,16 +25,6 @@ _CONTEXT_SPEC = {
 }
 
 
-def numpy_dtype(name: str) -> np.dtype:
-    """The numpy dtype for a ckptshim dtype name, using ml_dtypes for bfloat16 and float8."""
-    try:
-        return np.dtype(name)
-    except TypeError:
-        import ml_dtypes
-
-        return np.dtype(getattr(ml_dtypes, name))
-
-
 class TensorstoreArrays:
     """Zarr arrays stored under ``root`` (plain folders or OCDBT), opened once each, on demand."""
 

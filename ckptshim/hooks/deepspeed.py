@@ -8,7 +8,7 @@ checkpoint saved with the same names and the same tensor-parallel degree. Patche
 a NeoX checkpoint of another tensor-parallel degree, older MLP names, a saved or unsaved rotary
 ``inv_freq`` -- each layer receives exactly the state dict it expects, built in memory (no
 converted files): names mapped by :mod:`ckptshim.rules.profiles.neox`, tensor-parallel shards
-merged and re-split along each tensor's axis (:mod:`ckptshim.execute.tensor_parallel`), vocab
+merged and re-split along each tensor's axis (:mod:`ckptshim.formats.tensor_parallel`), vocab
 rows padded or cut to the model's padded vocab, derivable buffers kept from the module or dropped.
 
 The whole stage is planned and checked before the first layer is written, so a refused load
@@ -28,10 +28,9 @@ from torch import nn
 
 from ckptshim import config
 from ckptshim.errors import PlanError, UnknownFormatError
-from ckptshim.execute import tensor_parallel
 from ckptshim.execute.dcp_storage import _source_tensor
 from ckptshim.execute.torch import prepare
-from ckptshim.formats import deepspeed_pipeline
+from ckptshim.formats import deepspeed_pipeline, tensor_parallel
 from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.hooks.seam import Patches, guarded
@@ -80,7 +79,7 @@ def _shimmed(module: Any, load_dir: Path, strict: bool, native: Callable[[], Any
     layers = {index + module._local_start: layer for index, layer in enumerate(module.forward_funcs)
               if isinstance(layer, nn.Module) and hasattr(layer, "load_state_dict")}
     try:
-        source = open_checkpoint(load_dir)
+        source = open_checkpoint(load_dir, backend="torch")
     except UnknownFormatError:  # nothing ckptshim reads (e.g. legacy pickles): DeepSpeed's call
         return native()
     try:

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptshim.errors import PlanError
+from ckptshim.errors import PlanError, UnknownFormatError
 from ckptshim.execute import jax_restore
-from ckptshim.formats import flax_msgpack, orbax as orbax_format, orbax_manager, paxml, paxml_flax, t5x
+from ckptshim.formats import orbax_manager
 from ckptshim.formats.base import Checkpoint
+from ckptshim.formats.detect import open_checkpoint
 from ckptshim.hooks.seam import Patches, guarded
 from ckptshim.log import logger
 
@@ -83,17 +84,10 @@ def request_of(args: Any) -> Request | None:
 
 def open_item(path: Path) -> Checkpoint | None:
     """The checkpoint at an item path, if it is in a layout ckptshim reads (metadata only)."""
-    if t5x.is_legacy_step(path):  # its msgpack would otherwise pass for an Orbax aggregate
-        return t5x.open_checkpoint(path)
-    if paxml_flax.is_state_dir(path):  # its aggregate would otherwise pass for an Orbax one
-        return paxml_flax.open_checkpoint(path)
-    if paxml.is_state_dir(path):  # PaxML 1.0/1.1: zarr folders with no Orbax tree metadata
-        return paxml.open_checkpoint(path)
-    if orbax_format.sniff(path):
-        return orbax_format.open_checkpoint(path)
-    if flax_msgpack.sniff(path):
-        return flax_msgpack.open_checkpoint(path)
-    return None
+    try:
+        return open_checkpoint(path, backend="jax")
+    except UnknownFormatError:
+        return None
 
 
 @contextmanager
@@ -155,7 +149,7 @@ def prepare_item(path: Path, request: Request, where: str,
 
 def fits(prepared: jax_restore.Prepared, request: Request) -> bool:
     """Whether Orbax itself restores this: a layout it reads, keys matching the target's."""
-    readable = request.reader in getattr(prepared.checkpoint, "orbax_readers", ())
+    readable = request.reader in prepared.checkpoint.orbax_readers
     return jax_restore.native_fits(prepared, readable=readable, partial=request.partial)
 
 

@@ -29,8 +29,7 @@ from typing import Any
 
 from ckptshim.execute import jax_restore
 from ckptshim.formats import t5x as t5x_format
-from ckptshim.formats.base import Checkpoint
-from ckptshim.formats.ts_arrays import numpy_dtype
+from ckptshim.formats.base import Checkpoint, numpy_dtype
 from ckptshim.hooks.seam import Patches, guarded
 from ckptshim.inventory import flatten, unflatten
 

@@ -148,7 +148,7 @@ def _reader(checkpoint_id: Any, storage_reader: Any) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
 
     from ckptshim.execute.dcp_storage import DcpReader, FormatReader
-    from ckptshim.formats import dcp, hf_dir, safetensors, torch_pickle
+    from ckptshim.formats import dcp
     from ckptshim.formats.detect import detect
 
     if storage_reader is not None and type(storage_reader) is not FileSystemReader:
@@ -157,14 +157,10 @@ def _reader(checkpoint_id: Any, storage_reader: Any) -> Any:
     if location is None or "://" in str(location) or not Path(location).exists():
         return storage_reader
     try:
-        fmt = detect(location)
+        fmt = detect(location, backend="torch")
     except UnknownFormatError:  # a file DCP cannot read either: FormatReader explains; a folder: DCP's
         return FormatReader(location) if Path(location).is_file() else storage_reader
-    if fmt is dcp:
-        return DcpReader(location)
-    if fmt in (torch_pickle, safetensors, hf_dir):
-        return FormatReader(location)
-    return storage_reader
+    return DcpReader(location) if fmt is dcp else FormatReader(location)
 
 
 def _is_internal(error: BaseException) -> bool:
