@@ -32,6 +32,15 @@ class PlanError(ShimError):
     """The source cannot be mapped onto the target without guessing or losing data."""
 
 
+class InternalError(ShimError):
+    """A bug inside ckptshim, where falling back to the framework's own loader is not safe.
+
+    Raised by hooks whose framework call could run code from the checkpoint (DCP's and
+    DeepSpeed's loaders unpickle it without limits); the message names how to bypass ckptshim
+    deliberately, and the original exception is its ``__cause__``.
+    """
+
+
 _framework_error_types: dict[tuple[type, type], type[ShimError]] = {}
 
 

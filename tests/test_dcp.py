@@ -425,8 +425,9 @@ def test_foreign_file_that_is_damaged(tmp_path):
     assert unchanged(state_dict, before)
 
 
-def test_only_ckptshims_own_bugs_fall_back():
-    """What counts as a bug inside ckptshim (falls back to DCP) and what is final."""
+def test_only_ckptshims_own_bugs_count_as_internal():
+    """What counts as a bug inside ckptshim (raised as an InternalError, never handed to DCP's
+    own load, which would unpickle the checkpoint) and what is a refusal or torch's own error."""
     from torch.distributed.checkpoint.api import _wrap_exception
 
     from ckptshim.hooks.torch_dcp import _is_internal

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from ckptshim.errors import (
-    CorruptCheckpointError, PlanError, ShimError, UnsafeCheckpointError, as_framework_error,
+    CorruptCheckpointError, InternalError, PlanError, ShimError, UnsafeCheckpointError, as_framework_error,
 )
 from ckptshim.hooks import registry
 from ckptshim.hooks.registry import HookSpec
-from ckptshim.hooks.seam import Patches, guarded
+from ckptshim.hooks.seam import Patches, Seam, guarded
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -320,10 +320,12 @@ def test_import_ckptshim_disabled_leaves_import_system_alone():
 
 # -- seam: guarded ---------------------------------------------------------------------------
 
+FAKE = Seam("fake", "fake", falls_back=True)
+
 
 def test_guarded_returns_the_shimmed_result():
     calls = []
-    result = guarded("fake", lambda: "shimmed", lambda: calls.append("original") or "original")
+    result = guarded(FAKE, lambda: "shimmed", lambda: calls.append("original") or "original")
     assert result == "shimmed"
     assert calls == []
 
@@ -338,7 +340,7 @@ def test_guarded_reraises_shim_errors_without_fallback(error, caplog):
 
     with caplog.at_level(logging.WARNING, logger="ckptshim"):
         with pytest.raises(type(error)) as info:
-            guarded("fake", shimmed, lambda: calls.append("original"))
+            guarded(FAKE, shimmed, lambda: calls.append("original"))
     assert info.value is error
     assert calls == []  # a refusal is final: never fall back to the framework's loader
     assert caplog.records == []
@@ -351,7 +353,7 @@ def test_guarded_falls_back_on_other_exceptions_and_warns(caplog):
         raise KeyError("bug inside ckptshim")
 
     with caplog.at_level(logging.WARNING, logger="ckptshim"):
-        result = guarded("orbax", shimmed, lambda: calls.append("original") or "original result")
+        result = guarded(Seam("orbax", "orbax", falls_back=True), shimmed, lambda: calls.append("original") or "original result")
     assert result == "original result"
     assert calls == ["original"]
     (record,) = [r for r in caplog.records if r.name == "ckptshim"]
@@ -367,7 +369,7 @@ def test_guarded_does_not_swallow_keyboard_interrupt():
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        guarded("fake", shimmed, lambda: calls.append("original"))
+        guarded(FAKE, shimmed, lambda: calls.append("original"))
     assert calls == []
 
 
@@ -379,7 +381,7 @@ def test_guarded_original_errors_propagate():
         raise FileNotFoundError("framework's own error")
 
     with pytest.raises(FileNotFoundError, match="framework's own error"):
-        guarded("fake", shimmed, original)
+        guarded(FAKE, shimmed, original)
 
 
 # -- seam: Patches -----------------------------------------------------------------------------
@@ -540,3 +542,19 @@ def test_as_framework_error_keeps_an_error_that_already_fits():
 def test_as_framework_error_keeps_ours_when_the_base_cannot_be_combined():
     error = PlanError("x")
     assert as_framework_error(error, ExceptionGroup) is error
+
+
+def test_guarded_never_falls_back_where_the_framework_would_unpickle(caplog):
+    """DCP's and DeepSpeed's own loaders unpickle without limits: a bug in ckptshim there is an
+    InternalError naming the switch that turns the hook off, and the original never runs."""
+    calls = []
+    seam = Seam("torch-dcp", "torch.distributed.checkpoint.load", falls_back=False)
+
+    def shimmed():
+        raise KeyError("bug inside ckptshim")
+
+    with caplog.at_level(logging.WARNING, logger="ckptshim"):
+        with pytest.raises(InternalError, match=r"on /ckpt.*KeyError.*CKPTSHIM_DISABLE_HOOKS=torch-dcp") as info:
+            guarded(seam, shimmed, lambda: calls.append("original"), "/ckpt")
+    assert calls == []
+    assert isinstance(info.value, ShimError) and isinstance(info.value.__cause__, KeyError)

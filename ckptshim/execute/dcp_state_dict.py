@@ -21,7 +21,7 @@ from torch import nn
 
 from ckptshim import config
 from ckptshim.execute.torch import Prepared, prepare
-from ckptshim.hooks.seam import guarded
+from ckptshim.hooks.seam import Seam, guarded
 from ckptshim.inventory import Entry, Inventory, dtype_name, join_key, split_key
 from ckptshim.log import report_load
 from ckptshim.planner import Plan, Rename
@@ -32,6 +32,7 @@ from ckptshim.rules.layers import TORCH_SCAN_AXES
 from ckptshim.rules.prefixes import strip_wrappers
 
 HOOK = "torch.distributed.checkpoint.state_dict.set_model_state_dict"
+SEAM = Seam("torch-dcp", HOOK, falls_back=True)
 
 
 def _inventory(values: Mapping[str, Any], source: str) -> Inventory:
@@ -115,7 +116,7 @@ def _prepare(model: nn.Module, state_dict: Mapping[str, Any]) -> tuple[Plan, dic
 def _remap(model: nn.Module, state_dict: Any) -> tuple[Plan, dict[str, Any], Prepared] | None:
     if not isinstance(model, nn.Module) or not isinstance(state_dict, Mapping):
         return None
-    remapped = guarded(HOOK, lambda: _prepare(model, state_dict), lambda: None)
+    remapped = guarded(SEAM, lambda: _prepare(model, state_dict), lambda: None)
     if remapped is not None:
         report_load(HOOK.rsplit(".", 1)[1] + f"({type(model).__name__})", remapped[0])
     return remapped

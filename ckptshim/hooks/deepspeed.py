@@ -33,7 +33,7 @@ from ckptshim.execute.torch import prepare
 from ckptshim.formats import deepspeed_pipeline, tensor_parallel
 from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
-from ckptshim.hooks.seam import Patches, guarded
+from ckptshim.hooks.seam import Patches, Seam, guarded
 from ckptshim.hooks.torch_module import _layout
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, split_key
 from ckptshim.log import logger, report_load
@@ -43,6 +43,7 @@ from ckptshim.rules.buffers import derivable_rule
 from ckptshim.rules.profiles import neox
 
 HOOK = "deepspeed PipelineModule.load_state_dir"
+SEAM = Seam("deepspeed", HOOK, falls_back=False)
 _patches = Patches()
 
 
@@ -70,7 +71,7 @@ def _load_state_dir(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
     def native() -> Any:
         return wrapped(*args, **kwargs)
 
-    return guarded(HOOK, lambda: _shimmed(instance, Path(load_dir), strict, native), native)
+    return guarded(SEAM, lambda: _shimmed(instance, Path(load_dir), strict, native), native, load_dir)
 
 
 def _shimmed(module: Any, load_dir: Path, strict: bool, native: Callable[[], Any]) -> Any:

@@ -17,9 +17,10 @@ from typing import Any
 
 from ckptshim.execute import jax_restore
 from ckptshim.formats import flax_msgpack
-from ckptshim.hooks.seam import Patches, guarded
+from ckptshim.hooks.seam import Patches, Seam, guarded
 
 HOOK = "flax"
+SEAM = Seam("flax", HOOK, falls_back=True)
 _patches = Patches()
 _PARAMETERS = ("ckpt_dir", "target", "step", "prefix")
 
@@ -37,7 +38,7 @@ def uninstall() -> None:
 
 
 def _restore_checkpoint(wrapped, instance, args, kwargs):
-    return guarded(HOOK, lambda: _shim(wrapped, args, kwargs), lambda: wrapped(*args, **kwargs))
+    return guarded(SEAM, lambda: _shim(wrapped, args, kwargs), lambda: wrapped(*args, **kwargs))
 
 
 def legacy_file(ckpt_dir: str | os.PathLike, step: Any, prefix: str) -> Path | None:

@@ -30,10 +30,11 @@ from ckptshim.execute import jax_restore
 from ckptshim.formats import orbax_manager
 from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
-from ckptshim.hooks.seam import Patches, guarded
+from ckptshim.hooks.seam import Patches, Seam, guarded
 from ckptshim.log import logger
 
 HOOK = "orbax"
+SEAM = Seam("orbax", HOOK, falls_back=True)
 _patches = Patches()
 _inside = threading.local()  # set while an original runs, so nested restores pass straight through
 
@@ -112,7 +113,7 @@ def _passthrough(wrapped, args, kwargs) -> Any:
 def _checkpointer_restore(wrapped, instance, args, kwargs):
     if getattr(_inside, "active", False):
         return wrapped(*args, **kwargs)
-    return guarded(HOOK, lambda: _shim_checkpointer(wrapped, instance, args, kwargs),
+    return guarded(SEAM, lambda: _shim_checkpointer(wrapped, instance, args, kwargs),
                    lambda: _passthrough(wrapped, args, kwargs))
 
 
@@ -212,7 +213,7 @@ def match_items(step_dir: Path, requested: Mapping[str, Any]) -> dict[str, Path]
 def _manager_restore(wrapped, instance, args, kwargs):
     if getattr(_inside, "active", False):
         return wrapped(*args, **kwargs)
-    return guarded(HOOK, lambda: _shim_manager(wrapped, instance, args, kwargs),
+    return guarded(SEAM, lambda: _shim_manager(wrapped, instance, args, kwargs),
                    lambda: _passthrough(wrapped, args, kwargs))
 
 

@@ -1,17 +1,35 @@
 """Shared plumbing for hook modules: patch a function, and keep a bug from breaking a load.
 
 A hook's shimmed path either succeeds, raises a :class:`~ckptshim.errors.ShimError` (a
-refusal, which is final), or hits an unexpected exception (a bug in ckptshim), in which case
-the original function runs instead and a warning says so.
+refusal, which is final), or hits an unexpected exception (a bug in ckptshim). What a bug leads
+to depends on the seam (:class:`Seam`): where the framework's own call cannot run code from the
+checkpoint (``load_state_dict`` of tensors, Orbax, Flax and T5X restores) it runs instead, with
+a warning; where it can (DCP's and DeepSpeed's loaders unpickle without limits), the bug is
+raised as an :class:`~ckptshim.errors.InternalError` naming the switch that turns the hook off.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from ckptshim.errors import ShimError
+from ckptshim.errors import InternalError, ShimError
 from ckptshim.log import logger
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One patched framework call.
+
+    ``name`` is the hook's name in ``CKPTSHIM_DISABLE_HOOKS``; ``call`` names the call in
+    messages; ``falls_back`` says whether the original call is safe to run for a checkpoint
+    ckptshim failed on (it reads no pickles, or only ``weights_only`` ones).
+    """
+
+    name: str
+    call: str
+    falls_back: bool
 
 
 class Patches:
@@ -43,13 +61,27 @@ class Patches:
                 setattr(owner, attribute, original)
 
 
-def guarded(hook: str, shimmed: Callable[[], Any], original: Callable[[], Any]) -> Any:
-    """Run ``shimmed()``; a ShimError propagates, any other exception falls back to ``original()``."""
+def guarded(seam: Seam, shimmed: Callable[[], Any], original: Callable[[], Any], where: object = None) -> Any:
+    """Run ``shimmed()``; a ShimError propagates. Any other exception is a bug in ckptshim: the
+    seam either falls back to ``original()`` or raises :func:`internal_error` (``where`` names
+    the checkpoint)."""
     try:
         return shimmed()
     except ShimError:
         raise
-    except Exception:
+    except Exception as error:
+        if not seam.falls_back:
+            raise internal_error(seam, error, where) from error
         logger.warning("internal error in the %s hook; falling back to the framework's own "
-                       "loader. Please report this with the traceback below.", hook, exc_info=True)
+                       "loader. Please report this with the traceback below.", seam.call, exc_info=True)
         return original()
+
+
+def internal_error(seam: Seam, error: BaseException, where: object = None) -> InternalError:
+    """The error for a bug in ckptshim at a seam that must not fall back to the framework."""
+    return InternalError(
+        f"ckptshim's {seam.call} hook failed{f' on {where}' if where is not None else ''} with an "
+        f"internal error ({type(error).__name__}: {error}); this is a bug in ckptshim, please report "
+        "it with this traceback. ckptshim does not hand the checkpoint to the framework's own loader "
+        "instead: that loader would unpickle it without limits. If you trust the checkpoint, load it "
+        f"with the hook off: CKPTSHIM_DISABLE_HOOKS={seam.name}.")

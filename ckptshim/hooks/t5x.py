@@ -30,10 +30,11 @@ from typing import Any
 from ckptshim.execute import jax_restore
 from ckptshim.formats import t5x as t5x_format
 from ckptshim.formats.base import Checkpoint, numpy_dtype
-from ckptshim.hooks.seam import Patches, guarded
+from ckptshim.hooks.seam import Patches, Seam, guarded
 from ckptshim.inventory import flatten, unflatten
 
 HOOK = "t5x"
+SEAM = Seam("t5x", HOOK, falls_back=True)
 _patches = Patches()
 
 
@@ -129,7 +130,7 @@ def _merge(checkpoint: Any, fallback: Any) -> Any:
 
 
 def _load_t5x_checkpoint(wrapped, instance, args, kwargs):
-    return guarded(HOOK, lambda: _shim_load(wrapped, args, kwargs), lambda: wrapped(*args, **kwargs))
+    return guarded(SEAM, lambda: _shim_load(wrapped, args, kwargs), lambda: wrapped(*args, **kwargs))
 
 
 def _shim_load(wrapped, args, kwargs) -> Any:
@@ -158,7 +159,7 @@ def _shim_load(wrapped, args, kwargs) -> Any:
 
 
 def _checkpointer_restore(wrapped, instance, args, kwargs):
-    return guarded(HOOK, lambda: _shim_restore(wrapped, instance, args, kwargs),
+    return guarded(SEAM, lambda: _shim_restore(wrapped, instance, args, kwargs),
                    lambda: wrapped(*args, **kwargs))
 
 

@@ -14,7 +14,9 @@ and the deprecated ``load_state_dict``) is patched to run DCP's own load with tw
 Everything runs inside DCP's collective steps, so a refusal on any rank reaches every rank as
 DCP's ``CheckpointException`` (holding ckptshim's error) instead of hanging the others, and it
 is raised while planning, before any tensor is written. A bug inside ckptshim -- an exception
-that is not a ``ShimError`` and was raised in ckptshim's code -- falls back to DCP's own load.
+that is not a ``ShimError`` and was raised in ckptshim's code -- is raised as an
+``InternalError``, never handed to DCP's own load: DCP's reader and default planner unpickle
+``.metadata`` and stored objects without limits.
 
 ``set_model_state_dict``/``set_state_dict`` (``torch.distributed.checkpoint.state_dict``)
 are patched so that the given model state dict is re-keyed to what the model expects first.
@@ -31,10 +33,11 @@ from typing import Any
 
 from ckptshim.errors import ShimError, UnknownFormatError
 from ckptshim.hooks.post_import import when_imported
-from ckptshim.hooks.seam import Patches, guarded
+from ckptshim.hooks.seam import Patches, Seam, guarded, internal_error
 from ckptshim.log import logger
 
 HOOK = "torch.distributed.checkpoint.load"
+SEAM = Seam("torch-dcp", HOOK, falls_back=False)
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent) + os.sep
 
 _load_patches = Patches()
@@ -133,14 +136,13 @@ def _shimmed(load: Callable[..., Any], native: Callable[[], Any], checkpoint_id:
         reader = _reader(checkpoint_id, storage_reader)
         return load(storage_reader=reader, planner=RemappingLoadPlanner(planner))
 
+    where = checkpoint_id if checkpoint_id is not None else getattr(storage_reader, "path", None)
     try:
-        return guarded(HOOK, shimmed, native)
+        return guarded(SEAM, shimmed, native, where)
     except CheckpointException as error:
         if not _is_internal(error):
             raise
-        logger.warning("internal error in the %s hook on a DCP step; falling back to DCP's own "
-                       "load. Please report this with the error below.\n%s", HOOK, error)
-        return native()
+        raise internal_error(SEAM, error, where) from error
 
 
 def _reader(checkpoint_id: Any, storage_reader: Any) -> Any:

@@ -43,7 +43,7 @@ from torch import nn
 from ckptshim import config
 from ckptshim.errors import PlanError
 from ckptshim.execute.torch import prepare
-from ckptshim.hooks.seam import Patches, guarded
+from ckptshim.hooks.seam import Patches, Seam, guarded
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, split_key
 from ckptshim.log import logger, report_load
 from ckptshim.planner import plan as make_plan
@@ -55,6 +55,7 @@ from ckptshim.rules.prefixes import WRAPPER_SEGMENTS, strip_wrappers
 from ckptshim.rules.profiles.transformers_mapping import aliases_for
 
 HOOK = "torch.nn.Module.load_state_dict"
+SEAM = Seam("torch", HOOK, falls_back=True)
 
 #: A wrapper hop that the wrapper's own state-dict hooks remove on save and put back on load
 #: (``CheckpointWrapper``), so the names the module accepts do not contain it.
@@ -154,7 +155,7 @@ def _load_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
     def native() -> Any:
         return wrapped(*args, **kwargs)
 
-    load = guarded(HOOK, lambda: _prepare(wrapped, native, instance, layout, state_dict, strict, assign),
+    load = guarded(SEAM, lambda: _prepare(wrapped, native, instance, layout, state_dict, strict, assign),
                    lambda: native)
     return load()
 
