@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckptshim.inventory import Entry, Inventory  # noqa: E402
 from ckptshim.planner import plan  # noqa: E402
-from ckptshim.planner.ops import Rename, Stack, Unstack  # noqa: E402
+from ckptshim.ops import Rename, Stack, Unstack  # noqa: E402
 
 TARGET_SECONDS = 2.0
 LAYER_SHAPE = (8, 16)

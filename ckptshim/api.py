@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptshim import config
 from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.planner import Plan
-from ckptshim.planner import plan as make_plan
-from ckptshim.rules import DEFAULT_RULES, Rules
-from ckptshim.rules.profiles import neox, rules_for_trees
+from ckptshim.rules import Rules
 
 
 def inspect(path: str | Path) -> Checkpoint:
@@ -22,29 +19,18 @@ def plan(source: str | Path, like: str | Path, rules: Rules | None = None) -> Pl
     """Dry run: how the checkpoint at ``source`` would load into the layout of ``like``.
 
     ``like`` is another checkpoint, or ``"module:function"`` naming a function that returns a
-    model, a state dict or an abstract tree (see :mod:`ckptshim.like`). Without explicit
-    ``rules``, JAX-style layouts (``/`` keys) plan with the rules the Orbax and Flax hooks use
-    (Linen/NNX spellings, MaxText scan axes), torch ones with the defaults plus the GPT-NeoX
-    <-> Hugging Face names when one side is each.
+    model, a state dict or an abstract tree (see :mod:`ckptshim.loading.like`). Without explicit
+    ``rules``, the rules a load would use: JAX's for JAX-style layouts (``/`` keys: Linen/NNX
+    spellings, MaxText scan axes, the PaxML profiles), torch's otherwise (wrappers, stacked
+    layer lists, the GPT-NeoX <-> Hugging Face names when one side is each).
     """
-    from ckptshim import like as like_module
+    from ckptshim.loading.files import plan_onto
 
-    src = open_checkpoint(source)
+    checkpoint = open_checkpoint(source)
     try:
-        if like_module.is_callable_spec(like):
-            target, target_sep = like_module.target_inventory(str(like))
-        else:
-            tgt = open_checkpoint(like)
-            tgt.close()  # the inventory is all a plan needs
-            target, target_sep = tgt.inventory, tgt.key_sep
-        if rules is None:
-            jax_trees = "/" in (src.key_sep, target_sep)
-            rules = (rules_for_trees(src.inventory, target) if jax_trees
-                     else DEFAULT_RULES.extend(strict=config.strict(),
-                                               aliases=neox.aliases_between(src.inventory, target)))
-        return make_plan(src.inventory, target, rules)
+        return plan_onto(checkpoint, like, rules)
     finally:
-        src.close()
+        checkpoint.close()
 
 
 def describe(checkpoint: Checkpoint) -> dict:

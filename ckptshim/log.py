@@ -52,25 +52,3 @@ def configure_from_env() -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if level == "debug" else logging.INFO)
 
-
-def report_load(where: str, plan, sep: str = ".", *, read_as: str | None = None) -> None:
-    """Log what a load changed: a summary at INFO (only when something changed), the plan at DEBUG,
-    key paths joined with ``sep`` (``/`` for JAX trees, as Orbax spells them).
-
-    Called on every process that loads, never only on a coordinator: each rank reads and
-    writes its own part, so each says what it did. ``read_as`` names the checkpoint's format
-    when ckptshim reads the bytes itself: that is worth its INFO line even when every key
-    already matches (a legacy layout the framework's own reader refuses).
-    """
-    from ckptshim.planner.explain import explain, summary
-
-    if plan.is_identity:
-        if read_as is None:
-            logger.debug("%s: checkpoint already matches; nothing to change", where)
-        else:
-            logger.info("%s: read by ckptshim as %s; every array as stored", where, read_as)
-        return
-    logger.info("%s: %s", where, summary(plan, sep))
-    if logger.isEnabledFor(logging.DEBUG):
-        for line in explain(plan, sep):
-            logger.debug("  %s", line)

@@ -21,7 +21,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT, RANK=RANK, WORLD_SI
 sys.path.insert(0, str(Path(__file__).parent))
 
 import ckptshim  # noqa: E402,F401
-import ckptshim.hooks.deepspeed as shim  # noqa: E402
+import ckptshim.loading.deepspeed as shim  # noqa: E402
 import deepspeed  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

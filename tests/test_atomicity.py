@@ -158,7 +158,7 @@ def test_deepspeed_stage_load(tmp_path, monkeypatch, k):
     """The load_state_dir hook plans and reads the whole stage before any layer is written."""
     from ckptshim.formats.deepspeed_pipeline import DeepSpeedPipelineCheckpoint
     from ckptshim.formats.detect import open_checkpoint
-    from ckptshim.hooks.deepspeed import layer_state_dicts
+    from ckptshim.loading.deepspeed import layer_state_dicts
     from test_neox import neox_layers
 
     root = shutil.copytree(FIXTURES / "neox_deepspeed/old_pp1_mp1/checkpoint", tmp_path / "ckpt")

@@ -15,7 +15,7 @@ import pytest
 from flax import serialization
 from flax.training import checkpoints, train_state
 
-from ckptshim.execute import jax_restore
+from ckptshim.loading import jax as jax_loading
 from manifest import array_sha256, expected_arrays
 from orbax_fixtures import assert_same, copy_fixture, flat, scanned_expected
 
@@ -96,7 +96,7 @@ def test_matching_target_runs_flax_untouched(legacy, monkeypatch):
     def refuse(self):
         raise AssertionError("ckptshim restored a checkpoint Flax reads itself")
 
-    monkeypatch.setattr(jax_restore.Prepared, "run", refuse)
+    monkeypatch.setattr(jax_loading.Prepared, "run", refuse)
     folder = legacy / "legacy_msgpack"
     raw = checkpoints.restore_checkpoint(folder, target=None)
     target = train_state.TrainState.create(apply_fn=None, params=raw["params"], tx=optax.adam(1e-3))

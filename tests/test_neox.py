@@ -24,7 +24,7 @@ import ckptshim  # noqa: F401  (attaches the hooks)
 from ckptshim.errors import CorruptCheckpointError, PlanError
 from ckptshim.formats import tensor_parallel
 from ckptshim.formats.detect import open_checkpoint
-from ckptshim.hooks.deepspeed import layer_state_dicts
+from ckptshim.loading.deepspeed import layer_state_dicts
 from ckptshim.inventory import join_key
 from ckptshim.rules.profiles import neox
 from manifest import FIXTURES
@@ -367,16 +367,16 @@ def test_each_pipeline_stage_and_rank_gets_exactly_its_files_shards() -> None:
 
 def test_other_pipeline_models_are_left_to_deepspeed(tmp_path: Path) -> None:
     """A Megatron-DeepSpeed-style layer file (``self_attention``) is not NeoX: the hook stays out."""
-    from ckptshim.hooks.deepspeed import _is_neox
+    from ckptshim.loading.deepspeed import is_neox
 
     step = tmp_path / "global_step1"
     step.mkdir()
     torch.save({"self_attention.query_key_value.weight": torch.zeros(6, 2)},
                step / "layer_02-model_00-model_states.pt")
     torch.save({"word_embeddings.weight": torch.zeros(4, 2)}, step / "layer_00-model_00-model_states.pt")
-    assert not _is_neox(open_checkpoint(step))
-    assert _is_neox(open_checkpoint(NEOX / "old_pp1_mp1" / "checkpoint"))
-    assert _is_neox(open_checkpoint(HF5 / "save_pretrained_default"))
+    assert not is_neox(open_checkpoint(step))
+    assert is_neox(open_checkpoint(NEOX / "old_pp1_mp1" / "checkpoint"))
+    assert is_neox(open_checkpoint(HF5 / "save_pretrained_default"))
 
 
 def test_cutting_vocab_rows_warns_and_strict_refuses(monkeypatch, caplog) -> None:

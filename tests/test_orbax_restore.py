@@ -16,7 +16,7 @@ import pytest
 
 import ckptshim
 from ckptshim.errors import PlanError, ShimError
-from ckptshim.execute import jax_restore
+from ckptshim.loading import jax as jax_loading
 from orbax_fixtures import assert_same, copy_fixture, flat, scanned_expected, unscanned_expected
 
 LAYERS = 3
@@ -109,7 +109,7 @@ def test_matching_layout_runs_orbax_untouched(runs, native, monkeypatch):
     def refuse(self):
         raise AssertionError("ckptshim restored a checkpoint Orbax reads itself")
 
-    monkeypatch.setattr(jax_restore.Prepared, "run", refuse)
+    monkeypatch.setattr(jax_loading.Prepared, "run", refuse)
     target = abstract(native["tiny_scanned"])
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(runs["tiny_scanned"], target)

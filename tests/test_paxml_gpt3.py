@@ -23,8 +23,10 @@ import ckptshim  # noqa: F401  (hooks on)
 from ckptshim.cli import main as cli
 from ckptshim.errors import ShimError
 from ckptshim.inventory import Entry, Inventory, KeyPath, flatten, unflatten
-from ckptshim.planner import Rename, Split, Transpose, plan
-from ckptshim.rules.profiles import rules_for_trees
+from ckptshim.ops import Rename, Split, Transpose
+from ckptshim.planner import plan
+from ckptshim.rules.profiles import rules_for
+from support.plans import inverse
 from orbax_fixtures import copy_fixture
 from test_paxml import PAX, STEP, native
 from test_plan_properties import execute, same_bits
@@ -144,7 +146,7 @@ def test_the_plan_uses_the_layout_ops_and_inverts(stored, layout):
     expected = expected_state(stored, layout, fused=False)
     source = Inventory([Entry(k, v.shape, v.dtype.name) for k, v in stored.items()], "pax")
     target = Inventory([Entry(k, v.shape, v.dtype.name) for k, v in expected.items()], "maxtext")
-    p = plan(source, target, rules_for_trees(source, target))
+    p = plan(source, target, rules_for(source, target, "jax"))
     assert p.producer(K("opt_state/count")) == Rename(K("opt_states_0/no_prefix_0/count"), K("opt_state/count"))
     if layout == "scan1":
         norm = p.producer(K("params/params/decoder/layers/pre_self_attention_norm/scale"))
@@ -157,7 +159,7 @@ def test_the_plan_uses_the_layout_ops_and_inverts(stored, layout):
         assert qkv.targets[4] == K("params/params/decoder/layers_1/self_attention/key/kernel")  # 3 * 1 + 1
     out = execute(p, stored)
     assert all(same_bits(out[key], value) for key, value in expected.items() if key != ("step",))
-    back = execute(p.inverse(), out)
+    back = execute(inverse(p), out)
     assert set(back) == set(stored) - set(p.unexpected)
     assert all(same_bits(value, stored[key]) for key, value in back.items() if key != ("step",))
 
@@ -232,10 +234,10 @@ def test_square_shapes_take_maxtexts_default_axis_and_strict_refuses(prefix, mon
     a transpose; under CKPTSHIM_STRICT that is a guess, and refused. Both spellings of PaxML's
     Adam prefix are read."""
     source, target, moment = _square(4, prefix)
-    p = plan(source, target, rules_for_trees(source, target))
+    p = plan(source, target, rules_for(source, target, "jax"))
     assert p.complete
     assert p.producer(K("opt_state/mu/params/decoder/layers/pre_self_attention_norm/scale")) == \
         Transpose(moment, K("opt_state/mu/params/decoder/layers/pre_self_attention_norm/scale"), (1, 0))
     monkeypatch.setenv("CKPTSHIM_STRICT", "1")
     with pytest.raises(ShimError, match="fits the layer axis at 0 or 1.*CKPTSHIM_STRICT=1"):
-        plan(source, target, rules_for_trees(source, target))
+        plan(source, target, rules_for(source, target, "jax"))

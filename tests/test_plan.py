@@ -9,10 +9,10 @@ import pytest
 
 from ckptshim.errors import PlanError, ShimError
 from ckptshim.inventory import Entry, Inventory, join_key
-from ckptshim.planner import (
-    Cast, Drop, Mismatch, Plan, Rename, Stack, Synthesize, Unstack, explain, plan, summary,
-)
+from ckptshim.ops import Cast, Drop, Rename, Stack, Synthesize, Transpose, Unstack
+from ckptshim.planner import Mismatch, Plan, explain, plan, summary
 from ckptshim.rules import DEFAULT_RULES, Alias, Rules, ScanAxis
+from support.plans import inverse
 
 
 def K(text: str) -> tuple[str, ...]:
@@ -698,7 +698,7 @@ def test_rich_plan_ops():
 
 def test_inverse_swaps_everything():
     p = rich_plan()
-    q = p.inverse()
+    q = inverse(p)
     assert q.source is p.target and q.target is p.source
     assert q.ops == (
         Rename(K("embed.weight"), K("_orig_mod.embed.weight")),
@@ -713,26 +713,26 @@ def test_inverse_swaps_everything():
 
 def test_inverse_of_inverse_is_the_original():
     p = rich_plan()
-    assert p.inverse().inverse().ops == p.ops
+    assert inverse(inverse(p)).ops == p.ops
     r = plan(inv({"a": (1,), "b": (2,)}), inv({"a": (1,), "c": (3,), "b": (4,)}))
-    rr = r.inverse().inverse()
+    rr = inverse(inverse(r))
     assert (rr.ops, rr.missing, rr.unexpected, rr.mismatched) == (
         r.ops, r.missing, r.unexpected, r.mismatched)
-    assert r.inverse().missing == r.unexpected == ()
-    assert r.inverse().unexpected == r.missing == (K("c"),)
-    assert r.inverse().mismatched == (Mismatch(K("b"), K("b"), (4,), (2,)),)
+    assert inverse(r).missing == r.unexpected == ()
+    assert inverse(r).unexpected == r.missing == (K("c"),)
+    assert inverse(r).mismatched == (Mismatch(K("b"), K("b"), (4,), (2,)),)
 
 
 def test_inverse_of_a_cast():
     p = plan(inv({"w": (4,)}), inv({"w": ((4,), "bfloat16")}))
-    assert p.inverse().ops == (Rename(K("w"), K("w")), Cast(K("w"), "bfloat16", "float32"))
-    assert p.inverse().inverse().ops == p.ops
+    assert inverse(p).ops == (Rename(K("w"), K("w")), Cast(K("w"), "bfloat16", "float32"))
+    assert inverse(inverse(p)).ops == p.ops
 
 
 def test_inverse_of_a_stack_with_a_cast():
     src = inv({f"layers.{i}.w": ((3,), "float32") for i in range(2)})
     tgt = inv({"layers.w": ((2, 3), "bfloat16")})
-    q = plan(src, tgt).inverse()
+    q = inverse(plan(src, tgt))
     assert q.ops == (Unstack(K("layers.w"), (K("layers.0.w"), K("layers.1.w")), 0),
                      Cast(K("layers.0.w"), "bfloat16", "float32"),
                      Cast(K("layers.1.w"), "bfloat16", "float32"))
@@ -742,13 +742,13 @@ def test_inverse_of_inverse_of_a_stack_with_a_cast():
     src = inv({f"layers.{i}.w": ((3,), "float32") for i in range(2)})
     tgt = inv({"layers.w": ((2, 3), "bfloat16")})
     p = plan(src, tgt)
-    assert p.inverse().inverse().ops == p.ops
+    assert inverse(inverse(p)).ops == p.ops
 
 
 def test_inverse_of_an_unstack_with_casts_has_one_cast():
     p = plan(inv({"layers.w": ((2, 3), "bfloat16")}),
              inv({f"layers.{i}.w": ((3,), "float32") for i in range(2)}))
-    assert p.inverse().ops == (Stack((K("layers.0.w"), K("layers.1.w")), K("layers.w"), 0),
+    assert inverse(p).ops == (Stack((K("layers.0.w"), K("layers.1.w")), K("layers.w"), 0),
                                Cast(K("layers.w"), "float32", "bfloat16"))
 
 
@@ -814,7 +814,6 @@ def test_torch_executor_refuses_layout_ops():
     import torch
 
     from ckptshim.execute.torch import prepare
-    from ckptshim.planner import Transpose
 
     source = Inventory([Entry(K("w"), (2, 3), "float32")], "ckpt")
     target = Inventory([Entry(K("t"), (3, 2), "float32")], "model")

@@ -20,12 +20,11 @@ from hypothesis import strategies as st
 
 from ckptshim.errors import ShimError
 from ckptshim.inventory import Entry, Inventory, KeyPath
-from ckptshim.execute.jax import _filler
-from ckptshim.execute.jax_tree import TargetLeaf
-from ckptshim.planner import (
-    Cast, Drop, Join, Plan, Rename, Split, Stack, Synthesize, Transpose, Unstack, explain, plan, summary,
-)
+from ckptshim.execute import blocks
+from ckptshim.ops import Cast, Drop, Join, Rename, Split, Stack, Synthesize, Transpose, Unstack
+from ckptshim.planner import Plan, explain, plan, summary
 from ckptshim.rules import DEFAULT_RULES, Rules, ScanAxis
+from support.plans import inverse
 
 NAMES = ("a", "b", "c", "w", "kernel", "scale")
 LIST_NAMES = ("layers", "h", "blocks")
@@ -255,7 +254,7 @@ def check_case(case: Case) -> Plan | None:
         assert same_bits(out[key], value), (key, "\n".join(explain(p)))
 
     # The inverse plan maps the target back onto the checkpoint.
-    q = p.inverse()
+    q = inverse(p)
     assert q.complete
     assert q.source is target and q.target is source
     back = execute(q, case.target.arrays)
@@ -365,7 +364,7 @@ def layout_plans(draw) -> tuple[Plan, dict[KeyPath, np.ndarray]]:
     p = Plan(Inventory([Entry(("w",), shape, dtype)], "source"), target, (op,) + casts)
     if draw(st.booleans()):  # the other direction: a Join (or Transpose) of the parts
         arrays = {k: v.astype(widen) if k in cast else v for k, v in parts.items()}
-        return p.inverse(), arrays
+        return inverse(p), arrays
     return p, {("w",): whole}
 
 
@@ -377,15 +376,14 @@ def test_layout_ops_execute_invert_and_read_by_block(drawn, data):
     p, arrays = drawn
     out = execute(p, arrays)
     assert set(out) == set(p.target)
-    back = execute(p.inverse(), out)
+    back = execute(inverse(p), out)
     assert set(back) == set(arrays) and all(same_bits(back[k], v) for k, v in arrays.items())
-    assert p.inverse().inverse().ops == p.ops
+    assert inverse(inverse(p)).ops == p.ops
     explain(p), summary(p)  # must not raise
     for key, value in out.items():
         bounds = [sorted(data.draw(st.tuples(st.integers(0, n), st.integers(0, n)))) for n in value.shape]
         block = tuple(slice(a, b) for a, b in bounds)
-        leaf = TargetLeaf(key, value.shape, value.dtype, "numpy")
-        read = _filler(NumpySource(arrays), p, p.producer(key), leaf, "/")(block)
+        read = blocks.filler(NumpySource(arrays), p, p.producer(key), key, value.shape, value.dtype)(block)
         assert same_bits(read, value[block]), (key, block, p.producer(key))
 
 
@@ -397,7 +395,7 @@ def test_layout_ops_in_words():
     p = Plan(source, target, (Transpose(("w",), ("t",), (1, 0, 2)), split))
     assert summary(p) == "1 transposed (perm 1,0,2), 3 split (axes 1; perm 1,0)"
     assert explain(p, "/") == ["w -> transpose(perm 1,0,2) -> t", "qkv -> split(axes 1; perm 1,0) -> q, k, v"]
-    assert summary(p.inverse()) == "1 transposed (perm 1,0,2), 3 joined (axes 1; perm 1,0)"
+    assert summary(inverse(p)) == "1 transposed (perm 1,0,2), 3 joined (axes 1; perm 1,0)"
     with pytest.raises(ValueError, match="not a permutation"):
         Transpose(("w",), ("t",), (0, 0, 1))
     with pytest.raises(ValueError, match="ascending"):

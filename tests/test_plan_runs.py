@@ -15,10 +15,9 @@ import pytest
 
 from ckptshim.errors import CorruptCheckpointError, ShimError
 from ckptshim.inventory import Entry, Inventory
-from ckptshim.planner import Rename, Stack, Unstack, plan
-from ckptshim.planner import runs
+from ckptshim.ops import Rename, Stack, Unstack, renames
+from ckptshim.planner import plan, runs
 from ckptshim.planner.names import Names
-from ckptshim.planner.ops import renames
 from ckptshim.rules import DEFAULT_RULES, Alias, Rules, ScanAxis
 from ckptshim.rules.layers import layer_splits, parent_splits
 

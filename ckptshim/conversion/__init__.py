@@ -1,10 +1,12 @@
 """``ckptshim convert SRC DST --to {safetensors,dcp,orbax}``: rewrite a checkpoint in another format.
 
 The arrays stream one at a time from SRC (usually straight from a memory map) into a temporary
-sibling of DST, which is renamed into place only when everything is written; SRC is only ever
-read. A convert that dies leaves no DST, and the next convert to the same DST removes the dead
-one's temporary folder. With ``like``, the arrays are first mapped onto another checkpoint's
-layout by the same plan a load would use (renames, stacking and unstacking layers).
+sibling of DST, which is renamed into place only when everything is written; SRC is opened once
+and only ever read. A convert that dies leaves no DST, and the next convert to the same DST
+removes the dead one's temporary folder. With ``like``, the arrays are first mapped onto another
+checkpoint's layout (or a ``module:function``'s) by the same plan a load would use, every op
+kind included (renames, stacking, transposes, fused arrays split or joined), run by the files
+executor (:mod:`ckptshim.execute.arrays`).
 
 The package is not called ``convert`` so that it never shadows the lazy ``ckptshim.convert``.
 """
@@ -14,10 +16,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ckptshim.conversion.arrays import planned_arrays
 from ckptshim.conversion.atomic import atomic_destination
 from ckptshim.conversion.progress import tracking
-from ckptshim.errors import ShimError
+from ckptshim.errors import PlanError, ShimError
+from ckptshim.execute.arrays import PlannedArrays
+from ckptshim.formats.detect import open_checkpoint
+from ckptshim.inventory import join_key
+from ckptshim.loading.files import plan_onto
+from ckptshim.planner import Plan
 
 #: Output format -> module ``ckptshim.conversion.<format>_writer`` with
 #: ``write(arrays, folder, destination_name, progress) -> None``.
@@ -45,8 +51,29 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
     from importlib import import_module
 
     writer = import_module(f"ckptshim.conversion.{to}_writer")
-    with planned_arrays(source, like) as arrays, atomic_destination(destination, force=force) as tmp, \
-            tracking(arrays.total_bytes, destination.name, arrays.sep, enabled=progress,
-                     on_array=on_array) as reporting:
-        writer.write(arrays, tmp, destination.name, reporting)
+    checkpoint = open_checkpoint(source)
+    try:
+        checkpoint.require_complete()
+        plan = None if like is None else _plan_onto(checkpoint, like)
+        arrays = PlannedArrays(checkpoint, plan, checkpoint.key_sep)
+        with atomic_destination(destination, force=force) as tmp, \
+                tracking(arrays.total_bytes, destination.name, arrays.sep, enabled=progress,
+                         on_array=on_array) as reporting:
+            writer.write(arrays, tmp, destination.name, reporting)
+    finally:
+        checkpoint.close()
     return destination
+
+
+def _plan_onto(checkpoint, like: str | Path) -> Plan:
+    """The plan onto ``like``'s layout; refused if it would cast (convert copies bytes exactly)
+    or leave a target array without a value."""
+    plan = plan_onto(checkpoint, like)
+    casts = plan.casts()
+    if casts:
+        first = next(iter(casts.values()))
+        raise PlanError(f"{len(casts)} arrays would change dtype (e.g. {join_key(first.target, checkpoint.key_sep)}: "
+                        f"{first.source_dtype} -> {first.target_dtype}); convert copies bytes "
+                        "exactly and never casts. Convert without --like, or cast when loading.")
+    plan.require_complete(checkpoint.key_sep, allow_missing=False, allow_unexpected=True)
+    return plan

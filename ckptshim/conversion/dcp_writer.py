@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from ckptshim.conversion.arrays import PlannedArrays
+from ckptshim.execute.arrays import PlannedArrays
 from ckptshim.conversion.progress import Progress
 from ckptshim.inventory import Entry, join_key
 

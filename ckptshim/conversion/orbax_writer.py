@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ckptshim.conversion.arrays import PlannedArrays
+from ckptshim.execute.arrays import PlannedArrays
 from ckptshim.conversion.progress import Progress
 from ckptshim.formats.base import numpy_dtype
 from ckptshim.inventory import Entry, unflatten

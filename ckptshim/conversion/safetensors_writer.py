@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ckptshim.conversion.arrays import PlannedArrays
+from ckptshim.execute.arrays import PlannedArrays
 from ckptshim.conversion.progress import Progress
 from ckptshim.formats.base import storage_dtype
 from ckptshim.inventory import join_key

@@ -10,17 +10,20 @@ layer's slice of each stacked chunk. Every read item it asks for is then transla
 real stored chunk, offsets and lengths, and its destination is the matching view of the caller's
 tensor. So DCP's own resharding (DTensor, FSDP2, another number of ranks) runs unchanged on top
 of the remapping, and planning still reads no tensor bytes.
+
+Which plan to run is the loading layer's decision (:mod:`ckptshim.loading.dcp`), passed in as a
+function; this module only executes it. It runs the op kinds in :data:`VIRTUAL` and refuses any
+other before DCP plans a read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -32,19 +35,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
-from ckptshim import config
-from ckptshim.errors import PlanError
 from ckptshim.execute.dcp_storage import Refusal
-from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, split_key
-from ckptshim.log import logger, report_load
-from ckptshim.planner import Plan, Rename, Stack, Synthesize, Unstack
-from ckptshim.planner import plan as make_plan
-from ckptshim.rules.layers import TORCH_SCAN_AXES
-from ckptshim.rules import DEFAULT_RULES, Rules
-from ckptshim.rules.buffers import derivable_rule
-from ckptshim.rules.prefixes import strip_wrappers
-
-HOOK = "torch.distributed.checkpoint.load"
+from ckptshim.inventory import Inventory, KeyPath
+from ckptshim.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Unstack, require_kinds
+from ckptshim.planner import Plan
 
 
 @dataclass(frozen=True)
@@ -63,10 +57,10 @@ class _Link:
     layer: int = 0
 
 
-@dataclass
-class _Side:
-    """One side of the load as the planner sees it: an inventory whose locations are DCP's flat
-    keys, and which of those keys are Python objects rather than tensors."""
+@dataclass(frozen=True)
+class FlatKeys:
+    """One side of a DCP load as the planner sees it: an inventory whose locations are DCP's
+    flat keys, and which of those keys are Python objects rather than tensors."""
 
     inventory: Inventory
     objects: frozenset[KeyPath]
@@ -75,78 +69,17 @@ class _Side:
         return self.inventory[key].location
 
 
-def _app_levels(paths: Mapping[str, tuple]) -> set[str]:
-    """The top-level state-dict names (``"model"``, ``"optim"``) that nest the flat keys."""
-    return {str(path[0]) for path in paths.values() if len(path) > 1}
+@dataclass(frozen=True)
+class KeyMapping:
+    """A checked plan from the checkpoint's flat keys to the state dict's."""
+
+    plan: Plan
+    source: FlatKeys
+    target: FlatKeys
 
 
-def _side(items: Mapping[str, tuple[tuple[int, ...], str] | None], paths: Mapping[str, tuple],
-          strip_app: bool, source: str) -> _Side:
-    """Build one side; ``items`` maps each flat key to ``(shape, dtype)`` or ``None`` (an object).
-
-    With ``strip_app`` the top-level state-dict name is left out of the key path, so that a
-    checkpoint saved as ``{"model": sd}`` and a state dict passed as ``sd`` (or the other way
-    round) line up.
-    """
-    entries, objects, seen = [], set(), {}
-    for fqn, spec in items.items():
-        path = paths.get(fqn, (fqn,))
-        key = split_key(fqn)
-        if strip_app and len(path) > 1:
-            key = key[len(split_key(str(path[0]))):]
-        if key in seen:
-            raise PlanError(
-                f"{source} keys {seen[key]!r} and {fqn!r} both mean {join_key(key)!r} once the "
-                "top-level state-dict name is set aside, so ckptshim cannot tell which one to use. "
-                "Pass the state dict nested the way the checkpoint was saved.")
-        seen[key] = fqn
-        if spec is None:
-            objects.add(key)
-            spec = ((), "uint8")  # a placeholder: objects only ever match objects by name
-        entries.append(Entry(key, spec[0], spec[1], fqn))
-    return _Side(Inventory(entries, source), frozenset(objects))
-
-
-def _sides(metadata: Metadata, state_dict: dict[str, Any], where: str) -> tuple[_Side, _Side, str | None]:
-    """Both sides, and a note when a top-level state-dict name was set aside to match them."""
-    flat, target_paths = flatten_state_dict(state_dict)
-    source_paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
-    source_apps, target_apps = _app_levels(source_paths), _app_levels(target_paths)
-    renamed_app = len(source_apps) == len(target_apps) == 1 and source_apps != target_apps
-    strip_source = bool(source_apps) and (not target_apps or renamed_app)
-    strip_target = bool(target_apps) and (not source_apps or renamed_app)
-    source_items = {fqn: ((tuple(md.size), dtype_name(md.properties.dtype))
-                          if isinstance(md, TensorStorageMetadata) else None)
-                    for fqn, md in metadata.state_dict_metadata.items()}
-    target_items = {fqn: ((tuple(value.size()), dtype_name(value.dtype))
-                          if isinstance(value, torch.Tensor) else None)
-                    for fqn, value in flat.items()}
-    names = [f"the {side}'s {', '.join(map(repr, sorted(apps)))}" for side, apps, strip in
-             (("checkpoint", source_apps, strip_source), ("state dict", target_apps, strip_target)) if strip]
-    return (_side(source_items, source_paths, strip_source, where),
-            _side(target_items, target_paths, strip_target, "the state dict passed to dcp.load"),
-            f"keys matched without the top-level name(s) {' and '.join(names)}" if names else None)
-
-
-def _rules(target: _Side) -> Rules:
-    return DEFAULT_RULES.extend(
-        synthesize=[key for key in target.inventory if key not in target.objects
-                    and derivable_rule(strip_wrappers(key)) is not None],
-        scan_axes=TORCH_SCAN_AXES,
-        strict=config.strict(),
-    )
-
-
-def _check_objects(plan: Plan, source: _Side, target: _Side) -> None:
-    """A Python object loads only into a non-tensor value of the same name, and vice versa."""
-    for op in plan.ops:
-        if isinstance(op, (Rename, Stack, Unstack)):
-            if any(k in source.objects for k in op.sources) != any(k in target.objects for k in op.targets):
-                stored = "a Python object" if op.sources[0] in source.objects else "a tensor"
-                raise PlanError(
-                    f"checkpoint key {source.fqn(op.sources[0])!r} holds {stored}, but the state "
-                    f"dict wants the other kind at {target.fqn(op.targets[0])!r}; DCP cannot load "
-                    "one into the other. Pass a value of the stored kind.")
+#: ``(metadata, state_dict, allow_missing) -> KeyMapping``: the loading layer's decision.
+Prepare = Callable[[Metadata, dict[str, Any], bool], KeyMapping]
 
 
 def _insert(values: tuple[int, ...], axis: int, value: int) -> tuple[int, ...]:
@@ -163,48 +96,75 @@ def _tensor_md(like: TensorStorageMetadata, size: tuple[int, ...],
                                  [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
 
 
-def _virtual(metadata: Metadata, plan: Plan, source: _Side, target: _Side) -> tuple[Metadata, dict[tuple[str, Any], _Link]]:
+class _Virtual:
+    """The metadata the wrapped planner sees, built op by op, and how each of its chunks maps to
+    a stored one."""
+
+    def __init__(self, metadata: Metadata, mapping: KeyMapping) -> None:
+        self.stored = metadata.state_dict_metadata
+        self.virtual = dict(self.stored)
+        self.links: dict[tuple[str, Any], _Link] = {}
+        self.source, self.target = mapping.source, mapping.target
+
+    def rename(self, op: Rename) -> None:
+        src, dst = self.source.fqn(op.source), self.target.fqn(op.target)
+        md = self.virtual[dst] = self.stored[src]
+        if src == dst:
+            return
+        if isinstance(md, BytesStorageMetadata):
+            self.links[dst, None] = _Link("rename", src)
+        for chunk in getattr(md, "chunks", ()):
+            offsets = tuple(chunk.offsets)
+            self.links[dst, offsets] = _Link("rename", src, offsets)
+
+    def stack(self, op: Stack) -> None:
+        dst, chunks = self.target.fqn(op.target), []
+        for layer, key in enumerate(op.sources):
+            for chunk in self.stored[self.source.fqn(key)].chunks:
+                offsets = _insert(tuple(chunk.offsets), op.axis, layer)
+                chunks.append((offsets, _insert(tuple(chunk.sizes), op.axis, 1)))
+                self.links[dst, offsets] = _Link("stack", self.source.fqn(key), tuple(chunk.offsets), op.axis)
+        self.virtual[dst] = _tensor_md(self.stored[self.source.fqn(op.sources[0])],
+                                       self.target.inventory[op.target].shape, chunks)
+
+    def unstack(self, op: Unstack) -> None:
+        md = self.stored[self.source.fqn(op.source)]
+        for layer, key in enumerate(op.targets):
+            dst, chunks = self.target.fqn(key), []
+            for chunk in md.chunks:
+                start, count = chunk.offsets[op.axis], chunk.sizes[op.axis]
+                if start <= layer < start + count:
+                    offsets = _remove(tuple(chunk.offsets), op.axis)
+                    chunks.append((offsets, _remove(tuple(chunk.sizes), op.axis)))
+                    self.links[dst, offsets] = _Link("unstack", self.source.fqn(op.source), tuple(chunk.offsets),
+                                                      op.axis, layer - start)
+            self.virtual[dst] = _tensor_md(md, self.target.inventory[key].shape, chunks)
+
+    def keep(self, op: Synthesize) -> None:
+        dst, entry = self.target.fqn(op.target), self.target.inventory[op.target]
+        like = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, entry.dtype)), torch.Size(entry.shape), [])
+        self.virtual[dst] = _tensor_md(like, entry.shape, [((0,) * len(entry.shape), entry.shape)])
+        self.links[dst, (0,) * len(entry.shape)] = _Link("keep")
+
+    def nothing(self, op: Op) -> None:
+        """``Drop`` reads nothing; a ``Cast`` is DCP's own ``copy_`` into the destination."""
+
+
+#: Op kind -> how it shows in the virtual metadata; any other kind is refused.
+VIRTUAL: Mapping[str, Callable[[_Virtual, Any], None]] = {
+    Rename.kind: _Virtual.rename, Stack.kind: _Virtual.stack, Unstack.kind: _Virtual.unstack,
+    Synthesize.kind: _Virtual.keep, Drop.kind: _Virtual.nothing, Cast.kind: _Virtual.nothing,
+}
+
+
+def _virtual(metadata: Metadata, mapping: KeyMapping) -> tuple[Metadata, dict[tuple[str, Any], _Link]]:
     """The metadata the wrapped planner sees, and how each of its chunks maps to a stored one."""
-    stored = metadata.state_dict_metadata
-    virtual = dict(stored)
-    links: dict[tuple[str, Any], _Link] = {}
-    for op in plan.ops:
-        if isinstance(op, Rename):
-            src, dst = source.fqn(op.source), target.fqn(op.target)
-            md = virtual[dst] = stored[src]
-            if src == dst:
-                continue
-            if isinstance(md, BytesStorageMetadata):
-                links[dst, None] = _Link("rename", src)
-            for chunk in getattr(md, "chunks", ()):
-                offsets = tuple(chunk.offsets)
-                links[dst, offsets] = _Link("rename", src, offsets)
-        elif isinstance(op, Stack):
-            dst, chunks = target.fqn(op.target), []
-            for layer, key in enumerate(op.sources):
-                for chunk in stored[source.fqn(key)].chunks:
-                    offsets = _insert(tuple(chunk.offsets), op.axis, layer)
-                    chunks.append((offsets, _insert(tuple(chunk.sizes), op.axis, 1)))
-                    links[dst, offsets] = _Link("stack", source.fqn(key), tuple(chunk.offsets), op.axis)
-            virtual[dst] = _tensor_md(stored[source.fqn(op.sources[0])], target.inventory[op.target].shape, chunks)
-        elif isinstance(op, Unstack):
-            md = stored[source.fqn(op.source)]
-            for layer, key in enumerate(op.targets):
-                dst, chunks = target.fqn(key), []
-                for chunk in md.chunks:
-                    start, count = chunk.offsets[op.axis], chunk.sizes[op.axis]
-                    if start <= layer < start + count:
-                        offsets = _remove(tuple(chunk.offsets), op.axis)
-                        chunks.append((offsets, _remove(tuple(chunk.sizes), op.axis)))
-                        links[dst, offsets] = _Link("unstack", source.fqn(op.source), tuple(chunk.offsets),
-                                                    op.axis, layer - start)
-                virtual[dst] = _tensor_md(md, target.inventory[key].shape, chunks)
-        elif isinstance(op, Synthesize):
-            dst, entry = target.fqn(op.target), target.inventory[op.target]
-            like = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, entry.dtype)), torch.Size(entry.shape), [])
-            virtual[dst] = _tensor_md(like, entry.shape, [((0,) * len(entry.shape), entry.shape)])
-            links[dst, (0,) * len(entry.shape)] = _Link("keep")
-    return dataclasses.replace(metadata, state_dict_metadata=virtual), links
+    require_kinds(mapping.plan.ops, VIRTUAL, "DCP load planner",
+                  hint="Layout ops run only in the JAX executor and in `ckptshim convert`.")
+    built = _Virtual(metadata, mapping)
+    for op in mapping.plan.ops:
+        VIRTUAL[op.kind](built, op)
+    return dataclasses.replace(metadata, state_dict_metadata=built.virtual), built.links
 
 
 def _translate(item: ReadItem, link: _Link) -> ReadItem | None:
@@ -229,12 +189,14 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
     ``inner`` is the caller's own planner, if they passed one: it then does all the planning
     (on the virtual metadata) and receives every ``resolve_tensor``/``commit_tensor``/
     ``load_bytes`` call for its own read items. Without one, this planner is DCP's default.
+    ``prepare`` maps the checkpoint's keys onto the state dict's (the loading layer's decision).
     A read item whose destination is a stacked or per-layer tensor resolves to a view of the
     caller's tensor shaped like the stored block, so the storage reader copies straight into it.
     """
 
-    def __init__(self, inner: LoadPlanner | None = None) -> None:
+    def __init__(self, inner: LoadPlanner | None, prepare: Prepare) -> None:
         super().__init__()
+        self._prepare = prepare
         self._base: LoadPlanner = inner if inner is not None else super()
         self._allow_missing = bool(getattr(inner, "allow_partial_load", False))
         self._links: dict[tuple[str, Any], _Link] = {}
@@ -247,15 +209,7 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
         if isinstance(storage_data, Refusal):  # the storage reader refused the checkpoint
             raise storage_data.error
         if metadata is not None and state_dict:
-            where = str(getattr(metadata.storage_meta, "checkpoint_id", None) or "DCP checkpoint")
-            source, target, note = _sides(metadata, state_dict, where)
-            plan = make_plan(source.inventory, target.inventory, _rules(target))
-            plan.require_complete(allow_missing=self._allow_missing, allow_unexpected=True)
-            _check_objects(plan, source, target)
-            report_load(HOOK, plan)  # on every rank: each loads its own part
-            if note:
-                logger.info("%s: %s", HOOK, note)
-            metadata, self._links = _virtual(metadata, plan, source, target)
+            metadata, self._links = _virtual(metadata, self._prepare(metadata, state_dict, self._allow_missing))
         self._base.set_up_planner(state_dict, metadata, is_coordinator)
 
     def create_local_plan(self) -> LoadPlan:

@@ -24,7 +24,6 @@ import io
 import os
 import pickle
 import uuid
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +45,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError
+from ckptshim.execute.torch import as_tensor
 from ckptshim.formats import dcp
 from ckptshim.formats.base import Checkpoint, storage_dtype
 from ckptshim.formats.detect import open_checkpoint
@@ -72,14 +72,6 @@ def _done() -> Future:
     future: Future = Future()
     future.set_result(None)
     return future
-
-
-def _source_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor over ``array``'s memory (read-only maps included: it is only ever copied from)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
-        tensor = torch.from_numpy(array)
-    return tensor if tensor.dtype == dtype else tensor.view(dtype)  # bfloat16/float8 bits
 
 
 def _resolve(planner: LoadPlanner, items: Iterable[ReadItem]) -> list[tuple[ReadItem, torch.Tensor]]:
@@ -285,7 +277,7 @@ def _copy_chunk(raw, layout: dcp.ChunkLayout, items: list[tuple[ReadItem, torch.
             block = np.lib.stride_tricks.as_strided(
                 values[(begin - low) // itemsize:], shape=tuple(item.lengths),
                 strides=tuple(s * itemsize for s in layout.ref.stride), writeable=False)
-            destination.copy_(_source_tensor(block, dtype))
+            destination.copy_(as_tensor(block, dtype))
 
 
 def _disjoint(spans: list[tuple[int, int, bool]]) -> bool:
@@ -330,7 +322,7 @@ class FormatReader(_Reader):
             fqn = item.storage_index.fqn
             if fqn not in sources:
                 entry = checkpoint.inventory[split_key(fqn)]
-                sources[fqn] = _source_tensor(checkpoint.read(entry), getattr(torch, entry.dtype))
+                sources[fqn] = as_tensor(checkpoint.read(entry), getattr(torch, entry.dtype))
         with torch.no_grad():
             for item, destination in resolved:
                 destination.copy_(sources[item.storage_index.fqn][_block(item)])

@@ -11,22 +11,36 @@ leaves the destination as it was.
 
 Callers that hand the values to the framework's own loader (the ``load_state_dict`` hook) use
 :attr:`Prepared.values` and :meth:`Prepared.write_stacked`; others call :meth:`Prepared.write`.
+
+The ops it runs are the kinds in :data:`HANDLERS`; a plan with any other kind (the layout ops,
+which only block reads can do without a second copy) is refused before anything is fetched.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Entry, KeyPath, dtype_name, join_key
-from ckptshim.planner import Join, Plan, Rename, Split, Stack, Synthesize, Transpose, Unstack
-from ckptshim.planner.explain import describe_op
+from ckptshim.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Unstack, require_kinds
+from ckptshim.planner import Plan
 
 #: Returns the source tensor for a source key (from a state dict, or a lazy view of a file).
 Fetch = Callable[[KeyPath], torch.Tensor]
+
+
+def as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over ``array``'s memory, no copy (read-only maps included: only ever copied from);
+    bfloat16 and float8 arrive as their storage bits and are viewed as ``dtype``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+        tensor = torch.from_numpy(array)
+    return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
 
 def _position_ids(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -87,11 +101,10 @@ def prepare(plan: Plan, fetch: Fetch, destinations: Mapping[KeyPath, torch.Tenso
     keys are errors unless allowed (a non-strict load); a shape mismatch always is.
     """
     plan.require_complete(allow_missing=allow_missing, allow_unexpected=allow_unexpected)
-    layout = next(plan.of_type(Transpose, Split, Join), None)
-    if layout is not None:
-        raise PlanError(f"{join_key(layout.targets[0])!r}: the plan changes its layout ({describe_op(layout)}), "
-                        "which only the JAX executor does; ckptshim will not load it into torch with the "
-                        "axes as stored. Restore it with JAX (Orbax), or plan without the layout profile.")
+    require_kinds(plan.ops, HANDLERS, "torch executor",
+                  hint="Of ckptshim's executors only the JAX executor (an Orbax restore) and `ckptshim "
+                       "convert` run layout ops (transpose, split, join): restore it with JAX, or "
+                       "convert it first.")
     return _Preparer(plan, fetch, destinations).run()
 
 
@@ -101,32 +114,15 @@ class _Preparer:
         self.casts = plan.casts()
         self.missing = frozenset(plan.missing)
         self.sources: dict[KeyPath, torch.Tensor] = {}
+        self.prepared = Prepared({}, destinations)
+        self.recompute: list[tuple[KeyPath, str]] = []  # synthesized buffers on the meta device
 
     def run(self) -> Prepared:
-        prepared = Prepared({}, self.destinations)
-        recompute: list[tuple[KeyPath, str]] = []
         for op in self.plan.ops:
-            if isinstance(op, Rename):
-                value = self._source(op.source)
-                self._check_value(op.source, op.target, value, self._destination(op.target))
-                prepared.values[op.target] = value
-            elif isinstance(op, Unstack):
-                whole = self._source(op.source)
-                self._check_count(op.source, whole, op.axis, len(op.targets))
-                for index, key in enumerate(op.targets):
-                    value = whole.select(op.axis, index)
-                    self._check_value(op.source, key, value, self._destination(key))
-                    prepared.values[key] = value
-            elif isinstance(op, Stack):
-                prepared.values[op.target] = self._stack(op, self._destination(op.target), prepared)
-            elif isinstance(op, Synthesize):
-                destination = self._destination(op.target)
-                if destination.is_meta:
-                    recompute.append((op.target, op.rule))
-                else:
-                    prepared.values[op.target] = destination
+            HANDLERS[op.kind](self, op)
+        prepared = self.prepared
         device = next((t.device for t in self.sources.values()), torch.device("cpu"))
-        for key, rule in recompute:
+        for key, rule in self.recompute:
             prepared.values[key] = _recompute(key, rule, self.destinations[key], device)
         unaccounted = [key for key in self.plan.target
                        if key not in prepared.values and key not in self.missing]
@@ -135,6 +131,45 @@ class _Preparer:
                             "more) no value; it is not a complete plan for this target. Re-plan "
                             "against the current model.")
         return prepared
+
+    # -- one handler per op kind (see HANDLERS) -------------------------------------------------
+
+    def _rename(self, op: Rename) -> None:
+        value = self._source(op.source)
+        self._check_value(op.source, op.target, value, self._destination(op.target))
+        self.prepared.values[op.target] = value
+
+    def _unstack(self, op: Unstack) -> None:
+        whole = self._source(op.source)
+        self._check_count(op.source, whole, op.axis, len(op.targets))
+        for index, key in enumerate(op.targets):
+            value = whole.select(op.axis, index)
+            self._check_value(op.source, key, value, self._destination(key))
+            self.prepared.values[key] = value
+
+    def _stack(self, op: Stack) -> None:
+        destination = self._destination(op.target)
+        layers = tuple(self._source(key) for key in op.sources)
+        self._check_count(op.target, destination, op.axis, len(layers))
+        for source_key, layer in zip(op.sources, layers):
+            self._check_value(source_key, op.target, layer, destination.select(op.axis, 0))
+        whole = destination
+        if not _writable_in_place(destination):  # build the stacked tensor once instead
+            whole = torch.empty(destination.shape, dtype=layers[0].dtype, device=layers[0].device)
+        self.prepared.stacks.append((whole, op.axis, layers))
+        self.prepared.values[op.target] = whole
+
+    def _synthesize(self, op: Synthesize) -> None:
+        destination = self._destination(op.target)
+        if destination.is_meta:
+            self.recompute.append((op.target, op.rule))
+        else:
+            self.prepared.values[op.target] = destination
+
+    def _nothing(self, op: Op) -> None:
+        """``Drop`` reads nothing; a ``Cast`` is done by ``copy_`` (checked in :meth:`_check_value`)."""
+
+    # -- checks -----------------------------------------------------------------------------------
 
     def _destination(self, key: KeyPath) -> torch.Tensor:
         destination = self.destinations.get(key)
@@ -154,17 +189,6 @@ class _Preparer:
             _require_entry(tensor, self.plan.source[key], "checkpoint")
             self.sources[key] = tensor
         return tensor
-
-    def _stack(self, op: Stack, destination: torch.Tensor, prepared: Prepared) -> torch.Tensor:
-        layers = tuple(self._source(key) for key in op.sources)
-        self._check_count(op.target, destination, op.axis, len(layers))
-        for source_key, layer in zip(op.sources, layers):
-            self._check_value(source_key, op.target, layer, destination.select(op.axis, 0))
-        whole = destination
-        if not _writable_in_place(destination):  # build the stacked tensor once instead
-            whole = torch.empty(destination.shape, dtype=layers[0].dtype, device=layers[0].device)
-        prepared.stacks.append((whole, op.axis, layers))
-        return whole
 
     @staticmethod
     def _check_count(key: KeyPath, whole: torch.Tensor, axis: int, layers: int) -> None:
@@ -186,6 +210,17 @@ class _Preparer:
             raise PlanError(f"{join_key(source_key)!r} is complex but {join_key(target_key)!r} is "
                             f"{destination.dtype}; copying would drop the imaginary part. Convert "
                             "the checkpoint value explicitly if that is what you want.")
+
+
+#: Op kind -> the preparer's handler; every other kind is refused by :func:`prepare`.
+HANDLERS: Mapping[str, Callable[[_Preparer, Op], None]] = {
+    Rename.kind: _Preparer._rename,
+    Unstack.kind: _Preparer._unstack,
+    Stack.kind: _Preparer._stack,
+    Synthesize.kind: _Preparer._synthesize,
+    Drop.kind: _Preparer._nothing,
+    Cast.kind: _Preparer._nothing,
+}
 
 
 def _writable_in_place(tensor: torch.Tensor) -> bool:

@@ -1,49 +1,20 @@
-"""The DeepSpeed ``PipelineModule.load_state_dir`` hook (GPT-NeoX pipeline loads).
+"""The DeepSpeed ``PipelineModule.load_state_dir`` hook (GPT-NeoX pipeline loads;
+:func:`ckptshim.loading.deepspeed.load_stage` decides).
 
-DeepSpeed's pipeline engine loads weights by calling ``PipelineModule.load_state_dir(load_dir,
-checkpoint_engine, strict)``, which globs ``layer_<i>-*model_states.pt`` for each of its layers and
-hands each layer's ``load_state_dict(strict=...)`` what it finds. That works only for a NeoX
-checkpoint saved with the same names and the same tensor-parallel degree. Patched, when
-``load_dir`` holds anything else ckptshim can read -- a Hugging Face GPT-NeoX/Pythia directory,
-a NeoX checkpoint of another tensor-parallel degree, older MLP names, a saved or unsaved rotary
-``inv_freq`` -- each layer receives exactly the state dict it expects, built in memory (no
-converted files): names mapped by :mod:`ckptshim.rules.profiles.neox`, tensor-parallel shards
-merged and re-split along each tensor's axis (:mod:`ckptshim.formats.tensor_parallel`), vocab
-rows padded or cut to the model's padded vocab, derivable buffers kept from the module or dropped.
-
-The whole stage is planned and checked before the first layer is written, so a refused load
-leaves every layer untouched. A matching NeoX checkpoint goes to DeepSpeed's own loader.
+DeepSpeed's own loader unpickles layer files without limits, so a bug inside ckptshim here is
+raised (an ``InternalError`` naming ``CKPTSHIM_DISABLE_HOOKS=deepspeed``), never handed to it.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-from torch import nn
+from ckptshim.hooks.seam import Patches, Seam, bind, guarded
+from ckptshim.loading import deepspeed as loading
 
-from ckptshim import config
-from ckptshim.errors import PlanError, UnknownFormatError
-from ckptshim.execute.dcp_storage import _source_tensor
-from ckptshim.execute.torch import prepare
-from ckptshim.formats import deepspeed_pipeline, tensor_parallel
-from ckptshim.formats.base import Checkpoint
-from ckptshim.formats.detect import open_checkpoint
-from ckptshim.hooks.seam import Patches, Seam, guarded
-from ckptshim.hooks.torch_module import _layout
-from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, split_key
-from ckptshim.log import logger, report_load
-from ckptshim.planner import plan as make_plan
-from ckptshim.rules import DEFAULT_RULES
-from ckptshim.rules.buffers import derivable_rule
-from ckptshim.rules.profiles import neox
-
-HOOK = "deepspeed PipelineModule.load_state_dir"
-SEAM = Seam("deepspeed", HOOK, falls_back=False)
+SEAM = Seam("deepspeed", "deepspeed PipelineModule.load_state_dir", falls_back=False)
 _patches = Patches()
 
 
@@ -58,163 +29,13 @@ def uninstall() -> None:
     _patches.restore()
 
 
-def _arguments(load_dir: str, checkpoint_engine: Any = None, strict: bool = True) -> tuple[str, bool]:
-    return load_dir, strict
-
-
 def _load_state_dir(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    try:
-        load_dir, strict = _arguments(*args, **kwargs)
-    except TypeError:
-        return wrapped(*args, **kwargs)
-
     def native() -> Any:
         return wrapped(*args, **kwargs)
 
-    return guarded(SEAM, lambda: _shimmed(instance, Path(load_dir), strict, native), native, load_dir)
-
-
-def _shimmed(module: Any, load_dir: Path, strict: bool, native: Callable[[], Any]) -> Any:
-    grid = module._grid
-    rank, degree = grid.get_slice_parallel_rank(), grid.get_slice_parallel_world_size()
-    layers = {index + module._local_start: layer for index, layer in enumerate(module.forward_funcs)
-              if isinstance(layer, nn.Module) and hasattr(layer, "load_state_dict")}
-    try:
-        source = open_checkpoint(load_dir, backend="torch")
-    except UnknownFormatError:  # nothing ckptshim reads (e.g. legacy pickles): DeepSpeed's call
-        return native()
-    try:
-        if not _is_neox(source) or _native_fits(source, layers, degree):
-            return native()
-        states = layer_state_dicts(source, layers, rank, degree, strict)
-    finally:
-        source.close()
-    for index, layer in layers.items():
-        layer.load_state_dict(states.get(index, OrderedDict()), strict=strict)
-    module._synchronize_tied_weights()
-    return None
-
-
-def _is_neox(source: Checkpoint) -> bool:
-    """An HF GPT-NeoX checkpoint, or one whose every tensor is a GPT-NeoX layer's. Other
-    pipeline models (Megatron-DeepSpeed's ``self_attention``...) are DeepSpeed's to load: its
-    own loader re-shards Megatron names, and ckptshim knows only NeoX's."""
-    if neox.HF_MARK in source.inventory:
-        return True
-    keys = list(source.inventory)
-    return bool(keys) and all(key[:1] == (neox.SEQUENTIAL,) and (
-        neox.tp_rule(key[2:]) is not None or derivable_rule(key) is not None) for key in keys)
-
-
-def _native_fits(source: Checkpoint, layers: Mapping[int, nn.Module], degree: int) -> bool:
-    """A NeoX checkpoint of this degree whose every layer file holds exactly what its layer wants."""
-    if not isinstance(source, deepspeed_pipeline.DeepSpeedPipelineCheckpoint) or source.tp_degree != degree:
-        return False
-    for index, layer in layers.items():
-        wanted = {(neox.SEQUENTIAL, str(index)) + split_key(k) for k in _layout(layer).tensors}
-        held = {k for k in source.shards if k[:2] == (neox.SEQUENTIAL, str(index))}
-        if wanted != held:
-            return False
-    return True
-
-
-def layer_state_dicts(source: Checkpoint, layers: Mapping[int, nn.Module], rank: int, degree: int,
-                      strict: bool = True) -> dict[int, OrderedDict[str, torch.Tensor]]:
-    """For each pipeline layer (by global index), the state dict it expects at tensor-parallel
-    ``rank`` of ``degree``, from any checkpoint holding a GPT-NeoX model; nothing is written.
-
-    Values are views of (or small arrays computed from) the checkpoint's bytes, the layer's own
-    tensor for derivable buffers the checkpoint lacks; every check runs before this returns.
-    """
-    source.require_complete()
-    target, destinations, drop, synthesize = _targets(layers)
-    aliases = neox.aliases_into_neox(source.inventory)
-    stage = {str(index) for index in layers}
-    full_rows = {role: e.shape[0] * degree for e in target.values()
-                 if (role := neox.vocab_role(e.key)) is not None}
-    reads: dict[KeyPath, tuple[int | None, neox.TPRule]] = {}  # rows to resize to, split rule
-    entries = []
-    for entry in source.inventory.values():
-        key = neox.to_neox(entry.key, aliases)
-        if key[:1] == (neox.SEQUENTIAL,) and len(key) > 1 and key[1] not in stage:
-            continue  # another pipeline stage's layer
-        shape = entry.shape
-        rows = full_rows.get(neox.vocab_role(entry.key) or "")
-        if rows is not None and shape[0] != rows:
-            _check_cut(entry.key, shape[0], rows)
-            shape = (rows, *shape[1:])
-        rule = _rule(key, degree)
-        reads[entry.key] = (rows if shape != entry.shape else None, rule)
-        entries.append(Entry(entry.key, _shard_shape(key, shape, rule, degree), entry.dtype, entry.location))
-    rules = DEFAULT_RULES.extend(aliases=aliases, drop=drop, synthesize=synthesize, strict=config.strict())
-    plan = make_plan(Inventory(entries, str(source.path)), target, rules)
-
-    def fetch(key: KeyPath) -> torch.Tensor:
-        entry = source.inventory[key]
-        rows, rule = reads[key]
-        array = source.read(entry)
-        if rows is not None:
-            array = tensor_parallel.resize_rows(array, rows)
-        shard = tensor_parallel.split(array, rule, rank, degree, entry.dtype, join_key(key))
-        return _source_tensor(np.ascontiguousarray(shard), getattr(torch, entry.dtype))
-
-    prepared = prepare(plan, fetch, destinations, allow_missing=not strict, allow_unexpected=not strict)
-    report_load(f"load_state_dir(tp rank {rank}/{degree})", plan)
-    resized = [f"{join_key(k)} -> {rows} rows" for k, (rows, _) in reads.items() if rows is not None]
-    if resized:
-        logger.info("%s: vocab padding changed to the model's: %s", HOOK, ", ".join(resized))
-    states: dict[int, OrderedDict[str, torch.Tensor]] = {}
-    for key, value in prepared.values.items():
-        states.setdefault(int(key[1]), OrderedDict())[join_key(key[2:])] = value
-    return states
-
-
-def _check_cut(key: KeyPath, have: int, rows: int) -> None:
-    """Cutting vocab rows is right only if they are padding, which the bytes cannot tell."""
-    if have <= rows:
-        return
-    message = (f"{join_key(key)} has {have} vocab rows but the model's padded vocab is {rows}; rows "
-               f"{rows}.. are dropped, which is right only if they are padding (check the model's "
-               "vocab size and make-vocab-size-divisible-by)")
-    if config.strict():
-        raise PlanError(message + ". CKPTSHIM_STRICT=1 refuses this.")
-    logger.warning("%s: %s", HOOK, message)
-
-
-_Targets = tuple[Inventory, dict[KeyPath, torch.Tensor], list[KeyPath], list[KeyPath]]
-
-
-def _targets(layers: Mapping[int, nn.Module]) -> _Targets:
-    """The stage's tensors under NeoX's ``sequential.<index>`` names, the live tensors, and the
-    buffers to drop (non-persistent) or keep from the module (persistent, derivable)."""
-    entries, destinations, drop, synthesize = [], {}, [], []
-    for index, layer in layers.items():
-        layout = _layout(layer)
-        prefix = (neox.SEQUENTIAL, str(index))
-        for name, tensor in layout.tensors.items():
-            key = prefix + split_key(name)
-            entries.append(Entry(key, tuple(tensor.shape), dtype_name(tensor.dtype)))
-            destinations[key] = tensor
-        drop += [prefix + split_key(name) for name in layout.non_persistent]
-        synthesize += [prefix + split_key(name) for name in layout.buffers
-                       if derivable_rule(split_key(name)) is not None]
-    return Inventory(entries, "pipeline layers"), destinations, drop, synthesize
-
-
-def _rule(key: KeyPath, degree: int) -> neox.TPRule:
-    rule = neox.tp_rule(key[2:]) if key[:1] == (neox.SEQUENTIAL,) else None
-    if rule is None and degree > 1 and derivable_rule(key) is None:
-        raise PlanError(f"{join_key(key)}: no tensor-parallel rule for this tensor, so ckptshim "
-                        f"cannot tell how {degree} ranks split it; ckptshim knows GPT-NeoX's own layers.")
-    return rule or neox.TPRule("replicate")
-
-
-def _shard_shape(key: KeyPath, shape: tuple[int, ...], rule: neox.TPRule, degree: int) -> tuple[int, ...]:
-    """One rank's shape of a tensor of full ``shape`` (checked to split evenly)."""
-    if rule.kind != "cat" or degree == 1:
-        return shape
-    if shape[rule.axis] % degree:
-        raise PlanError(f"{join_key(key)}: axis {rule.axis} has {shape[rule.axis]} entries, which do not "
-                        f"split evenly over {degree} tensor-parallel ranks; the model's sizes do not "
-                        "match this checkpoint.")
-    return shape[:rule.axis] + (shape[rule.axis] // degree,) + shape[rule.axis + 1:]
+    call = bind(wrapped, args, kwargs)
+    if call is None:
+        return native()  # a bad call: DeepSpeed reports it
+    load_dir = call["load_dir"]
+    return guarded(SEAM, lambda: loading.load_stage(instance, Path(load_dir), call["strict"], native),
+                   native, load_dir)

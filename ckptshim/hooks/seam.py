@@ -10,6 +10,7 @@ raised as an :class:`~ckptshim.errors.InternalError` naming the switch that turn
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,21 @@ class Patches:
                 delattr(owner, attribute)
             else:
                 setattr(owner, attribute, original)
+
+
+def bind(function: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """The call's arguments by ``function``'s parameter names, defaults filled in; ``None`` when
+    they do not fit its signature (a bad call: the hook then lets the framework report it).
+
+    Every hook reads its caller's arguments this way, against the signature of the very function
+    it patched, so a framework release that adds a parameter changes nothing here.
+    """
+    try:
+        bound = inspect.signature(function).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def guarded(seam: Seam, shimmed: Callable[[], Any], original: Callable[[], Any], where: object = None) -> Any:

@@ -23,9 +23,10 @@ from operator import attrgetter
 
 from ckptshim.errors import PlanError
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, KeyPath, gc_paused, join_key
+from ckptshim.keytext import ranges
+from ckptshim.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Unstack, renames
 from ckptshim.planner import runs
 from ckptshim.planner.names import Names
-from ckptshim.planner.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Unstack, renames
 from ckptshim.planner.plan import Mismatch, Plan
 from ckptshim.planner.runs import Group, Run, key_of
 from ckptshim.rules import DEFAULT_RULES, Rules
@@ -140,21 +141,18 @@ class _Planner:
             ops = batches[0] if batches else []
             if not self.casts:
                 return ops
-            if not any(isinstance(op, Unstack) for op in ops):  # each cast follows its one producer
+            if all(len(op.targets) == 1 for op in ops):  # each cast follows its one producer
                 return [op for producer in ops
-                        for op in (producer, self.casts.get(producer.target)) if op is not None]
+                        for op in (producer, self.casts.get(producer.targets[0])) if op is not None]
         assigned: dict[KeyPath, Op] = {}
         for batch in batches:
             for op in batch:
-                if isinstance(op, Unstack):
-                    assigned.update(dict.fromkeys(op.targets, op))
-                else:
-                    assigned[op.target] = op
+                assigned.update(dict.fromkeys(op.targets, op))
         ops: list[Op] = []
         emitted: set[int] = set()
         for key in self.target:
             op = assigned.get(key)
-            if isinstance(op, Unstack):  # the only producer with several targets: list it once
+            if op is not None and len(op.targets) > 1:  # a producer of several targets: list it once
                 if id(op) not in emitted:
                     emitted.add(id(op))
                     ops.append(op)
@@ -458,5 +456,4 @@ def _refuse_clash(entries: list[Entry], names: list[KeyPath], side: str) -> None
 
 
 def _span(indices: list[int]) -> str:
-    from ckptshim.planner.explain import _ranges
-    return "{" + _ranges(indices) + "}" if indices else "{}"
+    return "{" + ranges(indices) + "}" if indices else "{}"

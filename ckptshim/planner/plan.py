@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Inventory, KeyPath, join_key
-from ckptshim.planner.ops import Cast, Drop, Join, Op, Producer, Rename, Split, Stack, Synthesize, Transpose, Unstack
+from ckptshim.ops import Cast, Op
 
 #: How many keys an error message lists before it summarises the rest.
 MAX_LISTED = 12
@@ -46,91 +47,50 @@ class Plan:
     mismatched: tuple[Mismatch, ...] = ()
     #: for some missing keys, what a profile knows they would be made from (instead of guessing)
     hints: Mapping[KeyPath, str] = field(default_factory=dict, compare=False)
-    _producers: dict[KeyPath, Producer] | None = field(default=None, repr=False, compare=False)
+    _producers: dict[KeyPath, Op] | None = field(default=None, repr=False, compare=False)
 
     @property
     def complete(self) -> bool:
         return not (self.missing or self.unexpected or self.mismatched)
 
-    def producer(self, target_key: KeyPath) -> Producer | None:
+    def producer(self, target_key: KeyPath) -> Op | None:
         """The op that gives ``target_key`` its value (``None`` when nothing does)."""
         return self._producer_index().get(target_key)
 
-    def _producer_index(self) -> dict[KeyPath, Producer]:
+    def _producer_index(self) -> dict[KeyPath, Op]:
         """Target key -> producing op, built on first use.
 
         Only some executors ask (torch's walks the ops instead), and for a million-key plan the
         index costs a sizeable share of planning, so a plan does not build it up front.
         """
         if self._producers is None:
-            producers: dict[KeyPath, Producer] = {}
+            producers: dict[KeyPath, Op] = {}
             for op in self.ops:
-                if isinstance(op, (Unstack, Split)):
+                if op.produces:
                     producers.update(dict.fromkeys(op.targets, op))
-                elif not isinstance(op, (Cast, Drop)):  # the other producers have one target
-                    producers[op.target] = op
             object.__setattr__(self, "_producers", producers)  # a cache on a frozen dataclass
         return self._producers
 
     def casts(self) -> dict[KeyPath, Cast]:
-        return {op.target: op for op in self.ops if isinstance(op, Cast)}
-
-    def of_type(self, *kinds: type) -> Iterator[Op]:
-        return (op for op in self.ops if isinstance(op, kinds))
+        return {op.target: op for op in self.ops if op.kind == Cast.kind}
 
     @property
     def is_identity(self) -> bool:
-        """True when loading needs no help: every op is a same-name rename."""
-        return self.complete and all(
-            isinstance(op, Rename) and op.source == op.target for op in self.ops)
-
-    def inverse(self) -> Plan:
-        """The plan that maps the target back onto the source."""
-        ops: list[Op] = []
-        cast: set[KeyPath] = set()  # an Unstack's per-layer casts invert into one cast
-        for op in self.ops:
-            if isinstance(op, Cast):
-                for key in self._producer_index()[op.target].sources:
-                    if key not in cast:
-                        cast.add(key)
-                        ops.append(Cast(key, op.target_dtype, op.source_dtype))
-            else:
-                ops.append(op.inverse())
-        mismatched = tuple(Mismatch(m.target, m.source, m.target_shape, m.source_shape, m.why)
-                           for m in self.mismatched)
-        return Plan(self.target, self.source, tuple(ops), missing=self.unexpected,
-                    unexpected=self.missing, mismatched=mismatched)
+        """True when loading needs no help: every op changes nothing (a same-name rename)."""
+        return self.complete and all(op.tally() is None for op in self.ops)
 
     def counts(self) -> Counter[str]:
-        """How many keys each kind of op touches (identity renames are not counted)."""
+        """How many keys each kind of op touches (ops that change nothing are not counted)."""
         counts: Counter[str] = Counter()
         for op in self.ops:
-            if isinstance(op, Rename):
-                if op.source != op.target:
-                    counts["renamed"] += 1
-            elif isinstance(op, Stack):
-                counts["stacked"] += len(op.sources)
-            elif isinstance(op, Unstack):
-                counts["unstacked"] += len(op.targets)
-            elif isinstance(op, Transpose):
-                counts["transposed"] += 1
-            elif isinstance(op, Split):
-                counts["split"] += len(op.targets)
-            elif isinstance(op, Join):
-                counts["joined"] += len(op.sources)
-            elif isinstance(op, Synthesize):
-                counts["synthesized"] += 1
-            elif isinstance(op, Drop):
-                counts["dropped"] += 1
-            elif isinstance(op, Cast):
-                counts["cast"] += 1
+            tally = op.tally()
+            if tally is not None:
+                counts[tally[0]] += tally[1]
         return counts
 
     def require_complete(self, sep: str = ".", *, allow_missing: bool = False,
                          allow_unexpected: bool = False) -> None:
         """Raise a :class:`PlanError` listing what does not match, with the nearest candidates."""
-        from ckptshim.planner.explain import nearest
-
         lines: list[str] = []
         if self.mismatched:
             lines.append(f"{len(self.mismatched)} key(s) match by name but not by shape:")
@@ -155,3 +115,16 @@ class Plan:
             [f"checkpoint {self.source.source or '(source)'} does not fit target "
              f"{self.target.source or '(target)'}:"] + lines + more +
             ["Fix the names (or add a rule), or load non-strictly to accept the difference."]))
+
+
+_MAX_CANDIDATES = 5000
+
+
+def nearest(key: KeyPath, candidates: Sequence[KeyPath], n: int = 3) -> list[KeyPath]:
+    """The candidate keys most like ``key``: same leaf name first, then by text similarity."""
+    same_leaf = [c for c in candidates if c and c[-1] == key[-1]]
+    pool = same_leaf if same_leaf else list(candidates[:_MAX_CANDIDATES])
+    if len(pool) > _MAX_CANDIDATES:
+        pool = pool[:_MAX_CANDIDATES]
+    text = {join_key(c, "/"): c for c in pool}
+    return [text[t] for t in difflib.get_close_matches(join_key(key, "/"), list(text), n=n, cutoff=0.4)]

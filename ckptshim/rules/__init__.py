@@ -1,7 +1,8 @@
 """The knowledge ckptshim plans with, as data: one frozen :class:`Rules` value per load.
 
-Hooks start from :data:`DEFAULT_RULES` and add what only they know (a module's non-persistent
-buffers, a model family's profile) with :meth:`Rules.extend`.
+Every load gets its rules from one place, :func:`ckptshim.rules.profiles.rules_for`: the
+defaults, the backend's conventions, the model profiles that apply to the two inventories, and
+what only the live target knows (:class:`TargetFacts`).
 """
 
 from __future__ import annotations
@@ -9,18 +10,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from ckptshim.inventory import Inventory, KeyPath
+from ckptshim.ops import Op
 from ckptshim.rules.aliases import Alias
 from ckptshim.rules.buffers import DERIVABLE_BUFFERS
 from ckptshim.rules.layers import LAYER_LIST_NAMES, ScanAxis
 from ckptshim.rules.prefixes import WRAPPER_SEGMENTS
 
-if TYPE_CHECKING:
-    from ckptshim.planner.ops import Producer
-
-__all__ = ["Alias", "DEFAULT_RULES", "Layout", "Paired", "Rules", "ScanAxis"]
+__all__ = ["Alias", "DEFAULT_RULES", "Layout", "NO_FACTS", "Paired", "Rules", "ScanAxis", "TargetFacts"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +27,7 @@ class Paired:
     """What a :class:`Layout` decided: producer ops for the keys it maps, and the target keys it
     recognises but the checkpoint cannot fill, each with a hint naming what it would need."""
 
-    ops: tuple[Producer, ...] = ()
+    ops: tuple[Op, ...] = ()
     missing: Mapping[KeyPath, str] = field(default_factory=dict)
 
 
@@ -74,14 +73,15 @@ class Rules:
     layouts: tuple[Layout, ...] = ()
 
     def extend(self, **more) -> Rules:
-        """A copy with collections extended (not replaced) and scalar fields overridden."""
+        """A copy with collections extended (not replaced; an entry already there is not added
+        twice) and scalar fields overridden."""
         changes = {}
         for name, value in more.items():
             current = getattr(self, name)
             if isinstance(current, frozenset):
                 changes[name] = current | frozenset(value)
             elif isinstance(current, tuple):
-                changes[name] = current + tuple(value)
+                changes[name] = current + tuple(v for v in dict.fromkeys(value) if v not in current)
             else:
                 changes[name] = value
         return dataclasses.replace(self, **changes)
@@ -94,3 +94,23 @@ class Rules:
 
 
 DEFAULT_RULES = Rules()
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """What a live load target knows beyond its inventory, as rules.
+
+    - ``drop``: (canonical) keys the target keeps as non-persistent buffers, so a checkpoint's
+      copy has no place;
+    - ``synthesize``: target keys that may keep their own value when the checkpoint lacks them
+      (persistent buffers a framework can recompute);
+    - ``aliases``: renames the target's own framework publishes (transformers' conversion mapping
+      of the model class).
+    """
+
+    drop: frozenset[KeyPath] = frozenset()
+    synthesize: frozenset[KeyPath] = frozenset()
+    aliases: tuple[Alias, ...] = ()
+
+
+NO_FACTS = TargetFacts()

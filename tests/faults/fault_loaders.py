@@ -177,7 +177,7 @@ def deepspeed(fmt, path: Path, original: Path) -> Load:
     """What the ``load_state_dir`` hook does for one pipeline stage: plan every layer's state
     dict from the checkpoint (all checks), then each layer's own ``load_state_dict``."""
     from ckptshim.formats.detect import open_checkpoint
-    from ckptshim.hooks.deepspeed import layer_state_dicts
+    from ckptshim.loading.deepspeed import layer_state_dicts
     from test_neox import neox_layers
 
     layers = neox_layers()

@@ -1,4 +1,4 @@
-"""Named model profiles: renames a model family needs, as ckptshim rules.
+"""Named model profiles, and :func:`rules_for`: the one place a load's rules are chosen.
 
 Where a framework already publishes its own rename table (transformers' checkpoint conversion
 mapping), the profile is read from it at load time rather than copied here, so it never goes
@@ -9,15 +9,33 @@ from __future__ import annotations
 
 from ckptshim import config
 from ckptshim.inventory import Inventory
-from ckptshim.rules import DEFAULT_RULES, Rules
+from ckptshim.rules import DEFAULT_RULES, NO_FACTS, Rules, TargetFacts
 from ckptshim.rules.flax_names import LINEN_NNX
-from ckptshim.rules.profiles import maxtext, paxml, paxml_gpt3
+from ckptshim.rules.layers import TORCH_SCAN_AXES
+from ckptshim.rules.profiles import maxtext, neox, paxml, paxml_gpt3
+
+#: What :func:`rules_for` plans for: torch state dicts (``.`` keys) or JAX pytrees (``/`` keys).
+BACKENDS = ("torch", "jax")
 
 
-def rules_for_trees(source: Inventory, target: Inventory) -> Rules:
-    """The rules for a JAX tree pair: Linen/NNX spellings, MaxText scan axes, PaxML ``Repeat``
-    stacks and the PaxML GPT-3 -> MaxText layout where they apply."""
-    rules = DEFAULT_RULES.extend(aliases=LINEN_NNX, strict=config.strict())
+def rules_for(source: Inventory, target: Inventory, backend: str, facts: TargetFacts = NO_FACTS) -> Rules:
+    """The rules for loading ``source`` into ``target`` through ``backend``'s load calls.
+
+    The defaults (wrapper prefixes, layer lists, derivable buffers) and ``CKPTSHIM_STRICT``;
+    then the target's own ``facts``; then each profile whose marks the two inventories carry:
+
+    - ``"torch"``: torch modules stack layer lists on axis 0; GPT-NeoX's pipeline names <-> its
+      Hugging Face names, when one side is each;
+    - ``"jax"``: Linen/NNX spellings; MaxText's scan axes; PaxML ``Repeat`` stacks; the PaxML
+      GPT-3 -> MaxText layout.
+    """
+    rules = DEFAULT_RULES.extend(strict=config.strict(), drop=facts.drop, synthesize=facts.synthesize,
+                                 aliases=facts.aliases)
+    if backend == "torch":
+        return rules.extend(scan_axes=TORCH_SCAN_AXES, aliases=neox.aliases_between(source, target))
+    if backend != "jax":
+        raise ValueError(f"no rules for backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    rules = rules.extend(aliases=LINEN_NNX)
     if maxtext.applies(source, target):
         rules = rules.extend(scan_axes=maxtext.SCAN_AXES)
     if paxml.applies(source, target):

@@ -29,7 +29,7 @@ from itertools import product
 
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key
-from ckptshim.planner.ops import Rename, Split, Transpose, Unstack
+from ckptshim.ops import Rename, Split, Transpose, Unstack
 from ckptshim.rules import Paired, Rules
 from ckptshim.rules.profiles import maxtext
 

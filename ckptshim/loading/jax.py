@@ -1,10 +1,10 @@
 """Restore a checkpoint into a JAX pytree target: plan with the JAX rules, check, then build.
 
-The Orbax and Flax hooks share this: :func:`prepare` opens nothing itself (the hook passes the
-opened checkpoint), refuses an incomplete checkpoint, plans the checkpoint's inventory against
-the caller's tree, and refuses what does not fit -- all before a tensor byte is read. The
-hook then asks :func:`native_fits` whether the framework's own restore would do the same, and
-only if not runs :meth:`Prepared.run`.
+The Orbax, Flax and T5X loads share this: :func:`open_item` picks the format that reads what a
+restore call names; :func:`prepare` refuses an incomplete checkpoint, plans its inventory
+against the caller's tree, and refuses what does not fit -- all before a tensor byte is read.
+The caller then asks :func:`native_fits` whether the framework's own restore would do the
+same, and only if not runs :meth:`Prepared.run` (the JAX executor).
 
 Rules for JAX trees: Linen/NNX spellings are aliases; trees laid out like MaxText's decoder get
 its scan axes; rng state may be kept from the target by the opt-in MaxText rule. Checkpoint
@@ -15,20 +15,24 @@ checkpoint may hold more, e.g. rng state or a data iterator) and counted in the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ckptshim import config
-from ckptshim.errors import PlanError
+from ckptshim.errors import PlanError, UnknownFormatError
 from ckptshim.execute import jax as executor
 from ckptshim.execute.jax_tree import TargetTree
 from ckptshim.formats.base import Checkpoint
+from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Inventory, join_key, unflatten
-from ckptshim.log import logger, report_load
-from ckptshim.planner import Cast, Plan, Rename, Synthesize, plan as make_plan
-from ckptshim.planner.explain import _ranges
+from ckptshim.keytext import ranges
+from ckptshim.loading.report import report_load
+from ckptshim.log import logger
+from ckptshim.ops import Cast, Synthesize
+from ckptshim.planner import Plan, plan as make_plan
 from ckptshim.rules import Rules
 from ckptshim.rules.layers import layer_splits
-from ckptshim.rules.profiles import maxtext, paxml_gpt3, rules_for_trees
+from ckptshim.rules.profiles import maxtext, paxml_gpt3, rules_for
 
 SEP = "/"
 
@@ -49,6 +53,14 @@ class Prepared:
         return self.target.rebuild(executor.build(self.checkpoint, self.plan, self.target.targets, SEP))
 
 
+def open_item(path: Path) -> Checkpoint | None:
+    """The checkpoint a JAX restore call names, if ckptshim reads its layout (metadata only)."""
+    try:
+        return open_checkpoint(path, backend="jax")
+    except UnknownFormatError:
+        return None
+
+
 def prepare(checkpoint: Checkpoint, tree: Any, where: str, restore_args: Any = None) -> Prepared:
     """Plan ``checkpoint`` into ``tree`` (``None``: the checkpoint as stored) and check the plan.
 
@@ -58,13 +70,13 @@ def prepare(checkpoint: Checkpoint, tree: Any, where: str, restore_args: Any = N
     target = TargetTree(as_stored(checkpoint) if tree is None else tree, restore_args)
     _require_divisible(target, where)
     target_inv = target.inventory(f"given to {where}")
-    rules = rules_for_trees(checkpoint.inventory, target_inv)
+    rules = rules_for(checkpoint.inventory, target_inv, "jax")
     plan = _plan(checkpoint.inventory, target_inv, rules)
     _require_fit(plan, rules)
     if paxml_gpt3.GPT3_LAYOUT in rules.layouts:
         _report_unmapped(plan)
     for op in plan.ops:
-        if isinstance(op, Synthesize) and not target.targets[op.target].concrete:
+        if op.kind == Synthesize.kind and not target.targets[op.target].concrete:
             raise PlanError(
                 f"{join_key(op.target, SEP)}: the checkpoint cannot provide it and the rule "
                 f"{op.rule!r} keeps the target's own value, but the target gives only a shape "
@@ -97,8 +109,7 @@ def native_fits(prepared: Prepared, *, readable: bool, partial: bool) -> bool:
     plan = prepared.plan
     if not readable or (plan.unexpected and not partial):
         return False
-    return all(isinstance(op, Cast) or (isinstance(op, Rename) and op.source == op.target)
-               for op in plan.ops)
+    return all(op.kind == Cast.kind or op.tally() is None for op in plan.ops)
 
 
 def as_stored(checkpoint: Checkpoint) -> dict:
@@ -199,6 +210,6 @@ def _layer_gaps(plan: Plan, rules: Rules) -> list[str]:
         whole_key, whole_side = (m.target, "target") if stacking else (m.source, "checkpoint")
         lines.append(f"{whole_side} key {join_key(whole_key, SEP)} stacks {max(counts)} layers, but "
                      f"the {'checkpoint' if stacking else 'target'} has only layer(s) "
-                     f"{{{_ranges(present)}}} ({join_key(per_layer, SEP)}): layers "
-                     f"{{{_ranges(absent)}}} are missing")
+                     f"{{{ranges(present)}}} ({join_key(per_layer, SEP)}): layers "
+                     f"{{{ranges(absent)}}} are missing")
     return lines

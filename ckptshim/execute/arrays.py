@@ -1,0 +1,71 @@
+"""The files executor: the arrays a plan produces from an open checkpoint, one at a time.
+
+What ``ckptshim convert`` writes has no framework destination, so each target array is built
+here in the checkpoint's storage dtype (bfloat16 as its uint16 bits), by one handler per op kind
+(:data:`HANDLERS`): a ``Rename`` is the source's own read (for memory-mapped formats a view, no
+copy); every layout kind -- stack, unstack, transpose, split, join -- is filled by the block
+reads the JAX executor uses (:mod:`ckptshim.execute.blocks`), reading exactly the source ranges
+the array needs into one new buffer. ``Synthesize``\\ d targets are not written (the checkpoint
+does not hold them) and ``Drop``\\ ped sources not read; any other kind (a ``Cast``: convert
+copies bytes exactly) is refused before anything is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ckptshim.execute import blocks
+from ckptshim.formats.base import Checkpoint, numpy_dtype, storage_dtype
+from ckptshim.inventory import Entry
+from ckptshim.ops import Drop, Op, Rename, Synthesize, require_kinds
+from ckptshim.planner import Plan
+
+
+@dataclass
+class PlannedArrays:
+    """What to write: the target entries in order, and how to get each one's bytes.
+
+    Without a plan, every source entry as it is stored.
+    """
+
+    source: Checkpoint
+    plan: Plan | None
+    sep: str
+    entries: list[Entry] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.plan is None:
+            self.entries = list(self.source.inventory.values())
+            return
+        require_kinds(self.plan.ops, HANDLERS.keys() | {Synthesize.kind, Drop.kind}, "array executor",
+                      sep=self.sep)
+        self.entries = [entry for entry in self.plan.target.values()
+                        if self.plan.producer(entry.key).kind != Synthesize.kind]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def read(self, entry: Entry) -> np.ndarray:
+        """``entry``'s value in its storage dtype (see :func:`storage_dtype`)."""
+        if self.plan is None:
+            return self.source.read(entry)
+        producer = self.plan.producer(entry.key)
+        return HANDLERS[producer.kind](self, producer, entry)
+
+    def _read_source(self, op: Rename, entry: Entry) -> np.ndarray:
+        return self.source.read(self.plan.source[op.source])
+
+    def _read_blocks(self, op: Op, entry: Entry) -> np.ndarray:
+        fill = blocks.filler(self.source, self.plan, op, entry.key, entry.shape, numpy_dtype(entry.dtype), self.sep)
+        return fill(blocks.whole(entry.shape)).view(storage_dtype(entry.dtype))
+
+
+#: Op kind -> how a target it produces is read.
+HANDLERS: Mapping[str, Callable[[PlannedArrays, Op, Entry], np.ndarray]] = {
+    Rename.kind: PlannedArrays._read_source,
+    **{kind: PlannedArrays._read_blocks for kind in blocks.READS if kind != Rename.kind},
+}

@@ -1,0 +1,148 @@
+"""``dcp.load`` through ckptshim: which storage reader reads the checkpoint, and what maps onto what.
+
+The DCP hook swaps two parts of DCP's own load (see :mod:`ckptshim.hooks.torch_dcp`):
+
+- :func:`storage_reader` -- ckptshim's readers for local checkpoints it recognises as torch
+  formats (:func:`ckptshim.formats.detect.detect` with ``backend="torch"``): DCP directories
+  (safe metadata unpickling, every chunk read once, every file checked before any write) and
+  ``torch.save`` files, safetensors files, Hugging Face folders and DeepSpeed checkpoints,
+  which DCP cannot read;
+- :func:`load_planner` -- a :class:`~ckptshim.execute.dcp_planner.RemappingLoadPlanner` around
+  the caller's planner, which runs :func:`prepare_mapping` while DCP plans: the checkpoint's flat
+  keys against the state dict's (wrapper hops at any depth, a missing or extra top-level
+  ``"model"`` level, per-layer lists against stacked layers), checked, reported on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+
+from ckptshim.errors import PlanError, UnknownFormatError
+from ckptshim.execute.dcp_planner import FlatKeys, KeyMapping, RemappingLoadPlanner
+from ckptshim.execute.dcp_storage import DcpReader, FormatReader
+from ckptshim.formats import dcp
+from ckptshim.formats.detect import detect
+from ckptshim.inventory import Entry, Inventory, dtype_name, join_key, split_key
+from ckptshim.loading.report import report_load
+from ckptshim.loading.torch import state_dict_facts
+from ckptshim.log import logger
+from ckptshim.planner import Plan
+from ckptshim.planner import plan as make_plan
+from ckptshim.rules.profiles import rules_for
+
+HOOK = "torch.distributed.checkpoint.load"
+
+
+def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageReader | None:
+    """ckptshim's reader for a local checkpoint it knows; else the caller's (``None``: DCP's)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if given is not None and type(given) is not FileSystemReader:
+        return given
+    location = checkpoint_id if checkpoint_id is not None else getattr(given, "path", None)
+    if location is None or "://" in str(location) or not Path(location).exists():
+        return given
+    try:
+        fmt = detect(location, backend="torch")
+    except UnknownFormatError:  # a file DCP cannot read either: FormatReader explains; a folder: DCP's
+        return FormatReader(location) if Path(location).is_file() else given
+    return DcpReader(location) if fmt is dcp else FormatReader(location)
+
+
+def load_planner(inner: LoadPlanner | None) -> RemappingLoadPlanner:
+    """The planner ``dcp.load`` runs: ckptshim's key mapping in front of ``inner`` (or DCP's default)."""
+    return RemappingLoadPlanner(inner, prepare_mapping)
+
+
+def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missing: bool) -> KeyMapping:
+    """Plan the checkpoint's keys onto the state dict's and check the plan (nothing is read)."""
+    where = str(getattr(metadata.storage_meta, "checkpoint_id", None) or "DCP checkpoint")
+    source, target, note = _sides(metadata, state_dict, where)
+    plan = make_plan(source.inventory, target.inventory,
+                     rules_for(source.inventory, target.inventory, "torch", state_dict_facts(_tensors(target))))
+    plan.require_complete(allow_missing=allow_missing, allow_unexpected=True)
+    _check_objects(plan, source, target)
+    report_load(HOOK, plan)  # on every rank: each loads its own part
+    if note:
+        logger.info("%s: %s", HOOK, note)
+    return KeyMapping(plan, source, target)
+
+
+def _tensors(side: FlatKeys) -> Inventory:
+    """The side's tensors (its Python objects left out)."""
+    return Inventory([e for e in side.inventory.values() if e.key not in side.objects], side.inventory.source)
+
+
+def _app_levels(paths: Mapping[str, tuple]) -> set[str]:
+    """The top-level state-dict names (``"model"``, ``"optim"``) that nest the flat keys."""
+    return {str(path[0]) for path in paths.values() if len(path) > 1}
+
+
+def _side(items: Mapping[str, tuple[tuple[int, ...], str] | None], paths: Mapping[str, tuple],
+          strip_app: bool, source: str) -> FlatKeys:
+    """Build one side; ``items`` maps each flat key to ``(shape, dtype)`` or ``None`` (an object).
+
+    With ``strip_app`` the top-level state-dict name is left out of the key path, so that a
+    checkpoint saved as ``{"model": sd}`` and a state dict passed as ``sd`` (or the other way
+    round) line up.
+    """
+    entries, objects, seen = [], set(), {}
+    for fqn, spec in items.items():
+        path = paths.get(fqn, (fqn,))
+        key = split_key(fqn)
+        if strip_app and len(path) > 1:
+            key = key[len(split_key(str(path[0]))):]
+        if key in seen:
+            raise PlanError(
+                f"{source} keys {seen[key]!r} and {fqn!r} both mean {join_key(key)!r} once the "
+                "top-level state-dict name is set aside, so ckptshim cannot tell which one to use. "
+                "Pass the state dict nested the way the checkpoint was saved.")
+        seen[key] = fqn
+        if spec is None:
+            objects.add(key)
+            spec = ((), "uint8")  # a placeholder: objects only ever match objects by name
+        entries.append(Entry(key, spec[0], spec[1], fqn))
+    return FlatKeys(Inventory(entries, source), frozenset(objects))
+
+
+def _sides(metadata: Metadata, state_dict: dict[str, Any], where: str) -> tuple[FlatKeys, FlatKeys, str | None]:
+    """Both sides, and a note when a top-level state-dict name was set aside to match them."""
+    flat, target_paths = flatten_state_dict(state_dict)
+    source_paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+    source_apps, target_apps = _app_levels(source_paths), _app_levels(target_paths)
+    renamed_app = len(source_apps) == len(target_apps) == 1 and source_apps != target_apps
+    strip_source = bool(source_apps) and (not target_apps or renamed_app)
+    strip_target = bool(target_apps) and (not source_apps or renamed_app)
+    source_items = {fqn: ((tuple(md.size), dtype_name(md.properties.dtype))
+                          if isinstance(md, TensorStorageMetadata) else None)
+                    for fqn, md in metadata.state_dict_metadata.items()}
+    target_items = {fqn: ((tuple(value.size()), dtype_name(value.dtype))
+                          if isinstance(value, torch.Tensor) else None)
+                    for fqn, value in flat.items()}
+    names = [f"the {side}'s {', '.join(map(repr, sorted(apps)))}" for side, apps, strip in
+             (("checkpoint", source_apps, strip_source), ("state dict", target_apps, strip_target)) if strip]
+    return (_side(source_items, source_paths, strip_source, where),
+            _side(target_items, target_paths, strip_target, "the state dict passed to dcp.load"),
+            f"keys matched without the top-level name(s) {' and '.join(names)}" if names else None)
+
+
+def _check_objects(plan: Plan, source: FlatKeys, target: FlatKeys) -> None:
+    """A Python object loads only into a non-tensor value of the same name, and vice versa."""
+    for op in plan.ops:
+        if op.produces and op.sources:
+            if any(k in source.objects for k in op.sources) != any(k in target.objects for k in op.targets):
+                stored = "a Python object" if op.sources[0] in source.objects else "a tensor"
+                raise PlanError(
+                    f"checkpoint key {source.fqn(op.sources[0])!r} holds {stored}, but the state "
+                    f"dict wants the other kind at {target.fqn(op.targets[0])!r}; DCP cannot load "
+                    "one into the other. Pass a value of the stored kind.")
+
+

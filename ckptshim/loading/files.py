@@ -1,0 +1,38 @@
+"""Plans between checkpoint files: ``ckptshim plan`` and ``ckptshim convert --like``.
+
+No framework call is involved, just a source checkpoint and a target layout -- another
+checkpoint, or what a ``module:function`` of the user's returns (:mod:`ckptshim.loading.like`).
+The rules are the ones a load through that backend would use: JAX's when either side is a JAX
+tree (``/`` keys), torch's otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckptshim.formats.base import Checkpoint
+from ckptshim.formats.detect import open_checkpoint
+from ckptshim.inventory import Inventory
+from ckptshim.loading import like as like_spec
+from ckptshim.planner import Plan
+from ckptshim.planner import plan as make_plan
+from ckptshim.rules import Rules
+from ckptshim.rules.profiles import rules_for
+
+
+def target_layout(like: str | Path) -> tuple[Inventory, str]:
+    """The inventory ``like`` describes and its key separator (``.`` torch, ``/`` JAX)."""
+    if like_spec.is_callable_spec(like):
+        return like_spec.target_inventory(str(like))
+    target = open_checkpoint(like)
+    target.close()  # the inventory is all a plan needs
+    return target.inventory, target.key_sep
+
+
+def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None) -> Plan:
+    """How the open checkpoint ``source`` maps onto the layout of ``like`` (metadata only)."""
+    target, target_sep = target_layout(like)
+    if rules is None:
+        backend = "jax" if "/" in (source.key_sep, target_sep) else "torch"
+        rules = rules_for(source.inventory, target, backend)
+    return make_plan(source.inventory, target, rules)

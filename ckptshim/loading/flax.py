@@ -1,0 +1,52 @@
+"""Flax's legacy single-file msgpack checkpoints (``checkpoint_<step>``), restored into a target.
+
+For an Orbax-backed checkpoint Flax calls an Orbax checkpointer, which the Orbax hook already
+covers. A legacy msgpack file whose state dict does not match the target's
+(``serialization.to_state_dict``) -- scanned vs unscanned layers, Linen vs NNX names -- is
+restored here into the target's layout and shardings and handed to
+``serialization.from_state_dict`` as Flax does; one that matches is left to Flax.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from ckptshim.formats import flax_msgpack
+from ckptshim.loading import jax as jax_loading
+
+
+def legacy_file(ckpt_dir: str | os.PathLike, step: Any, prefix: str) -> Path | None:
+    """The legacy msgpack file ``restore_checkpoint`` would read, as Flax picks it; else ``None``."""
+    from flax.training import checkpoints
+
+    path = Path(ckpt_dir)
+    if step is not None:
+        path = path / f"{prefix}{step}"
+    elif path.is_dir():
+        latest = checkpoints.latest_checkpoint(path, prefix)
+        path = Path(latest) if latest else path
+    return path if flax_msgpack.sniff(path) and path.is_file() else None
+
+
+def restore_checkpoint(ckpt_dir: str | os.PathLike, target: Any, step: Any, prefix: str,
+                       native: Callable[[], Any]) -> Any:
+    """What ``restore_checkpoint`` returns: ckptshim's restore of a legacy file that does not fit
+    ``target``, else ``native()``."""
+    from flax import serialization
+
+    path = None if target is None else legacy_file(ckpt_dir, step, prefix)
+    if path is None:
+        return native()
+    with ExitStack() as stack:
+        checkpoint = flax_msgpack.open_checkpoint(path)
+        stack.callback(checkpoint.close)
+        prepared = jax_loading.prepare(checkpoint, serialization.to_state_dict(target),
+                                       f"flax restore_checkpoint({path})")
+        if jax_loading.native_fits(prepared, readable=True, partial=False):
+            return native()
+        state_dict = prepared.run()
+    return serialization.from_state_dict(target, state_dict)

@@ -1,0 +1,123 @@
+"""Orbax restores: one item, or the named items of a step folder, read by ckptshim or by Orbax.
+
+The Orbax hook reads its caller's arguments into :class:`Request`\\ s (one per item) and asks
+this module what to do. An item whose layout today's Orbax reads with the caller's args, and
+whose keys match the target one to one, is left to Orbax (``native``); anything else -- layers
+stacked differently, Linen vs NNX names, item ``state`` vs ``default``, pre-``_METADATA``
+layouts, legacy Flax, T5X and PaxML layouts -- is restored by :mod:`ckptshim.loading.jax`, or
+refused before a byte is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptshim.errors import PlanError
+from ckptshim.formats import orbax_manager
+from ckptshim.loading import jax as jax_loading
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one item's restore args ask for, in the terms ckptshim plans with.
+
+    ``reader`` is the Orbax handler the args select ("standard" also stands for no args, which
+    needs the ``_METADATA`` Orbax records handlers in); ``item`` the target tree (``None``: as
+    stored); ``partial`` whether the caller accepts a checkpoint with more keys than the target.
+    """
+
+    reader: str
+    item: Any = None
+    restore_args: Any = None
+    partial: bool = False
+
+
+def prepare_item(path: Path, request: Request, where: str, stack: ExitStack) -> jax_loading.Prepared | None:
+    """Open and plan one item (closed when ``stack`` exits); ``None`` if ckptshim cannot read it."""
+    checkpoint = jax_loading.open_item(path)
+    if checkpoint is None:
+        return None
+    stack.callback(checkpoint.close)
+    return jax_loading.prepare(checkpoint, request.item, where, request.restore_args)
+
+
+def fits(prepared: jax_loading.Prepared, request: Request) -> bool:
+    """Whether Orbax itself restores this: a layout it reads, keys matching the target's."""
+    readable = request.reader in prepared.checkpoint.orbax_readers
+    return jax_loading.native_fits(prepared, readable=readable, partial=request.partial)
+
+
+def restore_item(path: Path, request: Request | None, where: str, native: Callable[[], Any]) -> Any:
+    """One item at ``path``: restored by ckptshim, or by ``native()`` where Orbax can do it itself
+    (or where the request is not one ckptshim understands: ``None``)."""
+    with ExitStack() as stack:
+        prepared = None if request is None else prepare_item(path, request, where, stack)
+        if prepared is None or fits(prepared, request):
+            return native()
+        return prepared.run()
+
+
+def restore_items(step_dir: Path, requested: Mapping[str, Request | None], where: str,
+                  native: Callable[[list[str]], Mapping[str, Any]],
+                  *, force: bool = False) -> dict[str, Any] | None:
+    """Restore the named items of ``step_dir``, or ``None`` when Orbax can do it all itself.
+
+    ``requested`` maps item names to their requests (``None``: args ckptshim leaves to Orbax).
+    Names the step lacks are matched to the one array item the step holds that nobody else asked
+    for (``state`` vs ``default`` vs ``items``). Items that are not array trees (JSON metadata,
+    ...) and requests ckptshim does not understand are restored by ``native(names)``. ``force``:
+    restore the array items here even where Orbax could (used after Orbax failed to).
+    """
+    folders = match_items(step_dir, requested)
+    with ExitStack() as stack:
+        prepared: dict[str, jax_loading.Prepared] = {}
+        shim = force or any(folder.name != name for name, folder in folders.items())
+        for name, folder in folders.items():
+            request = requested[name]
+            item = None if request is None else prepare_item(folder, request, f"{where} item {name!r}", stack)
+            if item is not None:
+                prepared[name] = item
+                shim = shim or not fits(item, request)
+        if not shim:
+            return None
+        results = {name: item.run() for name, item in prepared.items()}
+    rest = [name for name in requested if name not in results]
+    if rest:
+        results.update(native(rest))
+    return results
+
+
+def match_items(step_dir: Path, requested: Iterable[str]) -> dict[str, Path]:
+    """Requested item name -> array item folder on disk (only for names that have one)."""
+    on_disk = orbax_manager.items(step_dir)
+    spare = [name for name in on_disk if name not in requested]
+    out: dict[str, Path] = {}
+    for name in requested:
+        if name in on_disk:
+            out[name] = on_disk[name]
+        elif (step_dir / name).exists():
+            continue  # an item Orbax keeps in its own format (JSON metadata, ...)
+        elif len(spare) == 1:
+            out[name] = on_disk[spare.pop()]
+        else:
+            raise PlanError(
+                f"the target asks for item {name!r}, but checkpoint step {step_dir} holds "
+                f"{', '.join(repr(n) for n in on_disk) or 'no array items'}"
+                + (f" and {len(spare)} of them could be it" if spare else "")
+                + f". Name the item the checkpoint uses (e.g. args=ocp.args.Composite("
+                f"{next(iter(on_disk), 'state')}=...)).")
+    return out
+
+
+def latest_step(root: Path) -> int | None:
+    """The newest step under a ``CheckpointManager`` root, as Orbax would pick it."""
+    return max(orbax_manager.steps(root), default=None)
+
+
+def items_on_disk(step_dir: Path) -> list[str]:
+    """The array items a step folder holds (what a restore without args reads)."""
+    return list(orbax_manager.items(step_dir))

@@ -1,0 +1,204 @@
+"""Loading into torch modules and state dicts: the target side, its rules, and module loads.
+
+Every torch load -- ``load_state_dict``, ``set_model_state_dict``, ``dcp.load``, a DeepSpeed
+stage -- builds its target here: :func:`module_layout` reads what a module's
+``load_state_dict`` accepts off the live module tree, :func:`tensor_inventory` turns named
+tensors into an inventory, and :func:`module_facts` / :func:`state_dict_facts` say what the
+target knows beyond names and shapes (non-persistent buffers, derivable buffers, transformers'
+renames) for :func:`ckptshim.rules.profiles.rules_for`.
+
+:func:`prepare_module_load` is the ``load_state_dict`` load. **Rewrite, not execute.** Once the
+plan is checked, torch's own ``load_state_dict`` is called with a rewritten state dict whose
+keys are exactly the ones the module accepts: renamed sources under their target names,
+``select`` views for unstacked layers, the module's own tensor for synthesized buffers, drops
+left out. Executing the plan ourselves would bypass what modules do in their loading code --
+``_load_from_state_dict`` overrides, load pre-/post-hooks (the checkpoint wrapper re-adds its
+prefix in one), version upgrades keyed by ``state_dict._metadata`` (carried over to the new
+names), ``assign=True`` and swap semantics -- and torch's own ``_IncompatibleKeys``. The one op
+a dict cannot express without a second full copy is stacking, so stacked targets are written
+through ``select`` views of the destination by :mod:`ckptshim.execute.torch`, right before the
+call, and passed as themselves. All checks run before the first write (see that module).
+
+Modules ckptshim cannot see through are left to torch: lazy parameters, ``_extra_state``, and
+FSDP1 (flat parameters whose shapes are not the checkpoint's). And when a strict load does not
+fit but a module transforms its own state dict on load (a load hook or
+``_load_from_state_dict`` override, e.g. BatchNorm filling in ``num_batches_tracked`` for old
+checkpoints), torch decides, with its own error if it fails.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ckptshim.errors import PlanError
+from ckptshim.execute.torch import prepare
+from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, split_key
+from ckptshim.loading.report import report_load
+from ckptshim.log import logger
+from ckptshim.planner import plan as make_plan
+from ckptshim.rules import TargetFacts
+from ckptshim.rules.buffers import derivable_rule
+from ckptshim.rules.prefixes import WRAPPER_SEGMENTS, strip_wrappers
+from ckptshim.rules.profiles import rules_for
+from ckptshim.rules.profiles.transformers_mapping import aliases_for
+
+#: A wrapper hop that the wrapper's own state-dict hooks remove on save and put back on load
+#: (``CheckpointWrapper``), so the names the module accepts do not contain it.
+TRANSPARENT_HOP = "_checkpoint_wrapped_module"
+#: FSDP1's hop: below it parameters are flat shards, which no checkpoint names or shapes match.
+FSDP_HOP = "_fsdp_wrapped_module"
+
+_BASE_LOAD = nn.Module._load_from_state_dict
+_BASE_SET_EXTRA_STATE = nn.Module.set_extra_state
+
+
+@dataclass
+class ModuleLayout:
+    """What a module's ``load_state_dict`` accepts, read off the live module tree."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # accepted key -> tensor
+    buffers: list[str] = field(default_factory=list)                # persistent buffer keys
+    non_persistent: list[str] = field(default_factory=list)
+    module_paths: list[str] = field(default_factory=list)           # torch's metadata keys
+    own_load_logic: bool = False
+    unsupported: str | None = None                                  # why ckptshim stays out
+
+
+def module_layout(root: nn.Module) -> ModuleLayout:
+    """Walk the modules as torch's loader does (every path, shared modules included).
+
+    Keys are the ones the module accepts: internal names minus transparent hops. ``module_paths``
+    keep the internal names, which is what torch looks ``state_dict._metadata`` up by.
+    """
+    layout = ModuleLayout()
+    stack: list[tuple[str, str, nn.Module]] = [("", "", root)]
+    while stack:
+        path, accepted, module = stack.pop()
+        layout.module_paths.append(path)
+        children = module._modules
+        if FSDP_HOP in children:
+            layout.unsupported = "FSDP1 modules hold flat parameters"
+        if type(module).set_extra_state is not _BASE_SET_EXTRA_STATE:
+            layout.unsupported = f"{type(module).__name__} keeps _extra_state"
+        if any(nn.parameter.is_lazy(t) for t in (*module._parameters.values(), *module._buffers.values())):
+            layout.unsupported = "lazy modules have no shapes yet"
+        if TRANSPARENT_HOP not in children and (
+                type(module)._load_from_state_dict is not _BASE_LOAD
+                or module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks):
+            layout.own_load_logic = True
+        for name, param in module._parameters.items():
+            if param is not None:
+                layout.tensors[accepted + name] = param
+        for name, buffer in module._buffers.items():
+            if buffer is None:
+                continue
+            if name in module._non_persistent_buffers_set:
+                layout.non_persistent.append(accepted + name)
+            else:
+                layout.tensors[accepted + name] = buffer
+                layout.buffers.append(accepted + name)
+        for name, child in reversed(children.items()):
+            if child is not None:
+                hop = name if name != TRANSPARENT_HOP else None
+                stack.append((f"{path}{'.' if path else ''}{name}",
+                              accepted + (f"{hop}." if hop else ""), child))
+    return layout
+
+
+def tensor_inventory(items: Iterable[tuple[str, torch.Tensor]], source: str, prefix: KeyPath = ()) -> Inventory:
+    """The inventory of named tensors (dotted names split into key paths, under ``prefix``).
+
+    Raises ``ValueError`` for a dtype ckptshim has no name for (see :func:`dtype_name`).
+    """
+    return Inventory([Entry(prefix + split_key(name), tuple(tensor.shape), dtype_name(tensor.dtype))
+                      for name, tensor in items], source)
+
+
+def module_facts(layout: ModuleLayout, module: nn.Module | None = None, prefix: KeyPath = ()) -> TargetFacts:
+    """What a live module knows: its non-persistent buffers (a checkpoint's copy is dropped), its
+    persistent derivable buffers (kept when the checkpoint lacks them), and, for a transformers
+    model, the renames its conversion mapping publishes."""
+    keys = [prefix + split_key(key) for key in layout.buffers]
+    return TargetFacts(
+        drop=frozenset(prefix + strip_wrappers(split_key(key)) for key in layout.non_persistent),
+        synthesize=frozenset(key for key in keys if derivable_rule(strip_wrappers(key)) is not None),
+        aliases=aliases_for(module) if module is not None else ())
+
+
+def state_dict_facts(target: Inventory) -> TargetFacts:
+    """What a state dict knows: nothing says which entries are buffers, so any key named like a
+    derivable buffer may keep the target's own value when the checkpoint lacks it."""
+    return TargetFacts(synthesize=frozenset(key for key in target if derivable_rule(strip_wrappers(key)) is not None))
+
+
+def fits(state_dict: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Same keys and shapes: torch loads it as is (and, shapes agreeing, cannot half-load it)."""
+    return state_dict.keys() == tensors.keys() and all(
+        getattr(value, "shape", None) == tensors[key].shape for key, value in state_dict.items())
+
+
+def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any], module: nn.Module,
+                        layout: ModuleLayout, state_dict: Mapping[str, Any], strict: bool,
+                        assign: bool) -> Callable[[], Any]:
+    """Plan and check ``module.load_state_dict(state_dict)``; return the call that writes
+    (nothing is written here): torch's ``original`` with the rewritten state dict, or ``native``
+    (the caller's own call, unchanged) for loads that are torch's to decide."""
+    for key, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            raise PlanError(f"state_dict[{key!r}] is a {type(value).__name__}, not a tensor; "
+                            "load_state_dict loads tensors only. Remove it from the state dict.")
+    try:
+        source = tensor_inventory(state_dict.items(), "state_dict")
+        target = tensor_inventory(layout.tensors.items(), f"{type(module).__name__} module")
+    except ValueError:
+        logger.debug("load_state_dict: a dtype ckptshim does not know; leaving the load to torch")
+        return native
+    plan = make_plan(source, target, rules_for(source, target, "torch", module_facts(layout, module)))
+    if strict and not plan.complete and layout.own_load_logic:
+        logger.debug("load_state_dict: the state dict does not fit, but %s transforms its own state "
+                     "dict on load; leaving the load to torch", type(module).__name__)
+        return native
+    destinations = {split_key(key): tensor for key, tensor in layout.tensors.items()}
+    prepared = prepare(plan, lambda key: state_dict[join_key(key)], destinations,
+                       allow_missing=not strict, allow_unexpected=not strict)
+    rewritten: OrderedDict[str, torch.Tensor] = OrderedDict(
+        (join_key(key), value) for key, value in prepared.values.items())
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        rewritten._metadata = _remap_metadata(metadata, layout.module_paths)  # type: ignore[attr-defined]
+    unexpected = [join_key(key) for key in plan.unexpected]
+    report_load(f"load_state_dict({type(module).__name__})", plan)
+
+    def load() -> Any:
+        prepared.write_stacked()
+        result = original(rewritten, strict=strict, assign=assign)
+        return type(result)(result.missing_keys, result.unexpected_keys + unexpected)
+
+    return load
+
+
+def _remap_metadata(metadata: Mapping[str, Any], module_paths: list[str]) -> OrderedDict:
+    """Give each module the version metadata its source-side twin was saved with.
+
+    torch looks ``state_dict._metadata`` up by module path; a module whose checkpoint was saved
+    under another wrapping would otherwise read no version and be treated as the oldest one.
+    """
+    by_bare: dict[KeyPath, str] = {}
+    for path in metadata:
+        by_bare.setdefault(_bare(path), path)
+    remapped = OrderedDict(metadata)
+    for path in module_paths:
+        twin = by_bare.get(_bare(path))
+        if path not in remapped and twin is not None:
+            remapped[path] = metadata[twin]
+    return remapped
+
+
+def _bare(path: str) -> KeyPath:
+    return tuple(part for part in split_key(path) if part not in WRAPPER_SEGMENTS)

@@ -1,0 +1,84 @@
+"""``set_model_state_dict``/``set_state_dict`` loads of state dicts saved under another wrapping.
+
+torch's ``set_model_state_dict`` expects the model's canonical keys, which it derives by walking
+the model -- and which keep ``_orig_mod.`` when ``torch.compile`` sits inside an activation
+checkpoint wrapper, so a plain model's state dict is refused there, and a stacked-layer one
+anywhere. :func:`prepare` plans the given keys against the keys ``get_model_state_dict``
+reports for the model and returns a re-keyed dict for torch's own call: renamed entries are the
+same tensors, unstacked layers ``select`` views, synthesized buffers the model's own values, and
+stacked targets the model's own tensors, written layer by layer through views (no second copy)
+by :meth:`~ckptshim.execute.torch.Prepared.write_stacked` -- all checked by the torch executor
+before anything is written. Optimizer state follows renamed keys (:func:`renamed_optimizer`).
+Missing and unexpected keys are left for torch to report under the caller's ``strict`` option.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ckptshim.execute.torch import Prepared, prepare as prepare_writes
+from ckptshim.inventory import join_key, split_key
+from ckptshim.loading.report import report_load
+from ckptshim.loading.torch import state_dict_facts, tensor_inventory
+from ckptshim.ops import Rename
+from ckptshim.planner import Plan
+from ckptshim.planner import plan as make_plan
+from ckptshim.rules.profiles import rules_for
+
+
+@dataclass(frozen=True)
+class Rekeyed:
+    """A checked ``set_model_state_dict`` load: the plan, the state dict under the model's keys,
+    and the writes of stacked targets to make right before torch's own call."""
+
+    plan: Plan
+    state_dict: dict[str, Any]
+    writes: Prepared
+
+
+def prepare(model: nn.Module, state_dict: Mapping[str, Any]) -> Rekeyed | None:
+    """Plan and check the whole load (nothing is written); ``None`` when nothing needs doing."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if not state_dict or any(isinstance(key, nn.Module) for key in state_dict):
+        return None  # per-submodule dicts: torch prefixes them itself
+    current = get_model_state_dict(model)
+    if current.keys() == state_dict.keys():
+        return None
+    tensors = {k: v for k, v in current.items() if isinstance(v, torch.Tensor)}
+    target = tensor_inventory(tensors.items(), f"{type(model).__name__} model")
+    source = tensor_inventory(((k, v) for k, v in state_dict.items() if isinstance(v, torch.Tensor)),
+                              "the given model state dict")
+    plan = make_plan(source, target, rules_for(source, target, "torch", state_dict_facts(target)))
+    if plan.is_identity:
+        return None
+    plan.require_complete(allow_missing=True, allow_unexpected=True)
+    writes = prepare_writes(plan, lambda key: state_dict[join_key(key)],
+                            {split_key(k): v for k, v in tensors.items()},
+                            allow_missing=True, allow_unexpected=True)
+    used = {join_key(key) for op in plan.ops for key in op.sources}
+    rekeyed = {key: value for key, value in state_dict.items() if key not in used}
+    rekeyed.update((join_key(key), value) for key, value in writes.values.items())
+    report_load(f"set_model_state_dict({type(model).__name__})", plan)
+    return Rekeyed(plan, rekeyed, writes)
+
+
+def renamed_optimizer(plan: Plan, optim_state_dict: Any) -> Any:
+    """The optimizer state dict with parameter keys renamed as the model's were."""
+    names = {join_key(op.source): join_key(op.target) for op in plan.ops
+             if op.kind == Rename.kind and op.source != op.target}
+    if not names or not isinstance(optim_state_dict, Mapping):
+        return optim_state_dict
+    out = dict(optim_state_dict)
+    if isinstance(out.get("state"), Mapping):
+        out["state"] = {names.get(k, k): v for k, v in out["state"].items()}
+    if isinstance(out.get("param_groups"), list):
+        out["param_groups"] = [
+            {**group, "params": [names.get(p, p) for p in group["params"]]} if isinstance(group, Mapping)
+            and isinstance(group.get("params"), list) else group for group in out["param_groups"]]
+    return out

@@ -1,0 +1,1 @@
+"""What the tests share: fixture copies, real-format writers, stand-ins for tools not on PyPI."""
