@@ -1,10 +1,8 @@
-"""Shared test set-up: make ``tests/`` importable (for ``manifest``) and keep jax on the CPU."""
+"""Shared test set-up: keep jax on the CPU. (pytest puts ``tests/`` on ``sys.path`` for this file,
+so every test imports the shared helpers as ``support``.)"""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

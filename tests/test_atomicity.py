@@ -10,21 +10,18 @@ tests/test_convert.py::test_killed_convert_leaves_no_destination.)
 from __future__ import annotations
 
 import hashlib
-import shutil
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from manifest import FIXTURES
+from support.fixtures import FIXTURES, copy_fixture, fixture_module
+from support.markers import QUIET
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+pytestmark = QUIET
 DCP = FIXTURES / "torch_dcp_single"
-sys.path.insert(0, str(DCP))
 
 
 class Interrupted(OSError):
@@ -108,8 +105,7 @@ def test_set_model_state_dict_hook(k):
 
 
 def _dcp_state_dict(seed: int) -> dict:
-    from dcp_tiny_model import build
-
+    build = fixture_module("torch_dcp_single/dcp_tiny_model.py").build
     return torch.compile(build(seed=seed)).state_dict()
 
 
@@ -161,7 +157,7 @@ def test_deepspeed_stage_load(tmp_path, monkeypatch, k):
     from ckptshim.loading.deepspeed import layer_state_dicts
     from test_neox import neox_layers
 
-    root = shutil.copytree(FIXTURES / "neox_deepspeed/old_pp1_mp1/checkpoint", tmp_path / "ckpt")
+    root = copy_fixture("neox_deepspeed/old_pp1_mp1/checkpoint", tmp_path, "ckpt")
     layers = neox_layers()
     before = digest(t for layer in layers.values() for t in layer.state_dict().values())
     monkeypatch.setattr(DeepSpeedPipelineCheckpoint, "read", fail_after(k, DeepSpeedPipelineCheckpoint.read))
@@ -179,7 +175,7 @@ def test_orbax_restore_leaves_the_callers_arrays(tmp_path, monkeypatch, k):
     import ckptshim  # noqa: F401
     from ckptshim.formats.orbax import OrbaxCheckpoint
 
-    root = shutil.copytree(FIXTURES / "orbax_0.2.3_unscanned/pytree_checkpointer", tmp_path / "ckpt")
+    root = copy_fixture("orbax_0.2.3_unscanned/pytree_checkpointer", tmp_path, "ckpt")
     with ocp.StandardCheckpointer() as checkpointer:
         target = checkpointer.restore(FIXTURES / "orbax_0.12.8_scanned/standard_checkpointer_scanned")
     before = [np.array(leaf) for leaf in jax.tree_util.tree_leaves(target)]

@@ -12,7 +12,7 @@ import pytest
 
 from ckptshim.cli import main
 from ckptshim.formats.detect import open_checkpoint
-from manifest import FIXTURES, array_sha256, expected_arrays
+from support.fixtures import FIXTURES, array_sha256, copy_fixture, expected_arrays
 
 TORCH_FILES = [
     ("torch_dcp_single", "torch_save/model.pt", ""),
@@ -215,8 +215,7 @@ def test_inspect_json_on_every_fixture(capsys, path, folder, prefix):
     ("orbax_0.2.3_unscanned/pytree_checkpointer", "truncate"),
     ("paxml_runs/TinySpmdRepeat/checkpoints/checkpoint_00000000", "truncate")])
 def test_damaged_jax_checkpoint_names_the_file(tmp_path, capsys, path, damage):
-    root = tmp_path / "copy"
-    shutil.copytree(FIXTURES / path, root)
+    root = copy_fixture(path, tmp_path, "copy")
     victim = max((p for p in root.rglob("*") if p.is_file() and not p.name.startswith(("_", "."))
                   and p.name not in {"manifest.ocdbt", "commit_success.txt", "checkpoint"}),
                  key=lambda p: p.stat().st_size)
@@ -231,10 +230,6 @@ def test_damaged_jax_checkpoint_names_the_file(tmp_path, capsys, path, damage):
 
 
 LIKE_MODULE = '''
-import sys
-sys.path.insert(0, {model_dir!r})
-
-
 def compiled():
     import torch
     from dcp_tiny_model import TinyLM
@@ -244,17 +239,18 @@ def compiled():
 def scanned():
     import jax
     import numpy as np
-    layers = {{"mlp": {{"wi_0": {{"kernel": jax.ShapeDtypeStruct((32, 3, 64), np.float32)}}}}}}
-    return {{"params": {{"decoder": {{"layers": layers}}}}}}
+    layers = {"mlp": {"wi_0": {"kernel": jax.ShapeDtypeStruct((32, 3, 64), np.float32)}}}
+    return {"params": {"decoder": {"layers": layers}}}
 
 
 def empty():
-    return {{}}
+    return {}
 '''
 
 
 def test_plan_like_module_function(tmp_path, capsys, monkeypatch):
-    (tmp_path / "my_models.py").write_text(LIKE_MODULE.format(model_dir=str(FIXTURES / "torch_dcp_single")))
+    (tmp_path / "my_models.py").write_text(LIKE_MODULE)  # beside the model's code, as a user's would be
+    copy_fixture("torch_dcp_single/dcp_tiny_model.py", tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     code, info = run_json(capsys, "plan", str(FIXTURES / "torch_dcp_single/torch_save/model.pt"),
                           "--like", "my_models:compiled", "--json")
@@ -294,7 +290,7 @@ def test_plan_neox_pipeline_like_its_hf_conversion(capsys):
     "orbax_0.2.3_unscanned/checkpoint_manager"])
 def test_two_folders_holding_one_step_are_refused(tmp_path, capsys, model_dir):
     """``checkpoint_1`` beside ``checkpoint_01``: which one is meant would be a guess."""
-    root = shutil.copytree(FIXTURES / model_dir, tmp_path / "run")
+    root = copy_fixture(model_dir, tmp_path, "run")
     step = max((p for p in root.iterdir() if p.is_dir() and p.name[-1].isdigit()),
                key=lambda p: p.name)
     prefix, number = step.name.rstrip("0123456789"), step.name[len(step.name.rstrip("0123456789")):]

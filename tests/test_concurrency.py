@@ -10,24 +10,21 @@ import is patching DCP's state-dict setters leaves neither of them patched.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable
 
-import pytest
 import torch
 from torch import nn
 
 import ckptshim  # noqa: F401  (hooks attach as torch modules import)
 from ckptshim.hooks import registry
-from manifest import FIXTURES
+from support.fixtures import FIXTURES, fixture_module
+from support.markers import QUIET
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+pytestmark = QUIET
 DCP = FIXTURES / "torch_dcp_single"
-sys.path.insert(0, str(DCP))
-
-from dcp_tiny_model import build  # noqa: E402
+build = fixture_module("torch_dcp_single/dcp_tiny_model.py").build
 
 REFERENCE = torch.load(DCP / "torch_save" / "model.pt", weights_only=True)
 
@@ -66,7 +63,7 @@ def test_threads_load_different_checkpoints_through_the_hooks():
     import orbax.checkpoint as ocp
     import torch.distributed.checkpoint as dcp
 
-    from orbax_fixtures import flat, scanned_expected
+    from support.trees import flat, scanned_expected
     from test_atomicity import PerLayer, Stacked
 
     compiled = torch.compile(build(seed=5)).state_dict()

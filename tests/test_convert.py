@@ -18,7 +18,7 @@ import pytest
 
 from ckptshim.cli import main
 from ckptshim.formats.detect import open_checkpoint
-from manifest import FIXTURES, array_sha256
+from support.fixtures import FIXTURES, array_sha256
 
 DCP = FIXTURES / "torch_dcp_single" / "dcp_plain"
 ORBAX = FIXTURES / "orbax_0.12.8_scanned"

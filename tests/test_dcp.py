@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
-import sys
 import warnings
 from pathlib import Path
 
@@ -20,15 +18,15 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 import ckptshim  # noqa: E402
 from ckptshim.errors import CorruptCheckpointError, PlanError, ShimError, UnsafeCheckpointError  # noqa: E402
-from manifest import FIXTURES, array_sha256, expected_arrays  # noqa: E402
+from support.fixtures import FIXTURES, array_sha256, copy_fixture, expected_arrays, fixture_module  # noqa: E402
+from support.markers import QUIET  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.checkpoint import CheckpointException  # noqa: E402
 
 DCP = FIXTURES / "torch_dcp_single"
-sys.path.insert(0, str(DCP))
-from dcp_tiny_model import build  # noqa: E402
+build = fixture_module("torch_dcp_single/dcp_tiny_model.py").build
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+pytestmark = QUIET
 
 
 @pytest.fixture(autouse=True)
@@ -349,11 +347,7 @@ def test_load_from_safetensors_file_and_hf_directory(tmp_path):
 
 
 def _copy(tmp_path: Path, name: str = "dcp_plain") -> Path:
-    copy = tmp_path / name
-    shutil.copytree(DCP / name, copy)
-    for path in [copy, *copy.iterdir()]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    return copy
+    return copy_fixture(f"torch_dcp_single/{name}", tmp_path)
 
 
 def _refused(checkpoint: Path, kind: type[ShimError], match: str, model_seed: int = 1) -> None:

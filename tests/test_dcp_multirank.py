@@ -10,7 +10,6 @@ read back in one process.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,21 +20,21 @@ torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 from ckptshim.formats.detect import open_checkpoint  # noqa: E402
-from manifest import array_sha256, expected_arrays  # noqa: E402
+from support.fixtures import array_sha256, expected_arrays  # noqa: E402
+from support.markers import QUIET  # noqa: E402
+from support.processes import environment, worker  # noqa: E402
 from test_dcp import assert_manifest, build, module_from, reference, stacked_twin  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-WORKER = Path(__file__).parent / "dcp_worker.py"
+pytestmark = QUIET
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("two_ranks")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTSHIM_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
+    env = {k: v for k, v in environment().items() if not k.startswith("CKPTSHIM_")}
     try:
         run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              "--nproc_per_node=2", str(WORKER), str(out)],
+                              "--nproc_per_node=2", worker("dcp_worker.py"), str(out)],
                              capture_output=True, text=True, timeout=240, env=env, check=False)
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"the two ranks hung: {error.stdout}{error.stderr}")

@@ -16,8 +16,8 @@ from flax import serialization
 from flax.training import checkpoints, train_state
 
 from ckptshim.loading import jax as jax_loading
-from manifest import array_sha256, expected_arrays
-from orbax_fixtures import assert_same, copy_fixture, flat, scanned_expected
+from support.fixtures import array_sha256, copy_fixture, expected_arrays
+from support.trees import assert_same, flat, scanned_expected
 
 LAYERS = 3
 

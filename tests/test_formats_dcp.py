@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import pickle
 import pickletools
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from ckptshim.cli import main
 from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptshim.formats import dcp
 from ckptshim.formats.detect import detect, open_checkpoint
-from manifest import FIXTURES, array_sha256, expected_arrays
+from support.fixtures import FIXTURES, array_sha256, copy_fixture, expected_arrays
 
 DCP = FIXTURES / "torch_dcp_single"
 PREFIXES = {"dcp_plain": ("model",), "dcp_compiled": ("model", "_orig_mod"), "dcp_plain_toplevel": ()}
@@ -38,11 +37,7 @@ def test_inventory_and_reads_match_manifest(name):
 
 
 def _copy(tmp_path: Path) -> Path:
-    copy = tmp_path / "dcp_plain"
-    shutil.copytree(DCP / "dcp_plain", copy)
-    for path in [copy, *copy.iterdir()]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    return copy
+    return copy_fixture("torch_dcp_single/dcp_plain", tmp_path)
 
 
 def test_inspect_lists_chunk_layout_per_rank_file(capsys):

@@ -20,7 +20,7 @@ from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptshim.formats import deepspeed_pipeline
 from ckptshim.formats.detect import detect, open_checkpoint
 from ckptshim.inventory import split_key
-from manifest import FIXTURES, array_sha256
+from support.fixtures import FIXTURES, array_sha256, copy_fixture
 
 NEOX = FIXTURES / "neox_deepspeed"
 VARIANTS = ("pp1_mp1", "pp2_mp2", "old_pp1_mp1")
@@ -87,9 +87,7 @@ def test_numpy_rng_state_is_inert_data() -> None:
 
 
 def _copy(variant: str, tmp_path: Path) -> Path:
-    target = tmp_path / variant
-    shutil.copytree(NEOX / variant / "checkpoint", target)
-    return target
+    return copy_fixture(f"neox_deepspeed/{variant}/checkpoint", tmp_path, variant)
 
 
 def test_missing_layer_file_is_reported(tmp_path: Path) -> None:

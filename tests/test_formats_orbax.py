@@ -14,8 +14,7 @@ import pytest
 from ckptshim.api import describe, inspect, plan
 from ckptshim.cli import main
 from ckptshim.errors import CorruptCheckpointError
-from manifest import FIXTURES, array_sha256, expected_arrays
-from orbax_fixtures import copy_fixture
+from support.fixtures import FIXTURES, array_sha256, copy_fixture, expected_arrays
 
 LAYOUTS = [  # path under tests/fixtures, format, version, manifest folder, manifest key prefix
     ("maxtext_runs/tiny_scanned/checkpoints/1/items", "orbax", "ocdbt zarr3",

@@ -16,8 +16,7 @@ import pytest
 from ckptshim.api import inspect
 from ckptshim.cli import main
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
-from manifest import FIXTURES, array_sha256, expected_arrays
-from orbax_fixtures import copy_fixture
+from support.fixtures import FIXTURES, array_sha256, copy_fixture, expected_arrays
 
 T5X = "t5x_tiny_decoder"
 LEGACY = FIXTURES / T5X / "legacy_checkpointer/checkpoint_0"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from manifest import FIXTURES
+from support.fixtures import FIXTURES, copy_fixture
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,8 +48,7 @@ TORCHRUN_SCRIPT = """
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    sys.path.insert(0, {model_dir!r})
-    from dcp_tiny_model import TinyLM
+    from dcp_tiny_model import TinyLM   # the model's code, beside the script
 
     assert "ckptshim" in sys.modules, "the bootstrap sitecustomize did not run in this worker"
     dist.init_process_group("gloo")
@@ -67,8 +66,9 @@ TORCHRUN_SCRIPT = """
 def test_torchrun_workers_load_dcp_into_compiled_models(tmp_path):
     pytest.importorskip("torch")
     fixture = FIXTURES / "torch_dcp_single"
+    copy_fixture("torch_dcp_single/dcp_tiny_model.py", tmp_path)
     path = script(tmp_path, "train.py", TORCHRUN_SCRIPT.format(
-        model_dir=str(fixture), checkpoint=str(fixture / "dcp_plain"),
+        checkpoint=str(fixture / "dcp_plain"),
         reference=str(fixture / "torch_save" / "model.pt")))
     result = shim_run(sys.executable, "-m", "torch.distributed.run", "--standalone",
                       "--nproc_per_node=2", str(path), options=("--log", "info"), cwd=tmp_path, timeout=240)

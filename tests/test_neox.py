@@ -27,7 +27,8 @@ from ckptshim.formats.detect import open_checkpoint
 from ckptshim.loading.deepspeed import layer_state_dicts
 from ckptshim.inventory import join_key
 from ckptshim.rules.profiles import neox
-from manifest import FIXTURES
+from support.fixtures import FIXTURES, copy_fixture
+from support.processes import environment, worker
 
 NEOX = FIXTURES / "neox_deepspeed"
 HF4 = FIXTURES / "hf_gptneox_tf4.30.2"
@@ -258,7 +259,7 @@ def test_hf_pythia_into_tensor_parallel_neox_with_vocab_padding() -> None:
 def test_missing_tensor_is_refused_before_any_write(tmp_path: Path) -> None:
     import shutil
 
-    shutil.copytree(NEOX / "pp1_mp1" / "checkpoint", tmp_path / "ckpt")
+    copy_fixture("neox_deepspeed/pp1_mp1/checkpoint", tmp_path, "ckpt")
     layers = neox_layers()
     before = {i: {k: v.clone() for k, v in m.state_dict().items()} for i, m in layers.items()}
     (tmp_path / "ckpt" / "global_step0" / "layer_03-model_00-model_states.pt").unlink()
@@ -304,12 +305,10 @@ def test_real_deepspeed_load_state_dir(tmp_path: Path) -> None:
     names load into NeoX's layers; a matching NeoX checkpoint is left to DeepSpeed; a missing
     layer file is refused with its name."""
     pytest.importorskip("deepspeed")
-    import shutil
     import subprocess
     import sys
 
-    broken = tmp_path / "broken"
-    shutil.copytree(NEOX / "pp1_mp1" / "checkpoint" / "global_step0", broken)
+    broken = copy_fixture("neox_deepspeed/pp1_mp1/checkpoint/global_step0", tmp_path, "broken")
     (broken / "layer_03-model_00-model_states.pt").unlink()
     hf_tokens = str(HF4 / "ref_input_ids.npy")
     jobs, expected = [], []
@@ -328,9 +327,9 @@ def test_real_deepspeed_load_state_dir(tmp_path: Path) -> None:
         expected.append((logits.numpy(), shimmed))
     jobs.append({"source": str(broken), "tokens": hf_tokens, "out": "", "options": {}})
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    run = subprocess.run([sys.executable, str(Path(__file__).parent / "deepspeed_worker.py"),
+    run = subprocess.run([sys.executable, worker("deepspeed_worker.py"),
                           str(tmp_path / "jobs.json"), "0", "1", _free_port()],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=environment())
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
@@ -402,15 +401,15 @@ def test_real_deepspeed_load_state_dir_at_tensor_parallel_degree_2(tmp_path: Pat
     sources = {"pp1_mp1": NEOX / "pp1_mp1/checkpoint/global_step0",
                "pp2_mp2": NEOX / "pp2_mp2/checkpoint/global_step0",
                "hf": HF5 / "save_pretrained_default"}
-    worker = str(Path(__file__).parent / "deepspeed_worker.py")
     results = []
     for rank in range(2):
         jobs = [{"source": str(path), "tokens": "", "out": str(tmp_path / f"{name}_{rank}.npz"),
                  "options": {}} for name, path in sources.items()]
         (tmp_path / f"jobs{rank}.json").write_text(json.dumps(jobs))
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, worker, str(tmp_path / f"jobs{rank}.json"), str(rank), "2",
-                               port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    procs = [subprocess.Popen([sys.executable, worker("deepspeed_worker.py"), str(tmp_path / f"jobs{rank}.json"),
+                               str(rank), "2", port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=tmp_path, env=environment())
              for rank in range(2)]
     for proc in procs:
         out, err = proc.communicate(timeout=300)

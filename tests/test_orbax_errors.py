@@ -15,8 +15,7 @@ import pytest
 import tensorstore as ts
 
 from ckptshim.errors import CorruptCheckpointError, PlanError, ShimError
-from manifest import FIXTURES
-from orbax_fixtures import copy_fixture
+from support.fixtures import FIXTURES, copy_fixture
 
 
 def abstract(tree):

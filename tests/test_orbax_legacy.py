@@ -14,8 +14,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from ckptshim.errors import PlanError
-from manifest import FIXTURES
-from orbax_fixtures import assert_same, copy_fixture, flat, nest, scanned_expected
+from support.fixtures import FIXTURES, copy_fixture
+from support.trees import assert_same, flat, nest, scanned_expected
 
 LAYERS = 3
 

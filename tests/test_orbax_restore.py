@@ -17,7 +17,8 @@ import pytest
 import ckptshim
 from ckptshim.errors import PlanError, ShimError
 from ckptshim.loading import jax as jax_loading
-from orbax_fixtures import assert_same, copy_fixture, flat, scanned_expected, unscanned_expected
+from support.fixtures import copy_fixture
+from support.trees import assert_same, flat, scanned_expected, unscanned_expected
 
 LAYERS = 3
 

@@ -7,7 +7,7 @@ device every other test's arrays land on.
 
 from __future__ import annotations
 
-from orbax_fixtures import run_device_worker
+from support.processes import run_device_worker
 
 
 def test_each_device_reads_exactly_its_slice(tmp_path):

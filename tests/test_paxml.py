@@ -17,8 +17,8 @@ import ckptshim  # noqa: F401  (hooks on)
 from ckptshim.api import inspect
 from ckptshim.errors import ShimError
 from ckptshim.inventory import flatten, unflatten
-from manifest import array_sha256, expected_arrays
-from orbax_fixtures import copy_fixture, run_device_worker
+from support.fixtures import array_sha256, copy_fixture, expected_arrays
+from support.processes import run_device_worker
 
 PAX = "paxml_runs/TinySpmdRepeat"
 STEP = "checkpoint_00000001"

@@ -31,8 +31,8 @@ from ckptshim.errors import ShimError
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.formats.paxml_flax import leaf_names, parse
 from ckptshim.inventory import flatten, unflatten
-from manifest import FIXTURES
-from paxml_flax_writer import NestedMap, TrainState, pax_payload, write_with_orbax
+from support.fixtures import FIXTURES
+from support.paxml_flax_writer import NestedMap, TrainState, pax_payload, write_with_orbax
 
 PAX_STATE = FIXTURES / "paxml_runs/TinySpmdRepeat/checkpoints/checkpoint_00000001/state"
 

@@ -27,7 +27,7 @@ from ckptshim.ops import Rename, Split, Transpose
 from ckptshim.planner import plan
 from ckptshim.rules.profiles import rules_for
 from support.plans import inverse
-from orbax_fixtures import copy_fixture
+from support.fixtures import copy_fixture
 from test_paxml import PAX, STEP, native
 from test_plan_properties import execute, same_bits
 

@@ -15,7 +15,7 @@ import pytest
 
 from ckptshim.errors import CorruptCheckpointError, ShimError
 from ckptshim.inventory import Entry, Inventory
-from ckptshim.ops import Rename, Stack, Unstack, renames
+from ckptshim.ops import Rename, Stack, renames
 from ckptshim.planner import plan, runs
 from ckptshim.planner.names import Names
 from ckptshim.rules import DEFAULT_RULES, Alias, Rules, ScanAxis

@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 
 from ckptshim.hooks import registry
-from manifest import FIXTURES, array_sha256
-from orbax_fixtures import copy_fixture, flat
-from t5x_site import standin_t5x
+from support.fixtures import array_sha256, copy_fixture
+from support.trees import flat
+from support.t5x_site import standin_t5x
 from test_formats_t5x_paxml import T5X, t5x_expected
 
 
 @pytest.fixture
 def t5x(tmp_path):
     """``import t5x.checkpoints`` (the stand-in) with the ckptshim hook attached."""
-    with standin_t5x(tmp_path / "site") as checkpoints:
+    with standin_t5x() as checkpoints:
         yield checkpoints
 
 

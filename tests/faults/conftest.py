@@ -6,12 +6,9 @@
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 _counts = {"cases": 0, "passed": 0}
 
@@ -37,7 +34,7 @@ def built(tmp_path_factory) -> dict[str, Path]:
     from huggingface_hub import save_torch_state_dict
     from safetensors.torch import load_file
 
-    from manifest import FIXTURES
+    from support.fixtures import FIXTURES
 
     root = tmp_path_factory.mktemp("built")
     folder = root / "hf_sharded"
@@ -53,7 +50,7 @@ def built(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def t5x_standin(tmp_path_factory):
     """``import t5x.checkpoints`` is the stand-in (tests/t5x_standin), with ckptshim's hook on."""
-    from t5x_site import standin_t5x
+    from support.t5x_site import standin_t5x
 
-    with standin_t5x(tmp_path_factory.mktemp("t5x_site")) as checkpoints:
+    with standin_t5x() as checkpoints:
         yield checkpoints

@@ -19,7 +19,7 @@ import ckptshim
 from ckptshim import api
 from ckptshim.errors import ShimError
 from ckptshim.inventory import Inventory, unflatten
-from manifest import FIXTURES
+from support.fixtures import FIXTURES
 
 
 @dataclass

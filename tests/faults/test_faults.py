@@ -23,7 +23,7 @@ import pytest
 
 from fault_damage import KINDS, PWNED
 from fault_loaders import LOADERS, Load, digest, refusal
-from manifest import FIXTURES
+from support.fixtures import FIXTURES
 from fault_table import BY_NAME, COMPLETE, FORMATS, LISTING, OPEN
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",

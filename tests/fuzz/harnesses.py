@@ -153,7 +153,7 @@ def _write_paxml_flax(root: Path) -> None:
     as ``tests/paxml_flax_writer.py`` reproduces it with the real Orbax writer."""
     if str(FIXTURES.parent) not in sys.path:
         sys.path.insert(0, str(FIXTURES.parent))  # tests/, where the writer lives
-    from paxml_flax_writer import pax_payload, write_with_orbax
+    from support.paxml_flax_writer import pax_payload, write_with_orbax
 
     checkpoint = detect.open_checkpoint(root)
     try:

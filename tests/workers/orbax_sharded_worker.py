@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ckptshim  # noqa: F401  (installs the hooks)
 from ckptshim.formats.orbax import OrbaxCheckpoint
-from orbax_fixtures import nest
+from support.trees import nest
 
 LAYERS, EMB, MLP = 4, 8, 16
 

@@ -1,6 +1,6 @@
 """One rank of the multi-process DCP test (run by tests/test_dcp_multirank.py under torchrun).
 
-``python -m torch.distributed.run --nproc_per_node=2 tests/dcp_worker.py OUT`` runs every case
+``python -m torch.distributed.run --nproc_per_node=2 tests/workers/dcp_worker.py OUT`` runs every case
 on two gloo/CPU ranks and writes ``OUT/rank<N>.json``: case -> "ok" or what went wrong. Cases
 load the single-process fixture (saved on one rank) into sharded, compiled models, save a
 two-rank checkpoint for the test to read back in one process, and check that bad input fails
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 import sys
 import time
 import traceback
@@ -21,15 +20,11 @@ from datetime import timedelta
 from pathlib import Path
 
 warnings.simplefilter("ignore")
-HERE = Path(__file__).resolve().parent
-FIXTURE = HERE / "fixtures" / "torch_dcp_single"
-sys.path.insert(0, str(FIXTURE))
 
 import ckptshim  # noqa: E402,F401  (the hooks attach when torch.distributed.checkpoint is imported)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from dcp_tiny_model import build  # noqa: E402
 from torch.distributed.checkpoint import CheckpointException  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
@@ -37,6 +32,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 
 from ckptshim.errors import ShimError  # noqa: E402
+from support.fixtures import FIXTURES, fixture_module, writable_copy  # noqa: E402
+
+FIXTURE = FIXTURES / "torch_dcp_single"
+build = fixture_module("torch_dcp_single/dcp_tiny_model.py").build
 
 REFERENCE = torch.load(FIXTURE / "torch_save" / "model.pt", weights_only=True)
 
@@ -93,13 +92,11 @@ def case_save_two_ranks(mesh, out: Path) -> None:
 
 
 def _copy(out: Path, name: str, source: Path) -> Path:
-    target = out / name
+    """Rank 0 copies ``source`` to ``out/name``; every rank waits for the copy."""
     if dist.get_rank() == 0:
-        shutil.copytree(source, target)
-        for path in [target, *target.iterdir()]:
-            path.chmod(0o755 if path.is_dir() else 0o644)
+        writable_copy(source, out / name)
     dist.barrier()
-    return target
+    return out / name
 
 
 def _expect_refusal(checkpoint: Path, mesh, model_seed: int = 13, build_model=fsdp2) -> list[str]:

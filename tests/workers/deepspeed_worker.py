@@ -1,6 +1,7 @@
 """Runs in a subprocess (DeepSpeed sets up torch.distributed): real ``PipelineModule.load_state_dir``.
 
-Usage: ``python deepspeed_worker.py JOBS.json [RANK WORLD_SIZE PORT]``, a list of ``{"source",
+Usage: ``python tests/workers/deepspeed_worker.py JOBS.json [RANK WORLD_SIZE PORT]`` (with ``tests/``
+on ``PYTHONPATH``: it builds the layers with ``test_neox``'s own code), a list of ``{"source",
 "tokens", "out", "options"}``: for each, builds GPT-NeoX's pipeline layers as a real DeepSpeed
 ``PipelineModule`` (one stage, gloo, tensor-parallel over WORLD_SIZE processes), loads ``source``
 through ``load_state_dir(strict=True)`` and saves to ``out`` the logits of NeoX's forward on
@@ -18,7 +19,6 @@ from pathlib import Path
 
 RANK, WORLD_SIZE, PORT = (sys.argv[2:5] if len(sys.argv) > 2 else ("0", "1", "29517"))
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT, RANK=RANK, WORLD_SIZE=WORLD_SIZE, LOCAL_RANK=RANK)
-sys.path.insert(0, str(Path(__file__).parent))
 
 import ckptshim  # noqa: E402,F401
 import ckptshim.loading.deepspeed as shim  # noqa: E402

@@ -1,29 +1,14 @@
-"""Helpers shared by the Orbax/Flax tests: fixture copies, key paths of JAX trees, layer stacking.
+"""JAX trees as the tests build and compare them: Orbax's key paths, layers stacked with numpy.
 
-Fixtures are copied into a temporary folder before use (Orbax managers may write next to a
-checkpoint; bad-input tests delete files), so ``tests/fixtures`` is never touched.
+The expected values of a restore are built independently of ckptshim, from the saved arrays with
+numpy (``np.stack``/``np.take`` on the axis the layout says), and compared bit for bit.
 """
 
 from __future__ import annotations
 
-import shutil
-import stat
-from pathlib import Path
-
 import numpy as np
 
 from ckptshim.inventory import split_key, unflatten
-from manifest import FIXTURES
-
-
-def copy_fixture(name: str, into: Path) -> Path:
-    """A writable copy of ``tests/fixtures/<name>`` under ``into``."""
-    destination = into / name
-    if not destination.exists():
-        shutil.copytree(FIXTURES / name, destination)
-        for path in [destination, *destination.rglob("*")]:
-            path.chmod(path.stat().st_mode | stat.S_IWUSR)
-    return destination
 
 
 def nest(flat: dict[str, object]) -> dict:
@@ -73,19 +58,3 @@ def assert_same(actual: dict[str, object], expected: dict[str, np.ndarray]) -> N
         got = np.asarray(actual[key])
         assert got.dtype == value.dtype and got.shape == value.shape, (key, got.dtype, got.shape, value.dtype, value.shape)
         assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(value).tobytes(), key
-
-
-def run_device_worker(worker: str, *argv: str, devices: int = 4) -> dict:
-    """Run ``tests/<worker>`` in a fresh process with ``devices`` forced CPU devices; its last
-    stdout line, as JSON. (The device count must be fixed before jax initialises, and forcing it
-    for the whole session would change the device every other test's arrays land on.)"""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name(worker)), *argv], env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
