@@ -2,8 +2,7 @@
 
 ``ShimError`` derives from both ``RuntimeError`` (what ``torch.nn.Module.load_state_dict`` raises)
 and ``ValueError`` (what Orbax and JAX raise for tree mismatches), so code that already catches
-the framework's own error keeps working. A hook whose framework raises some other type wraps the
-error with :func:`as_framework_error`, which builds a subclass of both.
+the framework's own error keeps working.
 """
 
 from __future__ import annotations
@@ -40,30 +39,3 @@ class InternalError(ShimError):
     deliberately, and the original exception is its ``__cause__``.
     """
 
-
-_framework_error_types: dict[tuple[type, type], type[ShimError]] = {}
-
-
-def _framework_error_type(kind: type[ShimError], base: type[BaseException]) -> type[ShimError]:
-    cls = _framework_error_types.get((kind, base))
-    if cls is None:
-        cls = type(f"{kind.__name__}[{base.__name__}]", (kind, base), {"__module__": __name__})
-        _framework_error_types[kind, base] = cls
-    return cls
-
-
-def as_framework_error(error: ShimError, base: type[BaseException]) -> ShimError:
-    """Return ``error`` re-typed as a subclass of both its own class and ``base``.
-
-    ``base`` is the exception type the patched framework function documents, so callers that
-    catch it also catch ckptshim's refusal. The message and cause are preserved.
-    """
-    if isinstance(error, base):
-        return error
-    try:
-        cls = _framework_error_type(type(error), base)
-        wrapped = cls(*error.args)
-    except TypeError:  # a base with an incompatible layout or constructor: keep ours
-        return error
-    wrapped.__cause__ = error.__cause__
-    return wrapped

@@ -241,3 +241,26 @@ def test_square_shapes_take_maxtexts_default_axis_and_strict_refuses(prefix, mon
     monkeypatch.setenv("CKPTSHIM_STRICT", "1")
     with pytest.raises(ShimError, match="fits the layer axis at 0 or 1.*CKPTSHIM_STRICT=1"):
         plan(source, target, rules_for(source, target, "jax"))
+
+
+@pytest.mark.parametrize("layout,fused", [("scan1", False), ("unscanned", True)])
+def test_convert_like_a_maxtext_checkpoint_writes_what_the_restore_gives(state_dir, stored, tmp_path, layout, fused):
+    """``ckptshim convert --to orbax --like <MaxText checkpoint>`` runs the same plan through the
+    files executor (block reads: layer axes moved, ``combined_qkv`` split or kept fused): what it
+    writes restores, with plain Orbax, bit for bit to the hooked restore of the PaxML run into the
+    same tree, and to the converter's numpy transforms."""
+    import ckptshim
+
+    expected = expected_state(stored, layout, fused)
+    expected[K("step")] = stored[K("step")]  # convert copies bytes exactly: PaxML's uint32 step
+    like = tmp_path / "maxtext_layout"
+    with ocp.StandardCheckpointer() as checkpointer:  # the layout only: zeros of each shape and dtype
+        checkpointer.save(like, unflatten({key: np.zeros_like(value) for key, value in expected.items()}))
+    out = ckptshim.convert(state_dir, tmp_path / "converted", to="orbax", like=like, progress=False)
+    with ocp.StandardCheckpointer() as checkpointer:
+        converted = flatten(checkpointer.restore(out))
+        restored = flatten(checkpointer.restore(state_dir, abstract(expected)))
+    assert set(converted) == set(restored) == set(expected)
+    for key, value in expected.items():
+        assert np.asarray(converted[key]).dtype == value.dtype, key
+        assert np.asarray(converted[key]).tobytes() == np.asarray(restored[key]).tobytes() == value.tobytes(), key

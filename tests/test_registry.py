@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ckptshim.errors import (
-    CorruptCheckpointError, InternalError, PlanError, ShimError, UnsafeCheckpointError, as_framework_error,
+    CorruptCheckpointError, InternalError, PlanError, ShimError, UnsafeCheckpointError,
 )
 from ckptshim.hooks import registry
 from ckptshim.hooks.registry import HookSpec
@@ -502,46 +502,6 @@ def test_patches_wrap_module_function(tmp_path, monkeypatch):
 def test_shim_error_is_runtime_and_value_error():
     for kind in (ShimError, PlanError, UnsafeCheckpointError, CorruptCheckpointError):
         assert issubclass(kind, RuntimeError) and issubclass(kind, ValueError)
-
-
-def test_as_framework_error_builds_a_subclass_of_both():
-    cause = OSError("disk")
-    error = PlanError("cannot stack 'layers.w'")
-    error.__cause__ = cause
-    wrapped = as_framework_error(error, KeyError)
-    assert isinstance(wrapped, PlanError) and isinstance(wrapped, ShimError)
-    assert isinstance(wrapped, KeyError)
-    assert wrapped is not error
-    assert wrapped.args == ("cannot stack 'layers.w'",)
-    assert wrapped.__cause__ is cause
-    assert type(wrapped).__name__ == "PlanError[KeyError]"
-    assert type(wrapped).__module__ == "ckptshim.errors"
-    # one class per (kind, base), so `except` clauses and isinstance agree across calls
-    assert type(as_framework_error(PlanError("other"), KeyError)) is type(wrapped)
-    assert type(as_framework_error(CorruptCheckpointError("x"), KeyError)) is not type(wrapped)
-    with pytest.raises(KeyError):
-        raise wrapped
-
-
-def test_as_framework_error_with_custom_framework_error():
-    class CheckpointRestoreError(Exception):
-        pass
-
-    wrapped = as_framework_error(UnsafeCheckpointError("global os.system"), CheckpointRestoreError)
-    assert isinstance(wrapped, UnsafeCheckpointError) and isinstance(wrapped, CheckpointRestoreError)
-    assert str(wrapped) == "global os.system"
-
-
-def test_as_framework_error_keeps_an_error_that_already_fits():
-    error = PlanError("x")
-    assert as_framework_error(error, RuntimeError) is error
-    assert as_framework_error(error, ValueError) is error
-    assert as_framework_error(error, Exception) is error
-
-
-def test_as_framework_error_keeps_ours_when_the_base_cannot_be_combined():
-    error = PlanError("x")
-    assert as_framework_error(error, ExceptionGroup) is error
 
 
 def test_guarded_never_falls_back_where_the_framework_would_unpickle(caplog):

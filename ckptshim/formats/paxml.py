@@ -89,8 +89,6 @@ READERS = {"jax": is_state_dir}
 class _Padded(orbax.StoredArray):
     """A leaf stored larger than its data (PaxML padding): reads stay inside the unpadded part."""
 
-    stored_shape: tuple[int, ...] = ()
-
 
 class PaxmlCheckpoint(orbax.OrbaxCheckpoint):
     """A PaxML ``state/`` folder; reads are Orbax's per-leaf zarr reads, clipped to the data."""
@@ -156,7 +154,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
                 f"array is {list(array.shape)}; an unpadded shape never exceeds the stored one. "
                 "The metadata belongs to another checkpoint; re-copy the step folder.")
         location = orbax.StoredArray(name, array.driver) if shape == array.shape else \
-            _Padded(name, array.driver, array.shape)
+            _Padded(name, array.driver)
         entries.append(Entry(key, shape, array.dtype, location))
         if zarr.chunk_keys_required(array, False):
             count, absent = array.missing_chunks(listed.get(name, set()))

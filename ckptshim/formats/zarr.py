@@ -23,8 +23,6 @@ from ckptshim.inventory import dtype_name
 
 #: The metadata file of each zarr version, relative to the array's folder/prefix.
 METADATA_FILES = {".zarray": "zarr", "zarr.json": "zarr3"}
-#: Side files that are neither metadata nor chunks.
-SIDE_FILES = frozenset({".zattrs", ".zgroup"})
 
 
 @dataclass(frozen=True)

@@ -131,12 +131,6 @@ def vocab_role(key: KeyPath) -> str | None:
     return None
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> int:
-    """NeoX's ``_vocab_size_with_padding``: round up to a multiple of ``divisible_by * tp``."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
-
-
 def aliases_between(source: Collection[KeyPath], target: Collection[KeyPath]) -> tuple[Alias, ...]:
     """The NeoX <-> HF aliases when one side is a NeoX sequential state dict and the other an HF
     GPT-NeoX model (either way round), the MLP renames when both are NeoX; nothing otherwise,
