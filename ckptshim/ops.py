@@ -67,12 +67,54 @@ def require_kinds(ops: Iterable[Op], known: Collection[str], executor: str, *, s
                 f"will not load without that step.{' ' + hint if hint else ''}")
 
 
+class _Defaults:
+    """The protocol's class attributes as most ops have them; an op overrides what differs."""
+
+    __slots__ = ()
+    produces: ClassVar[bool] = True
+    summary_by_example: ClassVar[bool] = False
+
+
+class _FromSource:
+    """An op read from one ``source`` key."""
+
+    __slots__ = ()
+
+    @property
+    def sources(self) -> tuple[KeyPath, ...]:
+        return (self.source,)
+
+
+class _IntoTarget:
+    """An op that gives one ``target`` key its value (or, for ``Cast``, its dtype)."""
+
+    __slots__ = ()
+
+    @property
+    def targets(self) -> tuple[KeyPath, ...]:
+        return (self.target,)
+
+
+class _OneAxis:
+    """``Stack``/``Unstack`` spell their layout as ``Join``/``Split`` do -- ``axes`` and ``perm`` --
+    so an executor reads both kinds with one routine."""
+
+    __slots__ = ()
+
+    @property
+    def axes(self) -> tuple[int, ...]:
+        return (self.axis,)
+
+    @property
+    def perm(self) -> None:
+        return None
+
+
 @dataclass(frozen=True, slots=True, init=False)
-class Rename:
+class Rename(_Defaults, _FromSource, _IntoTarget):
     """The target array is the source array under another name (identity when both agree)."""
 
     kind: ClassVar[str] = "rename"
-    produces: ClassVar[bool] = True
     summary_by_example: ClassVar[bool] = True
 
     source: KeyPath
@@ -84,14 +126,6 @@ class Rename:
         # frozen __init__ pays (object.__setattr__ looks each slot up by name); as in Entry.
         _set_source(self, source)
         _set_target(self, target)
-
-    @property
-    def sources(self) -> tuple[KeyPath, ...]:
-        return (self.source,)
-
-    @property
-    def targets(self) -> tuple[KeyPath, ...]:
-        return (self.target,)
 
     def inverse(self) -> Rename:
         return Rename(self.target, self.source)
@@ -125,32 +159,15 @@ def renames(sources: Sequence[KeyPath], targets: Sequence[KeyPath]) -> list[Rena
 
 
 @dataclass(frozen=True, slots=True)
-class Stack:
-    """Per-layer sources (in layer order) become one target stacked along ``axis``.
-
-    ``Stack`` is the one-axis :class:`Join` without a permutation, and spells its layout as
-    ``Join`` does (``axes``, ``perm``), so an executor can read both with one routine.
-    """
+class Stack(_Defaults, _IntoTarget, _OneAxis):
+    """Per-layer sources (in layer order) become one target stacked along ``axis``: the one-axis
+    :class:`Join` without a permutation."""
 
     kind: ClassVar[str] = "stack"
-    produces: ClassVar[bool] = True
-    summary_by_example: ClassVar[bool] = False
 
     sources: tuple[KeyPath, ...]
     target: KeyPath
     axis: int
-
-    @property
-    def targets(self) -> tuple[KeyPath, ...]:
-        return (self.target,)
-
-    @property
-    def axes(self) -> tuple[int, ...]:
-        return (self.axis,)
-
-    @property
-    def perm(self) -> None:
-        return None
 
     def inverse(self) -> Unstack:
         return Unstack(self.target, self.sources, self.axis)
@@ -166,31 +183,15 @@ class Stack:
 
 
 @dataclass(frozen=True, slots=True)
-class Unstack:
-    """One source stacked along ``axis`` becomes per-layer targets (in layer order).
-
-    The one-axis :class:`Split` without a permutation, spelled as ``Split`` spells it.
-    """
+class Unstack(_Defaults, _FromSource, _OneAxis):
+    """One source stacked along ``axis`` becomes per-layer targets (in layer order): the one-axis
+    :class:`Split` without a permutation."""
 
     kind: ClassVar[str] = "unstack"
-    produces: ClassVar[bool] = True
-    summary_by_example: ClassVar[bool] = False
 
     source: KeyPath
     targets: tuple[KeyPath, ...]
     axis: int
-
-    @property
-    def sources(self) -> tuple[KeyPath, ...]:
-        return (self.source,)
-
-    @property
-    def axes(self) -> tuple[int, ...]:
-        return (self.axis,)
-
-    @property
-    def perm(self) -> None:
-        return None
 
     def inverse(self) -> Stack:
         return Stack(self.targets, self.source, self.axis)
@@ -206,12 +207,10 @@ class Unstack:
 
 
 @dataclass(frozen=True, slots=True)
-class Synthesize:
+class Synthesize(_Defaults, _IntoTarget):
     """The checkpoint lacks ``target``; the target keeps (or recomputes) its value by ``rule``."""
 
     kind: ClassVar[str] = "synthesize"
-    produces: ClassVar[bool] = True
-    summary_by_example: ClassVar[bool] = False
 
     target: KeyPath
     rule: str
@@ -219,10 +218,6 @@ class Synthesize:
     @property
     def sources(self) -> tuple[KeyPath, ...]:
         return ()
-
-    @property
-    def targets(self) -> tuple[KeyPath, ...]:
-        return (self.target,)
 
     def inverse(self) -> Drop:
         return Drop(self.target, self.rule)
@@ -238,19 +233,14 @@ class Synthesize:
 
 
 @dataclass(frozen=True, slots=True)
-class Drop:
+class Drop(_Defaults, _FromSource):
     """The checkpoint's ``source`` is not loaded: the target derives it by ``rule`` or lacks it."""
 
     kind: ClassVar[str] = "drop"
     produces: ClassVar[bool] = False
-    summary_by_example: ClassVar[bool] = False
 
     source: KeyPath
     rule: str
-
-    @property
-    def sources(self) -> tuple[KeyPath, ...]:
-        return (self.source,)
 
     @property
     def targets(self) -> tuple[KeyPath, ...]:
@@ -270,12 +260,11 @@ class Drop:
 
 
 @dataclass(frozen=True, slots=True)
-class Cast:
+class Cast(_Defaults, _IntoTarget):
     """The value written to ``target`` changes dtype (after the op that produces it)."""
 
     kind: ClassVar[str] = "cast"
     produces: ClassVar[bool] = False
-    summary_by_example: ClassVar[bool] = False
 
     target: KeyPath
     source_dtype: str
@@ -284,10 +273,6 @@ class Cast:
     @property
     def sources(self) -> tuple[KeyPath, ...]:
         return ()
-
-    @property
-    def targets(self) -> tuple[KeyPath, ...]:
-        return (self.target,)
 
     def inverse(self) -> Cast:
         return Cast(self.target, self.target_dtype, self.source_dtype)
@@ -330,7 +315,7 @@ def _layout_text(axes: tuple[int, ...], perm: tuple[int, ...]) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class Transpose:
+class Transpose(_Defaults, _FromSource, _IntoTarget):
     """The target is the source with its axes permuted: ``target = source.transpose(perm)``.
 
     Target axis ``i`` is source axis ``perm[i]``. Moving a stacked layer axis (PaxML keeps layers
@@ -338,8 +323,6 @@ class Transpose:
     """
 
     kind: ClassVar[str] = "transpose"
-    produces: ClassVar[bool] = True
-    summary_by_example: ClassVar[bool] = False
 
     source: KeyPath
     target: KeyPath
@@ -347,14 +330,6 @@ class Transpose:
 
     def __post_init__(self) -> None:
         _check_perm(self.perm)
-
-    @property
-    def sources(self) -> tuple[KeyPath, ...]:
-        return (self.source,)
-
-    @property
-    def targets(self) -> tuple[KeyPath, ...]:
-        return (self.target,)
 
     def inverse(self) -> Transpose:
         return Transpose(self.target, self.source, inverse_perm(self.perm))
@@ -370,7 +345,7 @@ class Transpose:
 
 
 @dataclass(frozen=True, slots=True)
-class Split:
+class Split(_Defaults, _FromSource):
     """One source cut at every index of ``axes`` into targets, each then transposed by ``perm``.
 
     Targets are in row-major order of the indices along ``axes`` (ascending): with ``axes``
@@ -381,8 +356,6 @@ class Split:
     """
 
     kind: ClassVar[str] = "split"
-    produces: ClassVar[bool] = True
-    summary_by_example: ClassVar[bool] = False
 
     source: KeyPath
     targets: tuple[KeyPath, ...]
@@ -392,10 +365,6 @@ class Split:
     def __post_init__(self) -> None:
         _check_axes(self.axes)
         _check_perm(self.perm)
-
-    @property
-    def sources(self) -> tuple[KeyPath, ...]:
-        return (self.source,)
 
     def inverse(self) -> Join:
         return Join(self.targets, self.source, self.axes, inverse_perm(self.perm))
@@ -411,7 +380,7 @@ class Split:
 
 
 @dataclass(frozen=True, slots=True)
-class Join:
+class Join(_Defaults, _IntoTarget):
     """Sources, each transposed by ``perm``, fill ``target`` at every index of ``axes``.
 
     ``target[index_k] = sources[k].transpose(perm)``, the indices in row-major order as in
@@ -419,8 +388,6 @@ class Join:
     """
 
     kind: ClassVar[str] = "join"
-    produces: ClassVar[bool] = True
-    summary_by_example: ClassVar[bool] = False
 
     sources: tuple[KeyPath, ...]
     target: KeyPath
@@ -430,10 +397,6 @@ class Join:
     def __post_init__(self) -> None:
         _check_axes(self.axes)
         _check_perm(self.perm)
-
-    @property
-    def targets(self) -> tuple[KeyPath, ...]:
-        return (self.target,)
 
     def inverse(self) -> Split:
         return Split(self.target, self.sources, self.axes, inverse_perm(self.perm))
