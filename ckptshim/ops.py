@@ -13,10 +13,11 @@ permutation), never tensor bytes. Every op class declares what it is and how it 
 - ``describe(sep)``: its line in ``ckptshim plan``; ``tally()`` and ``note(sep)``: what the
   one-line summary counts (``None`` for an op that changes nothing) and shows in parentheses.
 
-Layout changes -- a permutation of axes (``Transpose``), and slicing or filling with one
-(``Split``, ``Join``) -- are kinds of their own rather than an optional field of ``Rename``,
-``Stack`` or ``Unstack``: an executor that has not been taught them then refuses the plan
-instead of running the old op and loading the axes in the wrong order.
+Layout changes -- a permutation of axes (``Transpose``), slicing or filling with one
+(``Split``, ``Join``), arrays side by side along an axis (``Concat``, ``Chunk``) and a
+permutation of the indices along one axis (``Reorder``) -- are kinds of their own rather than an
+optional field of ``Rename``, ``Stack`` or ``Unstack``: an executor that has not been taught them
+then refuses the plan instead of running the old op and loading the axes in the wrong order.
 """
 
 from __future__ import annotations
@@ -409,3 +410,179 @@ class Join(_Defaults, _IntoTarget):
 
     def note(self, sep: str = ".") -> str:
         return _layout_text(self.axes, self.perm)
+
+
+class _Parts:
+    """``Concat``/``Chunk``: where each of the many keys lies in the one fused array.
+
+    The fused array is ``len(sizes)`` parts side by side along ``axis``, part ``p`` spanning
+    ``sizes[p]`` indices there. A part is one array, or with ``stack_axis`` the next run of
+    ``len(keys) // len(sizes)`` arrays stacked along that (new) axis of the fused array.
+    """
+
+    __slots__ = ()
+
+    def _check_parts(self, count: int) -> None:
+        if not self.sizes or any(size < 1 for size in self.sizes) or self.axis < 0:
+            raise ValueError(f"sizes {self.sizes} must be positive and at least one, axis {self.axis} non-negative")
+        if self.stack_axis is None and count != len(self.sizes):
+            raise ValueError(f"{count} arrays for {len(self.sizes)} parts: without a stack axis each part is one array")
+        if self.stack_axis is not None and (count % len(self.sizes) or self.stack_axis == self.axis
+                                            or self.stack_axis < 0):
+            raise ValueError(f"{count} arrays do not make {len(self.sizes)} equal stacks on axis "
+                             f"{self.stack_axis} beside axis {self.axis}")
+
+    def slot(self, index: int, count: int) -> tuple[int | None, int, int]:
+        """Where the ``index``-th of ``count`` arrays lies in the fused one: its index along
+        ``stack_axis`` (``None`` without one), and its start and extent along ``axis``."""
+        part, member = divmod(index, count // len(self.sizes))
+        return (None if self.stack_axis is None else member), sum(self.sizes[:part]), self.sizes[part]
+
+    def slot_shape(self, fused: tuple[int, ...], index: int, count: int) -> tuple[int, ...]:
+        """The shape the ``index``-th of ``count`` arrays has when the fused one has ``fused``."""
+        shape = list(fused)
+        shape[self.axis] = self.slot(index, count)[2]
+        if self.stack_axis is not None:
+            del shape[self.stack_axis]
+        return tuple(shape)
+
+    def fits(self, fused: tuple[int, ...], shapes: Sequence[tuple[int, ...]]) -> bool:
+        """Whether arrays of ``shapes`` fill a fused array of shape ``fused`` exactly, each its slot."""
+        count = len(shapes)
+        return (max(self.axis, -1 if self.stack_axis is None else self.stack_axis) < len(fused)
+                and fused[self.axis] == sum(self.sizes)
+                and (self.stack_axis is None or fused[self.stack_axis] == count // len(self.sizes))
+                and all(shape == self.slot_shape(fused, index, count) for index, shape in enumerate(shapes)))
+
+    def note(self, sep: str = ".") -> str:
+        stacked = "" if self.stack_axis is None else f", each part stacked on axis {self.stack_axis}"
+        return f"axis {self.axis}, sizes {','.join(map(str, self.sizes))}{stacked}"
+
+
+@dataclass(frozen=True, slots=True)
+class Concat(_Defaults, _IntoTarget, _Parts):
+    """Sources side by side along ``axis`` fill ``target``: ``target = cat(parts, axis)``.
+
+    ``sizes`` are the parts' extents along ``axis`` (so the op alone knows its inverse). With
+    ``stack_axis``, each part is a run of sources stacked first: transformers 5 keeps a Mixtral
+    layer's experts fused, ``gate_up_proj`` ``[E, 2I, H]`` being every expert's ``w1`` stacked on
+    axis 0 beside every expert's ``w3`` (``MergeModulelist(0)`` then ``Concatenate(1)``).
+    """
+
+    kind: ClassVar[str] = "concat"
+
+    sources: tuple[KeyPath, ...]
+    target: KeyPath
+    axis: int
+    sizes: tuple[int, ...]
+    stack_axis: int | None = None
+
+    def __post_init__(self) -> None:
+        self._check_parts(len(self.sources))
+
+    def inverse(self) -> Chunk:
+        return Chunk(self.target, self.sources, self.axis, self.sizes, self.stack_axis)
+
+    def describe(self, sep: str = ".") -> str:
+        return f"{keys_text(self.sources, sep)} -> concat({self.note()}) -> {join_key(self.target, sep)}"
+
+    def tally(self) -> tuple[str, int]:
+        return "concatenated", len(self.sources)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk(_Defaults, _FromSource, _Parts):
+    """One source cut along ``axis`` into parts of ``sizes``, each part one target (or, with
+    ``stack_axis``, unstacked along it into a run of targets): the inverse of :class:`Concat`,
+    transformers' ``Chunk``/``Split`` (a fused ``qkv`` into ``q``, ``k``, ``v``) and the way back
+    from fused experts to per-expert weights."""
+
+    kind: ClassVar[str] = "chunk"
+
+    source: KeyPath
+    targets: tuple[KeyPath, ...]
+    axis: int
+    sizes: tuple[int, ...]
+    stack_axis: int | None = None
+
+    def __post_init__(self) -> None:
+        self._check_parts(len(self.targets))
+
+    def inverse(self) -> Concat:
+        return Concat(self.targets, self.source, self.axis, self.sizes, self.stack_axis)
+
+    def describe(self, sep: str = ".") -> str:
+        return f"{join_key(self.source, sep)} -> chunk({self.note()}) -> {keys_text(self.targets, sep)}"
+
+    def tally(self) -> tuple[str, int]:
+        return "chunked", len(self.targets)
+
+
+@dataclass(frozen=True, slots=True)
+class Reorder(_Defaults, _FromSource, _IntoTarget):
+    """The target is the source with the indices along ``axis`` permuted.
+
+    ``axis`` is read as the row-major ``factors`` (their product is its length) and those are
+    permuted by ``order``: target factor ``i`` is source factor ``order[i]``. transformers'
+    ``Interleave`` is factors ``(n/2, 2)``, order ``(1, 0)``; ``PermuteForRope`` (rotary pairs
+    interleaved per head -> each head's two halves) is ``(heads, d/2, 2)``, order ``(0, 2, 1)``.
+    Every such permutation is a view of either side, so executors copy it without a gather.
+    """
+
+    kind: ClassVar[str] = "reorder"
+
+    source: KeyPath
+    target: KeyPath
+    axis: int
+    factors: tuple[int, ...]
+    order: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _check_perm(self.order)
+        if len(self.factors) != len(self.order) or any(f < 1 for f in self.factors) or self.axis < 0:
+            raise ValueError(f"factors {self.factors} must be positive, one per entry of order {self.order}")
+
+    @property
+    def target_factors(self) -> tuple[int, ...]:
+        """The factors of ``axis`` in the target's order."""
+        return tuple(self.factors[o] for o in self.order)
+
+    def inverse(self) -> Reorder:
+        return Reorder(self.target, self.source, self.axis, self.target_factors, inverse_perm(self.order))
+
+    def describe(self, sep: str = ".") -> str:
+        return f"{join_key(self.source, sep)} -> reorder({self.note()}) -> {join_key(self.target, sep)}"
+
+    def tally(self) -> tuple[str, int]:
+        return "reordered", 1
+
+    def note(self, sep: str = ".") -> str:
+        return f"axis {self.axis} as {'x'.join(map(str, self.factors))}, {_perm_text(self.order)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Tie(_Defaults, _IntoTarget):
+    """``target`` shares its storage with ``twin`` in the live target, and the checkpoint holds
+    only ``twin``'s value (a tied ``lm_head.weight`` that ``save_model`` or transformers 4 left
+    out): that one value fills both. Only a target whose tensors really share storage gets it."""
+
+    kind: ClassVar[str] = "tie"
+
+    target: KeyPath
+    twin: KeyPath
+
+    @property
+    def sources(self) -> tuple[KeyPath, ...]:
+        return ()
+
+    def inverse(self) -> Drop:
+        return Drop(self.target, f"tied to {join_key(self.twin)}")
+
+    def describe(self, sep: str = ".") -> str:
+        return f"(tied to {join_key(self.twin, sep)}) -> tie -> {join_key(self.target, sep)}"
+
+    def tally(self) -> tuple[str, int]:
+        return "tied", 1
+
+    def note(self, sep: str = ".") -> str:
+        return f"{join_key(self.target, sep)} = {join_key(self.twin, sep)}"

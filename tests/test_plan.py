@@ -806,17 +806,3 @@ def test_plan_restores_the_garbage_collector_state():
         assert not gc.isenabled()  # a caller's choice is left alone
     finally:
         gc.enable()
-
-
-def test_torch_executor_refuses_layout_ops():
-    """A plan that transposes or splits is refused by the torch executor, naming the key, rather
-    than loaded with the axes as stored."""
-    import torch
-
-    from ckptshim.execute.torch import prepare
-
-    source = Inventory([Entry(K("w"), (2, 3), "float32")], "ckpt")
-    target = Inventory([Entry(K("t"), (3, 2), "float32")], "model")
-    p = Plan(source, target, (Transpose(K("w"), K("t"), (1, 0)),))
-    with pytest.raises(PlanError, match=r"'t'.*transpose\(perm 1,0\).*only the JAX executor"):
-        prepare(p, lambda key: torch.zeros(2, 3), {K("t"): torch.zeros(3, 2)})

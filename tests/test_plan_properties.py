@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from ckptshim.errors import ShimError
 from ckptshim.inventory import Entry, Inventory, KeyPath
 from ckptshim.execute import blocks
-from ckptshim.ops import Cast, Drop, Join, Rename, Split, Stack, Synthesize, Transpose, Unstack
+from ckptshim.ops import Cast, Chunk, Concat, Drop, Join, Rename, Reorder, Split, Stack, Synthesize, Transpose, Unstack
 from ckptshim.planner import Plan, explain, plan, summary
 from ckptshim.rules import DEFAULT_RULES, Rules, ScanAxis
 from support.plans import inverse
@@ -73,6 +73,25 @@ def execute(p: Plan, arrays: dict[KeyPath, np.ndarray]) -> dict[KeyPath, np.ndar
             for key, index in zip(op.sources, _indices(shape, op.axes)):
                 whole[index] = np.transpose(arrays[key], op.perm)
             out[op.target] = whole
+        elif isinstance(op, Concat):
+            parts = np.split(np.array(op.sources, dtype=object), len(op.sizes))
+            fused = [np.stack([arrays[tuple(k)] for k in part], axis=op.stack_axis) if op.stack_axis is not None
+                     else arrays[tuple(part[0])] for part in parts]
+            out[op.target] = np.concatenate(fused, axis=op.axis)
+        elif isinstance(op, Chunk):
+            whole = arrays[op.source]
+            parts = np.split(whole, np.cumsum(op.sizes)[:-1], axis=op.axis)
+            per_part = len(op.targets) // len(op.sizes)
+            for index, key in enumerate(op.targets):
+                part = parts[index // per_part]
+                out[key] = (part if op.stack_axis is None else np.take(part, index % per_part, axis=op.stack_axis)).copy()
+        elif isinstance(op, Reorder):
+            whole = arrays[op.source]
+            shape = whole.shape
+            factored = whole.reshape(shape[:op.axis] + op.factors + shape[op.axis + 1:])
+            axes = list(range(factored.ndim))
+            axes[op.axis:op.axis + len(op.order)] = [op.axis + o for o in op.order]
+            out[op.target] = np.transpose(factored, axes).reshape(shape).copy()
         elif isinstance(op, Cast):
             assert op.target in out and op.target not in cast, op
             assert out[op.target].dtype.name == op.source_dtype, op
@@ -343,17 +362,31 @@ class NumpySource:
 
 @st.composite
 def layout_plans(draw) -> tuple[Plan, dict[KeyPath, np.ndarray]]:
-    """One random Transpose or Split (or their inverses, Join and Transpose), maybe with a
-    widening cast of every target (the parts of one array share a dtype), and the source arrays."""
+    """One random Transpose, Split, Chunk or Reorder (or their inverses: Transpose, Join, Concat,
+    Reorder), maybe with a widening cast of every target (the parts of one array share a dtype),
+    and the source arrays."""
     shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)))
     dtype = draw(st.sampled_from(["float32", "int16", "uint8"]))
     whole = _values(random.Random(draw(st.integers(0, 2**32 - 1))), shape, dtype)
-    if len(shape) > 1 and draw(st.booleans()):
+    kind = draw(st.sampled_from(["transpose", "split", "chunk", "reorder"]))
+    if kind == "split" and len(shape) > 1:
         axes = tuple(sorted(draw(st.sets(st.integers(0, len(shape) - 1), min_size=1, max_size=len(shape) - 1))))
         perm = tuple(draw(st.permutations(range(len(shape) - len(axes)))))
         count = int(np.prod([shape[a] for a in axes]))
         op = Split(("w",), tuple((f"part_{i}",) for i in range(count)), axes, perm)
         parts = {key: np.transpose(whole[index], perm) for key, index in zip(op.targets, _indices(shape, axes))}
+    elif kind == "chunk" and len(shape) > 1:
+        op = draw(chunks(shape))
+        parts = execute(Plan(Inventory([Entry(("w",), shape, dtype)], "s"), Inventory([], "t"), (op,)),
+                        {("w",): whole})
+    elif kind == "reorder":
+        axis = draw(st.integers(0, len(shape) - 1))
+        factors = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=3)))
+        shape = shape[:axis] + (int(np.prod(factors)),) + shape[axis + 1:]
+        whole = _values(random.Random(draw(st.integers(0, 2**32 - 1))), shape, dtype)
+        op = Reorder(("w",), ("t",), axis, factors, tuple(draw(st.permutations(range(len(factors))))))
+        parts = execute(Plan(Inventory([Entry(("w",), shape, dtype)], "s"), Inventory([], "t"), (op,)),
+                        {("w",): whole})
     else:
         op = Transpose(("w",), ("t",), tuple(draw(st.permutations(range(len(shape))))))
         parts = {("t",): np.transpose(whole, op.perm)}
@@ -368,11 +401,25 @@ def layout_plans(draw) -> tuple[Plan, dict[KeyPath, np.ndarray]]:
     return p, {("w",): whole}
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@st.composite
+def chunks(draw, shape: tuple[int, ...]) -> Chunk:
+    """A Chunk of an array of ``shape``: cut along one axis into parts, maybe each part then
+    unstacked along another axis (fused experts back into per-expert arrays)."""
+    axis, stack_axis = draw(st.permutations(range(len(shape))))[:2]
+    stacked = draw(st.booleans())
+    cuts = sorted(draw(st.sets(st.integers(1, shape[axis] - 1), max_size=3))) if shape[axis] > 1 else []
+    sizes = tuple(b - a for a, b in zip([0, *cuts], [*cuts, shape[axis]]))
+    per_part = shape[stack_axis] if stacked else 1
+    return Chunk(("w",), tuple((f"part_{i}",) for i in range(len(sizes) * per_part)), axis, sizes,
+                 stack_axis if stacked else None)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layout_plans(), st.data())
 def test_layout_ops_execute_invert_and_read_by_block(drawn, data):
     """Every layout op, executed by numpy and inverted, gives back its source bit for bit; the JAX
-    executor's block reads (one device's index range) give exactly that block of numpy's result."""
+    executor's block reads (one device's index range) give exactly that block of numpy's result;
+    and the torch executor writes exactly numpy's result, through views of each destination."""
     p, arrays = drawn
     out = execute(p, arrays)
     assert set(out) == set(p.target)
@@ -385,6 +432,19 @@ def test_layout_ops_execute_invert_and_read_by_block(drawn, data):
         block = tuple(slice(a, b) for a, b in bounds)
         read = blocks.filler(NumpySource(arrays), p, p.producer(key), key, value.shape, value.dtype)(block)
         assert same_bits(read, value[block]), (key, block, p.producer(key))
+    written = torch_execute(p, arrays)
+    assert all(same_bits(written[key], value) for key, value in out.items())
+
+
+def torch_execute(p: Plan, arrays: dict[KeyPath, np.ndarray]) -> dict[KeyPath, np.ndarray]:
+    """``p`` run by the torch executor into zeroed destinations."""
+    import torch
+
+    from ckptshim.execute.torch import prepare
+
+    destinations = {key: torch.zeros(entry.shape, dtype=getattr(torch, entry.dtype)) for key, entry in p.target.items()}
+    prepare(p, lambda key: torch.from_numpy(arrays[key]), destinations).write()
+    return {key: tensor.numpy() for key, tensor in destinations.items()}
 
 
 def test_layout_ops_in_words():

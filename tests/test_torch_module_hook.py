@@ -29,8 +29,6 @@ from ckptshim.formats import torch_pickle
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
 from ckptshim.planner import plan
-from ckptshim.rules.aliases import Alias
-from ckptshim.rules.profiles.transformers_mapping import aliases_from_transforms
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NEOX_TF4 = FIXTURES / "hf_gptneox_tf4.30.2"
@@ -142,29 +140,6 @@ def test_conversion_mapping_applies_to_a_model_inside_a_container():
     container.lm = GPTNeoXForCausalLM(GPTNeoXConfig.from_pretrained(NEOX_TF4 / "pytorch_model_bin"))
     container.load_state_dict(checkpoint)
     assert torch.equal(container.lm.lm_head.weight, checkpoint["lm.embed_out.weight"])
-
-
-def test_only_literal_renames_become_aliases():
-    from transformers.core_model_loading import (
-        MergeModulelist,
-        PrefixChange,
-        WeightConverter,
-        WeightRenaming,
-    )
-
-    transforms = [
-        WeightRenaming(r"^embed_out\.", "lm_head."),
-        WeightRenaming("LayerNorm.gamma", "LayerNorm.weight"),
-        WeightRenaming(r"\.hc_pre\.hc_", ".hc_"),                         # ends inside a name
-        WeightRenaming(r"(q|k|v)_input_norm", r"\1_input_layernorm"),     # a capture group
-        PrefixChange(prefix_to_remove="vision_model"),
-        WeightConverter("mlp.experts.*.w1.weight", "mlp.experts.w1", operations=[MergeModulelist(dim=0)]),
-    ]
-    assert aliases_from_transforms(transforms, prefix=("lm",)) == (
-        Alias(("lm", "lm_head"), ("lm", "embed_out"), "prefix"),
-        Alias(("LayerNorm", "weight"), ("LayerNorm", "gamma"), "anywhere"),
-        Alias(("lm",), ("lm", "vision_model"), "prefix"),
-    )
 
 
 class MegatronRotary(nn.Module):

@@ -5,8 +5,11 @@ This is the array executor behind both the JAX executor (each device's shard is 
 fill it -- for a ``Rename`` (``Transpose``) the same range of the source (the range the
 permutation maps it to); for an ``Unstack`` (``Split``) the range at one layer (one index of the
 split axes) of the stacked source; for a ``Stack`` (``Join``) the matching range of each
-per-layer source that falls in the block -- and hands each to the checkpoint's
-``read_into(entry, index, out)``, which copies ``entry[index]`` into ``out`` (cast to its dtype).
+per-layer source that falls in the block; for a ``Concat`` the part of each source whose slot
+of the fused array falls in the block; for a ``Chunk`` the range of its part of the fused
+source; for a ``Reorder`` each run of rows whose source rows are consecutive -- and hands each
+to the checkpoint's ``read_into(entry, index, out)``, which copies ``entry[index]`` into ``out``
+(cast to its dtype).
 Where a permutation is involved, ``out`` is a transposed *view* of the block's buffer, so every
 element lands straight in its final place: no full source array, no second copy of the block.
 
@@ -26,7 +29,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, ShimError
 from ckptshim.inventory import Entry, KeyPath, join_key
-from ckptshim.ops import Join, Op, Rename, Split, Stack, Transpose, Unstack, inverse_perm
+from ckptshim.ops import Chunk, Concat, Join, Op, Rename, Reorder, Split, Stack, Transpose, Unstack, inverse_perm
 from ckptshim.planner import Plan
 
 _ALIGN = 64  # XLA's CPU client adopts host buffers aligned to this without copying them
@@ -136,12 +139,82 @@ def _join(plan: Plan, op: Stack | Join, key: KeyPath, shape: tuple[int, ...]) ->
     return reads
 
 
+def _concat(plan: Plan, op: Concat, key: KeyPath, shape: tuple[int, ...]) -> Reads:
+    """``target = cat(parts, axis)``: each source whose slot overlaps the block fills the overlap."""
+    count = len(op.sources)
+    slots = [(plan.source[source], *op.slot(k, count)) for k, source in enumerate(op.sources)]
+
+    def reads(index, out):
+        index = _concrete(index, shape)
+        found = []
+        for entry, member, start, size in slots:
+            if member is not None and not index[op.stack_axis].start <= member < index[op.stack_axis].stop:
+                continue
+            low, high = max(index[op.axis].start, start), min(index[op.axis].stop, start + size)
+            if low >= high:
+                continue
+            place = list(slice(0, part.stop - part.start) for part in index)
+            place[op.axis] = slice(low - index[op.axis].start, high - index[op.axis].start)
+            inner = list(index)
+            inner[op.axis] = slice(low - start, high - start)
+            if member is not None:
+                place[op.stack_axis] = member - index[op.stack_axis].start
+                del inner[op.stack_axis]
+            found.append((entry, tuple(inner), out[tuple(place)]))
+        return found
+    return reads
+
+
+def _chunk(plan: Plan, op: Chunk, key: KeyPath, shape: tuple[int, ...]) -> Reads:
+    """``target = source[its part]``: the block's range, moved to the part's place in the source."""
+    entry = plan.source[op.source]
+    member, start, _ = op.slot(op.targets.index(key), len(op.targets))
+
+    def reads(index, out):
+        full = list(_concrete(index, shape))
+        if member is not None:
+            full.insert(op.stack_axis, member)
+        full[op.axis] = slice(full[op.axis].start + start, full[op.axis].stop + start)
+        return [(entry, tuple(full), out)]
+    return reads
+
+
+def _reorder(plan: Plan, op: Reorder, key: KeyPath, shape: tuple[int, ...]) -> Reads:
+    """``target`` is the source with the rows along ``axis`` permuted: each run of the block's
+    rows whose source rows are consecutive is one read."""
+    entry = plan.source[op.source]
+    rows = np.arange(int(np.prod(op.factors))).reshape(op.factors).transpose(op.order).reshape(-1)
+
+    def reads(index, out):
+        index = _concrete(index, shape)
+        part = index[op.axis]
+        wanted = rows[part.start:part.stop]
+        if not len(wanted):
+            return []
+        breaks = np.flatnonzero(np.diff(wanted) != 1) + 1
+        found = []
+        for begin, end in zip([0, *breaks.tolist()], [*breaks.tolist(), len(wanted)]):
+            source = list(index)
+            source[op.axis] = slice(int(wanted[begin]), int(wanted[begin]) + end - begin)
+            place = [slice(None)] * len(index)
+            place[op.axis] = slice(begin, end)
+            found.append((entry, tuple(source), out[tuple(place)]))
+        return found
+    return reads
+
+
 #: Op kind -> the reads that fill a block of one of its targets.
 READS: Mapping[str, Callable[[Plan, Any, KeyPath, tuple[int, ...]], Reads]] = {
     Rename.kind: _moved, Transpose.kind: _moved,
     Unstack.kind: _split, Split.kind: _split,
     Stack.kind: _join, Join.kind: _join,
+    Concat.kind: _concat, Chunk.kind: _chunk, Reorder.kind: _reorder,
 }
+
+
+def _concrete(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """A block's index ranges with every start and stop spelled out."""
+    return tuple(slice(*part.indices(size)[:2]) for part, size in zip(index, shape))
 
 
 def _source_order(index: tuple, perm: tuple[int, ...] | None) -> tuple:

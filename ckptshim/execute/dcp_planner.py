@@ -4,12 +4,17 @@ DCP plans a load by looking up each flat key of the caller's state dict in the c
 metadata, then reading the overlap of every stored chunk with every local shard.
 :class:`RemappingLoadPlanner` puts ckptshim's plan in between. The planner that would have run
 -- the caller's own, or DCP's default -- is shown a *virtual* metadata in which every
-destination key lists the stored chunks it comes from: a renamed key the source's chunks as
-they are (free); a stacked key each per-layer chunk as a one-layer slab; a per-layer key its
-layer's slice of each stacked chunk. Every read item it asks for is then translated back to the
-real stored chunk, offsets and lengths, and its destination is the matching view of the caller's
-tensor. So DCP's own resharding (DTensor, FSDP2, another number of ranks) runs unchanged on top
-of the remapping, and planning still reads no tensor bytes.
+destination key lists the stored chunks it comes from, each placed where its elements land in
+the destination: a renamed key the source's chunks as they are (free); a stacked key each
+per-layer chunk as a one-layer slab; a fused key (experts' ``w1`` and ``w3`` side by side) each
+source's chunks at their offset along the fused axis; a per-layer or per-part key the overlap of
+each stored chunk with its layer or part; a transposed key each chunk with its axes permuted; a
+key reordered along an axis each run of rows that stays consecutive. Every read item DCP asks
+for is then translated back to the real stored chunk, offsets and lengths (:class:`_Link`), and
+its destination is the matching view of the caller's tensor. So DCP's own resharding (DTensor,
+FSDP2, another number of ranks) runs unchanged on top of the remapping -- each rank reads only
+the stored chunks, and the parts of them, that overlap its shard -- and planning still reads no
+tensor bytes.
 
 Which plan to run is the loading layer's decision (:mod:`ckptshim.loading.dcp`), passed in as a
 function; this module only executes it. It runs the op kinds in :data:`VIRTUAL` and refuses any
@@ -19,10 +24,11 @@ other before DCP plans a read.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
@@ -37,24 +43,77 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from ckptshim.execute.dcp_storage import Refusal
 from ckptshim.inventory import Inventory, KeyPath
-from ckptshim.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Unstack, require_kinds
+from ckptshim.ops import (
+    Cast,
+    Chunk,
+    Concat,
+    Drop,
+    Join,
+    Op,
+    Rename,
+    Reorder,
+    Split,
+    Stack,
+    Synthesize,
+    Tie,
+    Transpose,
+    Unstack,
+    inverse_perm,
+    require_kinds,
+)
 from ckptshim.planner import Plan
+
+Offsets = tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class _Link:
-    """How one chunk of the virtual metadata maps onto a stored chunk.
+    """How one chunk of the virtual metadata maps onto the stored chunk ``fqn`` at ``offsets``.
 
-    ``kind`` is ``"rename"`` (same block), ``"stack"`` (the virtual chunk is the stored one
-    with a one-long ``axis`` inserted), ``"unstack"`` (the virtual chunk is the stored one's
-    slice ``layer`` along ``axis``) or ``"keep"`` (a synthesized key: nothing is read).
+    A read of a block of the virtual chunk (offsets relative to it, lengths) becomes a read of
+    the stored chunk after four steps, in this order: the virtual axes in ``squeeze`` (length one,
+    absent from the stored chunk: a layer of a stack, an expert of a fused array) are dropped;
+    the remaining axes are permuted (stored axis ``i`` is axis ``perm[i]``); each ``(axis,
+    index)`` of ``insert`` is put in (the stored chunk holds several layers, the read one); and
+    ``shift`` is added (the virtual chunk starts inside the stored one). ``reads`` is false for a
+    key nothing is read for (synthesized, or tied to another).
     """
 
-    kind: str
     fqn: str = ""
-    offsets: tuple[int, ...] | None = None
-    axis: int = 0
-    layer: int = 0
+    offsets: Offsets | None = None
+    squeeze: tuple[int, ...] = ()
+    perm: tuple[int, ...] | None = None
+    insert: tuple[tuple[int, int], ...] = ()
+    shift: Offsets | None = None
+    reads: bool = True
+
+    def stored_block(self, offsets: Offsets, lengths: Offsets) -> tuple[Offsets, Offsets]:
+        """A block of the virtual chunk as the block of the stored chunk it reads."""
+        offsets, lengths = list(offsets), list(lengths)
+        for axis in sorted(self.squeeze, reverse=True):
+            del offsets[axis], lengths[axis]
+        if self.perm is not None:
+            offsets, lengths = [offsets[a] for a in self.perm], [lengths[a] for a in self.perm]
+        for axis, index in self.insert:
+            offsets.insert(axis, index)
+            lengths.insert(axis, 1)
+        if self.shift is not None:
+            offsets = [o + s for o, s in zip(offsets, self.shift)]
+        return tuple(offsets), tuple(lengths)
+
+    def stored_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The destination of a virtual read (a view of the caller's tensor) in the stored
+        chunk's axis order: what the storage reader copies the stored block into."""
+        for axis in sorted(self.squeeze, reverse=True):
+            tensor = tensor.squeeze(axis)
+        if self.perm is not None:
+            tensor = tensor.permute(self.perm)
+        for axis, _ in self.insert:
+            tensor = tensor.unsqueeze(axis)
+        return tensor
+
+
+_KEEP = _Link(reads=False)
 
 
 @dataclass(frozen=True)
@@ -82,18 +141,27 @@ class KeyMapping:
 Prepare = Callable[[Metadata, dict[str, Any], bool], KeyMapping]
 
 
-def _insert(values: tuple[int, ...], axis: int, value: int) -> tuple[int, ...]:
+def _insert(values: Offsets, axis: int, value: int) -> Offsets:
     return values[:axis] + (value,) + values[axis:]
 
 
-def _remove(values: tuple[int, ...], axis: int) -> tuple[int, ...]:
+def _remove(values: Offsets, axis: int) -> Offsets:
     return values[:axis] + values[axis + 1:]
 
 
+def _replace(values: Offsets, axis: int, value: int) -> Offsets:
+    return values[:axis] + (value,) + values[axis + 1:]
+
+
 def _tensor_md(like: TensorStorageMetadata, size: tuple[int, ...],
-               chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> TensorStorageMetadata:
+               chunks: list[tuple[Offsets, Offsets]]) -> TensorStorageMetadata:
     return TensorStorageMetadata(like.properties, torch.Size(size),
                                  [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
+
+
+def _chunks(md: TensorStorageMetadata) -> Iterator[tuple[Offsets, Offsets]]:
+    for chunk in md.chunks:
+        yield tuple(chunk.offsets), tuple(chunk.sizes)
 
 
 class _Virtual:
@@ -106,45 +174,95 @@ class _Virtual:
         self.links: dict[tuple[str, Any], _Link] = {}
         self.source, self.target = mapping.source, mapping.target
 
+    def _place(self, target: KeyPath, like: str, chunks: list[tuple[Offsets, Offsets, _Link]]) -> None:
+        """Show ``target`` as ``chunks`` (virtual offsets, sizes, and the stored chunk each reads)."""
+        dst = self.target.fqn(target)
+        for offsets, _, link in chunks:
+            self.links[dst, offsets] = link
+        self.virtual[dst] = _tensor_md(self.stored[like], self.target.inventory[target].shape,
+                                       [(offsets, sizes) for offsets, sizes, _ in chunks])
+
     def rename(self, op: Rename) -> None:
         src, dst = self.source.fqn(op.source), self.target.fqn(op.target)
         md = self.virtual[dst] = self.stored[src]
         if src == dst:
             return
         if isinstance(md, BytesStorageMetadata):
-            self.links[dst, None] = _Link("rename", src)
-        for chunk in getattr(md, "chunks", ()):
-            offsets = tuple(chunk.offsets)
-            self.links[dst, offsets] = _Link("rename", src, offsets)
+            self.links[dst, None] = _Link(src)
+        for offsets, _ in _chunks(md) if isinstance(md, TensorStorageMetadata) else ():
+            self.links[dst, offsets] = _Link(src, offsets)
 
-    def stack(self, op: Stack) -> None:
-        dst, chunks = self.target.fqn(op.target), []
-        for layer, key in enumerate(op.sources):
-            for chunk in self.stored[self.source.fqn(key)].chunks:
-                offsets = _insert(tuple(chunk.offsets), op.axis, layer)
-                chunks.append((offsets, _insert(tuple(chunk.sizes), op.axis, 1)))
-                self.links[dst, offsets] = _Link("stack", self.source.fqn(key), tuple(chunk.offsets), op.axis)
-        self.virtual[dst] = _tensor_md(self.stored[self.source.fqn(op.sources[0])],
-                                       self.target.inventory[op.target].shape, chunks)
+    def transpose(self, op: Transpose) -> None:
+        src = self.source.fqn(op.source)
+        back = inverse_perm(op.perm)
+        self._place(op.target, src, [(tuple(o[a] for a in op.perm), tuple(n[a] for a in op.perm), _Link(src, o, perm=back))
+                                     for o, n in _chunks(self.stored[src])])
 
-    def unstack(self, op: Unstack) -> None:
-        md = self.stored[self.source.fqn(op.source)]
-        for layer, key in enumerate(op.targets):
-            dst, chunks = self.target.fqn(key), []
-            for chunk in md.chunks:
-                start, count = chunk.offsets[op.axis], chunk.sizes[op.axis]
-                if start <= layer < start + count:
-                    offsets = _remove(tuple(chunk.offsets), op.axis)
-                    chunks.append((offsets, _remove(tuple(chunk.sizes), op.axis)))
-                    self.links[dst, offsets] = _Link("unstack", self.source.fqn(op.source), tuple(chunk.offsets),
-                                                      op.axis, layer - start)
-            self.virtual[dst] = _tensor_md(md, self.target.inventory[key].shape, chunks)
+    def joined(self, op: Stack | Join | Concat) -> None:
+        """Each source's chunks placed where that source lies in the target: at its index of the
+        stacked axes (``Stack``, ``Join``, a ``Concat`` with a stack axis), at its offset along a
+        fused axis (``Concat``), with its axes permuted (``Join``)."""
+        shape = self.target.inventory[op.target].shape
+        chunks = []
+        for index, key in enumerate(op.sources):
+            src = self.source.fqn(key)
+            squeeze, perm, place = _place_of(op, index, shape)
+            for o, n in _chunks(self.stored[src]):
+                offsets, sizes = (o, n) if perm is None else (tuple(o[a] for a in perm), tuple(n[a] for a in perm))
+                for axis, at in sorted(place.items()):
+                    if axis in squeeze:
+                        offsets, sizes = _insert(offsets, axis, at), _insert(sizes, axis, 1)
+                    else:
+                        offsets = _replace(offsets, axis, offsets[axis] + at)
+                chunks.append((offsets, sizes, _Link(src, o, squeeze=squeeze,
+                                                     perm=None if perm is None else inverse_perm(perm))))
+        self._place(op.target, self.source.fqn(op.sources[0]), chunks)
 
-    def keep(self, op: Synthesize) -> None:
+    def taken_apart(self, op: Unstack | Split | Chunk) -> None:
+        """Each target shows the overlap of every stored chunk with its layer or part of the source."""
+        src = self.source.fqn(op.source)
+        shape = self.source.inventory[op.source].shape
+        for index, key in enumerate(op.targets):
+            squeeze, perm, place = _place_of(op, index, shape)
+            extent = {axis: 1 if axis in squeeze else op.slot(index, len(op.targets))[2] for axis in place}
+            chunks = []
+            for o, n in _chunks(self.stored[src]):
+                low = {a: max(o[a], at) for a, at in place.items()}
+                high = {a: min(o[a] + n[a], at + extent[a]) for a, at in place.items()}
+                if any(low[a] >= high[a] for a in place):
+                    continue
+                offsets, sizes = list(o), list(n)
+                for axis in place:
+                    offsets[axis], sizes[axis] = low[axis] - place[axis], high[axis] - low[axis]
+                shift = tuple(low[a] - o[a] if a in place and a not in squeeze else 0 for a in range(len(o)))
+                insert = tuple((a, low[a] - o[a]) for a in sorted(squeeze))
+                for axis in sorted(squeeze, reverse=True):
+                    del offsets[axis], sizes[axis]
+                if perm is not None:
+                    offsets, sizes = [offsets[a] for a in perm], [sizes[a] for a in perm]
+                chunks.append((tuple(offsets), tuple(sizes),
+                               _Link(src, o, perm=None if perm is None else inverse_perm(perm),
+                                     insert=insert, shift=shift if any(shift) else None)))
+            self._place(key, src, chunks)
+
+    def reorder(self, op: Reorder) -> None:
+        """Each run of target rows whose source rows are consecutive, cut at stored chunks."""
+        src = self.source.fqn(op.source)
+        chunks = []
+        for t0, s0, length in _runs(op):
+            for o, n in _chunks(self.stored[src]):
+                low, high = max(s0, o[op.axis]), min(s0 + length, o[op.axis] + n[op.axis])
+                if low < high:
+                    chunks.append((_replace(o, op.axis, t0 + low - s0), _replace(n, op.axis, high - low),
+                                   _Link(src, o, shift=_replace((0,) * len(o), op.axis, low - o[op.axis]))))
+        self._place(op.target, src, chunks)
+
+    def keep(self, op: Synthesize | Tie) -> None:
+        """Nothing is read: a synthesized key keeps its value; a tied one is filled through its twin."""
         dst, entry = self.target.fqn(op.target), self.target.inventory[op.target]
         like = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, entry.dtype)), torch.Size(entry.shape), [])
         self.virtual[dst] = _tensor_md(like, entry.shape, [((0,) * len(entry.shape), entry.shape)])
-        self.links[dst, (0,) * len(entry.shape)] = _Link("keep")
+        self.links[dst, (0,) * len(entry.shape)] = _KEEP
 
     def nothing(self, op: Op) -> None:
         """``Drop`` reads nothing; a ``Cast`` is DCP's own ``copy_`` into the destination."""
@@ -152,15 +270,45 @@ class _Virtual:
 
 #: Op kind -> how it shows in the virtual metadata; any other kind is refused.
 VIRTUAL: Mapping[str, Callable[[_Virtual, Any], None]] = {
-    Rename.kind: _Virtual.rename, Stack.kind: _Virtual.stack, Unstack.kind: _Virtual.unstack,
-    Synthesize.kind: _Virtual.keep, Drop.kind: _Virtual.nothing, Cast.kind: _Virtual.nothing,
+    Rename.kind: _Virtual.rename, Transpose.kind: _Virtual.transpose,
+    Stack.kind: _Virtual.joined, Join.kind: _Virtual.joined, Concat.kind: _Virtual.joined,
+    Unstack.kind: _Virtual.taken_apart, Split.kind: _Virtual.taken_apart, Chunk.kind: _Virtual.taken_apart,
+    Reorder.kind: _Virtual.reorder,
+    Synthesize.kind: _Virtual.keep, Tie.kind: _Virtual.keep, Drop.kind: _Virtual.nothing, Cast.kind: _Virtual.nothing,
 }
+
+
+def _place_of(op: Stack | Join | Concat | Unstack | Split | Chunk, index: int,
+              shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...] | None, dict[int, int]]:
+    """Where the ``index``-th of the op's many arrays lies in its one array of ``shape``: the
+    axes it is one index of (``squeeze``), the permutation from the one array's remaining axes to
+    its own (``perm``: its axis ``i`` is remaining axis ``perm[i]``; ``None`` for none), and its
+    start along each axis it does not span whole (``place``)."""
+    if isinstance(op, (Concat, Chunk)):
+        member, start, _ = op.slot(index, len(op.sources if isinstance(op, Concat) else op.targets))
+        place = {op.axis: start}
+        if member is None:
+            return (), None, place
+        return (op.stack_axis,), None, {**place, op.stack_axis: member}
+    at = np.unravel_index(index, [shape[axis] for axis in op.axes])
+    perm = None if op.perm is None else (op.perm if isinstance(op, (Split, Unstack)) else inverse_perm(op.perm))
+    return op.axes, perm, dict(zip(op.axes, map(int, at)))
+
+
+def _runs(op: Reorder) -> Iterator[tuple[int, int, int]]:
+    """``(first target row, first source row, length)`` of each run of target rows along the
+    op's axis whose source rows are consecutive."""
+    source_rows = np.arange(int(np.prod(op.factors))).reshape(op.factors).transpose(op.order).reshape(-1)
+    breaks = np.flatnonzero(np.diff(source_rows) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(source_rows)]))
+    for start, end in zip(starts.tolist(), ends.tolist()):
+        yield start, int(source_rows[start]), end - start
 
 
 def _virtual(metadata: Metadata, mapping: KeyMapping) -> tuple[Metadata, dict[tuple[str, Any], _Link]]:
     """The metadata the wrapped planner sees, and how each of its chunks maps to a stored one."""
-    require_kinds(mapping.plan.ops, VIRTUAL, "DCP load planner",
-                  hint="Layout ops run only in the JAX executor and in `ckptshim convert`.")
+    require_kinds(mapping.plan.ops, VIRTUAL, "DCP load planner")
     built = _Virtual(metadata, mapping)
     for op in mapping.plan.ops:
         VIRTUAL[op.kind](built, op)
@@ -169,18 +317,11 @@ def _virtual(metadata: Metadata, mapping: KeyMapping) -> tuple[Metadata, dict[tu
 
 def _translate(item: ReadItem, link: _Link) -> ReadItem | None:
     """The read of the stored chunk that fills what ``item`` asks of the virtual one."""
-    if link.kind == "keep":
+    if not link.reads:
         return None
-    index = MetadataIndex(link.fqn, link.offsets)
-    if link.kind == "rename":
-        return dataclasses.replace(item, storage_index=index)
-    if link.kind == "stack":
-        return dataclasses.replace(item, storage_index=index,
-                                   storage_offsets=torch.Size(_remove(tuple(item.storage_offsets), link.axis)),
-                                   lengths=torch.Size(_remove(tuple(item.lengths), link.axis)))
-    return dataclasses.replace(item, storage_index=index,
-                               storage_offsets=torch.Size(_insert(tuple(item.storage_offsets), link.axis, link.layer)),
-                               lengths=torch.Size(_insert(tuple(item.lengths), link.axis, 1)))
+    offsets, lengths = link.stored_block(tuple(item.storage_offsets), tuple(item.lengths))
+    return dataclasses.replace(item, storage_index=MetadataIndex(link.fqn, link.offsets),
+                               storage_offsets=torch.Size(offsets), lengths=torch.Size(lengths))
 
 
 class RemappingLoadPlanner(DefaultLoadPlanner):
@@ -190,8 +331,9 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
     (on the virtual metadata) and receives every ``resolve_tensor``/``commit_tensor``/
     ``load_bytes`` call for its own read items. Without one, this planner is DCP's default.
     ``prepare`` maps the checkpoint's keys onto the state dict's (the loading layer's decision).
-    A read item whose destination is a stacked or per-layer tensor resolves to a view of the
-    caller's tensor shaped like the stored block, so the storage reader copies straight into it.
+    A read item whose destination is remapped resolves to a view of the caller's tensor shaped
+    like the stored block (:meth:`_Link.stored_view`), so the storage reader copies straight
+    into it.
     """
 
     def __init__(self, inner: LoadPlanner | None, prepare: Prepare) -> None:
@@ -200,7 +342,7 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
         self._base: LoadPlanner = inner if inner is not None else super()
         self._allow_missing = bool(getattr(inner, "allow_partial_load", False))
         self._links: dict[tuple[str, Any], _Link] = {}
-        self._virtual_items: dict[ReadItem, ReadItem] = {}
+        self._virtual_items: dict[ReadItem, tuple[ReadItem, _Link]] = {}
         self._resolved: dict[ReadItem, torch.Tensor] = {}
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
@@ -221,7 +363,7 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
             real = item if link is None else _translate(item, link)
             if real is not None:
                 if real is not item:
-                    self._virtual_items[real] = item
+                    self._virtual_items[real] = item, link
                 items.append(real)
         return dataclasses.replace(plan, items=items)
 
@@ -232,18 +374,20 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
         return self._base.finish_plan(central_plan)
 
     def load_bytes(self, read_item: ReadItem, value) -> None:
-        self._base.load_bytes(self._virtual_items.get(read_item, read_item), value)
+        virtual = self._virtual_items.get(read_item)
+        self._base.load_bytes(read_item if virtual is None else virtual[0], value)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        virtual = self._virtual_items.get(read_item)
-        if virtual is None:
+        found = self._virtual_items.get(read_item)
+        if found is None:
             return self._base.resolve_tensor(read_item)
+        virtual, link = found
         tensor = self._resolved[read_item] = self._base.resolve_tensor(virtual)
-        return tensor.view(read_item.lengths)
+        return link.stored_view(tensor)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        virtual = self._virtual_items.get(read_item)
-        if virtual is None:
+        found = self._virtual_items.get(read_item)
+        if found is None:
             self._base.commit_tensor(read_item, tensor)
         else:
-            self._base.commit_tensor(virtual, self._resolved.pop(read_item))
+            self._base.commit_tensor(found[0], self._resolved.pop(read_item))

@@ -2,18 +2,20 @@
 
 A load is split in two so that it is transactional: :func:`prepare` fetches every source,
 checks every shape, dtype and destination and works out, for each target key, a tensor that
-already holds its value -- the source itself, a ``select`` view of a stacked source, or the
-destination's own value -- without writing anything or copying any tensor bytes. Only a
-:class:`Prepared` load writes: stacked targets layer by layer into ``select`` views of the
-destination (never ``torch.stack``, which would build a second full copy), everything else with
-``copy_`` (which also casts). Anything wrong raises before the first write, so a failed load
-leaves the destination as it was.
+already holds its value -- the source itself, a view of a source (one layer of a stacked
+source, one part of a fused one, its axes permuted), or the destination's own value -- without
+writing anything or copying any tensor bytes. Only a :class:`Prepared` load writes: targets
+assembled from several sources (stacked layers, fused experts) or whose indices a permutation
+scatters, source by source into views of the destination (``select``, ``narrow``, ``permute``,
+one axis split into factors; never ``torch.stack`` or ``torch.cat``, which would build a second
+full copy), everything else with ``copy_`` (which also casts). Anything wrong raises before the
+first write, so a failed load leaves the destination as it was.
 
 Callers that hand the values to the framework's own loader (the ``load_state_dict`` hook) use
-:attr:`Prepared.values` and :meth:`Prepared.write_stacked`; others call :meth:`Prepared.write`.
+:attr:`Prepared.values` and :meth:`Prepared.write_assembled`; others call :meth:`Prepared.write`.
 
-The ops it runs are the kinds in :data:`HANDLERS`; a plan with any other kind (the layout ops,
-which only block reads can do without a second copy) is refused before anything is fetched.
+The ops it runs are the kinds in :data:`HANDLERS`; a plan with any other kind is refused before
+anything is fetched.
 """
 
 from __future__ import annotations
@@ -27,7 +29,24 @@ import torch
 
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Entry, KeyPath, dtype_name, join_key
-from ckptshim.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Unstack, require_kinds
+from ckptshim.ops import (
+    Cast,
+    Chunk,
+    Concat,
+    Drop,
+    Join,
+    Op,
+    Rename,
+    Reorder,
+    Split,
+    Stack,
+    Synthesize,
+    Tie,
+    Transpose,
+    Unstack,
+    inverse_perm,
+    require_kinds,
+)
 from ckptshim.planner import Plan
 
 #: Returns the source tensor for a source key (from a state dict, or a lazy view of a file).
@@ -60,22 +79,22 @@ RECOMPUTABLE: Mapping[str, Callable[[torch.Size, torch.dtype, torch.device], tor
 class Prepared:
     """A load that has passed every check; nothing has been written yet.
 
-    ``values`` maps each target key the plan provides to a tensor holding its value: for
-    stacked targets that is the destination itself (filled by :meth:`write_stacked`), or a new
-    tensor, filled the same way, when the destination cannot take writes through views (on the
-    meta device, or a DTensor that the framework's loader distributes).
+    ``values`` maps each target key the plan provides to a tensor holding its value: for an
+    assembled target that is the destination itself (filled by :meth:`write_assembled`), or a
+    new tensor, filled the same way, when the destination cannot take writes through views (on
+    the meta device, or a DTensor that the framework's loader distributes). ``fills`` are those
+    writes: each a view of an assembled target, in its source's shape, and the source.
     """
 
     values: dict[KeyPath, torch.Tensor]
     destinations: Mapping[KeyPath, torch.Tensor]
-    stacks: list[tuple[torch.Tensor, int, tuple[torch.Tensor, ...]]] = field(default_factory=list)
+    fills: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
-    def write_stacked(self) -> None:
-        """Write each layer of every stacked target into its ``select`` view of the target."""
+    def write_assembled(self) -> None:
+        """Write every source of an assembled target into its view of the target."""
         with torch.no_grad():
-            for whole, axis, layers in self.stacks:
-                for index, layer in enumerate(layers):
-                    whole.select(axis, index).copy_(layer)
+            for view, value in self.fills:
+                view.copy_(value)
 
     def write(self) -> None:
         """Write every value into its destination (refused up front if one is on meta)."""
@@ -85,7 +104,7 @@ class Prepared:
                 f"{len(on_meta)} destination tensor(s) are on the meta device and cannot be "
                 f"written in place (first: {on_meta[0]}). Materialize the model first "
                 "(module.to_empty(device=...)), or load through load_state_dict(..., assign=True).")
-        self.write_stacked()
+        self.write_assembled()
         with torch.no_grad():
             for key, value in self.values.items():
                 destination = self.destinations[key]
@@ -116,11 +135,15 @@ class _Preparer:
         self.sources: dict[KeyPath, torch.Tensor] = {}
         self.prepared = Prepared({}, destinations)
         self.recompute: list[tuple[KeyPath, str]] = []  # synthesized buffers on the meta device
+        self.ties: list[Tie] = []  # filled once their twins have values
 
     def run(self) -> Prepared:
         for op in self.plan.ops:
             HANDLERS[op.kind](self, op)
         prepared = self.prepared
+        for tie in self.ties:
+            self._check_value(tie.twin, tie.target, prepared.values[tie.twin], self._destination(tie.target))
+            prepared.values[tie.target] = prepared.values[tie.twin]
         device = next((t.device for t in self.sources.values()), torch.device("cpu"))
         for key, rule in self.recompute:
             prepared.values[key] = _recompute(key, rule, self.destinations[key], device)
@@ -139,25 +162,43 @@ class _Preparer:
         self._check_value(op.source, op.target, value, self._destination(op.target))
         self.prepared.values[op.target] = value
 
-    def _unstack(self, op: Unstack) -> None:
+    def _taken_apart(self, op: Unstack | Split | Chunk) -> None:
+        """Each target is a view of the one source (a layer, a part, its axes permuted)."""
         whole = self._source(op.source)
-        self._check_count(op.source, whole, op.axis, len(op.targets))
         for index, key in enumerate(op.targets):
-            value = whole.select(op.axis, index)
+            try:
+                value = _part_of(op, whole, index)
+            except (IndexError, RuntimeError) as error:
+                raise PlanError(f"{join_key(op.source)!r} has shape {tuple(whole.shape)}, which "
+                                f"`{op.describe()}` cannot take apart ({error}).") from None
             self._check_value(op.source, key, value, self._destination(key))
             self.prepared.values[key] = value
 
-    def _stack(self, op: Stack) -> None:
+    def _transposed(self, op: Transpose) -> None:
+        value = self._source(op.source).permute(op.perm)
+        self._check_value(op.source, op.target, value, self._destination(op.target))
+        self.prepared.values[op.target] = value
+
+    def _assembled(self, op: Stack | Join | Concat | Reorder) -> None:
+        """The target is filled source by source through views of it (see :func:`_part_of`)."""
         destination = self._destination(op.target)
-        layers = tuple(self._source(key) for key in op.sources)
-        self._check_count(op.target, destination, op.axis, len(layers))
-        for source_key, layer in zip(op.sources, layers):
-            self._check_value(source_key, op.target, layer, destination.select(op.axis, 0))
+        sources = tuple(self._source(key) for key in op.sources)
         whole = destination
-        if not _writable_in_place(destination):  # build the stacked tensor once instead
-            whole = torch.empty(destination.shape, dtype=layers[0].dtype, device=layers[0].device)
-        self.prepared.stacks.append((whole, op.axis, layers))
+        if not _writable_in_place(destination):  # build the target once instead
+            whole = torch.empty(destination.shape, dtype=sources[0].dtype, device=sources[0].device)
+        try:
+            views = [_part_of(op, whole, index) for index in range(len(sources))]
+            sources = tuple(_source_view(op, value) for value in sources)
+        except (IndexError, RuntimeError) as error:
+            raise PlanError(f"{join_key(op.target)!r} has shape {tuple(destination.shape)}, which "
+                            f"`{op.describe()}` cannot fill ({error}).") from None
+        for key, value, view in zip(op.sources, sources, views):
+            self._check_value(key, op.target, value, view)
+            self.prepared.fills.append((view, value))
         self.prepared.values[op.target] = whole
+
+    def _tie(self, op: Tie) -> None:
+        self.ties.append(op)
 
     def _synthesize(self, op: Synthesize) -> None:
         destination = self._destination(op.target)
@@ -190,12 +231,6 @@ class _Preparer:
             self.sources[key] = tensor
         return tensor
 
-    @staticmethod
-    def _check_count(key: KeyPath, whole: torch.Tensor, axis: int, layers: int) -> None:
-        if axis >= whole.dim() or whole.shape[axis] != layers:
-            raise PlanError(f"{join_key(key)!r} has shape {tuple(whole.shape)}, which does not hold "
-                            f"{layers} layers along axis {axis}.")
-
     def _check_value(self, source_key: KeyPath, target_key: KeyPath, value: torch.Tensor,
                      destination: torch.Tensor) -> None:
         if value.shape != destination.shape:
@@ -215,12 +250,45 @@ class _Preparer:
 #: Op kind -> the preparer's handler; every other kind is refused by :func:`prepare`.
 HANDLERS: Mapping[str, Callable[[_Preparer, Op], None]] = {
     Rename.kind: _Preparer._rename,
-    Unstack.kind: _Preparer._unstack,
-    Stack.kind: _Preparer._stack,
+    Transpose.kind: _Preparer._transposed,
+    Unstack.kind: _Preparer._taken_apart, Split.kind: _Preparer._taken_apart, Chunk.kind: _Preparer._taken_apart,
+    Stack.kind: _Preparer._assembled, Join.kind: _Preparer._assembled, Concat.kind: _Preparer._assembled,
+    Reorder.kind: _Preparer._assembled,
+    Tie.kind: _Preparer._tie,
     Synthesize.kind: _Preparer._synthesize,
     Drop.kind: _Preparer._nothing,
     Cast.kind: _Preparer._nothing,
 }
+
+
+def _part_of(op: Stack | Unstack | Join | Split | Concat | Chunk | Reorder, whole: torch.Tensor,
+             index: int) -> torch.Tensor:
+    """The view of ``whole`` (the op's one stacked, fused or permuted array) that holds the
+    ``index``-th of its many arrays, in that array's own shape; a ``Reorder``'s one array is the
+    target split into factors along its axis and permuted back into the source's order."""
+    if isinstance(op, Reorder):
+        factored = whole.view(*whole.shape[:op.axis], *op.target_factors, *whole.shape[op.axis + 1:])
+        axes = list(range(factored.dim()))
+        axes[op.axis:op.axis + len(op.order)] = [op.axis + a for a in inverse_perm(op.order)]
+        return factored.permute(axes)
+    if isinstance(op, (Concat, Chunk)):
+        count = len(op.sources if isinstance(op, Concat) else op.targets)
+        member, start, size = op.slot(index, count)
+        view = whole.narrow(op.axis, start, size)
+        return view if member is None else view.select(op.stack_axis, member)
+    at = np.unravel_index(index, [whole.shape[axis] for axis in op.axes])
+    view = whole
+    for axis, position in sorted(zip(op.axes, map(int, at)), reverse=True):  # later axes first keep earlier ones
+        view = view.select(axis, position)
+    return view if op.perm is None else (view.permute(op.perm) if isinstance(op, Split)
+                                         else view.permute(inverse_perm(op.perm)))
+
+
+def _source_view(op: Op, value: torch.Tensor) -> torch.Tensor:
+    """A source as its view of the target expects it: a ``Reorder``'s split into its factors."""
+    if isinstance(op, Reorder):
+        return value.view(*value.shape[:op.axis], *op.factors, *value.shape[op.axis + 1:])
+    return value
 
 
 def _writable_in_place(tensor: torch.Tensor) -> bool:

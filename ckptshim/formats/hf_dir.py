@@ -3,7 +3,8 @@
 Weights come as ``model.safetensors`` or ``pytorch_model.bin``, or as shards listed in
 ``*.index.json`` (``{"weight_map": {key: shard file}}``). The directory reads as one
 checkpoint whose entries delegate to the file that holds them; a shard the index names but
-the directory lacks is reported, not skipped.
+the directory lacks is reported, not skipped. :func:`model_config` reads the ``config.json``
+that names the model a checkpoint holds (its ``model_type`` and ``architectures``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,29 @@ _SINGLE = ("model.safetensors", "pytorch_model.bin")
 _INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 #: What a Hugging Face model folder holds its weights in.
 WEIGHT_FILES = _SINGLE + _INDEX
+CONFIG = "config.json"
+#: The most a ``config.json`` may hold; real ones are a few KiB (a hostile one is not read whole).
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
+def model_config(path: Path) -> dict | None:
+    """The ``config.json`` of the model a checkpoint at ``path`` holds: in the folder, or beside
+    the file (``model.safetensors`` in a Hugging Face folder). ``None`` when there is none; a
+    damaged one is refused, naming the file."""
+    path = Path(path)
+    found = (path if path.is_dir() else path.parent) / CONFIG
+    if not found.is_file():
+        return None
+    with open(found, "rb") as raw:
+        data = raw.read(MAX_CONFIG_BYTES + 1)
+    try:
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ValueError(f"over {MAX_CONFIG_BYTES} bytes")
+        config = strict_json(data)
+    except ValueError as error:  # not JSON, not UTF-8, too deep, a key twice, too long
+        raise CorruptCheckpointError(f"{found}: not a valid model config ({error}); re-copy it "
+                                     "from the original, or move it out of the checkpoint's folder.") from None
+    return config if isinstance(config, dict) else None
 
 
 def sniff(path: Path) -> bool:

@@ -145,7 +145,7 @@ def _set_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
                       lambda: None)
     if rekeyed is None:
         return wrapped(*args, **kwargs)
-    rekeyed.writes.write_stacked()
+    rekeyed.writes.write_assembled()
     call["model_state_dict"] = rekeyed.state_dict
     if "optim_state_dict" in call:
         call["optim_state_dict"] = torch_state_dict.renamed_optimizer(rekeyed.plan, call["optim_state_dict"])

@@ -10,7 +10,9 @@ The DCP hook swaps two parts of DCP's own load (see :mod:`ckptshim.hooks.torch_d
 - :func:`load_planner` -- a :class:`~ckptshim.execute.dcp_planner.RemappingLoadPlanner` around
   the caller's planner, which runs :func:`prepare_mapping` while DCP plans: the checkpoint's flat
   keys against the state dict's (wrapper hops at any depth, a missing or extra top-level
-  ``"model"`` level, per-layer lists against stacked layers), checked, reported on every rank.
+  ``"model"`` level, per-layer lists against stacked layers, tied weights, transformers'
+  conversion mapping of the model the checkpoint's ``config.json`` names), checked, reported on
+  every rank.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ckptshim.execute.dcp_planner import FlatKeys, KeyMapping, RemappingLoadPlan
 from ckptshim.execute.dcp_storage import DcpReader, FormatReader
 from ckptshim.formats import dcp
 from ckptshim.formats.detect import detect
+from ckptshim.formats.hf_dir import model_config
 from ckptshim.inventory import Entry, Inventory, dtype_name, join_key, split_key
 from ckptshim.loading.report import report_load
 from ckptshim.loading.torch import state_dict_facts
@@ -64,10 +67,15 @@ def load_planner(inner: LoadPlanner | None) -> RemappingLoadPlanner:
 
 def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missing: bool) -> KeyMapping:
     """Plan the checkpoint's keys onto the state dict's and check the plan (nothing is read)."""
-    where = str(getattr(metadata.storage_meta, "checkpoint_id", None) or "DCP checkpoint")
-    source, target, note = _sides(metadata, state_dict, where)
+    location = getattr(metadata.storage_meta, "checkpoint_id", None)
+    where = str(location or "DCP checkpoint")
+    flat, target_paths = flatten_state_dict(state_dict)
+    source, target, note = _sides(metadata, flat, target_paths, where)
+    tensors = _tensors(target)
+    facts = state_dict_facts(tensors, ((key, flat[target.fqn(key)]) for key in tensors))
+    config = model_config(Path(location)) if location is not None and Path(location).exists() else None
     plan = make_plan(source.inventory, target.inventory,
-                     rules_for(source.inventory, target.inventory, "torch", state_dict_facts(_tensors(target))))
+                     rules_for(source.inventory, target.inventory, "torch", facts, config))
     plan.require_complete(allow_missing=allow_missing, allow_unexpected=True)
     _check_objects(plan, source, target)
     report_load(HOOK, plan)  # on every rank: each loads its own part
@@ -113,9 +121,10 @@ def _side(items: Mapping[str, tuple[tuple[int, ...], str] | None], paths: Mappin
     return FlatKeys(Inventory(entries, source), frozenset(objects))
 
 
-def _sides(metadata: Metadata, state_dict: dict[str, Any], where: str) -> tuple[FlatKeys, FlatKeys, str | None]:
-    """Both sides, and a note when a top-level state-dict name was set aside to match them."""
-    flat, target_paths = flatten_state_dict(state_dict)
+def _sides(metadata: Metadata, flat: Mapping[str, Any], target_paths: Mapping[str, tuple],
+           where: str) -> tuple[FlatKeys, FlatKeys, str | None]:
+    """Both sides (the state dict flattened, with each flat key's path in it), and a note when a
+    top-level state-dict name was set aside to match them."""
     source_paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
     source_apps, target_apps = _app_levels(source_paths), _app_levels(target_paths)
     renamed_app = len(source_apps) == len(target_apps) == 1 and source_apps != target_apps

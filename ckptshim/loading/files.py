@@ -3,7 +3,8 @@
 No framework call is involved, just a source checkpoint and a target layout -- another
 checkpoint, or what a ``module:function`` of the user's returns (:mod:`ckptshim.loading.like`).
 The rules are the ones a load through that backend would use: JAX's when either side is a JAX
-tree (``/`` keys), torch's otherwise.
+tree (``/`` keys), torch's otherwise -- with transformers' conversion mapping of the model the
+source's ``config.json`` (else the ``--like`` folder's) names, as a load without a module uses.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
+from ckptshim.formats.hf_dir import model_config
 from ckptshim.inventory import Inventory
 from ckptshim.loading import like as like_spec
 from ckptshim.planner import Plan
@@ -33,6 +35,11 @@ def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None) 
     """How the open checkpoint ``source`` maps onto the layout of ``like`` (metadata only)."""
     target, target_sep = target_layout(like)
     if rules is None:
-        backend = "jax" if "/" in (source.key_sep, target_sep) else "torch"
-        rules = rules_for(source.inventory, target, backend)
+        if "/" in (source.key_sep, target_sep):
+            rules = rules_for(source.inventory, target, "jax")
+        else:
+            config = model_config(source.path)
+            if config is None and not like_spec.is_callable_spec(like):
+                config = model_config(Path(like))
+            rules = rules_for(source.inventory, target, "torch", model_config=config)
     return make_plan(source.inventory, target, rules)

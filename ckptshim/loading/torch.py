@@ -4,8 +4,8 @@ Every torch load -- ``load_state_dict``, ``set_model_state_dict``, ``dcp.load``,
 stage -- builds its target here: :func:`module_layout` reads what a module's
 ``load_state_dict`` accepts off the live module tree, :func:`tensor_inventory` turns named
 tensors into an inventory, and :func:`module_facts` / :func:`state_dict_facts` say what the
-target knows beyond names and shapes (non-persistent buffers, derivable buffers, transformers'
-renames) for :func:`ckptshim.rules.profiles.rules_for`.
+target knows beyond names and shapes (non-persistent buffers, derivable buffers, tied weights,
+transformers' conversion mapping) for :func:`ckptshim.rules.profiles.rules_for`.
 
 :func:`prepare_module_load` is the ``load_state_dict`` load. **Rewrite, not execute.** Once the
 plan is checked, torch's own ``load_state_dict`` is called with a rewritten state dict whose
@@ -14,10 +14,11 @@ keys are exactly the ones the module accepts: renamed sources under their target
 left out. Executing the plan ourselves would bypass what modules do in their loading code --
 ``_load_from_state_dict`` overrides, load pre-/post-hooks (the checkpoint wrapper re-adds its
 prefix in one), version upgrades keyed by ``state_dict._metadata`` (carried over to the new
-names), ``assign=True`` and swap semantics -- and torch's own ``_IncompatibleKeys``. The one op
-a dict cannot express without a second full copy is stacking, so stacked targets are written
-through ``select`` views of the destination by :mod:`ckptshim.execute.torch`, right before the
-call, and passed as themselves. All checks run before the first write (see that module).
+names), ``assign=True`` and swap semantics -- and torch's own ``_IncompatibleKeys``. What a dict
+cannot express without a second full copy -- a target assembled from several sources (stacked
+layers, fused experts) or reordered along an axis -- is written through views of the
+destination by :mod:`ckptshim.execute.torch`, right before the call, and passed as itself. All
+checks run before the first write (see that module).
 
 Modules ckptshim cannot see through are left to torch: lazy parameters, ``_extra_state``, and
 FSDP1 (flat parameters whose shapes are not the checkpoint's). And when a strict load does not
@@ -46,7 +47,7 @@ from ckptshim.rules import TargetFacts
 from ckptshim.rules.buffers import derivable_rule
 from ckptshim.rules.prefixes import WRAPPER_SEGMENTS, strip_wrappers
 from ckptshim.rules.profiles import rules_for
-from ckptshim.rules.profiles.transformers_mapping import aliases_for
+from ckptshim.rules.profiles.transformers_mapping import from_module
 
 #: A wrapper hop that the wrapper's own state-dict hooks remove on save and put back on load
 #: (``CheckpointWrapper``), so the names the module accepts do not contain it.
@@ -122,19 +123,44 @@ def tensor_inventory(items: Iterable[tuple[str, torch.Tensor]], source: str, pre
 
 def module_facts(layout: ModuleLayout, module: nn.Module | None = None, prefix: KeyPath = ()) -> TargetFacts:
     """What a live module knows: its non-persistent buffers (a checkpoint's copy is dropped), its
-    persistent derivable buffers (kept when the checkpoint lacks them), and, for a transformers
-    model, the renames its conversion mapping publishes."""
+    persistent derivable buffers (kept when the checkpoint lacks them), its tied weights, and,
+    for a transformers model, the conversion mapping transformers publishes for it."""
     keys = [prefix + split_key(key) for key in layout.buffers]
     return TargetFacts(
         drop=frozenset(prefix + strip_wrappers(split_key(key)) for key in layout.non_persistent),
         synthesize=frozenset(key for key in keys if derivable_rule(strip_wrappers(key)) is not None),
-        aliases=aliases_for(module) if module is not None else ())
+        tied=tied_groups((prefix + split_key(key), tensor) for key, tensor in layout.tensors.items()),
+        conversions=from_module(module) if module is not None else ())
 
 
-def state_dict_facts(target: Inventory) -> TargetFacts:
+def state_dict_facts(target: Inventory, tensors: Iterable[tuple[KeyPath, Any]] = (),
+                     model: nn.Module | None = None) -> TargetFacts:
     """What a state dict knows: nothing says which entries are buffers, so any key named like a
-    derivable buffer may keep the target's own value when the checkpoint lacks it."""
-    return TargetFacts(synthesize=frozenset(key for key in target if derivable_rule(strip_wrappers(key)) is not None))
+    derivable buffer may keep the target's own value when the checkpoint lacks it; which of its
+    ``tensors`` (by target key) are one tensor under two names (tied weights); and, when the
+    ``model`` it belongs to is known, transformers' conversion mapping for it."""
+    return TargetFacts(synthesize=frozenset(key for key in target if derivable_rule(strip_wrappers(key)) is not None),
+                       tied=tied_groups((key, value) for key, value in tensors if isinstance(value, torch.Tensor)),
+                       conversions=from_module(model) if model is not None else ())
+
+
+def tied_groups(named: Iterable[tuple[KeyPath, torch.Tensor]]) -> frozenset[frozenset[KeyPath]]:
+    """The keys that name one tensor: one parameter under two names, or the same elements of one
+    storage (what ``state_dict()`` gives for tied weights). Tensors without storage (on the meta
+    device, or empty) are tied only when they are the same object: names alone never tie."""
+    groups: dict[object, set[KeyPath]] = {}
+    for key, tensor in named:
+        groups.setdefault(_identity(tensor), set()).add(key)
+    return frozenset(frozenset(keys) for keys in groups.values() if len(keys) > 1)
+
+
+def _identity(tensor: torch.Tensor) -> object:
+    """What two tensors share exactly when they are one tensor."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: its shard
+    if local.is_meta or not local.numel():
+        return id(tensor)
+    return (local.device, local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
+            local.stride(), local.dtype)
 
 
 def fits(state_dict: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -176,7 +202,7 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
     report_load(f"load_state_dict({type(module).__name__})", plan)
 
     def load() -> Any:
-        prepared.write_stacked()
+        prepared.write_assembled()
         result = original(rewritten, strict=strict, assign=assign)
         return type(result)(result.missing_keys, result.unexpected_keys + unexpected)
 

@@ -5,9 +5,10 @@ the model -- and which keep ``_orig_mod.`` when ``torch.compile`` sits inside an
 checkpoint wrapper, so a plain model's state dict is refused there, and a stacked-layer one
 anywhere. :func:`prepare` plans the given keys against the keys ``get_model_state_dict``
 reports for the model and returns a re-keyed dict for torch's own call: renamed entries are the
-same tensors, unstacked layers ``select`` views, synthesized buffers the model's own values, and
-stacked targets the model's own tensors, written layer by layer through views (no second copy)
-by :meth:`~ckptshim.execute.torch.Prepared.write_stacked` -- all checked by the torch executor
+same tensors, unstacked layers and parts of fused ones views, synthesized buffers the model's own
+values, and assembled targets (stacked layers, fused experts) the model's own tensors, written
+source by source through views (no second copy)
+by :meth:`~ckptshim.execute.torch.Prepared.write_assembled` -- all checked by the torch executor
 before anything is written. Optimizer state follows renamed keys (:func:`renamed_optimizer`).
 Missing and unexpected keys are left for torch to report under the caller's ``strict`` option.
 """
@@ -34,7 +35,7 @@ from ckptshim.rules.profiles import rules_for
 @dataclass(frozen=True)
 class Rekeyed:
     """A checked ``set_model_state_dict`` load: the plan, the state dict under the model's keys,
-    and the writes of stacked targets to make right before torch's own call."""
+    and the writes of assembled targets to make right before torch's own call."""
 
     plan: Plan
     state_dict: dict[str, Any]
@@ -54,7 +55,8 @@ def prepare(model: nn.Module, state_dict: Mapping[str, Any]) -> Rekeyed | None:
     target = tensor_inventory(tensors.items(), f"{type(model).__name__} model")
     source = tensor_inventory(((k, v) for k, v in state_dict.items() if isinstance(v, torch.Tensor)),
                               "the given model state dict")
-    plan = make_plan(source, target, rules_for(source, target, "torch", state_dict_facts(target)))
+    facts = state_dict_facts(target, ((split_key(k), v) for k, v in tensors.items()), model)
+    plan = make_plan(source, target, rules_for(source, target, "torch", facts))
     if plan.is_identity:
         return None
     plan.require_complete(allow_missing=True, allow_unexpected=True)

@@ -16,7 +16,8 @@ from ckptshim.planner.plan import Plan
 
 def explain(plan: Plan, sep: str = ".") -> list[str]:
     """The whole plan, one line per op (ops that change nothing left out), ranges compressed."""
-    lines = compress(op.describe(sep) for op in plan.ops if op.tally() is not None)
+    lines = [f"({note})" for note in plan.notes]
+    lines += compress(op.describe(sep) for op in plan.ops if op.tally() is not None)
     lines += compress(f"(not in checkpoint) -> missing -> {join_key(k, sep)}" for k in plan.missing)
     lines += compress(f"{join_key(k, sep)} -> unexpected" for k in plan.unexpected)
     lines += [f"mismatch: {m.describe(sep)}" for m in plan.mismatched]
@@ -47,6 +48,7 @@ def summary(plan: Plan, sep: str = ".") -> str:
             distinct = sorted(set(shown))
             text = ("; " if any("," in n or ";" in n for n in distinct) else ", ").join(distinct)
         words.append(f"{counts[word]} {word} ({text})")
+    words += plan.notes
     for kind, keys in (("missing", plan.missing), ("unexpected", plan.unexpected),
                        ("mismatched", plan.mismatched)):
         if keys:

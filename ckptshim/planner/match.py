@@ -8,7 +8,10 @@ that already fits costs one dict lookup per key:
    side that collapse onto the same canonical name;
 3. layer lists, stacking per-layer sources into a stacked target or unstacking a stacked source
    into per-layer targets, with the axis read off the shapes;
-4. drops (derivable buffers, the target's non-persistent buffers) and syntheses.
+4. drops (derivable buffers, the target's non-persistent buffers) and syntheses;
+
+and last, a target key still missing whose live tensor shares its storage with one the plan
+fills (a tied ``lm_head.weight``) is tied to it.
 
 Everything here is linear in the number of keys and touches no tensor bytes. Passes 1 to 3 work
 on runs of keys that share a parent path where runs are long (:mod:`ckptshim.planner.runs`), and key
@@ -18,13 +21,14 @@ that it runs in C; both ways give the same plan, and the same error.
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import repeat
 from operator import attrgetter
 
 from ckptshim.errors import PlanError
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, KeyPath, gc_paused, join_key
 from ckptshim.keytext import ranges
-from ckptshim.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Unstack, renames
+from ckptshim.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Tie, Unstack, renames
 from ckptshim.planner import runs
 from ckptshim.planner.names import Names
 from ckptshim.planner.plan import Mismatch, Plan
@@ -48,15 +52,30 @@ def plan(source: Inventory, target: Inventory, rules: Rules = DEFAULT_RULES) -> 
     # Planning allocates about one small, acyclic object per key; with a million keys the
     # collector's passes over everything alive would take a third of the time and free nothing.
     with gc_paused():
-        if rules.layouts:
-            return _with_layouts(source, target, rules)
-        return _Planner(source, target, rules).run()
+        found = _with_layouts(source, target, rules) if rules.layouts else _Planner(source, target, rules).run()
+    return _tied(found, rules) if rules.tied and found.missing else found
+
+
+def _tied(plan: Plan, rules: Rules) -> Plan:
+    """``plan`` with each missing key that shares its storage with a key the plan fills tied to it."""
+    ties: list[Tie] = []
+    for key in plan.missing:
+        group = next((group for group in rules.tied if key in group), ())
+        twin = next((other for other in plan.target if other in group and plan.producer(other) is not None), None)
+        if twin is not None:
+            ties.append(Tie(key, twin))
+    if not ties:
+        return plan
+    tied = {tie.target for tie in ties}
+    return dataclasses.replace(plan, ops=plan.ops + tuple(ties), missing=tuple(k for k in plan.missing if k not in tied),
+                               _producers=None)
 
 
 def _with_layouts(source: Inventory, target: Inventory, rules: Rules) -> Plan:
     """The layouts' ops for the keys they map, then the name matcher's plan for the rest."""
     ops: list[Op] = []
     hints: dict[KeyPath, str] = {}
+    notes: list[str] = []
     mismatched: list[Mismatch] = []
     used: set[KeyPath] = set()
     taken: set[KeyPath] = set()
@@ -66,6 +85,7 @@ def _with_layouts(source: Inventory, target: Inventory, rules: Rules) -> Plan:
                              rules)
         hints.update(paired.missing)
         taken.update(paired.missing)
+        notes += paired.notes
         for op in paired.ops:
             used.update(op.sources)
             taken.update(op.targets)
@@ -83,7 +103,8 @@ def _with_layouts(source: Inventory, target: Inventory, rules: Rules) -> Plan:
                     Inventory([e for e in target.values() if e.key not in taken], target.source),
                     rules).run()
     return Plan(source, target, tuple(ops) + rest.ops, missing=tuple(hints) + rest.missing,
-                unexpected=rest.unexpected, mismatched=tuple(mismatched) + rest.mismatched, hints=hints)
+                unexpected=rest.unexpected, mismatched=tuple(mismatched) + rest.mismatched, hints=hints,
+                notes=tuple(notes))
 
 
 def cast_or_mismatch(src: Entry, tgt: Entry, rules: Rules) -> Cast | Mismatch | None:

@@ -47,6 +47,8 @@ class Plan:
     mismatched: tuple[Mismatch, ...] = ()
     #: for some missing keys, what a profile knows they would be made from (instead of guessing)
     hints: Mapping[KeyPath, str] = field(default_factory=dict, compare=False)
+    #: what a rule decided for the load as a whole (a root prefix set aside), said in its summary
+    notes: tuple[str, ...] = ()
     _producers: dict[KeyPath, Op] | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ckptshim.inventory import Inventory, KeyPath
 from ckptshim.ops import Op
@@ -19,16 +19,21 @@ from ckptshim.rules.buffers import DERIVABLE_BUFFERS
 from ckptshim.rules.layers import LAYER_LIST_NAMES, ScanAxis
 from ckptshim.rules.prefixes import WRAPPER_SEGMENTS
 
+if TYPE_CHECKING:  # a profile built on these rules; imported for its type only
+    from ckptshim.rules.profiles.transformers_mapping import Conversions
+
 __all__ = ["Alias", "DEFAULT_RULES", "Layout", "NO_FACTS", "Paired", "Rules", "ScanAxis", "TargetFacts"]
 
 
 @dataclass(frozen=True)
 class Paired:
-    """What a :class:`Layout` decided: producer ops for the keys it maps, and the target keys it
-    recognises but the checkpoint cannot fill, each with a hint naming what it would need."""
+    """What a :class:`Layout` decided: producer ops for the keys it maps, the target keys it
+    recognises but the checkpoint cannot fill (each with a hint naming what it would need), and
+    what the load's summary should say about the pairing as a whole."""
 
     ops: tuple[Op, ...] = ()
     missing: Mapping[KeyPath, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
 
 
 class Layout(Protocol):
@@ -59,6 +64,8 @@ class Rules:
     - ``allow_cast``: whether a dtype difference becomes a ``Cast`` or an error.
     - ``strict``: every guess (an axis taken from siblings, a narrowing cast) becomes an error.
     - ``layouts``: profiles that pair keys themselves (see :class:`Layout`).
+    - ``tied``: groups of target keys whose live tensors share one storage; a key of a group
+      that the checkpoint lacks is filled by another of the group that it has.
     """
 
     wrappers: frozenset[str] = WRAPPER_SEGMENTS
@@ -71,6 +78,7 @@ class Rules:
     allow_cast: bool = True
     strict: bool = False
     layouts: tuple[Layout, ...] = ()
+    tied: frozenset[frozenset[KeyPath]] = frozenset()
 
     def extend(self, **more) -> Rules:
         """A copy with collections extended (not replaced; an entry already there is not added
@@ -104,13 +112,15 @@ class TargetFacts:
       copy has no place;
     - ``synthesize``: target keys that may keep their own value when the checkpoint lacks them
       (persistent buffers a framework can recompute);
-    - ``aliases``: renames the target's own framework publishes (transformers' conversion mapping
-      of the model class).
+    - ``tied``: groups of target keys whose live tensors share one storage (tied weights);
+    - ``conversions``: the conversion mapping transformers publishes for each transformers model
+      in the target (:mod:`ckptshim.rules.profiles.transformers_mapping`).
     """
 
     drop: frozenset[KeyPath] = frozenset()
     synthesize: frozenset[KeyPath] = frozenset()
-    aliases: tuple[Alias, ...] = ()
+    tied: frozenset[frozenset[KeyPath]] = frozenset()
+    conversions: tuple[Conversions, ...] = ()
 
 
 NO_FACTS = TargetFacts()

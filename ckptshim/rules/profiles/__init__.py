@@ -7,32 +7,48 @@ stale; see :mod:`.transformers_mapping`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from ckptshim import config
 from ckptshim.inventory import Inventory
 from ckptshim.rules import DEFAULT_RULES, NO_FACTS, Rules, TargetFacts
 from ckptshim.rules.flax_names import LINEN_NNX
 from ckptshim.rules.layers import TORCH_SCAN_AXES
-from ckptshim.rules.profiles import maxtext, neox, paxml, paxml_gpt3
+from ckptshim.rules.profiles import maxtext, neox, paxml, paxml_gpt3, transformers_mapping
+from ckptshim.rules.roots import root_prefix
 
 #: What :func:`rules_for` plans for: torch state dicts (``.`` keys) or JAX pytrees (``/`` keys).
 BACKENDS = ("torch", "jax")
 
 
-def rules_for(source: Inventory, target: Inventory, backend: str, facts: TargetFacts = NO_FACTS) -> Rules:
+def rules_for(source: Inventory, target: Inventory, backend: str, facts: TargetFacts = NO_FACTS,
+              model_config: Mapping[str, Any] | None = None) -> Rules:
     """The rules for loading ``source`` into ``target`` through ``backend``'s load calls.
 
     The defaults (wrapper prefixes, layer lists, derivable buffers) and ``CKPTSHIM_STRICT``;
     then the target's own ``facts``; then each profile whose marks the two inventories carry:
 
-    - ``"torch"``: torch modules stack layer lists on axis 0; GPT-NeoX's pipeline names <-> its
-      Hugging Face names, when one side is each;
+    - ``"torch"``: torch modules stack layer lists on axis 0; an exact root prefix on one side
+      (Lightning's ``model.``) is set aside; transformers' conversion mapping of each
+      transformers model in the target, or, where the target is none, of the model the
+      checkpoint's own ``model_config`` (its ``config.json``) names; GPT-NeoX's pipeline names
+      <-> its Hugging Face names, when one side is each;
     - ``"jax"``: Linen/NNX spellings; MaxText's scan axes; PaxML ``Repeat`` stacks; the PaxML
       GPT-3 -> MaxText layout.
     """
     rules = DEFAULT_RULES.extend(strict=config.strict(), drop=facts.drop, synthesize=facts.synthesize,
-                                 aliases=facts.aliases)
+                                 tied=facts.tied)
     if backend == "torch":
-        return rules.extend(scan_axes=TORCH_SCAN_AXES, aliases=neox.aliases_between(source, target))
+        rules = rules.extend(scan_axes=TORCH_SCAN_AXES, aliases=neox.aliases_between(source, target))
+        root = root_prefix(source, target)
+        if root is not None:
+            return rules.extend(layouts=(root,))
+        conversions = facts.conversions
+        if not conversions and model_config is not None:
+            found = transformers_mapping.from_config(model_config, f"config.json of {source.source}")
+            conversions = (found,) if found is not None else ()
+        return rules.extend(layouts=tuple(map(transformers_mapping.ConversionLayout, conversions)))
     if backend != "jax":
         raise ValueError(f"no rules for backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     rules = rules.extend(aliases=LINEN_NNX)
