@@ -454,6 +454,11 @@ class _Parts:
                 and (self.stack_axis is None or fused[self.stack_axis] == count // len(self.sizes))
                 and all(shape == self.slot_shape(fused, index, count) for index, shape in enumerate(shapes)))
 
+    def parts_text(self, keys: Sequence[KeyPath], sep: str) -> str:
+        """The many keys, part by part (each part's run of stacked keys compressed to a range)."""
+        per_part = len(keys) // len(self.sizes)
+        return ", ".join(keys_text(keys[start:start + per_part], sep) for start in range(0, len(keys), per_part))
+
     def note(self, sep: str = ".") -> str:
         stacked = "" if self.stack_axis is None else f", each part stacked on axis {self.stack_axis}"
         return f"axis {self.axis}, sizes {','.join(map(str, self.sizes))}{stacked}"
@@ -484,7 +489,7 @@ class Concat(_Defaults, _IntoTarget, _Parts):
         return Chunk(self.target, self.sources, self.axis, self.sizes, self.stack_axis)
 
     def describe(self, sep: str = ".") -> str:
-        return f"{keys_text(self.sources, sep)} -> concat({self.note()}) -> {join_key(self.target, sep)}"
+        return f"{self.parts_text(self.sources, sep)} -> concat({self.note()}) -> {join_key(self.target, sep)}"
 
     def tally(self) -> tuple[str, int]:
         return "concatenated", len(self.sources)
@@ -512,7 +517,7 @@ class Chunk(_Defaults, _FromSource, _Parts):
         return Concat(self.targets, self.source, self.axis, self.sizes, self.stack_axis)
 
     def describe(self, sep: str = ".") -> str:
-        return f"{join_key(self.source, sep)} -> chunk({self.note()}) -> {keys_text(self.targets, sep)}"
+        return f"{join_key(self.source, sep)} -> chunk({self.note()}) -> {self.parts_text(self.targets, sep)}"
 
     def tally(self) -> tuple[str, int]:
         return "chunked", len(self.targets)

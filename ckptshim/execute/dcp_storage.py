@@ -10,7 +10,9 @@ slice of it is filled. (The stock reader deserialises a whole chunk again for ev
 that touches it.)
 
 :class:`FormatReader` lets ``dcp.load`` read a ``torch.save`` file, a safetensors file or a
-Hugging Face directory, each tensor being one chunk read from a memory map.
+Hugging Face directory, each tensor being one chunk; each read goes straight into its
+destination through the format's ``read_into`` (one ``pread`` of exactly the rows a rank's shard
+needs, for safetensors).
 
 A checkpoint that ckptshim refuses does not raise inside ``read_metadata`` -- DCP would turn
 that into an ``AssertionError`` string -- but comes back as metadata carrying a
@@ -49,7 +51,7 @@ from ckptshim.execute.torch import as_tensor
 from ckptshim.formats import dcp
 from ckptshim.formats.base import Checkpoint, storage_dtype
 from ckptshim.formats.detect import open_checkpoint
-from ckptshim.inventory import dtype_name, join_key, split_key
+from ckptshim.inventory import Entry, dtype_name, join_key, split_key
 
 
 @dataclass(frozen=True)
@@ -285,9 +287,24 @@ def _disjoint(spans: list[tuple[int, int, bool]]) -> bool:
     return all(a[1] <= b[0] for a, b in zip(ordered, ordered[1:]))
 
 
+def _raw_view(destination: torch.Tensor, entry: Entry) -> np.ndarray | None:
+    """``destination`` as a numpy array of ``entry``'s stored dtype (a view: writes land in it),
+    or ``None`` where the bytes cannot go in as stored (another dtype, not in host memory)."""
+    if destination.device.type != "cpu" or dtype_name(destination.dtype) != entry.dtype:
+        return None
+    tensor = destination.detach()
+    bits = storage_dtype(entry.dtype)
+    if tensor.is_floating_point() and bits.kind == "u":  # bfloat16, float8: numpy holds their bits
+        tensor = tensor.view(getattr(torch, f"uint{8 * bits.itemsize}"))
+    return tensor.numpy()
+
+
 class FormatReader(_Reader):
     """``dcp.load`` from a ``torch.save`` file, a safetensors file or a Hugging Face directory:
-    each tensor is one chunk, read from a memory map of the file that holds it."""
+    each tensor is one chunk. Every entry a rank reads is located first (a view of a memory map,
+    its byte range checked against the file), then each read item's block is read by the format
+    straight into its destination (a cast, where the destination's dtype differs, is torch's
+    ``copy_`` from that view)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path)
@@ -316,16 +333,21 @@ class FormatReader(_Reader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         assert self._checkpoint is not None, "read_metadata runs first"
         checkpoint = self._checkpoint
-        sources: dict[str, torch.Tensor] = {}
+        sources: dict[str, tuple[Entry, torch.Tensor]] = {}
         resolved = _resolve(planner, plan.items)
-        for item, _ in resolved:  # every entry's view, checked, before the first write
+        for item, _ in resolved:  # every entry located (its bytes there), before the first write
             fqn = item.storage_index.fqn
             if fqn not in sources:
                 entry = checkpoint.inventory[split_key(fqn)]
-                sources[fqn] = as_tensor(checkpoint.read(entry), getattr(torch, entry.dtype))
+                sources[fqn] = entry, as_tensor(checkpoint.read(entry), getattr(torch, entry.dtype))
         with torch.no_grad():
             for item, destination in resolved:
-                destination.copy_(sources[item.storage_index.fqn][_block(item)])
+                entry, source = sources[item.storage_index.fqn]
+                raw = _raw_view(destination, entry)
+                if raw is None:
+                    destination.copy_(source[_block(item)])
+                else:
+                    checkpoint.read_into(entry, _block(item), raw)
         for item, destination in resolved:
             planner.commit_tensor(item, destination)
         checkpoint.close()

@@ -103,11 +103,14 @@ class Checkpoint(ABC):
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray) -> Any:
         """Copy ``entry[index]`` into ``out``, cast to ``out.dtype`` (as Orbax casts on restore).
 
-        Returns ``None`` when done, or a future whose ``result()`` waits for the copy. This
-        default slices :meth:`read`'s view, so a memory-mapped format reads only the pages of
+        An ``out`` of the stored dtype (:func:`storage_dtype`: bfloat16 as its uint16 bits) gets
+        the stored bytes as they are. Returns ``None`` when done, or a future whose ``result()``
+        waits for the copy. This default slices :meth:`read`'s view, so a memory-mapped format reads only the pages of
         that range; formats whose arrays are compressed chunks read just the chunks it needs.
         """
-        value = self.read(entry).view(numpy_dtype(entry.dtype))
+        value = self.read(entry)
+        if out.dtype != value.dtype:  # a cast: by value, not by the stored bits
+            value = value.view(numpy_dtype(entry.dtype))
         np.copyto(out, value[index], casting="unsafe")
         return None
 

@@ -10,6 +10,7 @@ that names the model a checkpoint holds (its ``model_type`` and ``architectures`
 from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import numpy as np
 
@@ -68,8 +69,11 @@ class HFDirCheckpoint(Checkpoint):
 
     def read(self, entry: Entry) -> np.ndarray:
         name, inner = entry.location
-        part = self._parts[name]
-        return part.read(Entry(entry.key, entry.shape, entry.dtype, inner))
+        return self._parts[name].read(Entry(entry.key, entry.shape, entry.dtype, inner))
+
+    def read_into(self, entry: Entry, index: tuple, out: np.ndarray) -> Any:
+        name, inner = entry.location
+        return self._parts[name].read_into(Entry(entry.key, entry.shape, entry.dtype, inner), index, out)
 
     def close(self) -> None:
         for part in self._parts.values():

@@ -1,11 +1,14 @@
 """safetensors files: an 8-byte header length, a JSON header, then raw little-endian bytes.
 
 The header is parsed here (no safetensors import needed) with strict bounds checks; arrays are
-read-only views of one memory map of the file.
+read-only views of one memory map of the file, and a contiguous range of one is read with one
+``pread`` straight into the caller's buffer (:meth:`SafetensorsCheckpoint.read_into`).
 """
 
 from __future__ import annotations
 
+import math
+import os
 import struct
 from pathlib import Path
 
@@ -84,8 +87,50 @@ class SafetensorsCheckpoint(Checkpoint):
         check_view(entry, begin, end, len(data), file)
         return data[begin:end].view(storage_dtype(entry.dtype)).reshape(entry.shape)
 
+    def read_into(self, entry: Entry, index: tuple, out: np.ndarray) -> None:
+        """``entry[index]`` into ``out``: one ``pread`` of exactly its bytes when the range is
+        contiguous in the file and ``out`` a C-contiguous buffer of the stored dtype (what a
+        sharded load asks for: rows of a tensor), so nothing is mapped or copied twice; otherwise
+        a copy from the memory map."""
+        file, begin, end = entry.location
+        span = _contiguous(entry.shape, index)
+        if span is None or out.dtype != storage_dtype(entry.dtype) or not out.flags.c_contiguous:
+            return super().read_into(entry, index, out)
+        check_view(entry, begin, end, os.path.getsize(file), file)
+        first, count = span
+        size = storage_dtype(entry.dtype).itemsize
+        target = memoryview(out.reshape(-1).view(np.uint8))
+        with open(file, "rb", buffering=0) as raw:
+            done = 0
+            while done < count * size:
+                read = os.preadv(raw.fileno(), [target[done:]], begin + first * size + done)
+                if read == 0:
+                    raise CorruptCheckpointError(f"{file}: {'.'.join(entry.key)!r} ends early; the file is truncated.")
+                done += read
+        return None
+
     def close(self) -> None:
         self._maps.clear()
+
+
+def _contiguous(shape: tuple[int, ...], index: tuple) -> tuple[int, int] | None:
+    """``(first element, count)`` when ``index`` (ranges and single indices) of a C-order array of
+    ``shape`` is one run of elements (leading axes one index each, then one range, then every axis
+    whole), else ``None``."""
+    if len(index) != len(shape):
+        return None
+    bounds = [part.indices(size)[:2] if isinstance(part, slice) else (part, part + 1)
+              for part, size in zip(index, shape)]
+    lengths = [stop - start for start, stop in bounds]
+    if any(length <= 0 for length in lengths):
+        return None
+    ranged = next((axis for axis, length in enumerate(lengths) if length != 1), len(shape))
+    if any(lengths[axis] != shape[axis] for axis in range(ranged + 1, len(shape))):
+        return None
+    first = 0
+    for (start, _), size in zip(bounds, shape):
+        first = first * size + start
+    return first, math.prod(lengths)
 
 
 def open_checkpoint(path: Path) -> SafetensorsCheckpoint:

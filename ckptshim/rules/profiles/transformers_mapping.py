@@ -11,9 +11,9 @@ Mixtral's per-expert ``block_sparse_moe.experts.{e}.w1/w3.weight`` become one fu
 by running transformers' own renaming (``rename_source_key``) over the actual keys of one side;
 each rename becomes an exact ``Rename`` of one key onto another, and each converter, with the
 keys it collected, one ckptshim op (see :data:`TRANSLATORS`). Which side is renamed decides the
-direction: the checkpoint's keys onto the target's is ``from_pretrained``'s way; the target's
-keys onto the checkpoint's, with every op inverted, is ``save_pretrained``'s way back (a
-transformers-5 checkpoint into code of the transformers-4 era). A converter whose chain of
+direction, key by key: the checkpoint's keys onto the target's is ``from_pretrained``'s way; the
+target's keys onto the checkpoint's, with every op inverted, is ``save_pretrained``'s way back
+(a transformers-5 checkpoint into code of the transformers-4 era). A converter whose chain of
 operations ckptshim cannot express is refused by name (:func:`untranslatable`), never skipped.
 
 The mapping comes from the live module (:func:`from_module`) or, where the caller passed none,
@@ -295,20 +295,22 @@ class ConversionLayout:
 
     def pair(self, source: Inventory, target: Inventory, rules: Rules) -> Paired:
         ckpt, model = _relative(source, self.conversions.prefix), _relative(target, self.conversions.prefix)
-        loading = self._translate(ckpt, model)
-        saving = self._translate(model, ckpt)
-        if loading and saving:
-            raise PlanError(
-                f"transformers' mapping of {self.conversions.origin} converts some checkpoint keys "
-                f"({join_key(loading[0].sources[0])}, ...) into target keys and some target keys "
-                f"({join_key(saving[0].sources[0])}, ...) into checkpoint keys: the checkpoint mixes "
-                "the layouts of two transformers generations. Re-save it with one.")
-        return Paired(tuple(loading) if loading else tuple(op.inverse() for op in saving))
+        ops = self._translate(ckpt, model) + [op.inverse() for op in self._translate(model, ckpt)]
+        for side in ("sources", "targets"):
+            seen: set[KeyPath] = set()
+            for op in ops:
+                twice = seen.intersection(getattr(op, side))
+                if twice:
+                    raise PlanError(f"{join_key(twice.pop())}: transformers' mapping of {self.conversions.origin} "
+                                    "maps this key both ways (from the checkpoint's layout and back); ckptshim "
+                                    "will not pick one.")
+                seen.update(getattr(op, side))
+        return Paired(tuple(ops))
 
     def _translate(self, keys: Mapping[str, Entry], onto: Mapping[str, Entry]) -> list[Op]:
         """The ops that take ``keys`` (one side, relative to the model) onto ``onto``, found by
-        transformers' own renaming of each key; keys whose new name ``onto`` lacks are left
-        alone (transformers keeps the old name then, or reports it unexpected)."""
+        transformers' own renaming of each key. A key whose new name ``onto`` lacks, or whose own
+        name ``onto`` has, is left to the planner (transformers keeps the old name then)."""
         if not keys:
             return []
         from transformers import core_model_loading as core
@@ -321,6 +323,8 @@ class ConversionLayout:
         collected: dict[str, dict[str, list[str]]] = {}
         for name in sorted(keys, key=core.dot_natural_key):
             renamed, pattern = core.rename_source_key(name, renamings, converters)
+            if name in onto:
+                continue
             if pattern is not None:
                 collected.setdefault(renamed, {}).setdefault(pattern, []).append(name)
             elif renamed != name and renamed in onto:
