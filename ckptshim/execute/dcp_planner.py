@@ -306,7 +306,7 @@ def _runs(op: Reorder) -> Iterator[tuple[int, int, int]]:
         yield start, int(source_rows[start]), end - start
 
 
-def _virtual(metadata: Metadata, mapping: KeyMapping) -> tuple[Metadata, dict[tuple[str, Any], _Link]]:
+def virtual_metadata(metadata: Metadata, mapping: KeyMapping) -> tuple[Metadata, dict[tuple[str, Any], _Link]]:
     """The metadata the wrapped planner sees, and how each of its chunks maps to a stored one."""
     require_kinds(mapping.plan.ops, VIRTUAL, "DCP load planner")
     built = _Virtual(metadata, mapping)
@@ -351,7 +351,7 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
         if isinstance(storage_data, Refusal):  # the storage reader refused the checkpoint
             raise storage_data.error
         if metadata is not None and state_dict:
-            metadata, self._links = _virtual(metadata, self._prepare(metadata, state_dict, self._allow_missing))
+            metadata, self._links = virtual_metadata(metadata, self._prepare(metadata, state_dict, self._allow_missing))
         self._base.set_up_planner(state_dict, metadata, is_coordinator)
 
     def create_local_plan(self) -> LoadPlan:

@@ -35,7 +35,8 @@ class RootPrefix:
         else:
             targets = [key for key in target if key[:cut] == self.prefix and key[cut:] in source]
             ops = renames([key[cut:] for key in targets], targets)
-        return Paired(tuple(ops), notes=(f"root prefix {join_key(self.prefix)}. set aside on every {self.side} key",))
+        change = "removed from" if self.side == "checkpoint" else "added to"
+        return Paired(tuple(ops), notes=(f"root prefix '{join_key(self.prefix)}.' {change} every checkpoint key",))
 
 
 def root_prefix(source: Inventory, target: Inventory) -> RootPrefix | None:

@@ -1,0 +1,139 @@
+"""The DCP planner runs every layout op over any chunking of the stored arrays.
+
+A checkpoint written by another number of ranks stores each tensor as several chunks. Here the
+stored arrays are cut into a random grid of chunks, served by an in-memory storage reader, and
+loaded through :class:`~ckptshim.execute.dcp_planner.RemappingLoadPlanner` with a random layout
+plan (transpose, split, join, chunk, concat, reorder): DCP's own planner reads the virtual
+metadata, every read item is translated back to a stored chunk, and the destination must be
+exactly what numpy makes of the plan (``test_plan_properties.execute``).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+import ckptshim
+from ckptshim.execute.dcp_planner import FlatKeys, KeyMapping, RemappingLoadPlanner
+from ckptshim.inventory import Entry, Inventory, join_key
+from ckptshim.planner import Plan
+from support.markers import QUIET
+from test_plan_properties import execute, layout_plans, same_bits
+
+pytestmark = QUIET
+
+
+class ChunkedArrays(StorageReader):
+    """A checkpoint held in memory, each array stored as the chunks of a grid."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], cuts: dict[str, list[list[int]]]) -> None:
+        super().__init__()
+        self.chunks: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
+        self.metadata: dict[str, TensorStorageMetadata] = {}
+        for fqn, array in arrays.items():
+            bounds = [list(zip([0, *axis_cuts], [*axis_cuts, size])) for axis_cuts, size in zip(cuts[fqn], array.shape)]
+            chunks = []
+            for block in (np.ndindex(*map(len, bounds)) if array.ndim else [()]):
+                spans = [bounds[axis][at] for axis, at in enumerate(block)]
+                offsets = tuple(start for start, _ in spans)
+                self.chunks[fqn, offsets] = array[tuple(slice(a, b) for a, b in spans)]
+                chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(tuple(b - a for a, b in spans))))
+            self.metadata[fqn] = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, array.dtype.name)),
+                                                       torch.Size(array.shape), chunks)
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return Metadata(state_dict_metadata=dict(self.metadata))
+
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        for item in plan.items:
+            chunk = self.chunks[item.storage_index.fqn, tuple(item.storage_index.offset)]
+            block = chunk[tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))]
+            destination = planner.resolve_tensor(item)
+            assert tuple(destination.shape) == tuple(item.lengths), item
+            destination.copy_(torch.from_numpy(np.ascontiguousarray(block)))
+            planner.commit_tensor(item, destination)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+
+def flat(inventory: Inventory) -> FlatKeys:
+    return FlatKeys(Inventory([Entry(e.key, e.shape, e.dtype, join_key(e.key)) for e in inventory.values()],
+                              inventory.source), frozenset())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_hooks():
+    """The planner under test is passed in directly; the hook would wrap it once more."""
+    ckptshim.uninstall()
+    yield
+    ckptshim.install()
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout_plans(), st.data())
+def test_every_layout_op_reads_through_any_stored_chunking(drawn, data):
+    p, arrays = drawn
+    stored = {join_key(key): value for key, value in arrays.items()}
+    rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
+    cuts = {fqn: [sorted(rng.sample(range(1, size), rng.randint(0, min(2, size - 1)))) if size > 1 else []
+                  for size in value.shape] for fqn, value in stored.items()}
+    mapping = KeyMapping(p, flat(p.source), flat(p.target))
+    state_dict = {join_key(key): torch.zeros(entry.shape, dtype=getattr(torch, entry.dtype))
+                  for key, entry in p.target.items()}
+    dcp.load(state_dict, storage_reader=ChunkedArrays(stored, cuts),
+             planner=RemappingLoadPlanner(None, lambda metadata, sd, partial: mapping), no_dist=True)
+    expected = execute(p, arrays)
+    for key, value in expected.items():
+        assert same_bits(state_dict[join_key(key)].numpy(), value), (key, p.ops, cuts)
+
+
+def test_a_fused_target_lists_each_source_chunk_at_its_offset():
+    """The virtual metadata of Mixtral-style fused experts: each expert's w1 and w3 one slab at
+    ``[e, part * I, 0]``, so DCP's resharding picks the experts a rank's rows hold."""
+    from ckptshim.execute.dcp_planner import virtual_metadata
+    from ckptshim.ops import Concat
+
+    experts, inner, hidden = 3, 2, 4
+    sources = [("w1", e) for e in range(experts)] + [("w3", e) for e in range(experts)]
+    keys = tuple((f"e{e}", w) for w, e in sources)
+    op = Concat(keys, ("gate_up",), 1, (inner, inner), 0)
+    source = Inventory([Entry(k, (inner, hidden), "float32", join_key(k)) for k in keys], "ckpt")
+    target = Inventory([Entry(("gate_up",), (experts, 2 * inner, hidden), "float32", "gate_up")], "model")
+    reader = ChunkedArrays({join_key(k): np.zeros((inner, hidden), np.float32) for k in keys},
+                           {join_key(k): [[], []] for k in keys})
+    metadata, links = virtual_metadata(reader.read_metadata(), KeyMapping(Plan(source, target, (op,)), flat(source), flat(target)))
+    chunks = {tuple(c.offsets): tuple(c.sizes) for c in metadata.state_dict_metadata["gate_up"].chunks}
+    assert chunks == {(e, part * inner, 0): (1, inner, hidden) for part in range(2) for e in range(experts)}
+    assert links["gate_up", (2, inner, 0)].fqn == "e2.w3"

@@ -1,0 +1,110 @@
+"""Lightning checkpoints into the bare models: an exact root prefix is set aside, nothing less.
+
+A real ``Trainer.fit`` of one step and ``Trainer.save_checkpoint`` write the ``.ckpt`` files.
+Lightning saves the ``LightningModule``'s state dict, so every key carries the attribute that
+holds the model: ``model.`` for a plain module, ``model.model.*`` and ``model.lm_head.*`` for a
+Hugging Face Llama inside it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ckptshim  # noqa: F401  (the load_state_dict hook)
+from ckptshim.errors import PlanError
+from support.markers import QUIET
+
+L = pytest.importorskip("lightning")
+
+pytestmark = [QUIET, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+
+def plain_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1))
+
+
+class Wrapped(L.LightningModule):
+    """A LightningModule that trains ``model`` on a regression target of its outputs."""
+
+    def __init__(self, model: nn.Module, inputs: torch.Tensor) -> None:
+        super().__init__()
+        self.model = model
+        self.inputs = inputs
+
+    def training_step(self, batch, index):
+        (x,) = batch
+        out = self.model(x)
+        return (out.logits if hasattr(out, "logits") else out).float().pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def save(model: nn.Module, inputs: torch.Tensor, path: Path) -> dict[str, torch.Tensor]:
+    """Train one step and save the checkpoint; the model's state dict after training."""
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", devices=1)
+    module = Wrapped(model, inputs)
+    trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs), batch_size=2))
+    trainer.save_checkpoint(path)
+    return {key: value.clone() for key, value in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, dict[str, torch.Tensor]]]:
+    folder = tmp_path_factory.mktemp("lightning")
+    torch.manual_seed(0)
+    return {"plain": (folder / "plain.ckpt", save(plain_model(), torch.randn(4, 4), folder / "plain.ckpt")),
+            "llama": (folder / "llama.ckpt", save(llama(), torch.randint(0, 32, (4, 6)), folder / "llama.ckpt"))}
+
+
+def state_dict(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)["state_dict"]
+
+
+@pytest.mark.parametrize("name, build", [("plain", plain_model), ("llama", llama)])
+def test_the_lightning_prefix_is_set_aside(checkpoints, caplog, name, build):
+    caplog.set_level(logging.INFO, logger="ckptshim")
+    path, trained = checkpoints[name]
+    saved = state_dict(path)
+    assert all(key.startswith("model.") for key in saved)
+    torch.manual_seed(1)
+    model = build()
+    result = model.load_state_dict(saved)  # strict
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert all(torch.equal(model.state_dict()[key], value) for key, value in trained.items())
+    assert "root prefix 'model.' removed from every checkpoint key" in caplog.text
+
+
+def test_and_added_where_the_target_is_the_one_that_carries_it(checkpoints):
+    """The bare model's keys into a LightningModule (``model.`` on every target key)."""
+    _, trained = checkpoints["plain"]
+    module = Wrapped(plain_model(), torch.zeros(1, 4))
+    module.load_state_dict(trained)
+    assert all(torch.equal(module.model.state_dict()[key], value) for key, value in trained.items())
+
+
+def test_anything_less_than_exact_is_refused(checkpoints):
+    """One more parameter in the target: the prefix does not make the key sets equal, so it is
+    not set aside, and the load is refused naming the keys, with nothing written."""
+    path, _ = checkpoints["plain"]
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2), nn.Linear(2, 2))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(PlanError, match=r"3\.weight"):
+        model.load_state_dict(state_dict(path))
+    assert all(torch.equal(model.state_dict()[key], value) for key, value in before.items())
+    other_shape = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    with pytest.raises(PlanError):
+        other_shape.load_state_dict(state_dict(path))
