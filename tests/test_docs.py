@@ -16,3 +16,12 @@ def test_docs_build_strictly(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "index.html").is_file()
+
+
+def test_transformers_coverage_page_lists_the_installed_table():
+    """docs/transformers.md lists every entry of the installed transformers' conversion mapping,
+    translated or refused by its operations; a transformers release that adds a model type or an
+    operation nobody translated fails here until the page is regenerated and its refusals reviewed."""
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "transformers_coverage.py"), "--check"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr

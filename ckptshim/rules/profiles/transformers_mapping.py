@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ from ckptshim.ops import Chunk, Concat, Op, Rename, Reorder, Stack, Transpose
 from ckptshim.rules import Paired, Rules
 from ckptshim.rules.prefixes import WRAPPER_SEGMENTS, strip_wrappers
 
+#: A key component holding one index: ``3``, ``shard_3``.
+_NUMBERED = re.compile(r"(\D*)(\d+)(\D*)")
+
 
 @dataclass(frozen=True)
 class Conversions:
@@ -44,13 +48,16 @@ class Conversions:
 
     ``transforms`` are transformers' own ``WeightTransform`` objects in the table's order;
     ``config`` is the model's config object (``PermuteForRope`` reads its head count; ``None``
-    when unknown); ``prefix`` is where the model's keys sit among the target's (a model nested
-    in a container module); ``origin`` says where the mapping came from, for messages.
+    when unknown); ``origin`` says where the mapping came from, for messages;
+    ``base_model_prefix`` is the model class's (``model`` for a ``...ForCausalLM``), which
+    transformers adds to or strips from a renamed key that lands on the target only so;
+    ``prefix`` is where the model's keys sit among the target's (a model nested in a container).
     """
 
     transforms: tuple[Any, ...]
     config: Any
     origin: str
+    base_model_prefix: str | None = None
     prefix: KeyPath = ()
 
 
@@ -72,7 +79,7 @@ def from_module(module: Any) -> tuple[Conversions, ...]:
         transforms = tuple(table.get_model_conversion_mapping(sub))
         if transforms:
             prefix = tuple(part for part in split_key(path) if part not in WRAPPER_SEGMENTS) if path else ()
-            found.append(Conversions(transforms, sub.config, type(sub).__name__, prefix))
+            found.append(Conversions(transforms, sub.config, type(sub).__name__, sub.base_model_prefix or None, prefix))
     return tuple(found)
 
 
@@ -87,6 +94,7 @@ def from_config(config: Mapping[str, Any], origin: str) -> Conversions | None:
     if not isinstance(model_type, str) and not names:
         return None
     try:
+        import transformers
         from transformers import conversion_mapping as table
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     except ImportError:
@@ -100,8 +108,9 @@ def from_config(config: Mapping[str, Any], origin: str) -> Conversions | None:
         model_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
     except Exception:  # an unknown or malformed model type: ops that need the config refuse
         model_config = None
+    model_class = next((found for name in names if (found := getattr(transformers, name, None)) is not None), None)
     return Conversions(tuple(transforms) + tuple(table.get_checkpoint_conversion_mapping("legacy")),
-                       model_config, origin)
+                       model_config, origin, getattr(model_class, "base_model_prefix", None) or None)
 
 
 # -- translating one converter -------------------------------------------------------------------
@@ -236,7 +245,10 @@ def untranslatable(transform: Any) -> str | None:
     """Why ckptshim cannot run ``transform`` (its chain of operations), or ``None`` if it can.
 
     Every ``WeightRenaming`` can (transformers' own code renames the keys); a converter can
-    when its chain is one of :data:`TRANSLATORS` and its own options are ones they read.
+    when its chain is one of :data:`TRANSLATORS` -- except a ``Chunk`` whose number of parts a
+    config field gives (``num_shards_attribute``): its targets are named from that number, which
+    no checkpoint key says. (A ``Concatenate`` of such shards needs no number: it takes what
+    the checkpoint holds, and its way back cuts at those parts' sizes.)
     """
     operations = getattr(transform, "operations", None)
     if operations is None:
@@ -244,9 +256,8 @@ def untranslatable(transform: Any) -> str | None:
     names = chain(transform)
     if names not in TRANSLATORS:
         return " + ".join(names)
-    for op in operations:
-        if getattr(op, "num_shards_attribute", None) is not None:
-            return f"{type(op).__name__}(num_shards_attribute={op.num_shards_attribute!r})"
+    if names == ("Chunk",) and operations[0].num_shards_attribute is not None:
+        return f"Chunk(num_shards_attribute={operations[0].num_shards_attribute!r})"
     return None
 
 
@@ -295,7 +306,9 @@ class ConversionLayout:
 
     def pair(self, source: Inventory, target: Inventory, rules: Rules) -> Paired:
         ckpt, model = _relative(source, self.conversions.prefix), _relative(target, self.conversions.prefix)
-        ops = self._translate(ckpt, model) + [op.inverse() for op in self._translate(model, ckpt)]
+        loading = self._translate(ckpt, model)
+        found = set(loading)  # the same op found both ways (a base-model prefix) counts once
+        ops = loading + [op for op in (back.inverse() for back in self._translate(model, ckpt)) if op not in found]
         for side in ("sources", "targets"):
             seen: set[KeyPath] = set()
             for op in ops:
@@ -309,8 +322,9 @@ class ConversionLayout:
 
     def _translate(self, keys: Mapping[str, Entry], onto: Mapping[str, Entry]) -> list[Op]:
         """The ops that take ``keys`` (one side, relative to the model) onto ``onto``, found by
-        transformers' own renaming of each key. A key whose new name ``onto`` lacks, or whose own
-        name ``onto`` has, is left to the planner (transformers keeps the old name then)."""
+        transformers' own renaming of each key (with its ``base_model_prefix`` added or stripped
+        where only that lands on ``onto``). A key whose new name ``onto`` lacks, or whose own name
+        ``onto`` has, is left to the planner (transformers keeps the old name then)."""
         if not keys:
             return []
         from transformers import core_model_loading as core
@@ -322,7 +336,8 @@ class ConversionLayout:
         ops: list[Op] = []
         collected: dict[str, dict[str, list[str]]] = {}
         for name in sorted(keys, key=core.dot_natural_key):
-            renamed, pattern = core.rename_source_key(name, renamings, converters)
+            renamed, pattern = core.rename_source_key(name, renamings, converters, self.conversions.base_model_prefix,
+                                                      onto)
             if name in onto:
                 continue
             if pattern is not None:
@@ -378,17 +393,18 @@ def _relative(inventory: Inventory, prefix: KeyPath) -> dict[str, Entry]:
 
 
 def _in_index_order(names: list[str]) -> list[str]:
-    """One pattern's keys by their index (``experts.{i}``): they must differ in one numeric
-    component only, and hold every index from 0 once, or stacking them would be a guess."""
+    """One pattern's keys by the number its ``*`` matched (``experts.{i}``, ``shard_{i}``): they
+    must differ in that one component only, and hold every index from 0 once, or stacking them
+    would be a guess."""
     if len(names) == 1:
         return names
     paths = [split_key(name) for name in names]
     varying = {at for at in range(len(paths[0])) if len({path[at] if at < len(path) else None for path in paths}) > 1}
-    lengths = {len(path) for path in paths}
-    if len(lengths) == 1 and len(varying) == 1:
+    if len({len(path) for path in paths}) == 1 and len(varying) == 1:
         (at,) = varying
-        if all(path[at].isdigit() for path in paths):
-            by_index = {int(path[at]): name for path, name in zip(paths, names)}
+        found = [_NUMBERED.fullmatch(path[at]) for path in paths]
+        if all(found) and len({(m.group(1), m.group(3)) for m in found}) == 1:
+            by_index = {int(m.group(2)): name for m, name in zip(found, names)}
             if sorted(by_index) == list(range(len(names))):
                 return [by_index[i] for i in range(len(names))]
     raise PlanError(f"transformers' mapping stacks {', '.join(names[:4])}{', ...' if len(names) > 4 else ''} "
