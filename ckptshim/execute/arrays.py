@@ -3,11 +3,11 @@
 What ``ckptshim convert`` writes has no framework destination, so each target array is built
 here in the checkpoint's storage dtype (bfloat16 as its uint16 bits), by one handler per op kind
 (:data:`HANDLERS`): a ``Rename`` is the source's own read (for memory-mapped formats a view, no
-copy); every layout kind -- stack, unstack, transpose, split, join -- is filled by the block
-reads the JAX executor uses (:mod:`ckptshim.execute.blocks`), reading exactly the source ranges
-the array needs into one new buffer. ``Synthesize``\\ d targets are not written (the checkpoint
-does not hold them) and ``Drop``\\ ped sources not read; any other kind (a ``Cast``: convert
-copies bytes exactly) is refused before anything is read.
+copy); every layout kind -- stack, unstack, transpose, split, join, concat, chunk, reorder -- is
+filled by the block reads the JAX executor uses (:mod:`ckptshim.execute.blocks`), reading
+exactly the source ranges the array needs into one new buffer. ``Synthesize``\\ d targets are
+not written (the checkpoint does not hold them) and ``Drop``\\ ped sources not read; any other
+kind (a ``Cast``: convert copies bytes exactly) is refused before anything is read.
 """
 
 from __future__ import annotations

@@ -206,7 +206,7 @@ class _Virtual:
         chunks = []
         for index, key in enumerate(op.sources):
             src = self.source.fqn(key)
-            squeeze, perm, place = _place_of(op, index, shape)
+            squeeze, perm, place = PLACES[op.kind](op, index, shape)
             for o, n in _chunks(self.stored[src]):
                 offsets, sizes = (o, n) if perm is None else (tuple(o[a] for a in perm), tuple(n[a] for a in perm))
                 for axis, at in sorted(place.items()):
@@ -223,7 +223,7 @@ class _Virtual:
         src = self.source.fqn(op.source)
         shape = self.source.inventory[op.source].shape
         for index, key in enumerate(op.targets):
-            squeeze, perm, place = _place_of(op, index, shape)
+            squeeze, perm, place = PLACES[op.kind](op, index, shape)
             extent = {axis: 1 if axis in squeeze else op.slot(index, len(op.targets))[2] for axis in place}
             chunks = []
             for o, n in _chunks(self.stored[src]):
@@ -278,21 +278,32 @@ VIRTUAL: Mapping[str, Callable[[_Virtual, Any], None]] = {
 }
 
 
-def _place_of(op: Stack | Join | Concat | Unstack | Split | Chunk, index: int,
-              shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...] | None, dict[int, int]]:
-    """Where the ``index``-th of the op's many arrays lies in its one array of ``shape``: the
-    axes it is one index of (``squeeze``), the permutation from the one array's remaining axes to
-    its own (``perm``: its axis ``i`` is remaining axis ``perm[i]``; ``None`` for none), and its
-    start along each axis it does not span whole (``place``)."""
-    if isinstance(op, (Concat, Chunk)):
-        member, start, _ = op.slot(index, len(op.sources if isinstance(op, Concat) else op.targets))
-        place = {op.axis: start}
-        if member is None:
-            return (), None, place
-        return (op.stack_axis,), None, {**place, op.stack_axis: member}
+Place = tuple[tuple[int, ...], tuple[int, ...] | None, dict[int, int]]
+
+
+def _indexed_place(op: Stack | Join | Unstack | Split, index: int, shape: tuple[int, ...]) -> Place:
+    """The ``index``-th array is one index of each of the op's axes (row-major), its axes permuted."""
     at = np.unravel_index(index, [shape[axis] for axis in op.axes])
-    perm = None if op.perm is None else (op.perm if isinstance(op, (Split, Unstack)) else inverse_perm(op.perm))
+    perm = None if op.perm is None else (op.perm if isinstance(op, Split) else inverse_perm(op.perm))
     return op.axes, perm, dict(zip(op.axes, map(int, at)))
+
+
+def _slot_place(op: Concat | Chunk, index: int, shape: tuple[int, ...]) -> Place:
+    """The ``index``-th array is its part along the fused axis, and one index of the stack axis."""
+    member, start, _ = op.slot(index, len(op.sources if isinstance(op, Concat) else op.targets))
+    if member is None:
+        return (), None, {op.axis: start}
+    return (op.stack_axis,), None, {op.axis: start, op.stack_axis: member}
+
+
+#: Op kind -> where the ``index``-th of the op's many arrays lies in its one array of ``shape``:
+#: the axes it is one index of (``squeeze``), the permutation from the one array's remaining axes
+#: to its own (its axis ``i`` is remaining axis ``perm[i]``; ``None`` for none), and its start
+#: along each axis it does not span whole (``place``).
+PLACES: Mapping[str, Callable[[Any, int, tuple[int, ...]], Place]] = {
+    Stack.kind: _indexed_place, Join.kind: _indexed_place, Unstack.kind: _indexed_place, Split.kind: _indexed_place,
+    Concat.kind: _slot_place, Chunk.kind: _slot_place,
+}
 
 
 def _runs(op: Reorder) -> Iterator[tuple[int, int, int]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -167,7 +168,7 @@ class _Preparer:
         whole = self._source(op.source)
         for index, key in enumerate(op.targets):
             try:
-                value = _part_of(op, whole, index)
+                value = VIEWS[op.kind](op, whole, index)
             except (IndexError, RuntimeError) as error:
                 raise PlanError(f"{join_key(op.source)!r} has shape {tuple(whole.shape)}, which "
                                 f"`{op.describe()}` cannot take apart ({error}).") from None
@@ -180,14 +181,14 @@ class _Preparer:
         self.prepared.values[op.target] = value
 
     def _assembled(self, op: Stack | Join | Concat | Reorder) -> None:
-        """The target is filled source by source through views of it (see :func:`_part_of`)."""
+        """The target is filled source by source through views of it (see :data:`VIEWS`)."""
         destination = self._destination(op.target)
         sources = tuple(self._source(key) for key in op.sources)
         whole = destination
         if not _writable_in_place(destination):  # build the target once instead
             whole = torch.empty(destination.shape, dtype=sources[0].dtype, device=sources[0].device)
         try:
-            views = [_part_of(op, whole, index) for index in range(len(sources))]
+            views = [VIEWS[op.kind](op, whole, index) for index in range(len(sources))]
             sources = tuple(_source_view(op, value) for value in sources)
         except (IndexError, RuntimeError) as error:
             raise PlanError(f"{join_key(op.target)!r} has shape {tuple(destination.shape)}, which "
@@ -261,27 +262,39 @@ HANDLERS: Mapping[str, Callable[[_Preparer, Op], None]] = {
 }
 
 
-def _part_of(op: Stack | Unstack | Join | Split | Concat | Chunk | Reorder, whole: torch.Tensor,
-             index: int) -> torch.Tensor:
-    """The view of ``whole`` (the op's one stacked, fused or permuted array) that holds the
-    ``index``-th of its many arrays, in that array's own shape; a ``Reorder``'s one array is the
-    target split into factors along its axis and permuted back into the source's order."""
-    if isinstance(op, Reorder):
-        factored = whole.view(*whole.shape[:op.axis], *op.target_factors, *whole.shape[op.axis + 1:])
-        axes = list(range(factored.dim()))
-        axes[op.axis:op.axis + len(op.order)] = [op.axis + a for a in inverse_perm(op.order)]
-        return factored.permute(axes)
-    if isinstance(op, (Concat, Chunk)):
-        count = len(op.sources if isinstance(op, Concat) else op.targets)
-        member, start, size = op.slot(index, count)
-        view = whole.narrow(op.axis, start, size)
-        return view if member is None else view.select(op.stack_axis, member)
+def _indexed_view(op: Stack | Unstack | Join | Split, whole: torch.Tensor, index: int) -> torch.Tensor:
+    """The ``index``-th array at its index of the op's axes (row-major), its axes permuted."""
     at = np.unravel_index(index, [whole.shape[axis] for axis in op.axes])
     view = whole
     for axis, position in sorted(zip(op.axes, map(int, at)), reverse=True):  # later axes first keep earlier ones
         view = view.select(axis, position)
-    return view if op.perm is None else (view.permute(op.perm) if isinstance(op, Split)
-                                         else view.permute(inverse_perm(op.perm)))
+    if op.perm is None:
+        return view
+    return view.permute(op.perm if isinstance(op, Split) else inverse_perm(op.perm))
+
+
+def _slot_view(op: Concat | Chunk, whole: torch.Tensor, index: int) -> torch.Tensor:
+    """The ``index``-th array's slot of the fused one: its part along the axis, one index of a stack."""
+    member, start, size = op.slot(index, len(op.sources if isinstance(op, Concat) else op.targets))
+    view = whole.narrow(op.axis, start, size)
+    return view if member is None else view.select(op.stack_axis, member)
+
+
+def _factored_view(op: Reorder, whole: torch.Tensor, index: int) -> torch.Tensor:
+    """The target with its axis split into the target's factors, permuted into the source's order."""
+    factored = whole.view(*whole.shape[:op.axis], *op.target_factors, *whole.shape[op.axis + 1:])
+    axes = list(range(factored.dim()))
+    axes[op.axis:op.axis + len(op.order)] = [op.axis + a for a in inverse_perm(op.order)]
+    return factored.permute(axes)
+
+
+#: Op kind -> the view of its one array (stacked, fused or reordered) that holds the ``index``-th
+#: of its many arrays, in that array's own shape (a ``Reorder``'s one array is its target, its
+#: one source split into factors).
+VIEWS: Mapping[str, Callable[[Any, torch.Tensor, int], torch.Tensor]] = {
+    Stack.kind: _indexed_view, Unstack.kind: _indexed_view, Join.kind: _indexed_view, Split.kind: _indexed_view,
+    Concat.kind: _slot_view, Chunk.kind: _slot_view, Reorder.kind: _factored_view,
+}
 
 
 def _source_view(op: Op, value: torch.Tensor) -> torch.Tensor:

@@ -172,7 +172,7 @@ def _targets(layers: Mapping[int, nn.Module],
         drop |= facts.drop
         synthesize |= facts.synthesize
     return (Inventory(entries, "pipeline layers"), destinations,
-            TargetFacts(frozenset(drop), frozenset(synthesize), aliases))
+            TargetFacts(frozenset(drop), frozenset(synthesize), aliases=aliases))
 
 
 def _rule(key: KeyPath, degree: int) -> neox.TPRule:

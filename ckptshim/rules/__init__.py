@@ -112,6 +112,8 @@ class TargetFacts:
       copy has no place;
     - ``synthesize``: target keys that may keep their own value when the checkpoint lacks them
       (persistent buffers a framework can recompute);
+    - ``aliases``: spellings the target's own names stand for (a GPT-NeoX pipeline stage cannot
+      tell from its own keys which naming the checkpoint has);
     - ``tied``: groups of target keys whose live tensors share one storage (tied weights);
     - ``conversions``: the conversion mapping transformers publishes for each transformers model
       in the target (:mod:`ckptshim.rules.profiles.transformers_mapping`).
@@ -119,6 +121,7 @@ class TargetFacts:
 
     drop: frozenset[KeyPath] = frozenset()
     synthesize: frozenset[KeyPath] = frozenset()
+    aliases: tuple[Alias, ...] = ()
     tied: frozenset[frozenset[KeyPath]] = frozenset()
     conversions: tuple[Conversions, ...] = ()
 

@@ -38,7 +38,7 @@ def rules_for(source: Inventory, target: Inventory, backend: str, facts: TargetF
       GPT-3 -> MaxText layout.
     """
     rules = DEFAULT_RULES.extend(strict=config.strict(), drop=facts.drop, synthesize=facts.synthesize,
-                                 tied=facts.tied)
+                                 aliases=facts.aliases, tied=facts.tied)
     if backend == "torch":
         rules = rules.extend(scan_axes=TORCH_SCAN_AXES, aliases=neox.aliases_between(source, target))
         root = root_prefix(source, target)

@@ -309,15 +309,15 @@ class ConversionLayout:
         loading = self._translate(ckpt, model)
         found = set(loading)  # the same op found both ways (a base-model prefix) counts once
         ops = loading + [op for op in (back.inverse() for back in self._translate(model, ckpt)) if op not in found]
-        for side in ("sources", "targets"):
-            seen: set[KeyPath] = set()
+        for side in ("sources", "targets"):  # each key has one place, or which is meant is a guess
+            claimed: dict[KeyPath, Op] = {}
             for op in ops:
-                twice = seen.intersection(getattr(op, side))
-                if twice:
-                    raise PlanError(f"{join_key(twice.pop())}: transformers' mapping of {self.conversions.origin} "
-                                    "maps this key both ways (from the checkpoint's layout and back); ckptshim "
-                                    "will not pick one.")
-                seen.update(getattr(op, side))
+                for key in getattr(op, side):
+                    other = claimed.setdefault(key, op)
+                    if other is not op:
+                        raise PlanError(f"{join_key(key)}: transformers' mapping of {self.conversions.origin} gives "
+                                        f"it two places (`{other.describe()}` and `{op.describe()}`); ckptshim "
+                                        "will not pick one. Load a checkpoint whose keys are all in one layout.")
         return Paired(tuple(ops))
 
     def _translate(self, keys: Mapping[str, Entry], onto: Mapping[str, Entry]) -> list[Op]:
