@@ -138,9 +138,12 @@ def state_dict_facts(target: Inventory) -> TargetFacts:
 
 
 def fits(state_dict: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> bool:
-    """Same keys and shapes: torch loads it as is (and, shapes agreeing, cannot half-load it)."""
+    """Same keys, shapes and dtypes: torch loads it as is (and, shapes agreeing, cannot half-load
+    it). A dtype difference is planned, so that the cast is reported -- and refused when it
+    narrows under ``CKPTSHIM_STRICT``."""
     return state_dict.keys() == tensors.keys() and all(
-        getattr(value, "shape", None) == tensors[key].shape for key, value in state_dict.items())
+        getattr(value, "shape", None) == tensors[key].shape and getattr(value, "dtype", None) == tensors[key].dtype
+        for key, value in state_dict.items())
 
 
 def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any], module: nn.Module,
@@ -148,13 +151,17 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
                         assign: bool) -> Callable[[], Any]:
     """Plan and check ``module.load_state_dict(state_dict)``; return the call that writes
     (nothing is written here): torch's ``original`` with the rewritten state dict, or ``native``
-    (the caller's own call, unchanged) for loads that are torch's to decide."""
-    for key, value in state_dict.items():
-        if not isinstance(value, torch.Tensor):
-            raise PlanError(f"state_dict[{key!r}] is a {type(value).__name__}, not a tensor; "
-                            "load_state_dict loads tensors only. Remove it from the state dict.")
+    (the caller's own call, unchanged) for loads that are torch's to decide, and for those the
+    plan would not change at all."""
+    tensors = {key: value for key, value in state_dict.items() if isinstance(value, torch.Tensor)}
+    others = [key for key in state_dict if key not in tensors]
+    if others and layout.own_load_logic:
+        logger.debug("load_state_dict: %s transforms its own state dict on load, which holds "
+                     "non-tensor values; leaving the load to torch", type(module).__name__)
+        return native
+    _require_tensors_where_torch_does(others, state_dict, layout, strict)
     try:
-        source = tensor_inventory(state_dict.items(), "state_dict")
+        source = tensor_inventory(tensors.items(), "state_dict")
         target = tensor_inventory(layout.tensors.items(), f"{type(module).__name__} module")
     except ValueError:
         logger.debug("load_state_dict: a dtype ckptshim does not know; leaving the load to torch")
@@ -164,11 +171,14 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
         logger.debug("load_state_dict: the state dict does not fit, but %s transforms its own state "
                      "dict on load; leaving the load to torch", type(module).__name__)
         return native
+    if not strict and not plan.mismatched and not plan.counts():
+        return native  # every tensor keeps its name: torch's own non-strict load is this plan
     destinations = {split_key(key): tensor for key, tensor in layout.tensors.items()}
-    prepared = prepare(plan, lambda key: state_dict[join_key(key)], destinations,
+    prepared = prepare(plan, lambda key: tensors[join_key(key)], destinations,
                        allow_missing=not strict, allow_unexpected=not strict)
-    rewritten: OrderedDict[str, torch.Tensor] = OrderedDict(
+    rewritten: OrderedDict[str, Any] = OrderedDict(
         (join_key(key), value) for key, value in prepared.values.items())
+    rewritten.update((key, state_dict[key]) for key in others)  # torch lists them as unexpected
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
         rewritten._metadata = _remap_metadata(metadata, layout.module_paths)  # type: ignore[attr-defined]
@@ -181,6 +191,24 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
         return type(result)(result.missing_keys, result.unexpected_keys + unexpected)
 
     return load
+
+
+def _require_tensors_where_torch_does(others: list[str], state_dict: Mapping[str, Any],
+                                      layout: ModuleLayout, strict: bool) -> None:
+    """Refuse, before anything is written, the non-tensor entries torch would refuse after writing
+    the rest: any of them in a strict load (torch calls it unexpected), and one under a name the
+    module loads a tensor into (torch cannot copy it). A non-strict load passes the others on to
+    torch, which lists them among the unexpected keys, as it does without ckptshim."""
+    refused = [key for key in others if strict or key in layout.tensors]
+    if refused:
+        key = refused[0]
+        raise PlanError(
+            f"state_dict[{key!r}] is a {type(state_dict[key]).__name__}, not a tensor; "
+            + (f"the module loads a tensor into {key!r}. Put a tensor there, or remove the entry."
+               if key in layout.tensors else
+               "a strict load_state_dict loads tensors only (torch would call it an unexpected "
+               "key). Remove it from the state dict, or load with strict=False: torch then lists "
+               "it among the unexpected keys."))
 
 
 def _remap_metadata(metadata: Mapping[str, Any], module_paths: list[str]) -> OrderedDict:

@@ -27,7 +27,7 @@ from ckptshim.keytext import ranges
 from ckptshim.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Unstack, renames
 from ckptshim.planner import runs
 from ckptshim.planner.names import Names
-from ckptshim.planner.plan import Mismatch, Plan
+from ckptshim.planner.plan import DTYPE, Mismatch, Plan
 from ckptshim.planner.runs import Group, Run, key_of
 from ckptshim.rules import DEFAULT_RULES, Rules
 from ckptshim.rules.buffers import derivable_rule
@@ -94,7 +94,7 @@ def cast_or_mismatch(src: Entry, tgt: Entry, rules: Rules) -> Cast | Mismatch | 
     narrowing = (DTYPE_SIZES[tgt.dtype] < DTYPE_SIZES[src.dtype]
                  or (src.dtype in _FLOATS) != (tgt.dtype in _FLOATS))
     if not rules.allow_cast or (rules.strict and narrowing):
-        return Mismatch(src.key, tgt.key, (src.dtype,), (tgt.dtype,), "dtype")
+        return Mismatch(src.key, tgt.key, (src.dtype,), (tgt.dtype,), DTYPE)
     return Cast(tgt.key, src.dtype, tgt.dtype)
 
 
