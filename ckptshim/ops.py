@@ -8,10 +8,16 @@ permutation), never tensor bytes. Every op class declares what it is and how it 
   is one class here plus one handler in each executor that can run it -- every other executor
   refuses it by itself instead of loading without it;
 - ``produces``: whether it gives its targets their values (``Cast`` changes the dtype of a value
-  another op produced; ``Drop`` leaves a source unread);
+  another op produced; ``Drop`` and ``DropIfDerived`` leave a source unloaded);
 - ``inverse()``: the op that undoes it, so ops for A -> B invert into ops for B -> A;
 - ``describe(sep)``: its line in ``ckptshim plan``; ``tally()`` and ``note(sep)``: what the
   one-line summary counts (``None`` for an op that changes nothing) and shows in parentheses.
+
+Dropping a checkpoint key because the target says it has no place for it (a non-persistent
+buffer: ``Drop``) and dropping it because its *name* is that of a derivable buffer
+(``DropIfDerived``) are kinds of their own for the same reason: a name proves nothing (a trained
+``attention.bias`` is no causal mask), so an executor drops such a key only after checking its
+value, and one that cannot check refuses the plan.
 
 Layout changes -- a permutation of axes (``Transpose``), and slicing or filling with one
 (``Split``, ``Join``) -- are kinds of their own rather than an optional field of ``Rename``,
@@ -205,9 +211,21 @@ class Unstack:
         return f"axis {self.axis}"
 
 
+#: The rules of drops and syntheses that rest on what the live target says about a key rather
+#: than on the key's name: its own value (a persistent buffer it computes, a key a profile lets
+#: it keep) and a buffer it does not persist. Every other rule names a derivable-buffer rule.
+OWN_VALUE = "target's own value"
+NOT_PERSISTENT = "not persistent in target"
+_TARGET_SAYS = frozenset({OWN_VALUE, NOT_PERSISTENT})
+
+
 @dataclass(frozen=True, slots=True)
 class Synthesize:
-    """The checkpoint lacks ``target``; the target keeps (or recomputes) its value by ``rule``."""
+    """The checkpoint lacks ``target``; the target keeps (or recomputes) its value by ``rule``.
+
+    Planned only where the target says the key is its own to compute (a buffer of the live
+    module, a value checked to be what its rule derives), never from a name alone.
+    """
 
     kind: ClassVar[str] = "synthesize"
     produces: ClassVar[bool] = True
@@ -224,8 +242,10 @@ class Synthesize:
     def targets(self) -> tuple[KeyPath, ...]:
         return (self.target,)
 
-    def inverse(self) -> Drop:
-        return Drop(self.target, self.rule)
+    def inverse(self) -> Drop | DropIfDerived:
+        if self.rule in _TARGET_SAYS:
+            return Drop(self.target, self.rule)
+        return DropIfDerived(self.target, self.rule)
 
     def describe(self, sep: str = ".") -> str:
         return f"(not in checkpoint) -> synthesize({self.rule}) -> {join_key(self.target, sep)}"
@@ -239,7 +259,8 @@ class Synthesize:
 
 @dataclass(frozen=True, slots=True)
 class Drop:
-    """The checkpoint's ``source`` is not loaded: the target derives it by ``rule`` or lacks it."""
+    """The checkpoint's ``source`` is not loaded: the target says it has no place for it (``rule``:
+    a buffer it does not persist, a value it keeps), so there is nothing to check."""
 
     kind: ClassVar[str] = "drop"
     produces: ClassVar[bool] = False
@@ -261,6 +282,44 @@ class Drop:
 
     def describe(self, sep: str = ".") -> str:
         return f"{join_key(self.source, sep)} -> drop({self.rule})"
+
+    def tally(self) -> tuple[str, int]:
+        return "dropped", 1
+
+    def note(self, sep: str = ".") -> str:
+        return self.rule
+
+
+@dataclass(frozen=True, slots=True)
+class DropIfDerived:
+    """The checkpoint's ``source`` is named like a buffer the target derives itself by ``rule``
+    (``inv_freq``, a causal ``attention.bias``); it is not loaded once its value is checked to be
+    what the rule derives (:data:`ckptshim.rules.buffers.HOLDS`).
+
+    The executor that runs it reads the value and checks it; where it is not what the rule says,
+    the key is the target's no more than any other: unexpected (a strict load refuses it).
+    """
+
+    kind: ClassVar[str] = "drop-if-derived"
+    produces: ClassVar[bool] = False
+    summary_by_example: ClassVar[bool] = False
+
+    source: KeyPath
+    rule: str
+
+    @property
+    def sources(self) -> tuple[KeyPath, ...]:
+        return (self.source,)
+
+    @property
+    def targets(self) -> tuple[KeyPath, ...]:
+        return ()
+
+    def inverse(self) -> Synthesize:
+        return Synthesize(self.source, self.rule)
+
+    def describe(self, sep: str = ".") -> str:
+        return f"{join_key(self.source, sep)} -> drop({self.rule}) once its value is checked"
 
     def tally(self) -> tuple[str, int]:
         return "dropped", 1

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ckptshim.errors import PlanError
+from ckptshim.execute.derived import mismatch
 from ckptshim.execute.torch import prepare
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, split_key
 from ckptshim.loading.report import report_load
@@ -64,7 +65,7 @@ class ModuleLayout:
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # accepted key -> tensor
     buffers: list[str] = field(default_factory=list)                # persistent buffer keys
-    non_persistent: list[str] = field(default_factory=list)
+    non_persistent: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> buffer
     module_paths: list[str] = field(default_factory=list)           # torch's metadata keys
     own_load_logic: bool = False
     unsupported: str | None = None                                  # why ckptshim stays out
@@ -99,7 +100,7 @@ def module_layout(root: nn.Module) -> ModuleLayout:
             if buffer is None:
                 continue
             if name in module._non_persistent_buffers_set:
-                layout.non_persistent.append(accepted + name)
+                layout.non_persistent[accepted + name] = buffer
             else:
                 layout.tensors[accepted + name] = buffer
                 layout.buffers.append(accepted + name)
@@ -131,10 +132,20 @@ def module_facts(layout: ModuleLayout, module: nn.Module | None = None, prefix: 
         aliases=aliases_for(module) if module is not None else ())
 
 
-def state_dict_facts(target: Inventory) -> TargetFacts:
-    """What a state dict knows: nothing says which entries are buffers, so any key named like a
-    derivable buffer may keep the target's own value when the checkpoint lacks it."""
-    return TargetFacts(synthesize=frozenset(key for key in target if derivable_rule(strip_wrappers(key)) is not None))
+def recomputed_buffers(layout: ModuleLayout, prefix: KeyPath = ()) -> dict[KeyPath, torch.Tensor]:
+    """The module's non-persistent buffers by key: what it computes itself, which a checkpoint's
+    copy of a buffer derived from settings (``inv_freq``) must equal to be dropped."""
+    return {prefix + split_key(key): tensor for key, tensor in layout.non_persistent.items()}
+
+
+def state_dict_facts(tensors: Mapping[KeyPath, torch.Tensor]) -> TargetFacts:
+    """What a state dict knows: nothing says which entries are buffers. So an entry named like a
+    derivable buffer may keep its own value when the checkpoint lacks it only where that value is
+    what its rule derives (a causal mask, positions, a family constant); one derived from settings
+    (``inv_freq``) looks like any trained tensor, and stays missing."""
+    return TargetFacts(synthesize=frozenset(
+        key for key, tensor in tensors.items()
+        if (rule := derivable_rule(strip_wrappers(key))) is not None and mismatch(rule, tensor) is None))
 
 
 def fits(state_dict: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -175,7 +186,9 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
         return native  # every tensor keeps its name: torch's own non-strict load is this plan
     destinations = {split_key(key): tensor for key, tensor in layout.tensors.items()}
     prepared = prepare(plan, lambda key: tensors[join_key(key)], destinations,
-                       allow_missing=not strict, allow_unexpected=not strict)
+                       allow_missing=not strict, allow_unexpected=not strict,
+                       recomputed=recomputed_buffers(layout))
+    plan = plan.undropped(prepared.unexpected)
     rewritten: OrderedDict[str, Any] = OrderedDict(
         (join_key(key), value) for key, value in prepared.values.items())
     rewritten.update((key, state_dict[key]) for key in others)  # torch lists them as unexpected

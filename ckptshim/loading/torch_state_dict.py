@@ -14,6 +14,7 @@ Missing and unexpected keys are left for torch to report under the caller's ``st
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,12 +23,14 @@ import torch
 from torch import nn
 
 from ckptshim.execute.torch import Prepared, prepare as prepare_writes
-from ckptshim.inventory import join_key, split_key
+from ckptshim.inventory import Inventory, join_key, split_key
 from ckptshim.loading.report import report_load
-from ckptshim.loading.torch import state_dict_facts, tensor_inventory
+from ckptshim.loading.torch import ModuleLayout, module_facts, module_layout, recomputed_buffers, tensor_inventory
 from ckptshim.ops import Rename
 from ckptshim.planner import Plan
 from ckptshim.planner import plan as make_plan
+from ckptshim.rules import TargetFacts
+from ckptshim.rules.prefixes import strip_wrappers
 from ckptshim.rules.profiles import rules_for
 
 
@@ -54,18 +57,28 @@ def prepare(model: nn.Module, state_dict: Mapping[str, Any]) -> Rekeyed | None:
     target = tensor_inventory(tensors.items(), f"{type(model).__name__} model")
     source = tensor_inventory(((k, v) for k, v in state_dict.items() if isinstance(v, torch.Tensor)),
                               "the given model state dict")
-    plan = make_plan(source, target, rules_for(source, target, "torch", state_dict_facts(target)))
+    layout = module_layout(model)
+    plan = make_plan(source, target, rules_for(source, target, "torch", _model_facts(model, layout, target)))
     if plan.is_identity:
         return None
     plan.require_complete(allow_missing=True, allow_unexpected=True)
     writes = prepare_writes(plan, lambda key: state_dict[join_key(key)],
                             {split_key(k): v for k, v in tensors.items()},
-                            allow_missing=True, allow_unexpected=True)
+                            allow_missing=True, allow_unexpected=True, recomputed=recomputed_buffers(layout))
+    plan = plan.undropped(writes.unexpected)  # left for torch to report, under the caller's strict
     used = {join_key(key) for op in plan.ops for key in op.sources}
     rekeyed = {key: value for key, value in state_dict.items() if key not in used}
     rekeyed.update((join_key(key), value) for key, value in writes.values.items())
     report_load(f"set_model_state_dict({type(model).__name__})", plan)
     return Rekeyed(plan, rekeyed, writes)
+
+
+def _model_facts(model: nn.Module, layout: ModuleLayout, target: Inventory) -> TargetFacts:
+    """The model's own facts (:func:`~ckptshim.loading.torch.module_facts`), its persistent
+    derivable buffers named as ``get_model_state_dict`` names them (without wrapper hops)."""
+    facts = module_facts(layout, model)
+    buffers = {strip_wrappers(key) for key in facts.synthesize}
+    return dataclasses.replace(facts, synthesize=frozenset(k for k in target if strip_wrappers(k) in buffers))
 
 
 def renamed_optimizer(plan: Plan, optim_state_dict: Any) -> Any:

@@ -5,10 +5,13 @@ that already fits costs one dict lookup per key:
 
 1. exact names;
 2. canonical names (wrapper components stripped, aliases applied), refusing any two keys on one
-   side that collapse onto the same canonical name;
+   side that collapse onto the same canonical name -- including a key pass 1 matched exactly:
+   DDP's ``module.weight`` is the target's ``module.weight`` by name and its top-level ``weight``
+   without the wrapper, and when the other reading is taken too the two are ambiguous;
 3. layer lists, stacking per-layer sources into a stacked target or unstacking a stacked source
    into per-layer targets, with the axis read off the shapes;
-4. drops (derivable buffers, the target's non-persistent buffers) and syntheses.
+4. drops (the target's non-persistent buffers; keys named like derivable buffers, which the
+   executor drops only once their values check out) and syntheses.
 
 Everything here is linear in the number of keys and touches no tensor bytes. Passes 1 to 3 work
 on runs of keys that share a parent path where runs are long (:mod:`ckptshim.planner.runs`), and key
@@ -24,9 +27,10 @@ from operator import attrgetter
 from ckptshim.errors import PlanError
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, KeyPath, gc_paused, join_key
 from ckptshim.keytext import ranges
-from ckptshim.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Unstack, renames
+from ckptshim.ops import (NOT_PERSISTENT, OWN_VALUE, Cast, Drop, DropIfDerived, Op, Rename, Stack, Synthesize,
+                          Unstack, renames)
 from ckptshim.planner import runs
-from ckptshim.planner.names import Names
+from ckptshim.planner.names import Names, parent_of
 from ckptshim.planner.plan import DTYPE, Mismatch, Plan
 from ckptshim.planner.runs import Group, Run, key_of
 from ckptshim.rules import DEFAULT_RULES, Rules
@@ -107,6 +111,7 @@ class _Planner:
         self.casts: dict[KeyPath, Cast] = {}
         self.mismatched: list[Mismatch] = []
         self.used: set[KeyPath] = set()                # source keys the layer pass consumed
+        self.exact: list[KeyPath] = []                 # keys pass 1 matched
 
     def run(self) -> Plan:
         leftover, unmatched = self._match()
@@ -115,8 +120,7 @@ class _Planner:
         missing: list[KeyPath] = []
         for key in map(key_of, unmatched):
             if key in self.rules.synthesize:
-                synthesized.append(Synthesize(key, derivable_rule(key, self.rules.derivable)
-                                              or "target's own value"))
+                synthesized.append(Synthesize(key, derivable_rule(key, self.rules.derivable) or OWN_VALUE))
             else:
                 missing.append(key)
         self.produced.append(synthesized)
@@ -183,6 +187,7 @@ class _Planner:
                 return self._match_renamed_by_key(sources, targets)
         else:
             self._pair_all(exact.sources, exact.targets)
+            self.exact = list(map(key_of, exact.targets))
             if not exact.unmatched:
                 return runs.entries_of(exact.unused), []
             split = exact.unused, exact.unmatched
@@ -208,6 +213,7 @@ class _Planner:
             unmatched = [entry for entry, hit in zip(targets, hits) if hit is None]
             targets = [entry for entry, hit in zip(targets, hits) if hit is not None]
         self._pair_all(found, targets)
+        self.exact = list(map(key_of, targets))
         if len(found) == len(sources):  # target keys are distinct, so these are all the sources
             return [], unmatched
         taken = set(map(key_of, found))
@@ -245,6 +251,7 @@ class _Planner:
         found = runs.match(sources, targets, by="canonical")
         if found is None:
             return self._match_renamed_by_key(runs.entries_of(sources), runs.entries_of(targets))
+        self._refuse_two_readings(found.sources, found.targets)
         self._pair_all(found.sources, found.targets)
         if not found.unmatched:
             return runs.entries_of(found.unused), []
@@ -286,8 +293,53 @@ class _Planner:
         else:
             unmatched = [(entry, name) for entry, name, hit in zip(targets, names, hits) if hit is None]
             targets = [entry for entry, hit in zip(targets, hits) if hit is not None]
+            names = [name for name, hit in zip(names, hits) if hit is not None]
+        self._refuse_two_readings(found, targets, names)
         self._pair_all(found, targets)
         return by_canonical, unmatched
+
+    def _refuse_two_readings(self, sources: list[Entry], targets: list[Entry],
+                             names: list[KeyPath] | None = None) -> None:
+        """Refuse pairing ``sources`` with ``targets`` by canonical name (``names``, worked out if
+        not given) where a key pass 1 matched exactly has that canonical name too.
+
+        Such a key has two readings that lead to different targets: DDP's ``module.weight`` is
+        the target's ``module.weight`` (a submodule named ``module``) by its exact name, and the
+        target's ``weight`` without the wrapper -- which ``module.module.weight`` also claims.
+        Pairing both ways swaps the values. Only a canonical pair makes it ambiguous: a key whose
+        other reading nothing else claims loads by its exact name, as torch alone would load it.
+        """
+        exact = self.exact
+        if not exact or not targets or not self._parents_may_read_alike(exact, list(map(key_of, targets))):
+            return
+        if names is None:
+            names = self._canonical_names(targets)
+        wanted = set(names)
+        readings = self.names.canonical_keys(exact)
+        if wanted.isdisjoint(readings):
+            return
+        exact_by_reading = {reading: key for key, reading in zip(exact, readings) if reading in wanted}
+        for src, tgt, name in zip(sources, targets, names):
+            other = exact_by_reading.get(name)
+            if other is not None:
+                raise PlanError(
+                    f"checkpoint key {join_key(other)!r} has two readings: by its exact name it is "
+                    f"target {join_key(other)!r}, and without wrapper components it is "
+                    f"{join_key(name)!r} -- which is how target {join_key(tgt.key)!r} reads, and "
+                    f"which checkpoint key {join_key(src.key)!r} also means. Loading either way "
+                    "puts different values in different places, so ckptshim will not guess. "
+                    "Rename the keys so that one reading fits (e.g. remove a DDP 'module.' "
+                    "prefix yourself), or load without ckptshim (CKPTSHIM_DISABLE=1) if the "
+                    "exact names are right.")
+
+    def _parents_may_read_alike(self, keys: list[KeyPath], others: list[KeyPath]) -> bool:
+        """False when no key of ``keys`` can have the canonical name of one of ``others``: their
+        canonical names are their canonical parents plus their leaves, and no two parents read
+        alike. Checked on the few distinct parents instead of every key."""
+        if not (self.names.parent_only(keys) and self.names.parent_only(others)):
+            return True
+        parents = self.names.canonical_parents(list(set(map(parent_of, keys))))
+        return not set(parents).isdisjoint(self.names.canonical_parents(list(set(map(parent_of, others)))))
 
     def _by_canonical(self, entries: list[Entry], side: str) -> dict[KeyPath, Entry]:
         names = self._canonical_names(entries)
@@ -424,14 +476,17 @@ class _Planner:
 
     # -- pass 4: drops and casts ---------------------------------------------------------------
 
-    def _drops(self, leftover: list[Entry]) -> list[Drop]:
-        drops = []
+    def _drops(self, leftover: list[Entry]) -> list[Drop | DropIfDerived]:
+        """The target's non-persistent buffers are dropped (the target says so); a key merely
+        named like a derivable buffer is dropped only once the executor has checked its value."""
+        drops: list[Drop | DropIfDerived] = []
+        derivable = self.rules.derivable if self.rules.drop_derivable else ()
         for key in map(key_of, leftover):
             canon = self.canonical(key)
             if canon in self.rules.drop or key in self.rules.drop:
-                drops.append(Drop(key, "not persistent in target"))
-            elif (rule := derivable_rule(canon, self.rules.derivable)) is not None:
-                drops.append(Drop(key, rule))
+                drops.append(Drop(key, NOT_PERSISTENT))
+            elif (rule := derivable_rule(canon, derivable)) is not None:
+                drops.append(DropIfDerived(key, rule))
         return drops
 
     def _cast(self, src: Entry, tgt: Entry) -> None:

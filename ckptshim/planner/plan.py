@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Inventory, KeyPath, join_key
-from ckptshim.ops import Cast, Op
+from ckptshim.ops import Cast, DropIfDerived, Op
 
 #: How many keys an error message lists before it summarises the rest.
 MAX_LISTED = 12
@@ -83,6 +84,15 @@ class Plan:
                     producers.update(dict.fromkeys(op.targets, op))
             object.__setattr__(self, "_producers", producers)  # a cache on a frozen dataclass
         return self._producers
+
+    def undropped(self, keys: Collection[KeyPath]) -> Plan:
+        """This plan with the ``DropIfDerived`` of ``keys`` undone, those keys unexpected instead:
+        the plan as an executor ran it, having found their values not what their rules derive."""
+        if not keys:
+            return self
+        ops = tuple(op for op in self.ops if not (op.kind == DropIfDerived.kind and op.source in keys))
+        kept = tuple(key for key in self.source if key in keys)
+        return dataclasses.replace(self, ops=ops, unexpected=self.unexpected + kept, _producers=None)
 
     def casts(self) -> dict[KeyPath, Cast]:
         return {op.target: op for op in self.ops if op.kind == Cast.kind}
