@@ -54,7 +54,10 @@ def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageRe
         fmt = detect(location, backend="torch")
     except UnknownFormatError:  # a file DCP cannot read either: FormatReader explains; a folder: DCP's
         return FormatReader(location) if Path(location).is_file() else given
-    return DcpReader(location) if fmt is dcp else FormatReader(location)
+    if fmt is dcp:
+        return DcpReader(location)
+    logger.info("%s: %s is a %s checkpoint, which DCP cannot read; ckptshim reads it", HOOK, location, fmt.NAME)
+    return FormatReader(location)
 
 
 def load_planner(inner: LoadPlanner | None) -> RemappingLoadPlanner:
