@@ -13,12 +13,13 @@ native"):
   the call to the framework -- raises the very same error, leaving what the framework leaves.
 
 ``truth`` is what the checkpoint holds for each destination key, known independently of
-ckptshim (the file read by its own library, a generated module's own values); a value written
-anywhere else is wrong. :data:`TALLY` counts every comparison for the suite's summary line.
+ckptshim (the file read by its own library, a fixture's manifest hash, a generated module's own
+values); a value written anywhere else is wrong. :data:`TALLY` counts every comparison for the suite's summary line.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -39,15 +40,31 @@ Print = tuple[str, str, tuple[int, ...], bytes]
 
 
 def fingerprint(value: Any) -> Print:
-    """What two values must share to be the same value: kind, dtype, shape and every byte."""
+    """What two values must share to be the same value: kind, dtype, shape and every byte (a
+    typed JAX PRNG key by its key data, as the fixtures' manifests hash it)."""
     if type(value).__module__.startswith("torch"):
         import torch
 
         data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         return "torch", str(value.dtype), tuple(value.shape), data
-    kind = "jax" if type(value).__module__.startswith("jax") else type(value).__name__
+    kind = type(value).__name__
+    if type(value).__module__.startswith("jax"):
+        import jax
+
+        kind = "jax"
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            kind, value = f"jax key {value.dtype}", jax.random.key_data(value)
     array = np.asarray(value)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
     return kind, str(array.dtype), array.shape, np.ascontiguousarray(array).tobytes()
+
+
+def holds(expected: Print | str | None, value: Print) -> bool:
+    """Whether ``value`` is the checkpoint's: equal to its fingerprint, or to its manifest's sha256."""
+    if isinstance(expected, str):
+        return hashlib.sha256(value[3]).hexdigest() == expected
+    return expected == value
 
 
 @dataclass
@@ -69,7 +86,8 @@ class Load:
     makes the framework call; ``destination_values(destination)`` are the caller's own tensors or
     arrays (what a load may write in place); ``loaded_values(destination, result)`` what the load
     produced, by key (for torch the destination itself, for JAX the returned tree);
-    ``truth`` the checkpoint's value for each key it holds (as fingerprints); ``complete``: a
+    ``truth`` the checkpoint's value for each key it holds (fingerprints, or the sha256 of its
+    bytes from a fixture's manifest); ``complete``: a
     successful load must fill every key of the truth (a strict load).
     """
 
@@ -78,7 +96,7 @@ class Load:
     call: Callable[[Any], Any]
     destination_values: Callable[[Any], Mapping[str, Any]]
     loaded_values: Callable[[Any, Any], Mapping[str, Any]]
-    truth: Mapping[str, Print]
+    truth: Mapping[str, Print | str]
     complete: bool = False
 
 
@@ -179,7 +197,7 @@ def _judge(load: Load, before: dict[str, Print], native: Outcome, shim: Outcome)
     if native.error is not None:
         return "loaded where the framework raises, with a plan"
     for key, value in native.values.items():
-        if value != before.get(key) and load.truth.get(key) == value:
+        if value != before.get(key) and holds(load.truth.get(key), value):
             assert shim.values.get(key) == value, f"{name}: {key} differs from the framework's load"
     if hasattr(native.result, "missing_keys"):
         assert set(shim.result.missing_keys) <= set(native.result.missing_keys), \
@@ -203,14 +221,14 @@ def _wrong(load: Load, before: dict[str, Print], outcome: Outcome) -> list[str]:
     """Keys the load gave a value that is not the checkpoint's (a value kept as it was is not
     given; one the checkpoint does not hold is always wrong)."""
     return [key for key, value in outcome.values.items()
-            if value != before.get(key) and load.truth.get(key) != value]
+            if value != before.get(key) and not holds(load.truth.get(key), value)]
 
 
 def _require_reported(load: Load, before: dict[str, Print], outcome: Outcome) -> None:
     """A successful load leaves no checkpoint value behind unannounced: a strict one fills every
     key, a non-strict one lists each key it did not fill among the missing."""
-    unfilled = [key for key, value in load.truth.items()
-                if key in outcome.values and outcome.values[key] != value]
+    unfilled = [key for key, expected in load.truth.items()
+                if key not in outcome.values or not holds(expected, outcome.values[key])]
     if load.complete:
         assert not unfilled, f"{load.name}: a strict load left {unfilled[:5]} without the checkpoint's values"
     elif hasattr(outcome.result, "missing_keys"):
