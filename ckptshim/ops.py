@@ -13,11 +13,11 @@ permutation), never tensor bytes. Every op class declares what it is and how it 
 - ``describe(sep)``: its line in ``ckptshim plan``; ``tally()`` and ``note(sep)``: what the
   one-line summary counts (``None`` for an op that changes nothing) and shows in parentheses.
 
-Dropping a checkpoint key because the target says it has no place for it (a non-persistent
-buffer: ``Drop``) and dropping it because its *name* is that of a derivable buffer
-(``DropIfDerived``) are kinds of their own for the same reason: a name proves nothing (a trained
-``attention.bias`` is no causal mask), so an executor drops such a key only after checking its
-value, and one that cannot check refuses the plan.
+Dropping a checkpoint key the target computes itself -- a buffer it does not persist, or one
+named like a derivable buffer -- is a kind of its own (``DropIfDerived``) for the same reason: a
+name proves nothing (a trained ``attention.bias`` is no causal mask), so an executor drops such a
+key only after checking its value, and one that cannot check refuses the plan. ``Drop`` is the
+unchecked inverse of keeping the target's own value.
 
 Layout changes -- a permutation of axes (``Transpose``), and slicing or filling with one
 (``Split``, ``Join``) -- are kinds of their own rather than an optional field of ``Rename``,
@@ -211,12 +211,12 @@ class Unstack:
         return f"axis {self.axis}"
 
 
-#: The rules of drops and syntheses that rest on what the live target says about a key rather
-#: than on the key's name: its own value (a persistent buffer it computes, a key a profile lets
-#: it keep) and a buffer it does not persist. Every other rule names a derivable-buffer rule.
+#: The rule of a synthesis the target asks for outright (a key a profile or the caller lets it
+#: keep), and of its unchecked inverse ``Drop``.
 OWN_VALUE = "target's own value"
+#: The rule of a ``DropIfDerived`` of the target's own non-persistent buffer, saved by an older
+#: version of the model; every other rule names a derivable-buffer rule.
 NOT_PERSISTENT = "not persistent in target"
-_TARGET_SAYS = frozenset({OWN_VALUE, NOT_PERSISTENT})
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +243,7 @@ class Synthesize:
         return (self.target,)
 
     def inverse(self) -> Drop | DropIfDerived:
-        if self.rule in _TARGET_SAYS:
+        if self.rule == OWN_VALUE:
             return Drop(self.target, self.rule)
         return DropIfDerived(self.target, self.rule)
 
@@ -259,8 +259,8 @@ class Synthesize:
 
 @dataclass(frozen=True, slots=True)
 class Drop:
-    """The checkpoint's ``source`` is not loaded: the target says it has no place for it (``rule``:
-    a buffer it does not persist, a value it keeps), so there is nothing to check."""
+    """The checkpoint's ``source`` is not loaded, unchecked: the inverse of a ``Synthesize`` by
+    :data:`OWN_VALUE` (going back, the value the target kept has no place)."""
 
     kind: ClassVar[str] = "drop"
     produces: ClassVar[bool] = False
@@ -292,12 +292,15 @@ class Drop:
 
 @dataclass(frozen=True, slots=True)
 class DropIfDerived:
-    """The checkpoint's ``source`` is named like a buffer the target derives itself by ``rule``
-    (``inv_freq``, a causal ``attention.bias``); it is not loaded once its value is checked to be
-    what the rule derives (:data:`ckptshim.rules.buffers.HOLDS`).
+    """The checkpoint's ``source`` is a buffer the target computes itself; it is not loaded once
+    its value is checked to be that buffer.
 
-    The executor that runs it reads the value and checks it; where it is not what the rule says,
-    the key is the target's no more than any other: unexpected (a strict load refuses it).
+    ``rule`` says which: a derivable-buffer rule (``inv_freq``, a causal ``attention.bias``: the
+    value must be what the rule derives, :data:`ckptshim.rules.buffers.HOLDS`), or
+    :data:`NOT_PERSISTENT` (the target's own buffer of that name, which it does not persist: the
+    value must have its shape and dtype). The executor that runs it reads the value and checks
+    it; where it is not what the rule says, the key is the target's no more than any other:
+    unexpected (a strict load refuses it).
     """
 
     kind: ClassVar[str] = "drop-if-derived"

@@ -1,11 +1,13 @@
-"""Derivable buffers on real tensors: whether a value is what its rule derives, and rebuilding one.
+"""Buffers a target computes itself, on real tensors: whether a value is one, and rebuilding one.
 
 :data:`ckptshim.rules.buffers.HOLDS` says what each derivable buffer holds; this module checks it
-on a tensor, for the torch executor (a checkpoint's copy named like a derivable buffer is dropped
-only when :func:`mismatch` finds nothing) and for the loading layer (a state dict's entry may keep
-its own value only when it holds what its rule derives). A value computed from settings the
-buffer does not carry (``inv_freq`` from the rotary base) is checked against the target's own
-recomputed buffers of the same rule, bit for bit: dtype, shape and contents.
+on a tensor, for the torch executor (a checkpoint's copy of such a buffer is dropped only when
+:func:`mismatch` finds nothing) and for the loading layer (a state dict's entry may keep its own
+value only when it holds what its rule derives). A value computed from settings the buffer does
+not carry (``inv_freq`` from the rotary base) is checked against the target's own recomputed
+buffers of the same rule, bit for bit: dtype, shape and contents. A copy of one of the target's
+non-persistent buffers, saved when an older version persisted it, must have its shape and dtype
+(the target recomputes the contents, which may have changed since).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from ckptshim.ops import NOT_PERSISTENT
 from ckptshim.rules.buffers import CAUSAL_MASK, FAMILY_CONSTANT, HOLDS, MASKED_BIAS_VALUES, POSITIONS, TARGETS_OWN
 
 
@@ -29,7 +32,8 @@ def mismatch(rule: str, value: torch.Tensor, own: Sequence[torch.Tensor] = ()) -
     """``None`` when ``value`` is what ``rule``'s buffer holds; else what it is not, in words.
 
     ``own`` are the target's own buffers of the same rule (its non-persistent ones, which it
-    recomputes itself): the reference for a rule whose value follows from settings.
+    recomputes itself): the reference for a rule whose value follows from settings, and for
+    :data:`~ckptshim.ops.NOT_PERSISTENT` the buffer of the same name.
     """
     holds = HOLDS.get(rule)
     if value.is_meta:
@@ -52,6 +56,10 @@ def mismatch(rule: str, value: torch.Tensor, own: Sequence[torch.Tensor] = ()) -
         constants = [torch.tensor(c, dtype=value.dtype).item() for c in MASKED_BIAS_VALUES]
         return None if value.item() in constants else \
             f"{value.item()}, none of the constants models keep there ({', '.join(map(str, MASKED_BIAS_VALUES))})"
+    if rule == NOT_PERSISTENT:
+        same = any(o.dtype == value.dtype and o.shape == value.shape for o in own)
+        return None if same else (f"{value.dtype}{list(value.shape)}, not the shape and dtype of the "
+                                  f"target's own buffer ({_describe(own) or 'none'})")
     if holds == TARGETS_OWN:
         if not own:
             return "a value computed from settings the checkpoint does not carry, and the target has no buffer of its own to compare it with"

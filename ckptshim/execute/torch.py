@@ -32,9 +32,10 @@ import torch
 from ckptshim.errors import PlanError
 from ckptshim.execute.derived import REBUILDABLE, mismatch
 from ckptshim.inventory import Entry, KeyPath, dtype_name, join_key
-from ckptshim.ops import Cast, Drop, DropIfDerived, Op, Rename, Stack, Synthesize, Unstack, require_kinds
+from ckptshim.ops import NOT_PERSISTENT, Cast, Drop, DropIfDerived, Op, Rename, Stack, Synthesize, Unstack, require_kinds
 from ckptshim.planner import Plan
 from ckptshim.rules.buffers import derivable_rule
+from ckptshim.rules.prefixes import strip_wrappers
 
 #: Returns the source tensor for a source key (from a state dict, or a lazy view of a file).
 Fetch = Callable[[KeyPath], torch.Tensor]
@@ -114,10 +115,13 @@ class _Preparer:
         self.plan, self.fetch, self.destinations = plan, fetch, destinations
         self.allow_unexpected = allow_unexpected
         self.own: dict[str, list[torch.Tensor]] = {}  # rule -> the target's own buffers of that rule
+        self.own_by_name: dict[KeyPath, list[torch.Tensor]] = {}  # wrapper-free key, or leaf -> buffers
         for key, tensor in recomputed.items():
             rule = derivable_rule(key)
             if rule is not None:
                 self.own.setdefault(rule, []).append(tensor)
+            self.own_by_name.setdefault(strip_wrappers(key), []).append(tensor)
+            self.own_by_name.setdefault(key[-1:], []).append(tensor)
         self.casts = plan.casts()
         self.missing = frozenset(plan.missing)
         self.sources: dict[KeyPath, torch.Tensor] = {}
@@ -175,16 +179,24 @@ class _Preparer:
 
     def _drop_if_derived(self, op: DropIfDerived) -> None:
         value = self._source(op.source)
-        problem = mismatch(op.rule, value, self.own.get(op.rule, ()))
+        own = self._buffer_named(op.source) if op.rule == NOT_PERSISTENT else self.own.get(op.rule, ())
+        problem = mismatch(op.rule, value, own)
         if problem is None:
             return
         if not self.allow_unexpected:
+            what = "the target's own non-persistent buffer" if op.rule == NOT_PERSISTENT \
+                else f"the derivable buffer {op.rule!r}"
             raise PlanError(
-                f"checkpoint key {join_key(op.source)!r} is named like the derivable buffer {op.rule!r}, which "
-                f"the target derives itself, but its value is {problem}: it is no derived buffer, "
-                "and the target has no place for it (torch alone calls it an unexpected key). Load "
-                "into a model that has a place for it, or with strict=False to leave it out.")
+                f"checkpoint key {join_key(op.source)!r} is named like {what}, which the target "
+                f"computes itself, but its value is {problem}: it is not that buffer, and the "
+                "target has no place for it (torch alone calls it an unexpected key). Load into a "
+                "model that has a place for it, or with strict=False to leave it out.")
         self.prepared.unexpected.append(op.source)
+
+    def _buffer_named(self, source: KeyPath) -> list[torch.Tensor]:
+        """The target's non-persistent buffer the planner took ``source`` for: the one of the same
+        name without wrapper components, else (a name an alias changed) those of the same leaf."""
+        return self.own_by_name.get(strip_wrappers(source)) or self.own_by_name.get(source[-1:], [])
 
     def _nothing(self, op: Op) -> None:
         """``Drop`` reads nothing; a ``Cast`` is done by ``copy_`` (checked in :meth:`_check_value`)."""

@@ -9,9 +9,11 @@ renames) for :func:`ckptshim.rules.profiles.rules_for`.
 
 :func:`prepare_module_load` is the ``load_state_dict`` load. **Rewrite, not execute.** Once the
 plan is checked, torch's own ``load_state_dict`` is called with a rewritten state dict whose
-keys are exactly the ones the module accepts: renamed sources under their target names,
-``select`` views for unstacked layers, the module's own tensor for synthesized buffers, drops
-left out. Executing the plan ourselves would bypass what modules do in their loading code --
+keys are the ones the module accepts: renamed sources under their target names, ``select``
+views for unstacked layers, the module's own tensor for synthesized buffers, drops left out --
+and, in a non-strict load, whatever the plan leaves unused (unexpected keys, non-tensor
+values) as given, so that torch reports them as it would without ckptshim. A non-strict load
+the plan does not change at all goes to torch untouched. Executing the plan ourselves would bypass what modules do in their loading code --
 ``_load_from_state_dict`` overrides, load pre-/post-hooks (the checkpoint wrapper re-adds its
 prefix in one), version upgrades keyed by ``state_dict._metadata`` (carried over to the new
 names), ``assign=True`` and swap semantics -- and torch's own ``_IncompatibleKeys``. The one op
@@ -50,7 +52,8 @@ from ckptshim.rules.profiles import rules_for
 from ckptshim.rules.profiles.transformers_mapping import aliases_for
 
 #: A wrapper hop that the wrapper's own state-dict hooks remove on save and put back on load
-#: (``CheckpointWrapper``), so the names the module accepts do not contain it.
+#: (``CheckpointWrapper``), so the names the module accepts do not contain it -- below an
+#: activation-checkpoint wrapper only: a plain submodule may have the same name.
 TRANSPARENT_HOP = "_checkpoint_wrapped_module"
 #: FSDP1's hop: below it parameters are flat shards, which no checkpoint names or shapes match.
 FSDP_HOP = "_fsdp_wrapped_module"
@@ -89,7 +92,8 @@ def module_layout(root: nn.Module) -> ModuleLayout:
             layout.unsupported = f"{type(module).__name__} keeps _extra_state"
         if any(nn.parameter.is_lazy(t) for t in (*module._parameters.values(), *module._buffers.values())):
             layout.unsupported = "lazy modules have no shapes yet"
-        if TRANSPARENT_HOP not in children and (
+        transparent = TRANSPARENT_HOP in children and _is_activation_wrapper(module)
+        if not transparent and (
                 type(module)._load_from_state_dict is not _BASE_LOAD
                 or module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks):
             layout.own_load_logic = True
@@ -106,10 +110,20 @@ def module_layout(root: nn.Module) -> ModuleLayout:
                 layout.buffers.append(accepted + name)
         for name, child in reversed(children.items()):
             if child is not None:
-                hop = name if name != TRANSPARENT_HOP else None
+                hop = None if transparent and name == TRANSPARENT_HOP else name
                 stack.append((f"{path}{'.' if path else ''}{name}",
                               accepted + (f"{hop}." if hop else ""), child))
     return layout
+
+
+def _is_activation_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is torch's activation-checkpoint (or offload) wrapper, whose state-dict
+    hooks hide its ``_checkpoint_wrapped_module`` hop."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    return isinstance(module, ActivationWrapper)
 
 
 def tensor_inventory(items: Iterable[tuple[str, torch.Tensor]], source: str, prefix: KeyPath = ()) -> Inventory:
@@ -182,26 +196,25 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
         logger.debug("load_state_dict: the state dict does not fit, but %s transforms its own state "
                      "dict on load; leaving the load to torch", type(module).__name__)
         return native
-    if not strict and not plan.mismatched and not plan.counts():
-        return native  # every tensor keeps its name: torch's own non-strict load is this plan
     destinations = {split_key(key): tensor for key, tensor in layout.tensors.items()}
     prepared = prepare(plan, lambda key: tensors[join_key(key)], destinations,
                        allow_missing=not strict, allow_unexpected=not strict,
                        recomputed=recomputed_buffers(layout))
     plan = plan.undropped(prepared.unexpected)
+    if not strict and not plan.counts():
+        return native  # every tensor keeps its name: torch's own non-strict load is this plan
     rewritten: OrderedDict[str, Any] = OrderedDict(
         (join_key(key), value) for key, value in prepared.values.items())
-    rewritten.update((key, state_dict[key]) for key in others)  # torch lists them as unexpected
+    # what the plan leaves unused goes to torch as it is, which reports it as it would alone
+    rewritten.update((key, state_dict[key]) for key in [*map(join_key, plan.unexpected), *others])
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
         rewritten._metadata = _remap_metadata(metadata, layout.module_paths)  # type: ignore[attr-defined]
-    unexpected = [join_key(key) for key in plan.unexpected]
     report_load(f"load_state_dict({type(module).__name__})", plan)
 
     def load() -> Any:
         prepared.write_stacked()
-        result = original(rewritten, strict=strict, assign=assign)
-        return type(result)(result.missing_keys, result.unexpected_keys + unexpected)
+        return original(rewritten, strict=strict, assign=assign)
 
     return load
 

@@ -10,8 +10,8 @@ that already fits costs one dict lookup per key:
    without the wrapper, and when the other reading is taken too the two are ambiguous;
 3. layer lists, stacking per-layer sources into a stacked target or unstacking a stacked source
    into per-layer targets, with the axis read off the shapes;
-4. drops (the target's non-persistent buffers; keys named like derivable buffers, which the
-   executor drops only once their values check out) and syntheses.
+4. drops of keys the target computes itself (its non-persistent buffers; buffers named like
+   derivable ones), which the executor makes only once the values check out; and syntheses.
 
 Everything here is linear in the number of keys and touches no tensor bytes. Passes 1 to 3 work
 on runs of keys that share a parent path where runs are long (:mod:`ckptshim.planner.runs`), and key
@@ -24,11 +24,11 @@ from __future__ import annotations
 from itertools import repeat
 from operator import attrgetter
 
-from ckptshim.errors import PlanError
+from ckptshim.errors import AmbiguousNameError, PlanError
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, KeyPath, gc_paused, join_key
 from ckptshim.keytext import ranges
-from ckptshim.ops import (NOT_PERSISTENT, OWN_VALUE, Cast, Drop, DropIfDerived, Op, Rename, Stack, Synthesize,
-                          Unstack, renames)
+from ckptshim.ops import (NOT_PERSISTENT, OWN_VALUE, Cast, DropIfDerived, Op, Rename, Stack, Synthesize, Unstack,
+                          renames)
 from ckptshim.planner import runs
 from ckptshim.planner.names import Names, parent_of
 from ckptshim.planner.plan import DTYPE, Mismatch, Plan
@@ -112,6 +112,7 @@ class _Planner:
         self.mismatched: list[Mismatch] = []
         self.used: set[KeyPath] = set()                # source keys the layer pass consumed
         self.exact: list[KeyPath] = []                 # keys pass 1 matched
+        self._second_readings: dict[KeyPath, KeyPath] | None = None  # see _readings_of_exact_keys
 
     def run(self) -> Plan:
         leftover, unmatched = self._match()
@@ -301,28 +302,30 @@ class _Planner:
     def _refuse_two_readings(self, sources: list[Entry], targets: list[Entry],
                              names: list[KeyPath] | None = None) -> None:
         """Refuse pairing ``sources`` with ``targets`` by canonical name (``names``, worked out if
-        not given) where a key pass 1 matched exactly has that canonical name too.
+        not given) where a key pass 1 matched exactly reads as that name too once its own wrapper
+        components are stripped.
 
         Such a key has two readings that lead to different targets: DDP's ``module.weight`` is
         the target's ``module.weight`` (a submodule named ``module``) by its exact name, and the
         target's ``weight`` without the wrapper -- which ``module.module.weight`` also claims.
-        Pairing both ways swaps the values. Only a canonical pair makes it ambiguous: a key whose
-        other reading nothing else claims loads by its exact name, as torch alone would load it.
+        Pairing both ways swaps the values. A key without wrapper components has one reading, and
+        a key whose other reading nothing else claims loads by its exact name, as torch alone
+        would load it: neither is ambiguous.
         """
-        exact = self.exact
-        if not exact or not targets or not self._parents_may_read_alike(exact, list(map(key_of, targets))):
+        if not self.exact or not targets:
+            return
+        if self._second_readings is None:
+            self._second_readings = self._readings_of_exact_keys()
+        if not self._second_readings:
             return
         if names is None:
             names = self._canonical_names(targets)
-        wanted = set(names)
-        readings = self.names.canonical_keys(exact)
-        if wanted.isdisjoint(readings):
+        if self._second_readings.keys().isdisjoint(names):
             return
-        exact_by_reading = {reading: key for key, reading in zip(exact, readings) if reading in wanted}
         for src, tgt, name in zip(sources, targets, names):
-            other = exact_by_reading.get(name)
+            other = self._second_readings.get(name)
             if other is not None:
-                raise PlanError(
+                raise AmbiguousNameError(
                     f"checkpoint key {join_key(other)!r} has two readings: by its exact name it is "
                     f"target {join_key(other)!r}, and without wrapper components it is "
                     f"{join_key(name)!r} -- which is how target {join_key(tgt.key)!r} reads, and "
@@ -332,14 +335,20 @@ class _Planner:
                     "prefix yourself), or load without ckptshim (CKPTSHIM_DISABLE=1) if the "
                     "exact names are right.")
 
-    def _parents_may_read_alike(self, keys: list[KeyPath], others: list[KeyPath]) -> bool:
-        """False when no key of ``keys`` can have the canonical name of one of ``others``: their
-        canonical names are their canonical parents plus their leaves, and no two parents read
-        alike. Checked on the few distinct parents instead of every key."""
-        if not (self.names.parent_only(keys) and self.names.parent_only(others)):
-            return True
-        parents = self.names.canonical_parents(list(set(map(parent_of, keys))))
-        return not set(parents).isdisjoint(self.names.canonical_parents(list(set(map(parent_of, others)))))
+    def _readings_of_exact_keys(self) -> dict[KeyPath, KeyPath]:
+        """Canonical name -> the key pass 1 matched exactly, for each such key whose canonical name
+        is not the key itself (it holds wrapper components or an alias applies). Worked out on
+        the few distinct parent paths where a key's canonical name is its canonical parent plus
+        its leaf."""
+        exact = self.exact
+        if self.names.parent_only(exact):
+            parents = list(set(map(parent_of, exact)))
+            changed = {parent for parent, canonical in zip(parents, self.names.canonical_parents(parents))
+                       if canonical != parent}
+            if not changed:
+                return {}
+            exact = [key for key in exact if key[:-1] in changed]
+        return {reading: key for key, reading in zip(exact, self.names.canonical_keys(exact)) if reading != key}
 
     def _by_canonical(self, entries: list[Entry], side: str) -> dict[KeyPath, Entry]:
         names = self._canonical_names(entries)
@@ -362,7 +371,7 @@ class _Planner:
                 if layer is None:
                     layer = layered[stacked] = {}
                 elif index in layer:
-                    raise PlanError(
+                    raise AmbiguousNameError(
                         f"checkpoint keys {join_key(layer[index].key)!r} and {join_key(entry.key)!r} "
                         f"are both layer {index} of {join_key(stacked)!r}; keep one of them.")
                 layer[index] = entry
@@ -379,7 +388,7 @@ class _Planner:
                 unmatched.append(entry)
                 continue
             if len(options) > 1:
-                raise PlanError(
+                raise AmbiguousNameError(
                     f"target key {join_key(entry.key)!r} could come from "
                     + " or ".join(repr(join_key(s)) + (" (stacked)" if i is None else f" (layer {i})")
                                   for s, i in options)
@@ -394,7 +403,7 @@ class _Planner:
                 group = groups["unstack", stacked] = Group(source, {}, stacking=False)
             other = group.layers.setdefault(index, entry)
             if other is not entry:
-                raise PlanError(
+                raise AmbiguousNameError(
                     f"target keys {join_key(other.key)!r} and {join_key(entry.key)!r} both name layer "
                     f"{index} of checkpoint key {join_key(source.key)!r}; ckptshim will not "
                     "load one layer twice. Rename one of them in the target.")
@@ -476,15 +485,15 @@ class _Planner:
 
     # -- pass 4: drops and casts ---------------------------------------------------------------
 
-    def _drops(self, leftover: list[Entry]) -> list[Drop | DropIfDerived]:
-        """The target's non-persistent buffers are dropped (the target says so); a key merely
-        named like a derivable buffer is dropped only once the executor has checked its value."""
-        drops: list[Drop | DropIfDerived] = []
+    def _drops(self, leftover: list[Entry]) -> list[DropIfDerived]:
+        """Keys that name one of the target's non-persistent buffers, or a derivable buffer: the
+        executor drops them once it has checked their values (a name proves nothing)."""
+        drops: list[DropIfDerived] = []
         derivable = self.rules.derivable if self.rules.drop_derivable else ()
         for key in map(key_of, leftover):
             canon = self.canonical(key)
             if canon in self.rules.drop or key in self.rules.drop:
-                drops.append(Drop(key, NOT_PERSISTENT))
+                drops.append(DropIfDerived(key, NOT_PERSISTENT))
             elif (rule := derivable_rule(canon, derivable)) is not None:
                 drops.append(DropIfDerived(key, rule))
         return drops
@@ -503,7 +512,7 @@ def _refuse_clash(entries: list[Entry], names: list[KeyPath], side: str) -> None
     for entry, name in zip(entries, names):
         other = table.setdefault(name, entry)
         if other is not entry:
-            raise PlanError(
+            raise AmbiguousNameError(
                 f"{side} keys {join_key(other.key)!r} and {join_key(entry.key)!r} both mean "
                 f"{join_key(name)!r} once wrapper prefixes and aliases are removed, so "
                 "ckptshim cannot tell which one to use. Remove one of them, or load without "

@@ -7,7 +7,10 @@ native"):
   or unexpected, and then its plan says why (an INFO summary): each key the framework wrote holds
   the same value, each key ckptshim adds holds the checkpoint's value, and its missing and
   unexpected keys are among the framework's. It may refuse only where the framework loaded a
-  value that is not the checkpoint's (a silent wrong load), with a ``ShimError``.
+  value that is not the checkpoint's (a silent wrong load), with a ``ShimError`` -- or where
+  names are ambiguous (``AmbiguousNameError``: two keys for one name, one key with two
+  readings): loading by exact names, as the framework does, is then right or wrong by luck,
+  and no name tells which.
 - **the framework raises**: ckptshim loads (its plan says why, and every value it writes is the
   checkpoint's), or raises a ``ShimError`` with the destination unchanged, or -- where it leaves
   the call to the framework -- raises the very same error, leaving what the framework leaves.
@@ -30,7 +33,7 @@ from typing import Any
 import numpy as np
 
 import ckptshim
-from ckptshim.errors import ShimError
+from ckptshim.errors import AmbiguousNameError, ShimError
 
 #: ``compared``: loads judged; ``clean``: those that kept every promise; then one count per verdict.
 TALLY: Counter[str] = Counter()
@@ -88,7 +91,10 @@ class Load:
     produced, by key (for torch the destination itself, for JAX the returned tree);
     ``truth`` the checkpoint's value for each key it holds (fingerprints, or the sha256 of its
     bytes from a fixture's manifest); ``complete``: a
-    successful load must fill every key of the truth (a strict load).
+    successful load must fill every key of the truth (a strict load); ``trained``: checkpoint keys
+    the destination has no place for that hold no derived value (neither what a derivable-buffer
+    rule recomputes nor a buffer the destination does not persist), which a strict load must not
+    leave out without a word.
     """
 
     name: str
@@ -98,6 +104,7 @@ class Load:
     loaded_values: Callable[[Any, Any], Mapping[str, Any]]
     truth: Mapping[str, Print | str]
     complete: bool = False
+    trained: frozenset[str] = frozenset()
 
 
 @contextmanager
@@ -182,6 +189,8 @@ def _judge(load: Load, before: dict[str, Print], native: Outcome, shim: Outcome)
             return "left to the framework, identically"
         assert shim.destination == before, f"{name}: ckptshim refused ({shim.error}) but changed the destination"
         if native.error is None:
+            if isinstance(refusal(shim.error), AmbiguousNameError):
+                return "refused as ambiguous; the framework loads by exact names"
             wrong = _wrong(load, before, native)
             assert wrong, f"{name}: ckptshim refused a load the framework performs rightly: {shim.error}"
             return "refused; the framework loads wrong values"
@@ -231,6 +240,20 @@ def _require_reported(load: Load, before: dict[str, Print], outcome: Outcome) ->
                 if key not in outcome.values or not holds(expected, outcome.values[key])]
     if load.complete:
         assert not unfilled, f"{load.name}: a strict load left {unfilled[:5]} without the checkpoint's values"
+        assert not load.trained, f"{load.name}: a strict load succeeded without {sorted(load.trained)[:5]}, " \
+                                 "trained values the destination has no place for"
     elif hasattr(outcome.result, "missing_keys"):
         silent = [key for key in unfilled if key not in outcome.result.missing_keys]
         assert not silent, f"{load.name}: {silent[:5]} keep their old values, and are not reported missing"
+
+
+def module_tensors(module: Any) -> dict[str, Any]:
+    """Every tensor a load into a torch module may write: its state dict's, and the buffers it
+    does not persist (which no load may change)."""
+    values = dict(module.state_dict(keep_vars=True))
+    for path, submodule in module.named_modules(remove_duplicate=False):
+        for name in submodule._non_persistent_buffers_set:
+            buffer = submodule._buffers.get(name)
+            if buffer is not None:
+                values[f"(not persistent) {path}.{name}"] = buffer
+    return values

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from compare_loads import Load, compare, prints
+from compare_loads import Load, compare, module_tensors, prints
 from manifest import FIXTURES
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
@@ -39,17 +39,6 @@ STRICT = [True, False]
 
 
 # -- destinations and what they hold --------------------------------------------------------------
-
-
-def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor a load may write: the state dict's, and the buffers the module does not persist."""
-    values = dict(module.state_dict(keep_vars=True))
-    for path, submodule in module.named_modules(remove_duplicate=False):
-        for name in submodule._non_persistent_buffers_set:
-            buffer = submodule._buffers.get(name)
-            if buffer is not None:
-                values[f"(not persistent) {path}.{name}"] = buffer
-    return values
 
 
 def flat_tensors(state: Mapping[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
