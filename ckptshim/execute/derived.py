@@ -6,8 +6,10 @@ on a tensor, for the torch executor (a checkpoint's copy of such a buffer is dro
 value only when it holds what its rule derives). A value computed from settings the buffer does
 not carry (``inv_freq`` from the rotary base) is checked against the target's own recomputed
 buffers of the same rule, bit for bit: dtype, shape and contents. A copy of one of the target's
-non-persistent buffers, saved when an older version persisted it, must have its shape and dtype
-(the target recomputes the contents, which may have changed since).
+non-persistent buffers, saved under the same name when an older version persisted it, must have
+its shape and dtype (the target recomputes the contents, which may have changed since); one
+that only wrapper components make the same name must equal it outright, since the name alone
+may belong to another tensor.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def mismatch(rule: str, value: torch.Tensor, own: Sequence[torch.Tensor] = ()) -
 
     ``own`` are the target's own buffers of the same rule (its non-persistent ones, which it
     recomputes itself): the reference for a rule whose value follows from settings, and for
-    :data:`~ckptshim.ops.NOT_PERSISTENT` the buffer of the same name.
+    :data:`~ckptshim.ops.NOT_PERSISTENT` the buffer of the same name (see :func:`not_equal`
+    for one named the same only without wrapper components).
     """
     holds = HOLDS.get(rule)
     if value.is_meta:
@@ -63,10 +66,15 @@ def mismatch(rule: str, value: torch.Tensor, own: Sequence[torch.Tensor] = ()) -
     if holds == TARGETS_OWN:
         if not own:
             return "a value computed from settings the checkpoint does not carry, and the target has no buffer of its own to compare it with"
-        same = any(o.dtype == value.dtype and o.shape == value.shape and not o.is_meta
-                   and torch.equal(o, value.to(o.device)) for o in own)
-        return None if same else f"not equal to the target's own {rule} ({_describe(own)})"
+        return not_equal(value, own, f"the target's own {rule}")
     return f"a {rule!r} buffer, whose value ckptshim has no way to check"
+
+
+def not_equal(value: torch.Tensor, own: Sequence[torch.Tensor], what: str) -> str | None:
+    """``None`` when ``value`` equals one of ``own`` bit for bit (dtype, shape and contents)."""
+    same = any(o.dtype == value.dtype and o.shape == value.shape and not o.is_meta
+               and torch.equal(o, value.to(o.device)) for o in own)
+    return None if same else f"not equal to {what} ({_describe(own) or 'none'})"
 
 
 def _describe(tensors: Sequence[torch.Tensor]) -> str:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ckptshim.errors import PlanError
-from ckptshim.execute.derived import REBUILDABLE, mismatch
+from ckptshim.execute.derived import REBUILDABLE, mismatch, not_equal
 from ckptshim.inventory import Entry, KeyPath, dtype_name, join_key
 from ckptshim.ops import NOT_PERSISTENT, Cast, Drop, DropIfDerived, Op, Rename, Stack, Synthesize, Unstack, require_kinds
 from ckptshim.planner import Plan
@@ -115,6 +115,7 @@ class _Preparer:
         self.plan, self.fetch, self.destinations = plan, fetch, destinations
         self.allow_unexpected = allow_unexpected
         self.own: dict[str, list[torch.Tensor]] = {}  # rule -> the target's own buffers of that rule
+        self.recomputed = recomputed
         self.own_by_name: dict[KeyPath, list[torch.Tensor]] = {}  # wrapper-free key, or leaf -> buffers
         for key, tensor in recomputed.items():
             rule = derivable_rule(key)
@@ -179,8 +180,12 @@ class _Preparer:
 
     def _drop_if_derived(self, op: DropIfDerived) -> None:
         value = self._source(op.source)
-        own = self._buffer_named(op.source) if op.rule == NOT_PERSISTENT else self.own.get(op.rule, ())
-        problem = mismatch(op.rule, value, own)
+        if op.rule != NOT_PERSISTENT:
+            problem = mismatch(op.rule, value, self.own.get(op.rule, ()))
+        elif op.source in self.recomputed:  # the very buffer, as an older version persisted it
+            problem = mismatch(op.rule, value, [self.recomputed[op.source]])
+        else:  # the same name only without wrapper components: it may belong to another tensor
+            problem = not_equal(value, self._buffer_named(op.source), "the target's own buffer")
         if problem is None:
             return
         if not self.allow_unexpected:

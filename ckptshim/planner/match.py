@@ -21,6 +21,7 @@ that it runs in C; both ways give the same plan, and the same error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import repeat
 from operator import attrgetter
 
@@ -252,7 +253,12 @@ class _Planner:
         found = runs.match(sources, targets, by="canonical")
         if found is None:
             return self._match_renamed_by_key(runs.entries_of(sources), runs.entries_of(targets))
-        self._refuse_two_readings(found.sources, found.targets)
+        by_parent = {run.canonical: run for run in sources}  # distinct, or runs.match gives up
+
+        def unused_named(name: KeyPath) -> Entry | None:
+            run = by_parent.get(name[:-1])
+            return None if run is None else run.by_leaf.get(name[-1])
+        self._refuse_two_readings(unused_named)
         self._pair_all(found.sources, found.targets)
         if not found.unmatched:
             return runs.entries_of(found.unused), []
@@ -287,6 +293,7 @@ class _Planner:
         names = self._canonical_names(targets)
         if len(set(names)) != len(names):
             _refuse_clash(targets, names, "target")
+        self._refuse_two_readings(by_canonical.get)
         hits = list(map(by_canonical.pop, names, repeat(None)))  # pop: what is left is unused
         found = list(filter(None, hits))  # (an Entry is never false)
         if len(found) == len(targets):
@@ -294,52 +301,42 @@ class _Planner:
         else:
             unmatched = [(entry, name) for entry, name, hit in zip(targets, names, hits) if hit is None]
             targets = [entry for entry, hit in zip(targets, hits) if hit is not None]
-            names = [name for name, hit in zip(names, hits) if hit is not None]
-        self._refuse_two_readings(found, targets, names)
         self._pair_all(found, targets)
         return by_canonical, unmatched
 
-    def _refuse_two_readings(self, sources: list[Entry], targets: list[Entry],
-                             names: list[KeyPath] | None = None) -> None:
-        """Refuse pairing ``sources`` with ``targets`` by canonical name (``names``, worked out if
-        not given) where a key pass 1 matched exactly reads as that name too once its own wrapper
-        components are stripped.
+    def _refuse_two_readings(self, unused_named: Callable[[KeyPath], Entry | None]) -> None:
+        """Refuse a key pass 1 matched exactly that, once its own wrapper components are
+        stripped, reads as a checkpoint key pass 1 left unused (``unused_named``: canonical name
+        -> that key's entry, or None).
 
         Such a key has two readings that lead to different targets: DDP's ``module.weight`` is
         the target's ``module.weight`` (a submodule named ``module``) by its exact name, and the
-        target's ``weight`` without the wrapper -- which ``module.module.weight`` also claims.
-        Pairing both ways swaps the values. A key without wrapper components has one reading, and
-        a key whose other reading nothing else claims loads by its exact name, as torch alone
-        would load it: neither is ambiguous.
+        target's ``weight`` without the wrapper -- and ``module.module.weight`` is then the
+        submodule's. Taking the exact name puts the top-level value in the submodule. A key
+        without wrapper components has one reading, and a key whose other reading no other key
+        shares loads by its exact name, as torch alone would load it: neither is ambiguous.
         """
-        if not self.exact or not targets:
+        if not self.exact:
             return
         if self._second_readings is None:
             self._second_readings = self._readings_of_exact_keys()
-        if not self._second_readings:
-            return
-        if names is None:
-            names = self._canonical_names(targets)
-        if self._second_readings.keys().isdisjoint(names):
-            return
-        for src, tgt, name in zip(sources, targets, names):
-            other = self._second_readings.get(name)
+        for reading, key in self._second_readings.items():
+            other = unused_named(reading)
             if other is not None:
                 raise AmbiguousNameError(
-                    f"checkpoint key {join_key(other)!r} has two readings: by its exact name it is "
-                    f"target {join_key(other)!r}, and without wrapper components it is "
-                    f"{join_key(name)!r} -- which is how target {join_key(tgt.key)!r} reads, and "
-                    f"which checkpoint key {join_key(src.key)!r} also means. Loading either way "
-                    "puts different values in different places, so ckptshim will not guess. "
-                    "Rename the keys so that one reading fits (e.g. remove a DDP 'module.' "
-                    "prefix yourself), or load without ckptshim (CKPTSHIM_DISABLE=1) if the "
-                    "exact names are right.")
+                    f"checkpoint key {join_key(key)!r} has two readings: by its exact name it is "
+                    f"target {join_key(key)!r}, and without wrapper components it is "
+                    f"{join_key(reading)!r} -- which is also how checkpoint key "
+                    f"{join_key(other.key)!r} reads. Loading either way puts different values "
+                    "in different places, so ckptshim will not guess. Rename the keys so that one "
+                    "reading fits (e.g. remove a DDP 'module.' prefix yourself), or load without "
+                    "ckptshim (CKPTSHIM_DISABLE=1) if the exact names are right.")
 
     def _readings_of_exact_keys(self) -> dict[KeyPath, KeyPath]:
         """Canonical name -> the key pass 1 matched exactly, for each such key whose canonical name
-        is not the key itself (it holds wrapper components or an alias applies). Worked out on
-        the few distinct parent paths where a key's canonical name is its canonical parent plus
-        its leaf."""
+        is not the key itself (it holds wrapper components or an alias applies), in match order.
+        Worked out on the few distinct parent paths where a key's canonical name is its canonical
+        parent plus its leaf."""
         exact = self.exact
         if self.names.parent_only(exact):
             parents = list(set(map(parent_of, exact)))
