@@ -8,8 +8,8 @@ not carry (``inv_freq`` from the rotary base) is checked against the target's ow
 buffers of the same rule, bit for bit: dtype, shape and contents. A copy of one of the target's
 non-persistent buffers, saved under the same name when an older version persisted it, must have
 its shape and dtype (the target recomputes the contents, which may have changed since); one
-that only wrapper components make the same name must equal it outright, since the name alone
-may belong to another tensor.
+whose name holds wrapper components must equal it outright, since the name's other reading may
+belong to another tensor.
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ def mismatch(rule: str, value: torch.Tensor, own: Sequence[torch.Tensor] = ()) -
         return "on the meta device, so it holds no value to check"
     if type(value) not in (torch.Tensor, torch.nn.Parameter):
         return f"a {type(value).__name__}, whose value ckptshim does not gather to check"
+    if rule == NOT_PERSISTENT:
+        same = any(o.dtype == value.dtype and o.shape == value.shape for o in own)
+        return None if same else (f"{value.dtype}{list(value.shape)}, not the shape and dtype of the "
+                                  f"target's own buffer ({_describe(own) or 'none'})")
     if holds == CAUSAL_MASK:
         if value.dim() < 2 or value.shape[-1] != value.shape[-2] or value.is_complex():
             return f"shaped {list(value.shape)}, not a square causal mask"
@@ -59,13 +63,10 @@ def mismatch(rule: str, value: torch.Tensor, own: Sequence[torch.Tensor] = ()) -
         constants = [torch.tensor(c, dtype=value.dtype).item() for c in MASKED_BIAS_VALUES]
         return None if value.item() in constants else \
             f"{value.item()}, none of the constants models keep there ({', '.join(map(str, MASKED_BIAS_VALUES))})"
-    if rule == NOT_PERSISTENT:
-        same = any(o.dtype == value.dtype and o.shape == value.shape for o in own)
-        return None if same else (f"{value.dtype}{list(value.shape)}, not the shape and dtype of the "
-                                  f"target's own buffer ({_describe(own) or 'none'})")
     if holds == TARGETS_OWN:
         if not own:
-            return "a value computed from settings the checkpoint does not carry, and the target has no buffer of its own to compare it with"
+            return ("a value computed from settings the checkpoint does not carry, and the target has "
+                    "no buffer of its own to compare it with")
         return not_equal(value, own, f"the target's own {rule}")
     return f"a {rule!r} buffer, whose value ckptshim has no way to check"
 

@@ -32,7 +32,8 @@ import torch
 from ckptshim.errors import PlanError
 from ckptshim.execute.derived import REBUILDABLE, mismatch, not_equal
 from ckptshim.inventory import Entry, KeyPath, dtype_name, join_key
-from ckptshim.ops import NOT_PERSISTENT, Cast, Drop, DropIfDerived, Op, Rename, Stack, Synthesize, Unstack, require_kinds
+from ckptshim.ops import (NOT_PERSISTENT, Cast, Drop, DropIfDerived, Op, Rename, Stack, Synthesize, Unstack,
+                          require_kinds)
 from ckptshim.planner import Plan
 from ckptshim.rules.buffers import derivable_rule
 from ckptshim.rules.prefixes import strip_wrappers
@@ -182,9 +183,10 @@ class _Preparer:
         value = self._source(op.source)
         if op.rule != NOT_PERSISTENT:
             problem = mismatch(op.rule, value, self.own.get(op.rule, ()))
-        elif op.source in self.recomputed:  # the very buffer, as an older version persisted it
+        elif op.source in self.recomputed and strip_wrappers(op.source) == op.source:
+            # the very buffer (its name has one reading), as an older version persisted it
             problem = mismatch(op.rule, value, [self.recomputed[op.source]])
-        else:  # the same name only without wrapper components: it may belong to another tensor
+        else:  # a name with wrapper components has two readings: the other may be another tensor's
             problem = not_equal(value, self._buffer_named(op.source), "the target's own buffer")
         if problem is None:
             return

@@ -94,11 +94,11 @@ def _explicit_weights_file(path: Path) -> str | None:
     if not config.is_file():
         return None
     try:
-        named = strict_json(config.read_bytes())
+        settings = strict_json(config.read_bytes())
     except ValueError as error:  # UnicodeDecodeError too
         raise CorruptCheckpointError(f"{config}: not valid JSON ({error}); transformers cannot read "
                                      "this folder either. Re-copy it from the original.") from None
-    named = named.get(_EXPLICIT) if isinstance(named, dict) else None
+    named = settings.get(_EXPLICIT) if isinstance(settings, dict) else None
     if named is None:
         return None
     inside = isinstance(named, str) and named and not PurePosixPath(named).is_absolute() \

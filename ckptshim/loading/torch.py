@@ -13,8 +13,8 @@ keys are the ones the module accepts: renamed sources under their target names, 
 views for unstacked layers, the module's own tensor for synthesized buffers, drops left out --
 and, in a non-strict load, whatever the plan leaves unused (unexpected keys, non-tensor
 values) as given, so that torch reports them as it would without ckptshim. A non-strict load
-the plan does not change at all goes to torch untouched. Executing the plan ourselves would bypass what modules do in their loading code --
-``_load_from_state_dict`` overrides, load pre-/post-hooks (the checkpoint wrapper re-adds its
+the plan does not change at all goes to torch untouched. Executing the plan ourselves would
+bypass what modules do in their loading code -- ``_load_from_state_dict`` overrides, load pre-/post-hooks (the checkpoint wrapper re-adds its
 prefix in one), version upgrades keyed by ``state_dict._metadata`` (carried over to the new
 names), ``assign=True`` and swap semantics -- and torch's own ``_IncompatibleKeys``. The one op
 a dict cannot express without a second full copy is stacking, so stacked targets are written

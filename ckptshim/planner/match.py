@@ -3,11 +3,12 @@
 Matching runs in passes over keys that are still unmatched, cheapest first, so that a checkpoint
 that already fits costs one dict lookup per key:
 
-1. exact names;
+1. exact names, refusing a key matched so that, without its wrapper components, reads as another
+   checkpoint key does: DDP's ``module.weight`` is a submodule ``module``'s ``weight`` by name
+   and the top-level ``weight`` without the wrapper, while ``module.module.weight`` claims the
+   first reading -- two readings, and nothing to choose by;
 2. canonical names (wrapper components stripped, aliases applied), refusing any two keys on one
-   side that collapse onto the same canonical name -- including a key pass 1 matched exactly:
-   DDP's ``module.weight`` is the target's ``module.weight`` by name and its top-level ``weight``
-   without the wrapper, and when the other reading is taken too the two are ambiguous;
+   side that collapse onto the same canonical name;
 3. layer lists, stacking per-layer sources into a stacked target or unstacking a stacked source
    into per-layer targets, with the axis read off the shapes;
 4. drops of keys the target computes itself (its non-persistent buffers; buffers named like
@@ -21,7 +22,6 @@ that it runs in C; both ways give the same plan, and the same error.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from itertools import repeat
 from operator import attrgetter
 
@@ -113,7 +113,6 @@ class _Planner:
         self.mismatched: list[Mismatch] = []
         self.used: set[KeyPath] = set()                # source keys the layer pass consumed
         self.exact: list[KeyPath] = []                 # keys pass 1 matched
-        self._second_readings: dict[KeyPath, KeyPath] | None = None  # see _readings_of_exact_keys
 
     def run(self) -> Plan:
         leftover, unmatched = self._match()
@@ -182,6 +181,7 @@ class _Planner:
         exact = split and runs.match(*split, by="path")
         if exact is None:  # short runs, or a parent path in several runs: look each key up
             sources, targets = self._match_exact(sources, targets)
+            self._refuse_two_readings(sources)
             if not targets:
                 return sources, []
             split = split and self._split(sources, targets)  # what is left may suit runs again
@@ -190,6 +190,7 @@ class _Planner:
         else:
             self._pair_all(exact.sources, exact.targets)
             self.exact = list(map(key_of, exact.targets))
+            self._refuse_two_readings(runs.entries_of(exact.unused))
             if not exact.unmatched:
                 return runs.entries_of(exact.unused), []
             split = exact.unused, exact.unmatched
@@ -253,12 +254,6 @@ class _Planner:
         found = runs.match(sources, targets, by="canonical")
         if found is None:
             return self._match_renamed_by_key(runs.entries_of(sources), runs.entries_of(targets))
-        by_parent = {run.canonical: run for run in sources}  # distinct, or runs.match gives up
-
-        def unused_named(name: KeyPath) -> Entry | None:
-            run = by_parent.get(name[:-1])
-            return None if run is None else run.by_leaf.get(name[-1])
-        self._refuse_two_readings(unused_named)
         self._pair_all(found.sources, found.targets)
         if not found.unmatched:
             return runs.entries_of(found.unused), []
@@ -293,7 +288,6 @@ class _Planner:
         names = self._canonical_names(targets)
         if len(set(names)) != len(names):
             _refuse_clash(targets, names, "target")
-        self._refuse_two_readings(by_canonical.get)
         hits = list(map(by_canonical.pop, names, repeat(None)))  # pop: what is left is unused
         found = list(filter(None, hits))  # (an Entry is never false)
         if len(found) == len(targets):
@@ -304,10 +298,9 @@ class _Planner:
         self._pair_all(found, targets)
         return by_canonical, unmatched
 
-    def _refuse_two_readings(self, unused_named: Callable[[KeyPath], Entry | None]) -> None:
+    def _refuse_two_readings(self, unused: list[Entry]) -> None:
         """Refuse a key pass 1 matched exactly that, once its own wrapper components are
-        stripped, reads as a checkpoint key pass 1 left unused (``unused_named``: canonical name
-        -> that key's entry, or None).
+        stripped, reads as one of the checkpoint keys pass 1 left ``unused`` does.
 
         Such a key has two readings that lead to different targets: DDP's ``module.weight`` is
         the target's ``module.weight`` (a submodule named ``module``) by its exact name, and the
@@ -316,12 +309,14 @@ class _Planner:
         without wrapper components has one reading, and a key whose other reading no other key
         shares loads by its exact name, as torch alone would load it: neither is ambiguous.
         """
-        if not self.exact:
+        if not self.exact or not unused:
             return
-        if self._second_readings is None:
-            self._second_readings = self._readings_of_exact_keys()
-        for reading, key in self._second_readings.items():
-            other = unused_named(reading)
+        readings = self._readings_of_exact_keys()
+        if not readings:
+            return
+        unused_by_name = dict(zip(self._canonical_names(unused), unused))
+        for reading, key in readings.items():
+            other = unused_by_name.get(reading)
             if other is not None:
                 raise AmbiguousNameError(
                     f"checkpoint key {join_key(key)!r} has two readings: by its exact name it is "
