@@ -197,7 +197,7 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
                      "dict on load; leaving the load to torch", type(module).__name__)
         return native
     destinations = {split_key(key): tensor for key, tensor in layout.tensors.items()}
-    prepared = prepare(plan, lambda key: tensors[join_key(key)], destinations,
+    prepared = prepare(plan, lambda key: state_dict[join_key(key)], destinations,
                        allow_missing=not strict, allow_unexpected=not strict,
                        recomputed=recomputed_buffers(layout))
     plan = plan.undropped(prepared.unexpected)
