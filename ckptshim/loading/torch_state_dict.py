@@ -25,6 +25,7 @@ from torch import nn
 from ckptshim.execute.torch import Prepared, prepare as prepare_writes
 from ckptshim.inventory import Inventory, join_key, split_key
 from ckptshim.loading.report import report_load
+from ckptshim.log import logger
 from ckptshim.loading.torch import ModuleLayout, module_facts, module_layout, recomputed_buffers, tensor_inventory
 from ckptshim.ops import Rename
 from ckptshim.planner import Plan
@@ -50,7 +51,12 @@ def prepare(model: nn.Module, state_dict: Mapping[str, Any]) -> Rekeyed | None:
 
     if not state_dict or any(isinstance(key, nn.Module) for key in state_dict):
         return None  # per-submodule dicts: torch prefixes them itself
-    current = get_model_state_dict(model)
+    try:
+        current = get_model_state_dict(model)
+    except (RuntimeError, AttributeError) as error:  # a model torch cannot name the state dict of
+        logger.debug("set_model_state_dict: get_model_state_dict fails (%s); torch's own call will "
+                     "say why", error)
+        return None
     if current.keys() == state_dict.keys():
         return None
     tensors = {k: v for k, v in current.items() if isinstance(v, torch.Tensor)}

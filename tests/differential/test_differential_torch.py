@@ -61,8 +61,14 @@ def tiny_module():
 
 
 @cache
-def tiny_checkpoint() -> dict[str, torch.Tensor]:
+def _tiny_checkpoint() -> dict[str, torch.Tensor]:
     return torch.load(TINY / "torch_save" / "model.pt", weights_only=True)
+
+
+def tiny_checkpoint() -> dict[str, torch.Tensor]:
+    """The torch_save fixture's tensors, in a new dict each time (set_model_state_dict rewrites
+    the dict it is given in place)."""
+    return dict(_tiny_checkpoint())
 
 
 @cache
