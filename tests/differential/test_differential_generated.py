@@ -7,8 +7,8 @@ buffers (persistent or not) named like derivable buffers (``attention.bias``, ``
 ``position_ids``, ``masked_bias``) holding either what those rules derive or trained-looking
 values -- builds it twice with different seeds, wraps each copy at the top or inside (DDP,
 ``torch.compile``, activation checkpointing), sometimes changes the target a little (a leaf
-gone, a buffer's persistence flipped), and loads the source's state dict into the target,
-strict and not. Which source value belongs in which target tensor is known from the tree itself
+gone, a buffer's persistence flipped), and loads the source's state dict into the target with
+``load_state_dict`` and ``set_model_state_dict``, strict and not. Which source value belongs in which target tensor is known from the tree itself
 (each tensor's path in it), never from ckptshim's names.
 """
 
