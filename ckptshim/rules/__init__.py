@@ -56,7 +56,8 @@ class Rules:
       (``DropIfDerived``), when ``drop_derivable``.
     - ``drop_derivable``: off for loads that check no values and leave every checkpoint key the
       target does not ask for unread anyway (DCP, JAX restores): there such keys are unexpected.
-    - ``drop``: exact (canonical) source keys to drop, e.g. the target's non-persistent buffers.
+    - ``drop``: exact (canonical) keys of the target's non-persistent buffers: a checkpoint's copy
+      is dropped once the executor has checked it against the target's own buffer.
     - ``synthesize``: exact target keys the target may keep its own value for when the
       checkpoint lacks them (persistent derivable buffers); never parameters.
     - ``allow_cast``: whether a dtype difference becomes a ``Cast`` or an error.
