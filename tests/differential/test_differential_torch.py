@@ -3,12 +3,14 @@ call alone (see ``compare_loads``).
 
 Each checkpoint goes into the model it was written from (for the Hugging Face folders, today's
 model class of their ``config.json``), through ``load_state_dict``, ``set_model_state_dict`` and
-``dcp.load``, strict and not. What the checkpoint holds comes from its own library, not from
+``dcp.load``, strict and not; GPT-NeoX pipeline layer files into their layers, as DeepSpeed's
+``load_state_dir`` loads them. What the checkpoint holds comes from its own library, not from
 ckptshim: ``from_pretrained`` for the Hugging Face folders, ``torch.load`` for the rest.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import shutil
@@ -230,3 +232,26 @@ def test_built_safetensors_file(built, strict):
 
     compare(module_load("tiny.safetensors", tiny_fresh(), lambda: load_file(built["tiny"]), strict, tiny_truth()))
     compare(dcp_load("tiny.safetensors", model_state(tiny_fresh()), built["tiny"], strict, tiny_truth()))
+
+
+# -- GPT-NeoX pipeline layer files, as DeepSpeed's load_state_dir loads them ------------------------------
+
+
+@pytest.mark.parametrize("strict", STRICT)
+@pytest.mark.parametrize("run, degree", [("pp1_mp1", 1), ("pp2_mp2", 2)])
+def test_neox_pipeline_layer_files(run, degree, strict):
+    """Each ``layer_XX-model_YY-model_states.pt`` into its GPT-NeoX pipeline layer (built at the
+    run's tensor-parallel degree) -- the ``load_state_dict`` DeepSpeed's ``load_state_dir`` makes
+    for each layer of a matching checkpoint."""
+    from test_neox import neox_layers
+
+    torch.manual_seed(5)
+    layers = neox_layers(tp=degree)
+    folder = FIXTURES / "neox_deepspeed" / run / "checkpoint" / "global_step0"
+    for path in sorted(folder.glob("layer_*-model_*-model_states.pt")):
+        layer = layers[int(path.name.split("-")[0].removeprefix("layer_"))]
+
+        def read(path: Path = path) -> dict[str, torch.Tensor]:
+            return torch.load(path, weights_only=True)
+        compare(module_load(f"{run}/{path.name}", lambda layer=layer: copy.deepcopy(layer), read, strict,
+                            prints(read())))
