@@ -93,6 +93,9 @@ def module_layout(root: nn.Module) -> ModuleLayout:
         if any(nn.parameter.is_lazy(t) for t in (*module._parameters.values(), *module._buffers.values())):
             layout.unsupported = "lazy modules have no shapes yet"
         transparent = TRANSPARENT_HOP in children and _is_activation_wrapper(module)
+        if transparent and _holds_a_plain_hop(children[TRANSPARENT_HOP]):
+            layout.unsupported = ("a submodule named like the activation-checkpoint wrapper's own hop, "
+                                  "whose keys the wrapper's state-dict hooks rename too")
         if not transparent and (
                 type(module)._load_from_state_dict is not _BASE_LOAD
                 or module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks):
@@ -124,6 +127,14 @@ def _is_activation_wrapper(module: nn.Module) -> bool:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
     return isinstance(module, ActivationWrapper)
+
+
+def _holds_a_plain_hop(wrapped: nn.Module | None) -> bool:
+    """Whether the module an activation-checkpoint wrapper wraps has a submodule of its own named
+    ``_checkpoint_wrapped_module``: the wrapper's hooks add and remove that prefix on every key,
+    so torch renames (and, on load, can overwrite) that submodule's keys as well."""
+    inner = None if wrapped is None else wrapped._modules.get(TRANSPARENT_HOP)
+    return inner is not None and not _is_activation_wrapper(wrapped)
 
 
 def tensor_inventory(items: Iterable[tuple[str, torch.Tensor]], source: str, prefix: KeyPath = ()) -> Inventory:
