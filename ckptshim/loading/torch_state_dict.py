@@ -9,7 +9,8 @@ same tensors, unstacked layers ``select`` views, synthesized buffers the model's
 stacked targets the model's own tensors, written layer by layer through views (no second copy)
 by :meth:`~ckptshim.execute.torch.Prepared.write_stacked` -- all checked by the torch executor
 before anything is written. Optimizer state follows renamed keys (:func:`renamed_optimizer`).
-Missing and unexpected keys are left for torch to report under the caller's ``strict`` option.
+A strict load that does not fit is refused before anything is written; a non-strict one leaves
+missing and unexpected keys for torch to report.
 """
 
 from __future__ import annotations
@@ -45,8 +46,16 @@ class Rekeyed:
     writes: Prepared
 
 
-def prepare(model: nn.Module, state_dict: Mapping[str, Any]) -> Rekeyed | None:
-    """Plan and check the whole load (nothing is written); ``None`` when nothing needs doing."""
+def prepare(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> Rekeyed | None:
+    """Plan and check the whole load (nothing is written); ``None`` when nothing needs doing, or
+    when the load is torch's to decide.
+
+    ``strict`` is the caller's ``StateDictOptions.strict``: a strict load that does not fit is
+    refused here, before anything is written (torch's own check would come after the stacked
+    writes), unless the model completes its own state dict on load (a load hook or
+    ``_load_from_state_dict`` override), which torch then decides; a non-strict one leaves
+    missing and unexpected keys for torch to report.
+    """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     if not state_dict or any(isinstance(key, nn.Module) for key in state_dict):
@@ -65,13 +74,13 @@ def prepare(model: nn.Module, state_dict: Mapping[str, Any]) -> Rekeyed | None:
                               "the given model state dict")
     layout = module_layout(model)
     plan = make_plan(source, target, rules_for(source, target, "torch", _model_facts(model, layout, target)))
-    if plan.is_identity:
+    if plan.is_identity or (strict and not plan.complete and layout.own_load_logic):
         return None
-    plan.require_complete(allow_missing=True, allow_unexpected=True)
     writes = prepare_writes(plan, lambda key: state_dict[join_key(key)],
                             {split_key(k): v for k, v in tensors.items()},
-                            allow_missing=True, allow_unexpected=True, recomputed=recomputed_buffers(layout))
-    plan = plan.undropped(writes.unexpected)  # left for torch to report, under the caller's strict
+                            allow_missing=not strict, allow_unexpected=not strict,
+                            recomputed=recomputed_buffers(layout))
+    plan = plan.undropped(writes.unexpected)  # left for torch to report (a non-strict load)
     used = {join_key(key) for op in plan.ops for key in op.sources}
     rekeyed = {key: value for key, value in state_dict.items() if key not in used}
     rekeyed.update((join_key(key), value) for key, value in writes.values.items())
