@@ -96,6 +96,7 @@ def cases(draw) -> Case:
 
 
 def _fill(leaf: Leaf, generator: torch.Generator) -> torch.Tensor:
+    """A derived value (the same in every build), or a trained-looking one (``generator``'s)."""
     if leaf.fill == "causal mask":
         return torch.ones(leaf.shape[-2:], dtype=torch.bool).tril().expand(leaf.shape).float()
     if leaf.fill == "positions":
@@ -147,6 +148,7 @@ def changed(node: Node, change: str | None, at: int) -> Node:
 
 
 def wrapped(module: nn.Module, outer: str | None, inner: str | None) -> nn.Module:
+    """``module`` with its first child wrapped ``inner``, and itself wrapped ``outer``."""
     if inner is not None and module._modules:
         name, child = next(iter(module._modules.items()))
         module._modules[name] = _wrap(child, inner)
@@ -154,6 +156,7 @@ def wrapped(module: nn.Module, outer: str | None, inner: str | None) -> nn.Modul
 
 
 def _wrap(module: nn.Module, how: str | None) -> nn.Module:
+    """DDP (over a module with parameters to train), ``torch.compile``, activation checkpointing."""
     if how == "ddp" and any(p.requires_grad for p in module.parameters()):
         return nn.parallel.DistributedDataParallel(module)
     if how == "compile":
@@ -164,6 +167,7 @@ def _wrap(module: nn.Module, how: str | None) -> nn.Module:
 
 
 def instance(tree: Node, seed: int, outer: str | None, inner: str | None) -> tuple[nn.Module, dict[int, str]]:
+    """``tree`` built with ``seed`` and wrapped; and each tensor's path in the tree, by identity."""
     generator = torch.Generator().manual_seed(seed)
     paths: dict[int, str] = {}
     return wrapped(build(tree, generator, paths), outer, inner), paths
