@@ -31,6 +31,16 @@ class PlanError(ShimError):
     """The source cannot be mapped onto the target without guessing or losing data."""
 
 
+class AmbiguousNameError(PlanError):
+    """Names that could each be the one wanted: two keys that mean one name once wrapper
+    components are removed (or claim one layer), or one key whose exact name and whose name
+    without wrapper components lead to different targets. Nothing is guessed.
+
+    Refused also where the framework alone would load by exact names (a non-strict load): which
+    reading that load takes is right or wrong by luck, and no name tells which.
+    """
+
+
 class InternalError(ShimError):
     """A bug inside ckptshim, where falling back to the framework's own loader is not safe.
 

@@ -8,10 +8,16 @@ permutation), never tensor bytes. Every op class declares what it is and how it 
   is one class here plus one handler in each executor that can run it -- every other executor
   refuses it by itself instead of loading without it;
 - ``produces``: whether it gives its targets their values (``Cast`` changes the dtype of a value
-  another op produced; ``Drop`` leaves a source unread);
+  another op produced; ``Drop`` and ``DropIfDerived`` leave a source unloaded);
 - ``inverse()``: the op that undoes it, so ops for A -> B invert into ops for B -> A;
 - ``describe(sep)``: its line in ``ckptshim plan``; ``tally()`` and ``note(sep)``: what the
   one-line summary counts (``None`` for an op that changes nothing) and shows in parentheses.
+
+Dropping a checkpoint key the target computes itself -- a buffer it does not persist, or one
+named like a derivable buffer -- is a kind of its own (``DropIfDerived``) for the same reason: a
+name proves nothing (a trained ``attention.bias`` is no causal mask), so an executor drops such a
+key only after checking its value, and one that cannot check refuses the plan. ``Drop`` is the
+unchecked inverse of keeping the target's own value.
 
 Layout changes -- a permutation of axes (``Transpose``), slicing or filling with one
 (``Split``, ``Join``), arrays side by side along an axis (``Concat``, ``Chunk``) and a
@@ -207,9 +213,21 @@ class Unstack(_Defaults, _FromSource, _OneAxis):
         return f"axis {self.axis}"
 
 
+#: The rule of a synthesis the target asks for outright (a key a profile or the caller lets it
+#: keep), and of its unchecked inverse ``Drop``.
+OWN_VALUE = "target's own value"
+#: The rule of a ``DropIfDerived`` of the target's own non-persistent buffer, saved by an older
+#: version of the model; every other rule names a derivable-buffer rule.
+NOT_PERSISTENT = "not persistent in target"
+
+
 @dataclass(frozen=True, slots=True)
 class Synthesize(_Defaults, _IntoTarget):
-    """The checkpoint lacks ``target``; the target keeps (or recomputes) its value by ``rule``."""
+    """The checkpoint lacks ``target``; the target keeps (or recomputes) its value by ``rule``.
+
+    Planned only where the target says the key is its own to compute (a buffer of the live
+    module, a value checked to be what its rule derives), never from a name alone.
+    """
 
     kind: ClassVar[str] = "synthesize"
 
@@ -220,8 +238,10 @@ class Synthesize(_Defaults, _IntoTarget):
     def sources(self) -> tuple[KeyPath, ...]:
         return ()
 
-    def inverse(self) -> Drop:
-        return Drop(self.target, self.rule)
+    def inverse(self) -> Drop | DropIfDerived:
+        if self.rule == OWN_VALUE:
+            return Drop(self.target, self.rule)
+        return DropIfDerived(self.target, self.rule)
 
     def describe(self, sep: str = ".") -> str:
         return f"(not in checkpoint) -> synthesize({self.rule}) -> {join_key(self.target, sep)}"
@@ -235,7 +255,8 @@ class Synthesize(_Defaults, _IntoTarget):
 
 @dataclass(frozen=True, slots=True)
 class Drop(_Defaults, _FromSource):
-    """The checkpoint's ``source`` is not loaded: the target derives it by ``rule`` or lacks it."""
+    """The checkpoint's ``source`` is not loaded, unchecked: the inverse of a ``Synthesize`` by
+    :data:`OWN_VALUE` (going back, the value the target kept has no place)."""
 
     kind: ClassVar[str] = "drop"
     produces: ClassVar[bool] = False
@@ -252,6 +273,42 @@ class Drop(_Defaults, _FromSource):
 
     def describe(self, sep: str = ".") -> str:
         return f"{join_key(self.source, sep)} -> drop({self.rule})"
+
+    def tally(self) -> tuple[str, int]:
+        return "dropped", 1
+
+    def note(self, sep: str = ".") -> str:
+        return self.rule
+
+
+@dataclass(frozen=True, slots=True)
+class DropIfDerived(_Defaults, _FromSource):
+    """The checkpoint's ``source`` is a buffer the target computes itself; it is not loaded once
+    its value is checked to be that buffer.
+
+    ``rule`` says which: a derivable-buffer rule (``inv_freq``, a causal ``attention.bias``: the
+    value must be what the rule derives, :data:`ckptshim.rules.buffers.HOLDS`), or
+    :data:`NOT_PERSISTENT` (the target's own buffer of that name, which it does not persist: the
+    value must have its shape and dtype). The executor that runs it reads the value and checks
+    it; where it is not what the rule says, the key is the target's no more than any other:
+    unexpected (a strict load refuses it).
+    """
+
+    kind: ClassVar[str] = "drop-if-derived"
+    produces: ClassVar[bool] = False
+
+    source: KeyPath
+    rule: str
+
+    @property
+    def targets(self) -> tuple[KeyPath, ...]:
+        return ()
+
+    def inverse(self) -> Synthesize:
+        return Synthesize(self.source, self.rule)
+
+    def describe(self, sep: str = ".") -> str:
+        return f"{join_key(self.source, sep)} -> drop({self.rule}) once its value is checked"
 
     def tally(self) -> tuple[str, int]:
         return "dropped", 1

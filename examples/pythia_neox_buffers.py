@@ -48,10 +48,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # 1. an old-style checkpoint: today's weights plus the legacy buffers, as Pythia has them
         old = dict(model.state_dict())
-        head_dim = 32 // 4
+        rotary_dims = int(32 // 4 * 0.25)  # head size x GPT-NeoX's default rotary_pct
         for i in range(2):
             old[f"gpt_neox.layers.{i}.attention.rotary_emb.inv_freq"] = \
-                1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+                1.0 / (10000 ** (torch.arange(0, rotary_dims, 2).float() / rotary_dims))
             old[f"gpt_neox.layers.{i}.attention.bias"] = torch.tril(torch.ones(8, 8, dtype=torch.bool))[None, None]
             old[f"gpt_neox.layers.{i}.attention.masked_bias"] = torch.tensor(-1e9)
         torch.save(old, Path(tmp) / "pytorch_model.bin")

@@ -9,7 +9,7 @@ import pytest
 
 from ckptshim.errors import PlanError, ShimError
 from ckptshim.inventory import Entry, Inventory, join_key
-from ckptshim.ops import Cast, Drop, Rename, Stack, Synthesize, Transpose, Unstack
+from ckptshim.ops import Cast, Drop, DropIfDerived, Rename, Stack, Synthesize, Transpose, Unstack
 from ckptshim.planner import Mismatch, Plan, explain, plan, summary
 from ckptshim.rules import DEFAULT_RULES, Alias, Rules, ScanAxis
 from support.plans import inverse
@@ -417,12 +417,12 @@ def test_derivable_buffers_are_dropped():
     })
     tgt = inv({"gpt_neox.layers.0.attention.query_key_value.weight": (12, 4)})
     p = plan(src, tgt)
-    drops = [op for op in p.ops if isinstance(op, Drop)]
-    assert drops == [
-        Drop(K("gpt_neox.layers.0.attention.bias"), "attention.bias"),
-        Drop(K("gpt_neox.layers.0.attention.masked_bias"), "attention.masked_bias"),
-        Drop(K("gpt_neox.layers.0.attention.rotary_emb.inv_freq"), "inv_freq"),
-        Drop(K("_orig_mod.layers.1.attention.rotary_emb.inv_freq"), "inv_freq"),
+    drops = [op for op in p.ops if isinstance(op, (Drop, DropIfDerived))]
+    assert drops == [  # by name alone: the executor drops them only once their values check out
+        DropIfDerived(K("gpt_neox.layers.0.attention.bias"), "attention.bias"),
+        DropIfDerived(K("gpt_neox.layers.0.attention.masked_bias"), "attention.masked_bias"),
+        DropIfDerived(K("gpt_neox.layers.0.attention.rotary_emb.inv_freq"), "inv_freq"),
+        DropIfDerived(K("_orig_mod.layers.1.attention.rotary_emb.inv_freq"), "inv_freq"),
     ]
     # A real parameter that merely ends in "bias" is not derivable: it stays unexpected.
     assert p.unexpected == (K("gpt_neox.layers.0.attention.dense.bias"),)
@@ -438,8 +438,8 @@ def test_derivable_buffer_the_target_wants_is_loaded_not_dropped():
 def test_rules_drop_names_exact_canonical_keys():
     src = inv({"w": (3,), "_orig_mod.running_buf": (3,), "other_buf": (3,)})
     p = plan(src, inv({"w": (3,)}), Rules(drop=frozenset({K("running_buf")})))
-    assert [op for op in p.ops if isinstance(op, Drop)] == [
-        Drop(K("_orig_mod.running_buf"), "not persistent in target")]
+    assert [op for op in p.ops if isinstance(op, (Drop, DropIfDerived))] == [  # checked by the executor
+        DropIfDerived(K("_orig_mod.running_buf"), "not persistent in target")]
     assert p.unexpected == (K("other_buf"),)
 
 
@@ -508,7 +508,8 @@ def test_cast_refused_when_not_allowed():
     p = plan(inv({"w": (4,)}), inv({"w": ((4,), "float16")}), Rules(allow_cast=False))
     assert p.casts() == {}
     assert p.mismatched == (Mismatch(K("w"), K("w"), ("float32",), ("float16",), "dtype"),)
-    with pytest.raises(PlanError, match=r"w: target dtype \('float16',\) but checkpoint w has \('float32',\)"):
+    with pytest.raises(PlanError, match=r"1 key\(s\) match by name and shape but not by dtype.*\n"
+                                        r"  w: target dtype float16 but checkpoint w has float32\n"):
         p.require_complete()
 
 
@@ -683,7 +684,7 @@ def test_rich_plan_ops():
         Stack(tuple(K(f"_orig_mod.layers.{i}.w") for i in range(3)), K("layers.w"), 1),
         Unstack(K("_orig_mod.head.w"), tuple(K(f"head.{i}.w") for i in range(3)), 1),
         Synthesize(K("norm_buf"), "target's own value"),
-        Drop(K("_orig_mod.layers.0.rotary.inv_freq"), "inv_freq"),
+        DropIfDerived(K("_orig_mod.layers.0.rotary.inv_freq"), "inv_freq"),
     )
     assert summary(p) == ("1 renamed (_orig_mod.embed.weight -> embed.weight), 3 stacked (axis 1), "
                           "3 unstacked (axis 1), 1 synthesized (target's own value), 1 dropped (inv_freq)")
@@ -692,7 +693,7 @@ def test_rich_plan_ops():
         "_orig_mod.layers.{0..2}.w -> stack(axis=1) -> layers.w",
         "_orig_mod.head.w -> unstack(axis=1) -> head.{0..2}.w",
         "(not in checkpoint) -> synthesize(target's own value) -> norm_buf",
-        "_orig_mod.layers.0.rotary.inv_freq -> drop(inv_freq)",
+        "_orig_mod.layers.0.rotary.inv_freq -> drop(inv_freq) once its value is checked",
     ]
 
 

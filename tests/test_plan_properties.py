@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from ckptshim.errors import ShimError
 from ckptshim.inventory import Entry, Inventory, KeyPath
 from ckptshim.execute import blocks
-from ckptshim.ops import Cast, Chunk, Concat, Drop, Join, Rename, Reorder, Split, Stack, Synthesize, Transpose, Unstack
+from ckptshim.ops import (Cast, Chunk, Concat, Drop, DropIfDerived, Join, Rename, Reorder, Split, Stack, Synthesize,
+                          Transpose, Unstack)
 from ckptshim.planner import Plan, explain, plan, summary
 from ckptshim.rules import DEFAULT_RULES, Rules, ScanAxis
 from support.plans import inverse
@@ -97,7 +98,7 @@ def execute(p: Plan, arrays: dict[KeyPath, np.ndarray]) -> dict[KeyPath, np.ndar
             assert out[op.target].dtype.name == op.source_dtype, op
             cast.add(op.target)
             out[op.target] = out[op.target].astype(op.target_dtype)
-        elif not isinstance(op, (Synthesize, Drop)):  # pragma: no cover - a new kind of op
+        elif not isinstance(op, (Synthesize, Drop, DropIfDerived)):  # pragma: no cover - a new kind of op
             raise AssertionError(f"unknown op {op!r}")
     return out
 
@@ -263,7 +264,7 @@ def check_case(case: Case) -> Plan | None:
         producer = p.producer(key)
         assert producer is not None, key
         assert isinstance(producer, Synthesize) == (key in case.synthesized), (key, producer)
-    assert {op.source for op in p.ops if isinstance(op, Drop)} == case.dropped
+    assert {op.source for op in p.ops if isinstance(op, (Drop, DropIfDerived))} == case.dropped
 
     # Never mis-maps: executed, the plan gives each target key exactly its intended value.
     out = execute(p, case.source.arrays)
@@ -315,8 +316,8 @@ def test_plan_is_deterministic_and_order_of_source_does_not_matter(case):
     except ShimError:
         return
     again = plan(Inventory(reversed(list(source.values()))), target, case.rules)
-    assert [op for op in again.ops if not isinstance(op, Drop)] == \
-        [op for op in first.ops if not isinstance(op, Drop)]
+    assert [op for op in again.ops if not isinstance(op, (Drop, DropIfDerived))] == \
+        [op for op in first.ops if not isinstance(op, (Drop, DropIfDerived))]
     assert set(again.ops) == set(first.ops)
 
 

@@ -6,8 +6,10 @@ here in the checkpoint's storage dtype (bfloat16 as its uint16 bits), by one han
 copy); every layout kind -- stack, unstack, transpose, split, join, concat, chunk, reorder -- is
 filled by the block reads the JAX executor uses (:mod:`ckptshim.execute.blocks`), reading
 exactly the source ranges the array needs into one new buffer. ``Synthesize``\\ d targets are
-not written (the checkpoint does not hold them) and ``Drop``\\ ped sources not read; any other
-kind (a ``Cast``: convert copies bytes exactly) is refused before anything is read.
+not written (the checkpoint does not hold them) and ``Drop``\\ ped sources not read -- nor
+``DropIfDerived`` ones: convert writes only the arrays the target layout names, so a source it
+does not name is left unread whether or not its value is the derived one, as an unexpected one
+is. Any other kind (a ``Cast``: convert copies bytes exactly) is refused before anything is read.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 from ckptshim.execute import blocks
 from ckptshim.formats.base import Checkpoint, numpy_dtype, storage_dtype
 from ckptshim.inventory import Entry
-from ckptshim.ops import Drop, Op, Rename, Synthesize, require_kinds
+from ckptshim.ops import Drop, DropIfDerived, Op, Rename, Synthesize, require_kinds
 from ckptshim.planner import Plan
 
 
@@ -40,8 +42,8 @@ class PlannedArrays:
         if self.plan is None:
             self.entries = list(self.source.inventory.values())
             return
-        require_kinds(self.plan.ops, HANDLERS.keys() | {Synthesize.kind, Drop.kind}, "array executor",
-                      sep=self.sep)
+        require_kinds(self.plan.ops, HANDLERS.keys() | {Synthesize.kind, Drop.kind, DropIfDerived.kind},
+                      "array executor", sep=self.sep)
         self.entries = [entry for entry in self.plan.target.values()
                         if self.plan.producer(entry.key).kind != Synthesize.kind]
 

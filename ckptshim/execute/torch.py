@@ -15,7 +15,10 @@ Callers that hand the values to the framework's own loader (the ``load_state_dic
 :attr:`Prepared.values` and :meth:`Prepared.write_assembled`; others call :meth:`Prepared.write`.
 
 The ops it runs are the kinds in :data:`HANDLERS`; a plan with any other kind is refused before
-anything is fetched.
+anything is fetched. A ``DropIfDerived`` source is fetched and dropped only when its value is
+what its rule derives (:func:`ckptshim.execute.derived.mismatch`); otherwise it is an unexpected
+key, like any other the target has no place for: refused by a strict load, listed in
+:attr:`Prepared.unexpected` by a non-strict one.
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ import numpy as np
 import torch
 
 from ckptshim.errors import PlanError
+from ckptshim.execute.derived import REBUILDABLE, mismatch, not_equal
 from ckptshim.inventory import Entry, KeyPath, dtype_name, join_key
 from ckptshim.ops import (
+    NOT_PERSISTENT,
     Cast,
     Chunk,
     Concat,
     Drop,
+    DropIfDerived,
     Join,
     Op,
     Rename,
@@ -49,6 +55,8 @@ from ckptshim.ops import (
     require_kinds,
 )
 from ckptshim.planner import Plan
+from ckptshim.rules.buffers import derivable_rule
+from ckptshim.rules.prefixes import strip_wrappers
 
 #: Returns the source tensor for a source key (from a state dict, or a lazy view of a file).
 Fetch = Callable[[KeyPath], torch.Tensor]
@@ -63,19 +71,6 @@ def as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
 
-def _position_ids(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.arange(shape[-1], dtype=dtype, device=device).expand(shape).contiguous()
-
-
-#: Derivable buffers whose value follows from their shape alone, so that a buffer on the meta
-#: device (which holds no value to keep) can be rebuilt. The others depend on settings the
-#: buffer does not carry -- ``inv_freq`` on the rotary base, ``masked_bias`` on the model
-#: family, ``attention.bias`` on a possible attention window -- and are refused instead.
-RECOMPUTABLE: Mapping[str, Callable[[torch.Size, torch.dtype, torch.device], torch.Tensor]] = {
-    "position_ids": _position_ids,
-}
-
-
 @dataclass
 class Prepared:
     """A load that has passed every check; nothing has been written yet.
@@ -85,11 +80,14 @@ class Prepared:
     new tensor, filled the same way, when the destination cannot take writes through views (on
     the meta device, or a DTensor that the framework's loader distributes). ``fills`` are those
     writes: each a view of an assembled target, in its source's shape, and the source.
+    ``unexpected`` are the ``DropIfDerived`` sources whose value is not what their rule derives
+    (see the module docstring): the plan, as run, has them unexpected (:meth:`Plan.undropped`).
     """
 
     values: dict[KeyPath, torch.Tensor]
     destinations: Mapping[KeyPath, torch.Tensor]
     fills: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    unexpected: list[KeyPath] = field(default_factory=list)
 
     def write_assembled(self) -> None:
         """Write every source of an assembled target into its view of the target."""
@@ -114,23 +112,35 @@ class Prepared:
 
 
 def prepare(plan: Plan, fetch: Fetch, destinations: Mapping[KeyPath, torch.Tensor], *,
-            allow_missing: bool = False, allow_unexpected: bool = False) -> Prepared:
+            allow_missing: bool = False, allow_unexpected: bool = False,
+            recomputed: Mapping[KeyPath, torch.Tensor] | None = None) -> Prepared:
     """Check ``plan`` against the real tensors and work out every value; write nothing.
 
     ``destinations`` maps target keys to the live tensors to load into. Missing and unexpected
     keys are errors unless allowed (a non-strict load); a shape mismatch always is.
+    ``recomputed`` are the target's buffers that it computes itself and does not load (a
+    module's non-persistent buffers): a checkpoint's ``inv_freq`` is dropped only if it equals
+    one of the target's own.
     """
     plan.require_complete(allow_missing=allow_missing, allow_unexpected=allow_unexpected)
-    require_kinds(plan.ops, HANDLERS, "torch executor",
-                  hint="Of ckptshim's executors only the JAX executor (an Orbax restore) and `ckptshim "
-                       "convert` run layout ops (transpose, split, join): restore it with JAX, or "
-                       "convert it first.")
-    return _Preparer(plan, fetch, destinations).run()
+    require_kinds(plan.ops, HANDLERS, "torch executor")
+    return _Preparer(plan, fetch, destinations, allow_unexpected, recomputed or {}).run()
 
 
 class _Preparer:
-    def __init__(self, plan: Plan, fetch: Fetch, destinations: Mapping[KeyPath, torch.Tensor]) -> None:
+    def __init__(self, plan: Plan, fetch: Fetch, destinations: Mapping[KeyPath, torch.Tensor],
+                 allow_unexpected: bool, recomputed: Mapping[KeyPath, torch.Tensor]) -> None:
         self.plan, self.fetch, self.destinations = plan, fetch, destinations
+        self.allow_unexpected = allow_unexpected
+        self.own: dict[str, list[torch.Tensor]] = {}  # rule -> the target's own buffers of that rule
+        self.recomputed = recomputed
+        self.own_by_name: dict[KeyPath, list[torch.Tensor]] = {}  # wrapper-free key, or leaf -> buffers
+        for key, tensor in recomputed.items():
+            rule = derivable_rule(key)
+            if rule is not None:
+                self.own.setdefault(rule, []).append(tensor)
+            self.own_by_name.setdefault(strip_wrappers(key), []).append(tensor)
+            self.own_by_name.setdefault(key[-1:], []).append(tensor)
         self.casts = plan.casts()
         self.missing = frozenset(plan.missing)
         self.sources: dict[KeyPath, torch.Tensor] = {}
@@ -208,6 +218,32 @@ class _Preparer:
         else:
             self.prepared.values[op.target] = destination
 
+    def _drop_if_derived(self, op: DropIfDerived) -> None:
+        value = self._source(op.source)
+        if op.rule != NOT_PERSISTENT:
+            problem = mismatch(op.rule, value, self.own.get(op.rule, ()))
+        elif op.source in self.recomputed and strip_wrappers(op.source) == op.source:
+            # the very buffer (its name has one reading), as an older version persisted it
+            problem = mismatch(op.rule, value, [self.recomputed[op.source]])
+        else:  # a name with wrapper components has two readings: the other may be another tensor's
+            problem = not_equal(value, self._buffer_named(op.source), "the target's own buffer")
+        if problem is None:
+            return
+        if not self.allow_unexpected:
+            what = "the target's own non-persistent buffer" if op.rule == NOT_PERSISTENT \
+                else f"the derivable buffer {op.rule!r}"
+            raise PlanError(
+                f"checkpoint key {join_key(op.source)!r} is named like {what}, which the target "
+                f"computes itself, but its value is {problem}: it is not that buffer, and the "
+                "target has no place for it (torch alone calls it an unexpected key). Load into a "
+                "model that has a place for it, or with strict=False to leave it out.")
+        self.prepared.unexpected.append(op.source)
+
+    def _buffer_named(self, source: KeyPath) -> list[torch.Tensor]:
+        """The target's non-persistent buffer the planner took ``source`` for: the one of the same
+        name without wrapper components, else (a name an alias changed) those of the same leaf."""
+        return self.own_by_name.get(strip_wrappers(source)) or self.own_by_name.get(source[-1:], [])
+
     def _nothing(self, op: Op) -> None:
         """``Drop`` reads nothing; a ``Cast`` is done by ``copy_`` (checked in :meth:`_check_value`)."""
 
@@ -257,6 +293,7 @@ HANDLERS: Mapping[str, Callable[[_Preparer, Op], None]] = {
     Reorder.kind: _Preparer._assembled,
     Tie.kind: _Preparer._tie,
     Synthesize.kind: _Preparer._synthesize,
+    DropIfDerived.kind: _Preparer._drop_if_derived,
     Drop.kind: _Preparer._nothing,
     Cast.kind: _Preparer._nothing,
 }
@@ -329,12 +366,12 @@ def _require_entry(tensor: torch.Tensor, entry: Entry, side: str) -> None:
 
 
 def _recompute(key: KeyPath, rule: str, destination: torch.Tensor, device: torch.device) -> torch.Tensor:
-    build = RECOMPUTABLE.get(rule)
+    build = REBUILDABLE.get(rule)
     if build is None:
         raise PlanError(
             f"{join_key(key)!r} is a buffer on the meta device, so it has no value to keep, and "
             f"the checkpoint lacks it; a {rule!r} buffer cannot be rebuilt from its shape alone "
-            f"(ckptshim rebuilds {', '.join(sorted(RECOMPUTABLE))}). Materialize and initialise "
+            f"(ckptshim rebuilds {', '.join(sorted(REBUILDABLE))}). Materialize and initialise "
             "the model before loading (module.to_empty(device=...), then its init), or load a "
             "checkpoint that carries this buffer.")
     return build(destination.shape, destination.dtype, device)

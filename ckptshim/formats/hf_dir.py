@@ -1,10 +1,13 @@
 """Hugging Face model directories: ``config.json`` beside one weights file or a sharded index.
 
 Weights come as ``model.safetensors`` or ``pytorch_model.bin``, or as shards listed in
-``*.index.json`` (``{"weight_map": {key: shard file}}``). The directory reads as one
-checkpoint whose entries delegate to the file that holds them; a shard the index names but
-the directory lacks is reported, not skipped. :func:`model_config` reads the ``config.json``
-that names the model a checkpoint holds (its ``model_type`` and ``architectures``).
+``*.index.json`` (``{"weight_map": {key: shard file}}``). A folder may hold several of them (a
+model re-saved as safetensors beside its old ``.bin`` shards); ckptshim reads the one
+transformers' ``from_pretrained`` reads (:func:`weights_file`), never another. The directory
+reads as one checkpoint whose entries delegate to the file that holds them; a shard the index
+names but the directory lacks is reported, not skipped. :func:`model_config` reads the
+``config.json`` that names the model a checkpoint holds (its ``model_type`` and
+``architectures``, and the weights file it may name).
 """
 
 from __future__ import annotations
@@ -20,10 +23,17 @@ from ckptshim.formats.base import Checkpoint, FileInfo, file_info, strict_json
 from ckptshim.inventory import Entry, Inventory
 
 NAME = "hf-dir"
-_SINGLE = ("model.safetensors", "pytorch_model.bin")
-_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-#: What a Hugging Face model folder holds its weights in.
-WEIGHT_FILES = _SINGLE + _INDEX
+#: What a Hugging Face model folder holds its weights in, in the order transformers' ``from_pretrained``
+#: looks for them in a local folder (``modeling_utils._get_resolved_checkpoint_files``, 5.x): the
+#: first one present is the one it reads.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
+                "pytorch_model.bin", "pytorch_model.bin.index.json")
+_INDEX_SUFFIX = ".index.json"
+#: The ``config.json`` entry that names the weights file outright, ahead of :data:`WEIGHT_FILES`,
+#: and the names transformers accepts there.
+_EXPLICIT = "transformers_weights"
+_EXPLICIT_SUFFIXES = (".safetensors", ".safetensors.index.json")
+_EXPLICIT_ADAPTER = "adapter_model.bin"
 CONFIG = "config.json"
 #: The most a ``config.json`` may hold; real ones are a few KiB (a hostile one is not read whole).
 MAX_CONFIG_BYTES = 16 * 2**20
@@ -31,8 +41,8 @@ MAX_CONFIG_BYTES = 16 * 2**20
 
 def model_config(path: Path) -> dict | None:
     """The ``config.json`` of the model a checkpoint at ``path`` holds: in the folder, or beside
-    the file (``model.safetensors`` in a Hugging Face folder). ``None`` when there is none; a
-    damaged one is refused, naming the file."""
+    the file (``model.safetensors`` in a Hugging Face folder). ``None`` when there is none or it
+    is not a JSON object; a damaged one is refused, naming the file."""
     path = Path(path)
     found = (path if path.is_dir() else path.parent) / CONFIG
     if not found.is_file():
@@ -44,8 +54,8 @@ def model_config(path: Path) -> dict | None:
             raise ValueError(f"over {MAX_CONFIG_BYTES} bytes")
         config = strict_json(data)
     except ValueError as error:  # not JSON, not UTF-8, too deep, a key twice, too long
-        raise CorruptCheckpointError(f"{found}: not a valid model config ({error}); re-copy it "
-                                     "from the original, or move it out of the checkpoint's folder.") from None
+        raise CorruptCheckpointError(f"{found}: not valid JSON ({error}); transformers cannot read this "
+                                     "folder either. Re-copy it from the original.") from None
     return config if isinstance(config, dict) else None
 
 
@@ -94,13 +104,42 @@ def _roots(path: Path) -> tuple[Path, ...]:
     return (path.resolve(),)
 
 
+def weights_file(path: Path) -> str:
+    """The weights file of the folder ``path`` that transformers' ``from_pretrained`` reads.
+
+    ``config.json``'s ``transformers_weights`` when it names one, else the first of
+    :data:`WEIGHT_FILES` present -- so ``model.safetensors`` wins over an index beside it, as it
+    does in transformers. Reading another file than transformers would load other values under
+    the same names, without a word.
+    """
+    explicit = _explicit_weights_file(path)
+    if explicit is not None:
+        return explicit
+    return next(name for name in WEIGHT_FILES if (path / name).is_file())
+
+
+def _explicit_weights_file(path: Path) -> str | None:
+    settings = model_config(path)
+    named = settings.get(_EXPLICIT) if settings is not None else None
+    if named is None:
+        return None
+    inside = isinstance(named, str) and named and not PurePosixPath(named).is_absolute() \
+        and ".." not in PurePosixPath(named).parts
+    if not inside or not (named.endswith(_EXPLICIT_SUFFIXES) or named == _EXPLICIT_ADAPTER):
+        raise CorruptCheckpointError(
+            f"{path / CONFIG}: {_EXPLICIT} is {named!r:.100}, not a .safetensors file or index inside the "
+            "folder; transformers refuses it too. Fix config.json.")
+    return named
+
+
 def open_checkpoint(path: Path) -> HFDirCheckpoint:
-    index_name = next((n for n in _INDEX if (path / n).is_file()), None)
+    chosen = weights_file(path)
+    index_name = chosen if chosen.endswith(_INDEX_SUFFIX) else None
     problems: list[str] = []
     files: list[FileInfo] = []
     if index_name is None:
-        shards = [next(n for n in _SINGLE if (path / n).is_file())]
-        version = shards[0]
+        shards = [chosen]
+        version = chosen
     else:
         try:
             weight_map = strict_json((path / index_name).read_bytes())["weight_map"]

@@ -141,7 +141,9 @@ def _set_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
     call = bind(wrapped, args, kwargs)
     if call is None or not isinstance(call["model"], nn.Module) or not isinstance(call["model_state_dict"], Mapping):
         return wrapped(*args, **kwargs)
-    rekeyed = guarded(SETTERS_SEAM, lambda: torch_state_dict.prepare(call["model"], call["model_state_dict"]),
+    strict = getattr(call.get("options"), "strict", True)  # StateDictOptions(), torch's default, is strict
+    rekeyed = guarded(SETTERS_SEAM,
+                      lambda: torch_state_dict.prepare(call["model"], call["model_state_dict"], strict),
                       lambda: None)
     if rekeyed is None:
         return wrapped(*args, **kwargs)

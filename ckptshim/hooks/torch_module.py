@@ -7,7 +7,8 @@ code (buffers that became non-persistent or persistent), with layers stacked the
 under names the model's framework renames on load, loads as if it had been saved from this
 model -- or fails, before anything is written, with an error that names the keys. How is
 :func:`ckptshim.loading.torch.prepare_module_load`'s business; only calls that need help are
-planned: when the state dict's keys already are the module's, the original runs at once.
+planned: when the state dict's keys, shapes and dtypes already are the module's, the original
+runs at once.
 """
 
 from __future__ import annotations

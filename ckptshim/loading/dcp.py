@@ -57,7 +57,10 @@ def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageRe
         fmt = detect(location, backend="torch")
     except UnknownFormatError:  # a file DCP cannot read either: FormatReader explains; a folder: DCP's
         return FormatReader(location) if Path(location).is_file() else given
-    return DcpReader(location) if fmt is dcp else FormatReader(location)
+    if fmt is dcp:
+        return DcpReader(location)
+    logger.info("%s: %s is a %s checkpoint, which DCP cannot read; ckptshim reads it", HOOK, location, fmt.NAME)
+    return FormatReader(location)
 
 
 def load_planner(inner: LoadPlanner | None) -> RemappingLoadPlanner:
@@ -66,27 +69,28 @@ def load_planner(inner: LoadPlanner | None) -> RemappingLoadPlanner:
 
 
 def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missing: bool) -> KeyMapping:
-    """Plan the checkpoint's keys onto the state dict's and check the plan (nothing is read)."""
+    """Plan the checkpoint's keys onto the state dict's and check the plan (nothing is read).
+
+    DCP reads only what the state dict asks for and checks no value while planning, so a
+    checkpoint key named like a derivable buffer is not dropped as one: like any key the state
+    dict has no place for, it is unexpected, and left unread. Where no module is passed, the
+    checkpoint's own ``config.json`` names the transformers model whose conversion mapping applies.
+    """
     location = getattr(metadata.storage_meta, "checkpoint_id", None)
     where = str(location or "DCP checkpoint")
     flat, target_paths = flatten_state_dict(state_dict)
     source, target, note = _sides(metadata, flat, target_paths, where)
-    tensors = _tensors(target)
-    facts = state_dict_facts(tensors, ((key, flat[target.fqn(key)]) for key in tensors))
+    tensors = {entry.key: flat[entry.location] for entry in target.inventory.values()
+               if entry.key not in target.objects}
     config = model_config(Path(location)) if location is not None and Path(location).exists() else None
-    plan = make_plan(source.inventory, target.inventory,
-                     rules_for(source.inventory, target.inventory, "torch", facts, config))
+    rules = rules_for(source.inventory, target.inventory, "torch", state_dict_facts(tensors), config)
+    plan = make_plan(source.inventory, target.inventory, rules.extend(drop_derivable=False))
     plan.require_complete(allow_missing=allow_missing, allow_unexpected=True)
     _check_objects(plan, source, target)
     report_load(HOOK, plan)  # on every rank: each loads its own part
     if note:
         logger.info("%s: %s", HOOK, note)
     return KeyMapping(plan, source, target)
-
-
-def _tensors(side: FlatKeys) -> Inventory:
-    """The side's tensors (its Python objects left out)."""
-    return Inventory([e for e in side.inventory.values() if e.key not in side.objects], side.inventory.source)
 
 
 def _app_levels(paths: Mapping[str, tuple]) -> set[str]:
@@ -123,8 +127,8 @@ def _side(items: Mapping[str, tuple[tuple[int, ...], str] | None], paths: Mappin
 
 def _sides(metadata: Metadata, flat: Mapping[str, Any], target_paths: Mapping[str, tuple],
            where: str) -> tuple[FlatKeys, FlatKeys, str | None]:
-    """Both sides (the state dict flattened, with each flat key's path in it), and a note when a
-    top-level state-dict name was set aside to match them."""
+    """Both sides (the state dict as DCP flattens it), and a note when a top-level state-dict
+    name was set aside to match them."""
     source_paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
     source_apps, target_apps = _app_levels(source_paths), _app_levels(target_paths)
     renamed_app = len(source_apps) == len(target_apps) == 1 and source_apps != target_apps

@@ -37,7 +37,7 @@ from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key, split_key
 from ckptshim.loading.report import report_load
-from ckptshim.loading.torch import module_facts, module_layout, tensor_inventory
+from ckptshim.loading.torch import module_facts, module_layout, recomputed_buffers, tensor_inventory
 from ckptshim.log import logger
 from ckptshim.planner import plan as make_plan
 from ckptshim.rules import TargetFacts
@@ -103,7 +103,7 @@ def layer_state_dicts(source: Checkpoint, layers: Mapping[int, nn.Module], rank:
     """
     source.require_complete()
     aliases = neox.aliases_into_neox(source.inventory)
-    target, destinations, facts = _targets(layers, aliases)
+    target, destinations, recomputed, facts = _targets(layers, aliases)
     stage = {str(index) for index in layers}
     full_rows = {role: e.shape[0] * degree for e in target.values()
                  if (role := neox.vocab_role(e.key)) is not None}
@@ -131,10 +131,11 @@ def layer_state_dicts(source: Checkpoint, layers: Mapping[int, nn.Module], rank:
         if rows is not None:
             array = tensor_parallel.resize_rows(array, rows)
         shard = tensor_parallel.split(array, rule, rank, degree, entry.dtype, join_key(key))
-        return as_tensor(np.ascontiguousarray(shard), getattr(torch, entry.dtype))
+        return as_tensor(np.ascontiguousarray(shard).reshape(shard.shape), getattr(torch, entry.dtype))  # 0-d stays 0-d
 
-    prepared = prepare(plan, fetch, destinations, allow_missing=not strict, allow_unexpected=not strict)
-    report_load(f"load_state_dir(tp rank {rank}/{degree})", plan)
+    prepared = prepare(plan, fetch, destinations, allow_missing=not strict, allow_unexpected=not strict,
+                       recomputed=recomputed)
+    report_load(f"load_state_dir(tp rank {rank}/{degree})", plan.undropped(prepared.unexpected))
     resized = [f"{join_key(k)} -> {rows} rows" for k, (rows, _) in reads.items() if rows is not None]
     if resized:
         logger.info("%s: vocab padding changed to the model's: %s", HOOK, ", ".join(resized))
@@ -156,22 +157,24 @@ def _check_cut(key: KeyPath, have: int, rows: int) -> None:
     logger.warning("%s: %s", HOOK, message)
 
 
-def _targets(layers: Mapping[int, nn.Module],
-             aliases: tuple) -> tuple[Inventory, dict[KeyPath, torch.Tensor], TargetFacts]:
-    """The stage's tensors under NeoX's ``sequential.<index>`` names, the live tensors, and what
-    the layers know: buffers to drop (non-persistent) or keep (persistent, derivable), and the
-    NeoX names of ``aliases`` (a stage cannot tell from its own keys which naming it has)."""
-    entries, destinations = [], {}
+def _targets(layers: Mapping[int, nn.Module], aliases: tuple) -> tuple[
+        Inventory, dict[KeyPath, torch.Tensor], dict[KeyPath, torch.Tensor], TargetFacts]:
+    """The stage's tensors under NeoX's ``sequential.<index>`` names, the live tensors, the
+    buffers the layers recompute themselves, and what the layers know: buffers to drop
+    (non-persistent) or keep (persistent, derivable), and the NeoX names of ``aliases`` (a stage
+    cannot tell from its own keys which naming it has)."""
+    entries, destinations, recomputed = [], {}, {}
     drop, synthesize = set(), set()
     for index, layer in layers.items():
         layout = module_layout(layer)
         prefix = (neox.SEQUENTIAL, str(index))
         entries += tensor_inventory(layout.tensors.items(), "", prefix).values()
         destinations.update((prefix + split_key(name), tensor) for name, tensor in layout.tensors.items())
+        recomputed.update(recomputed_buffers(layout, prefix))
         facts = module_facts(layout, prefix=prefix)
         drop |= facts.drop
         synthesize |= facts.synthesize
-    return (Inventory(entries, "pipeline layers"), destinations,
+    return (Inventory(entries, "pipeline layers"), destinations, recomputed,
             TargetFacts(frozenset(drop), frozenset(synthesize), aliases=aliases))
 
 

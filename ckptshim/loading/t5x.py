@@ -31,6 +31,7 @@ from ckptshim.formats import t5x as t5x_format
 from ckptshim.formats.base import Checkpoint, numpy_dtype
 from ckptshim.inventory import flatten, unflatten
 from ckptshim.loading import jax as jax_loading
+from ckptshim.loading.report import report_read_as_stored
 
 
 def orbax_era_step(path: Any, step: int | None = None) -> Path | None:
@@ -81,6 +82,10 @@ def _materialise(tree: Any) -> Any:
     return unflatten(flat)
 
 
+def _read_as(checkpoint: Checkpoint) -> str:
+    return f"{checkpoint.format} ({checkpoint.version})"
+
+
 def _cast_target(state_dict: dict, dtype: Any) -> dict:
     if dtype is None or "target" not in state_dict:
         return state_dict
@@ -114,6 +119,7 @@ def load_t5x_checkpoint(call: dict[str, Any], native: Callable[[], Any]) -> Any:
     checkpoint = t5x_format.open_checkpoint(step_dir)
     try:
         checkpoint.require_complete()
+        report_read_as_stored(f"t5x load_t5x_checkpoint({step_dir})", _read_as(checkpoint))
         state_dict = _lazy_tree(checkpoint, checkpoints.LazyAwaitableArray)
         if call["remap"]:
             for fn in call["state_transformation_fns"]:
@@ -148,6 +154,7 @@ def restore(instance: Any, call: dict[str, Any], native: Callable[[], Any]) -> A
         checkpoint = t5x_format.open_checkpoint(step_dir)
         if fns or fallback is not None or call["lazy_parameters"]:
             checkpoint.require_complete()
+            report_read_as_stored(where, _read_as(checkpoint))
             state_dict = _lazy_tree(checkpoint, checkpoints.LazyAwaitableArray)
             for fn in fns:
                 state_dict = fn(state_dict, instance._train_state.state_dict())

@@ -9,10 +9,12 @@ transformers' conversion mapping) for :func:`ckptshim.rules.profiles.rules_for`.
 
 :func:`prepare_module_load` is the ``load_state_dict`` load. **Rewrite, not execute.** Once the
 plan is checked, torch's own ``load_state_dict`` is called with a rewritten state dict whose
-keys are exactly the ones the module accepts: renamed sources under their target names,
-``select`` views for unstacked layers, the module's own tensor for synthesized buffers, drops
-left out. Executing the plan ourselves would bypass what modules do in their loading code --
-``_load_from_state_dict`` overrides, load pre-/post-hooks (the checkpoint wrapper re-adds its
+keys are the ones the module accepts: renamed sources under their target names, ``select``
+views for unstacked layers, the module's own tensor for synthesized buffers, drops left out --
+and, in a non-strict load, whatever the plan leaves unused (unexpected keys, non-tensor
+values) as given, so that torch reports them as it would without ckptshim. A non-strict load
+the plan does not change at all goes to torch untouched. Executing the plan ourselves would
+bypass what modules do in their loading code -- ``_load_from_state_dict`` overrides, load pre-/post-hooks (the checkpoint wrapper re-adds its
 prefix in one), version upgrades keyed by ``state_dict._metadata`` (carried over to the new
 names), ``assign=True`` and swap semantics -- and torch's own ``_IncompatibleKeys``. What a dict
 cannot express without a second full copy -- a target assembled from several sources (stacked
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 from ckptshim.errors import PlanError
+from ckptshim.execute.derived import mismatch
 from ckptshim.execute.torch import prepare
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, split_key
 from ckptshim.loading.report import report_load
@@ -50,7 +53,8 @@ from ckptshim.rules.profiles import rules_for
 from ckptshim.rules.profiles.transformers_mapping import from_module
 
 #: A wrapper hop that the wrapper's own state-dict hooks remove on save and put back on load
-#: (``CheckpointWrapper``), so the names the module accepts do not contain it.
+#: (``CheckpointWrapper``), so the names the module accepts do not contain it -- below an
+#: activation-checkpoint wrapper only: a plain submodule may have the same name.
 TRANSPARENT_HOP = "_checkpoint_wrapped_module"
 #: FSDP1's hop: below it parameters are flat shards, which no checkpoint names or shapes match.
 FSDP_HOP = "_fsdp_wrapped_module"
@@ -65,7 +69,7 @@ class ModuleLayout:
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # accepted key -> tensor
     buffers: list[str] = field(default_factory=list)                # persistent buffer keys
-    non_persistent: list[str] = field(default_factory=list)
+    non_persistent: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> buffer
     module_paths: list[str] = field(default_factory=list)           # torch's metadata keys
     own_load_logic: bool = False
     unsupported: str | None = None                                  # why ckptshim stays out
@@ -89,7 +93,11 @@ def module_layout(root: nn.Module) -> ModuleLayout:
             layout.unsupported = f"{type(module).__name__} keeps _extra_state"
         if any(nn.parameter.is_lazy(t) for t in (*module._parameters.values(), *module._buffers.values())):
             layout.unsupported = "lazy modules have no shapes yet"
-        if TRANSPARENT_HOP not in children and (
+        transparent = TRANSPARENT_HOP in children and _is_activation_wrapper(module)
+        if transparent and _holds_a_plain_hop(children[TRANSPARENT_HOP]):
+            layout.unsupported = ("a submodule named like the activation-checkpoint wrapper's own hop, "
+                                  "whose keys the wrapper's state-dict hooks rename too")
+        if not transparent and (
                 type(module)._load_from_state_dict is not _BASE_LOAD
                 or module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks):
             layout.own_load_logic = True
@@ -100,16 +108,34 @@ def module_layout(root: nn.Module) -> ModuleLayout:
             if buffer is None:
                 continue
             if name in module._non_persistent_buffers_set:
-                layout.non_persistent.append(accepted + name)
+                layout.non_persistent[accepted + name] = buffer
             else:
                 layout.tensors[accepted + name] = buffer
                 layout.buffers.append(accepted + name)
         for name, child in reversed(children.items()):
             if child is not None:
-                hop = name if name != TRANSPARENT_HOP else None
+                hop = None if transparent and name == TRANSPARENT_HOP else name
                 stack.append((f"{path}{'.' if path else ''}{name}",
                               accepted + (f"{hop}." if hop else ""), child))
     return layout
+
+
+def _is_activation_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is torch's activation-checkpoint (or offload) wrapper, whose state-dict
+    hooks hide its ``_checkpoint_wrapped_module`` hop."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    return isinstance(module, ActivationWrapper)
+
+
+def _holds_a_plain_hop(wrapped: nn.Module | None) -> bool:
+    """Whether the module an activation-checkpoint wrapper wraps has a submodule of its own named
+    ``_checkpoint_wrapped_module``: the wrapper's hooks add and remove that prefix on every key,
+    so torch renames (and, on load, can overwrite) that submodule's keys as well."""
+    inner = None if wrapped is None else wrapped._modules.get(TRANSPARENT_HOP)
+    return inner is not None and not _is_activation_wrapper(wrapped)
 
 
 def tensor_inventory(items: Iterable[tuple[str, torch.Tensor]], source: str, prefix: KeyPath = ()) -> Inventory:
@@ -133,15 +159,25 @@ def module_facts(layout: ModuleLayout, module: nn.Module | None = None, prefix: 
         conversions=from_module(module) if module is not None else ())
 
 
-def state_dict_facts(target: Inventory, tensors: Iterable[tuple[KeyPath, Any]] = (),
-                     model: nn.Module | None = None) -> TargetFacts:
-    """What a state dict knows: nothing says which entries are buffers, so any key named like a
-    derivable buffer may keep the target's own value when the checkpoint lacks it; which of its
-    ``tensors`` (by target key) are one tensor under two names (tied weights); and, when the
-    ``model`` it belongs to is known, transformers' conversion mapping for it."""
-    return TargetFacts(synthesize=frozenset(key for key in target if derivable_rule(strip_wrappers(key)) is not None),
-                       tied=tied_groups((key, value) for key, value in tensors if isinstance(value, torch.Tensor)),
-                       conversions=from_module(model) if model is not None else ())
+def recomputed_buffers(layout: ModuleLayout, prefix: KeyPath = ()) -> dict[KeyPath, torch.Tensor]:
+    """The module's non-persistent buffers by key: what it computes itself, which a checkpoint's
+    copy of a buffer derived from settings (``inv_freq``) must equal to be dropped."""
+    return {prefix + split_key(key): tensor for key, tensor in layout.non_persistent.items()}
+
+
+def state_dict_facts(tensors: Mapping[KeyPath, torch.Tensor], model: nn.Module | None = None) -> TargetFacts:
+    """What a state dict knows: nothing says which entries are buffers. So an entry named like a
+    derivable buffer may keep its own value when the checkpoint lacks it only where that value is
+    what its rule derives (a causal mask, positions, a family constant); one derived from settings
+    (``inv_freq``) looks like any trained tensor, and stays missing. Entries that are one tensor
+    under two names are tied weights; and where the ``model`` the state dict belongs to is known,
+    transformers' conversion mapping for it applies."""
+    return TargetFacts(
+        synthesize=frozenset(key for key, tensor in tensors.items()
+                             if (rule := derivable_rule(strip_wrappers(key))) is not None
+                             and mismatch(rule, tensor) is None),
+        tied=tied_groups(tensors.items()),
+        conversions=from_module(model) if model is not None else ())
 
 
 def tied_groups(named: Iterable[tuple[KeyPath, torch.Tensor]]) -> frozenset[frozenset[KeyPath]]:
@@ -164,9 +200,12 @@ def _identity(tensor: torch.Tensor) -> object:
 
 
 def fits(state_dict: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> bool:
-    """Same keys and shapes: torch loads it as is (and, shapes agreeing, cannot half-load it)."""
+    """Same keys, shapes and dtypes: torch loads it as is (and, shapes agreeing, cannot half-load
+    it). A dtype difference is planned, so that the cast is reported -- and refused when it
+    narrows under ``CKPTSHIM_STRICT``."""
     return state_dict.keys() == tensors.keys() and all(
-        getattr(value, "shape", None) == tensors[key].shape for key, value in state_dict.items())
+        getattr(value, "shape", None) == tensors[key].shape and getattr(value, "dtype", None) == tensors[key].dtype
+        for key, value in state_dict.items())
 
 
 def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any], module: nn.Module,
@@ -174,13 +213,17 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
                         assign: bool) -> Callable[[], Any]:
     """Plan and check ``module.load_state_dict(state_dict)``; return the call that writes
     (nothing is written here): torch's ``original`` with the rewritten state dict, or ``native``
-    (the caller's own call, unchanged) for loads that are torch's to decide."""
-    for key, value in state_dict.items():
-        if not isinstance(value, torch.Tensor):
-            raise PlanError(f"state_dict[{key!r}] is a {type(value).__name__}, not a tensor; "
-                            "load_state_dict loads tensors only. Remove it from the state dict.")
+    (the caller's own call, unchanged) for loads that are torch's to decide, and for those the
+    plan would not change at all."""
+    tensors = {key: value for key, value in state_dict.items() if isinstance(value, torch.Tensor)}
+    others = [key for key in state_dict if key not in tensors]
+    if others and layout.own_load_logic:
+        logger.debug("load_state_dict: %s transforms its own state dict on load, which holds "
+                     "non-tensor values; leaving the load to torch", type(module).__name__)
+        return native
+    _require_tensors_where_torch_does(others, state_dict, layout, strict)
     try:
-        source = tensor_inventory(state_dict.items(), "state_dict")
+        source = tensor_inventory(tensors.items(), "state_dict")
         target = tensor_inventory(layout.tensors.items(), f"{type(module).__name__} module")
     except ValueError:
         logger.debug("load_state_dict: a dtype ckptshim does not know; leaving the load to torch")
@@ -192,21 +235,43 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
         return native
     destinations = {split_key(key): tensor for key, tensor in layout.tensors.items()}
     prepared = prepare(plan, lambda key: state_dict[join_key(key)], destinations,
-                       allow_missing=not strict, allow_unexpected=not strict)
-    rewritten: OrderedDict[str, torch.Tensor] = OrderedDict(
+                       allow_missing=not strict, allow_unexpected=not strict,
+                       recomputed=recomputed_buffers(layout))
+    plan = plan.undropped(prepared.unexpected)
+    if not strict and not plan.counts():
+        return native  # every tensor keeps its name: torch's own non-strict load is this plan
+    rewritten: OrderedDict[str, Any] = OrderedDict(
         (join_key(key), value) for key, value in prepared.values.items())
+    # what the plan leaves unused goes to torch as it is, which reports it as it would alone
+    rewritten.update((key, state_dict[key]) for key in [*map(join_key, plan.unexpected), *others])
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
         rewritten._metadata = _remap_metadata(metadata, layout.module_paths)  # type: ignore[attr-defined]
-    unexpected = [join_key(key) for key in plan.unexpected]
     report_load(f"load_state_dict({type(module).__name__})", plan)
 
     def load() -> Any:
         prepared.write_assembled()
-        result = original(rewritten, strict=strict, assign=assign)
-        return type(result)(result.missing_keys, result.unexpected_keys + unexpected)
+        return original(rewritten, strict=strict, assign=assign)
 
     return load
+
+
+def _require_tensors_where_torch_does(others: list[str], state_dict: Mapping[str, Any],
+                                      layout: ModuleLayout, strict: bool) -> None:
+    """Refuse, before anything is written, the non-tensor entries torch would refuse after writing
+    the rest: any of them in a strict load (torch calls it unexpected), and one under a name the
+    module loads a tensor into (torch cannot copy it). A non-strict load passes the others on to
+    torch, which lists them among the unexpected keys, as it does without ckptshim."""
+    refused = [key for key in others if strict or key in layout.tensors]
+    if refused:
+        key = refused[0]
+        raise PlanError(
+            f"state_dict[{key!r}] is a {type(state_dict[key]).__name__}, not a tensor; "
+            + (f"the module loads a tensor into {key!r}. Put a tensor there, or remove the entry."
+               if key in layout.tensors else
+               "a strict load_state_dict loads tensors only (torch would call it an unexpected "
+               "key). Remove it from the state dict, or load with strict=False: torch then lists "
+               "it among the unexpected keys."))
 
 
 def _remap_metadata(metadata: Mapping[str, Any], module_paths: list[str]) -> OrderedDict:

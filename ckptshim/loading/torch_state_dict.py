@@ -7,14 +7,16 @@ anywhere. :func:`prepare` plans the given keys against the keys ``get_model_stat
 reports for the model and returns a re-keyed dict for torch's own call: renamed entries are the
 same tensors, unstacked layers and parts of fused ones views, synthesized buffers the model's own
 values, and assembled targets (stacked layers, fused experts) the model's own tensors, written
-source by source through views (no second copy)
-by :meth:`~ckptshim.execute.torch.Prepared.write_assembled` -- all checked by the torch executor
+source by source through views (no second copy) by
+:meth:`~ckptshim.execute.torch.Prepared.write_assembled` -- all checked by the torch executor
 before anything is written. Optimizer state follows renamed keys (:func:`renamed_optimizer`).
-Missing and unexpected keys are left for torch to report under the caller's ``strict`` option.
+A strict load that does not fit is refused before anything is written; a non-strict one leaves
+missing and unexpected keys for torch to report.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,12 +25,16 @@ import torch
 from torch import nn
 
 from ckptshim.execute.torch import Prepared, prepare as prepare_writes
-from ckptshim.inventory import join_key, split_key
+from ckptshim.inventory import Inventory, KeyPath, join_key, split_key
 from ckptshim.loading.report import report_load
-from ckptshim.loading.torch import state_dict_facts, tensor_inventory
+from ckptshim.log import logger
+from ckptshim.loading.torch import (ModuleLayout, module_facts, module_layout, recomputed_buffers, tensor_inventory,
+                                    tied_groups)
 from ckptshim.ops import Rename
 from ckptshim.planner import Plan
 from ckptshim.planner import plan as make_plan
+from ckptshim.rules import TargetFacts
+from ckptshim.rules.prefixes import strip_wrappers
 from ckptshim.rules.profiles import rules_for
 
 
@@ -42,32 +48,58 @@ class Rekeyed:
     writes: Prepared
 
 
-def prepare(model: nn.Module, state_dict: Mapping[str, Any]) -> Rekeyed | None:
-    """Plan and check the whole load (nothing is written); ``None`` when nothing needs doing."""
+def prepare(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> Rekeyed | None:
+    """Plan and check the whole load (nothing is written); ``None`` when nothing needs doing, or
+    when the load is torch's to decide.
+
+    ``strict`` is the caller's ``StateDictOptions.strict``: a strict load that does not fit is
+    refused here, before anything is written (torch's own check would come after the stacked
+    writes), unless the model completes its own state dict on load (a load hook or
+    ``_load_from_state_dict`` override), which torch then decides; a non-strict one leaves
+    missing and unexpected keys for torch to report.
+    """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     if not state_dict or any(isinstance(key, nn.Module) for key in state_dict):
         return None  # per-submodule dicts: torch prefixes them itself
-    current = get_model_state_dict(model)
+    try:
+        current = get_model_state_dict(model)
+    except (RuntimeError, AttributeError) as error:  # a model torch cannot name the state dict of
+        logger.debug("set_model_state_dict: get_model_state_dict fails (%s); torch's own call will "
+                     "say why", error)
+        return None
     if current.keys() == state_dict.keys():
         return None
     tensors = {k: v for k, v in current.items() if isinstance(v, torch.Tensor)}
     target = tensor_inventory(tensors.items(), f"{type(model).__name__} model")
     source = tensor_inventory(((k, v) for k, v in state_dict.items() if isinstance(v, torch.Tensor)),
                               "the given model state dict")
-    facts = state_dict_facts(target, ((split_key(k), v) for k, v in tensors.items()), model)
+    layout = module_layout(model)
+    facts = _model_facts(model, layout, target, {split_key(k): v for k, v in tensors.items()})
     plan = make_plan(source, target, rules_for(source, target, "torch", facts))
-    if plan.is_identity:
+    if plan.is_identity or (strict and not plan.complete and layout.own_load_logic):
         return None
-    plan.require_complete(allow_missing=True, allow_unexpected=True)
     writes = prepare_writes(plan, lambda key: state_dict[join_key(key)],
                             {split_key(k): v for k, v in tensors.items()},
-                            allow_missing=True, allow_unexpected=True)
+                            allow_missing=not strict, allow_unexpected=not strict,
+                            recomputed=recomputed_buffers(layout))
+    plan = plan.undropped(writes.unexpected)  # left for torch to report (a non-strict load)
     used = {join_key(key) for op in plan.ops for key in op.sources}
     rekeyed = {key: value for key, value in state_dict.items() if key not in used}
     rekeyed.update((join_key(key), value) for key, value in writes.values.items())
     report_load(f"set_model_state_dict({type(model).__name__})", plan)
     return Rekeyed(plan, rekeyed, writes)
+
+
+def _model_facts(model: nn.Module, layout: ModuleLayout, target: Inventory,
+                 tensors: Mapping[KeyPath, torch.Tensor]) -> TargetFacts:
+    """The model's own facts (:func:`~ckptshim.loading.torch.module_facts`), named as
+    ``get_model_state_dict`` names its ``tensors`` (without wrapper hops): its persistent
+    derivable buffers, and its tied weights."""
+    facts = module_facts(layout, model)
+    buffers = {strip_wrappers(key) for key in facts.synthesize}
+    return dataclasses.replace(facts, synthesize=frozenset(k for k in target if strip_wrappers(k) in buffers),
+                               tied=tied_groups(tensors.items()))
 
 
 def renamed_optimizer(plan: Plan, optim_state_dict: Any) -> Any:

@@ -3,12 +3,16 @@
 Matching runs in passes over keys that are still unmatched, cheapest first, so that a checkpoint
 that already fits costs one dict lookup per key:
 
-1. exact names;
+1. exact names, refusing a key matched so that, without its wrapper components, reads as another
+   checkpoint key does: DDP's ``module.weight`` is a submodule ``module``'s ``weight`` by name
+   and the top-level ``weight`` without the wrapper, while ``module.module.weight`` claims the
+   first reading -- two readings, and nothing to choose by;
 2. canonical names (wrapper components stripped, aliases applied), refusing any two keys on one
    side that collapse onto the same canonical name;
 3. layer lists, stacking per-layer sources into a stacked target or unstacking a stacked source
    into per-layer targets, with the axis read off the shapes;
-4. drops (derivable buffers, the target's non-persistent buffers) and syntheses;
+4. drops of keys the target computes itself (its non-persistent buffers; buffers named like
+   derivable ones), which the executor makes only once the values check out; and syntheses;
 
 and last, a target key still missing whose live tensor shares its storage with one the plan
 fills (a tied ``lm_head.weight``) is tied to it.
@@ -25,13 +29,14 @@ import dataclasses
 from itertools import repeat
 from operator import attrgetter
 
-from ckptshim.errors import PlanError
+from ckptshim.errors import AmbiguousNameError, PlanError
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, KeyPath, gc_paused, join_key
 from ckptshim.keytext import ranges
-from ckptshim.ops import Cast, Drop, Op, Rename, Stack, Synthesize, Tie, Unstack, renames
+from ckptshim.ops import (NOT_PERSISTENT, OWN_VALUE, Cast, DropIfDerived, Op, Rename, Stack, Synthesize, Tie,
+                          Unstack, renames)
 from ckptshim.planner import runs
-from ckptshim.planner.names import Names
-from ckptshim.planner.plan import Mismatch, Plan
+from ckptshim.planner.names import Names, parent_of
+from ckptshim.planner.plan import DTYPE, Mismatch, Plan
 from ckptshim.planner.runs import Group, Run, key_of
 from ckptshim.rules import DEFAULT_RULES, Rules
 from ckptshim.rules.buffers import derivable_rule
@@ -115,7 +120,7 @@ def cast_or_mismatch(src: Entry, tgt: Entry, rules: Rules) -> Cast | Mismatch | 
     narrowing = (DTYPE_SIZES[tgt.dtype] < DTYPE_SIZES[src.dtype]
                  or (src.dtype in _FLOATS) != (tgt.dtype in _FLOATS))
     if not rules.allow_cast or (rules.strict and narrowing):
-        return Mismatch(src.key, tgt.key, (src.dtype,), (tgt.dtype,), "dtype")
+        return Mismatch(src.key, tgt.key, (src.dtype,), (tgt.dtype,), DTYPE)
     return Cast(tgt.key, src.dtype, tgt.dtype)
 
 
@@ -128,6 +133,7 @@ class _Planner:
         self.casts: dict[KeyPath, Cast] = {}
         self.mismatched: list[Mismatch] = []
         self.used: set[KeyPath] = set()                # source keys the layer pass consumed
+        self.exact: list[KeyPath] = []                 # keys pass 1 matched
 
     def run(self) -> Plan:
         leftover, unmatched = self._match()
@@ -136,8 +142,7 @@ class _Planner:
         missing: list[KeyPath] = []
         for key in map(key_of, unmatched):
             if key in self.rules.synthesize:
-                synthesized.append(Synthesize(key, derivable_rule(key, self.rules.derivable)
-                                              or "target's own value"))
+                synthesized.append(Synthesize(key, derivable_rule(key, self.rules.derivable) or OWN_VALUE))
             else:
                 missing.append(key)
         self.produced.append(synthesized)
@@ -197,6 +202,7 @@ class _Planner:
         exact = split and runs.match(*split, by="path")
         if exact is None:  # short runs, or a parent path in several runs: look each key up
             sources, targets = self._match_exact(sources, targets)
+            self._refuse_two_readings(sources)
             if not targets:
                 return sources, []
             split = split and self._split(sources, targets)  # what is left may suit runs again
@@ -204,6 +210,8 @@ class _Planner:
                 return self._match_renamed_by_key(sources, targets)
         else:
             self._pair_all(exact.sources, exact.targets)
+            self.exact = list(map(key_of, exact.targets))
+            self._refuse_two_readings(runs.entries_of(exact.unused))
             if not exact.unmatched:
                 return runs.entries_of(exact.unused), []
             split = exact.unused, exact.unmatched
@@ -229,6 +237,7 @@ class _Planner:
             unmatched = [entry for entry, hit in zip(targets, hits) if hit is None]
             targets = [entry for entry, hit in zip(targets, hits) if hit is not None]
         self._pair_all(found, targets)
+        self.exact = list(map(key_of, targets))
         if len(found) == len(sources):  # target keys are distinct, so these are all the sources
             return [], unmatched
         taken = set(map(key_of, found))
@@ -310,6 +319,50 @@ class _Planner:
         self._pair_all(found, targets)
         return by_canonical, unmatched
 
+    def _refuse_two_readings(self, unused: list[Entry]) -> None:
+        """Refuse a key pass 1 matched exactly that, once its own wrapper components are
+        stripped, reads as one of the checkpoint keys pass 1 left ``unused`` does.
+
+        Such a key has two readings that lead to different targets: DDP's ``module.weight`` is
+        the target's ``module.weight`` (a submodule named ``module``) by its exact name, and the
+        target's ``weight`` without the wrapper -- and ``module.module.weight`` is then the
+        submodule's. Taking the exact name puts the top-level value in the submodule. A key
+        without wrapper components has one reading, and a key whose other reading no other key
+        shares loads by its exact name, as torch alone would load it: neither is ambiguous.
+        """
+        if not self.exact or not unused:
+            return
+        readings = self._readings_of_exact_keys()
+        if not readings:
+            return
+        unused_by_name = dict(zip(self._canonical_names(unused), unused))
+        for reading, key in readings.items():
+            other = unused_by_name.get(reading)
+            if other is not None:
+                raise AmbiguousNameError(
+                    f"checkpoint key {join_key(key)!r} has two readings: by its exact name it is "
+                    f"target {join_key(key)!r}, and without wrapper components it is "
+                    f"{join_key(reading)!r} -- which is also how checkpoint key "
+                    f"{join_key(other.key)!r} reads. Loading either way puts different values "
+                    "in different places, so ckptshim will not guess. Rename the keys so that one "
+                    "reading fits (e.g. remove a DDP 'module.' prefix yourself), or load without "
+                    "ckptshim (CKPTSHIM_DISABLE=1) if the exact names are right.")
+
+    def _readings_of_exact_keys(self) -> dict[KeyPath, KeyPath]:
+        """Canonical name -> the key pass 1 matched exactly, for each such key whose canonical name
+        is not the key itself (it holds wrapper components or an alias applies), in match order.
+        Worked out on the few distinct parent paths where a key's canonical name is its canonical
+        parent plus its leaf."""
+        exact = self.exact
+        if self.names.parent_only(exact):
+            parents = list(set(map(parent_of, exact)))
+            changed = {parent for parent, canonical in zip(parents, self.names.canonical_parents(parents))
+                       if canonical != parent}
+            if not changed:
+                return {}
+            exact = [key for key in exact if key[:-1] in changed]
+        return {reading: key for key, reading in zip(exact, self.names.canonical_keys(exact)) if reading != key}
+
     def _by_canonical(self, entries: list[Entry], side: str) -> dict[KeyPath, Entry]:
         names = self._canonical_names(entries)
         table = dict(zip(names, entries))
@@ -331,7 +384,7 @@ class _Planner:
                 if layer is None:
                     layer = layered[stacked] = {}
                 elif index in layer:
-                    raise PlanError(
+                    raise AmbiguousNameError(
                         f"checkpoint keys {join_key(layer[index].key)!r} and {join_key(entry.key)!r} "
                         f"are both layer {index} of {join_key(stacked)!r}; keep one of them.")
                 layer[index] = entry
@@ -348,7 +401,7 @@ class _Planner:
                 unmatched.append(entry)
                 continue
             if len(options) > 1:
-                raise PlanError(
+                raise AmbiguousNameError(
                     f"target key {join_key(entry.key)!r} could come from "
                     + " or ".join(repr(join_key(s)) + (" (stacked)" if i is None else f" (layer {i})")
                                   for s, i in options)
@@ -363,7 +416,7 @@ class _Planner:
                 group = groups["unstack", stacked] = Group(source, {}, stacking=False)
             other = group.layers.setdefault(index, entry)
             if other is not entry:
-                raise PlanError(
+                raise AmbiguousNameError(
                     f"target keys {join_key(other.key)!r} and {join_key(entry.key)!r} both name layer "
                     f"{index} of checkpoint key {join_key(source.key)!r}; ckptshim will not "
                     "load one layer twice. Rename one of them in the target.")
@@ -445,14 +498,17 @@ class _Planner:
 
     # -- pass 4: drops and casts ---------------------------------------------------------------
 
-    def _drops(self, leftover: list[Entry]) -> list[Drop]:
-        drops = []
+    def _drops(self, leftover: list[Entry]) -> list[DropIfDerived]:
+        """Keys that name one of the target's non-persistent buffers, or a derivable buffer: the
+        executor drops them once it has checked their values (a name proves nothing)."""
+        drops: list[DropIfDerived] = []
+        derivable = self.rules.derivable if self.rules.drop_derivable else ()
         for key in map(key_of, leftover):
             canon = self.canonical(key)
             if canon in self.rules.drop or key in self.rules.drop:
-                drops.append(Drop(key, "not persistent in target"))
-            elif (rule := derivable_rule(canon, self.rules.derivable)) is not None:
-                drops.append(Drop(key, rule))
+                drops.append(DropIfDerived(key, NOT_PERSISTENT))
+            elif (rule := derivable_rule(canon, derivable)) is not None:
+                drops.append(DropIfDerived(key, rule))
         return drops
 
     def _cast(self, src: Entry, tgt: Entry) -> None:
@@ -469,7 +525,7 @@ def _refuse_clash(entries: list[Entry], names: list[KeyPath], side: str) -> None
     for entry, name in zip(entries, names):
         other = table.setdefault(name, entry)
         if other is not entry:
-            raise PlanError(
+            raise AmbiguousNameError(
                 f"{side} keys {join_key(other.key)!r} and {join_key(entry.key)!r} both mean "
                 f"{join_key(name)!r} once wrapper prefixes and aliases are removed, so "
                 "ckptshim cannot tell which one to use. Remove one of them, or load without "

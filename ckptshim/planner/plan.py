@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Inventory, KeyPath, join_key
-from ckptshim.ops import Cast, Op
+from ckptshim.ops import Cast, DropIfDerived, Op
 
 #: How many keys an error message lists before it summarises the rest.
 MAX_LISTED = 12
+#: The ``why`` of a :class:`Mismatch` in dtype alone.
+DTYPE = "dtype"
 
 
 @dataclass(frozen=True, slots=True)
 class Mismatch:
-    """A source and target that name the same array but disagree on shape (or on dtype)."""
+    """A source and target that name the same array but disagree on shape, or on dtype.
+
+    A dtype mismatch (``why == "dtype"``: a cast the rules forbid, such as a narrowing one under
+    ``CKPTSHIM_STRICT``) holds the two dtypes as one-element tuples in place of the shapes.
+    """
 
     source: KeyPath
     target: KeyPath
@@ -25,9 +32,16 @@ class Mismatch:
     target_shape: tuple[int, ...]
     why: str = "shape"
 
+    @property
+    def of_dtype(self) -> bool:
+        return self.why == DTYPE
+
     def describe(self, sep: str) -> str:
-        return (f"{join_key(self.target, sep)}: target {self.why} {self.target_shape} but "
-                f"checkpoint {join_key(self.source, sep)} has {self.source_shape}")
+        target, source = self.target_shape, self.source_shape
+        if self.of_dtype:
+            (target,), (source,) = target, source
+        return (f"{join_key(self.target, sep)}: target {self.why} {target} but "
+                f"checkpoint {join_key(self.source, sep)} has {source}")
 
 
 @dataclass(frozen=True)
@@ -35,7 +49,7 @@ class Plan:
     """Ops in target order, plus the keys no op accounts for.
 
     ``missing`` are target keys nothing provides, ``unexpected`` source keys nothing uses,
-    ``mismatched`` pairs that match by name but not by shape. A plan with none of those is
+    ``mismatched`` pairs that match by name but not by shape (or not by dtype). A plan with none of those is
     *complete*; :meth:`require_complete` turns the rest into one actionable error.
     """
 
@@ -73,6 +87,15 @@ class Plan:
             object.__setattr__(self, "_producers", producers)  # a cache on a frozen dataclass
         return self._producers
 
+    def undropped(self, keys: Collection[KeyPath]) -> Plan:
+        """This plan with the ``DropIfDerived`` of ``keys`` undone, those keys unexpected instead:
+        the plan as an executor ran it, having found their values not what their rules derive."""
+        if not keys:
+            return self
+        ops = tuple(op for op in self.ops if not (op.kind == DropIfDerived.kind and op.source in keys))
+        kept = tuple(key for key in self.source if key in keys)
+        return dataclasses.replace(self, ops=ops, unexpected=self.unexpected + kept, _producers=None)
+
     def casts(self) -> dict[KeyPath, Cast]:
         return {op.target: op for op in self.ops if op.kind == Cast.kind}
 
@@ -94,9 +117,11 @@ class Plan:
                          allow_unexpected: bool = False) -> None:
         """Raise a :class:`PlanError` listing what does not match, with the nearest candidates."""
         lines: list[str] = []
-        if self.mismatched:
-            lines.append(f"{len(self.mismatched)} key(s) match by name but not by shape:")
-            lines += [f"  {m.describe(sep)}" for m in self.mismatched[:MAX_LISTED]]
+        shapes = [m for m in self.mismatched if not m.of_dtype]
+        dtypes = [m for m in self.mismatched if m.of_dtype]
+        if shapes:
+            lines.append(f"{len(shapes)} key(s) match by name but not by shape:")
+            lines += [f"  {m.describe(sep)}" for m in shapes[:MAX_LISTED]]
         if self.missing and not allow_missing:
             lines.append(f"{len(self.missing)} key(s) the target needs are not in the checkpoint:")
             for key in self.missing[:MAX_LISTED]:
@@ -109,14 +134,20 @@ class Plan:
         if self.unexpected and not allow_unexpected:
             lines.append(f"{len(self.unexpected)} checkpoint key(s) the target has no place for:")
             lines += [f"  {join_key(key, sep)}" for key in self.unexpected[:MAX_LISTED]]
+        advice = ["Fix the names (or add a rule), or load non-strictly to accept the difference."] if lines else []
+        if dtypes:
+            lines.append(f"{len(dtypes)} key(s) match by name and shape but not by dtype, and the "
+                         "cast is not allowed (CKPTSHIM_STRICT=1 refuses every narrowing cast):")
+            lines += [f"  {m.describe(sep)}" for m in dtypes[:MAX_LISTED]]
+            advice.append("Save the checkpoint in the model's dtypes or build the model in the "
+                          "checkpoint's, or unset CKPTSHIM_STRICT to let the values be cast.")
         if not lines:
             return
-        more = [] if all(len(group) <= MAX_LISTED for group in (self.missing, self.unexpected, self.mismatched)) \
+        more = [] if all(len(group) <= MAX_LISTED for group in (self.missing, self.unexpected, shapes, dtypes)) \
             else [f"(lists cut at {MAX_LISTED}; `ckptshim plan` shows every key)"]
         raise PlanError("\n".join(
             [f"checkpoint {self.source.source or '(source)'} does not fit target "
-             f"{self.target.source or '(target)'}:"] + lines + more +
-            ["Fix the names (or add a rule), or load non-strictly to accept the difference."]))
+             f"{self.target.source or '(target)'}:"] + lines + more + advice))
 
 
 _MAX_CANDIDATES = 5000

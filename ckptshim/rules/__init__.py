@@ -57,8 +57,12 @@ class Rules:
     - ``aliases``: alternative spellings of the same name (profiles, Linen vs NNX).
     - ``scan_axes``: the stacking axis for subtrees where shapes leave it open.
     - ``derivable``: key suffixes of buffers any framework can recompute; a checkpoint's copy
-      that the target does not want is dropped.
-    - ``drop``: exact (canonical) source keys to drop, e.g. the target's non-persistent buffers.
+      that the target does not want is dropped once the executor has checked its value
+      (``DropIfDerived``), when ``drop_derivable``.
+    - ``drop_derivable``: off for loads that check no values and leave every checkpoint key the
+      target does not ask for unread anyway (DCP, JAX restores): there such keys are unexpected.
+    - ``drop``: exact (canonical) keys of the target's non-persistent buffers: a checkpoint's copy
+      is dropped once the executor has checked it against the target's own buffer.
     - ``synthesize``: exact target keys the target may keep its own value for when the
       checkpoint lacks them (persistent derivable buffers); never parameters.
     - ``allow_cast``: whether a dtype difference becomes a ``Cast`` or an error.
@@ -73,6 +77,7 @@ class Rules:
     aliases: tuple[Alias, ...] = ()
     scan_axes: tuple[ScanAxis, ...] = ()
     derivable: tuple[KeyPath, ...] = DERIVABLE_BUFFERS
+    drop_derivable: bool = True
     drop: frozenset[KeyPath] = frozenset()
     synthesize: frozenset[KeyPath] = frozenset()
     allow_cast: bool = True

@@ -35,7 +35,8 @@ def rules_for(source: Inventory, target: Inventory, backend: str, facts: TargetF
       checkpoint's own ``model_config`` (its ``config.json``) names; GPT-NeoX's pipeline names
       <-> its Hugging Face names, when one side is each;
     - ``"jax"``: Linen/NNX spellings; MaxText's scan axes; PaxML ``Repeat`` stacks; the PaxML
-      GPT-3 -> MaxText layout.
+      GPT-3 -> MaxText layout. A JAX restore leaves every checkpoint key the target does not ask
+      for on disk and reads no value it could check, so nothing is dropped as derivable.
     """
     rules = DEFAULT_RULES.extend(strict=config.strict(), drop=facts.drop, synthesize=facts.synthesize,
                                  aliases=facts.aliases, tied=facts.tied)
@@ -51,7 +52,7 @@ def rules_for(source: Inventory, target: Inventory, backend: str, facts: TargetF
         return rules.extend(layouts=tuple(map(transformers_mapping.ConversionLayout, conversions)))
     if backend != "jax":
         raise ValueError(f"no rules for backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    rules = rules.extend(aliases=LINEN_NNX)
+    rules = rules.extend(aliases=LINEN_NNX, drop_derivable=False)
     if maxtext.applies(source, target):
         rules = rules.extend(scan_axes=maxtext.SCAN_AXES)
     if paxml.applies(source, target):

@@ -1,0 +1,253 @@
+"""Every torch checkpoint the suite has, through every torch call ckptshim hooks, compared with the
+call alone (see ``compare_loads``).
+
+Each checkpoint goes into the model it was written from (for the Hugging Face folders, today's
+model class of their ``config.json``), through ``load_state_dict``, ``set_model_state_dict`` and
+``dcp.load``, strict and not; GPT-NeoX pipeline layer files into their layers, as DeepSpeed's
+``load_state_dir`` loads them. What the checkpoint holds comes from its own library, not from
+ckptshim: ``from_pretrained`` for the Hugging Face folders, ``torch.load`` for the rest.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from collections.abc import Callable, Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from compare_loads import Load, compare, module_tensors, prints
+from support.fixtures import FIXTURES, fixture_module, writable_copy
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
+                                        "ignore::DeprecationWarning")
+
+TINY = FIXTURES / "torch_dcp_single"
+HF_FOLDERS = {
+    "tf4.30 bin": FIXTURES / "hf_gptneox_tf4.30.2" / "pytorch_model_bin",
+    "tf4.30 safetensors": FIXTURES / "hf_gptneox_tf4.30.2" / "safetensors",
+    "tf5 resaved": FIXTURES / "hf_gptneox_tf5_resaved" / "save_pretrained_default",
+    "tf5 resaved (safe_serialization=False)": FIXTURES / "hf_gptneox_tf5_resaved" / "save_pretrained_safe_false",
+    **{f"neox {run} hf": FIXTURES / "neox_deepspeed" / run / "hf" for run in ("pp1_mp1", "pp2_mp2", "old_pp1_mp1")},
+}
+STRICT = [True, False]
+
+
+# -- destinations and what they hold --------------------------------------------------------------
+
+
+def flat_tensors(state: Mapping[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    """A (nested) state dict's tensors under DCP's flat names."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if isinstance(value, Mapping):
+            out.update(flat_tensors(value, f"{prefix}{key}."))
+        elif isinstance(value, torch.Tensor):
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@cache
+def tiny_module():
+    return fixture_module("torch_dcp_single/dcp_tiny_model.py")
+
+
+@cache
+def _tiny_checkpoint() -> dict[str, torch.Tensor]:
+    return torch.load(TINY / "torch_save" / "model.pt", weights_only=True)
+
+
+def tiny_checkpoint() -> dict[str, torch.Tensor]:
+    """The torch_save fixture's tensors, in a new dict each time (set_model_state_dict rewrites
+    the dict it is given in place)."""
+    return dict(_tiny_checkpoint())
+
+
+@cache
+def hf_truth(folder: Path) -> dict[str, tuple]:
+    """What transformers itself loads from ``folder``: the model's state dict after ``from_pretrained``."""
+    from transformers import GPTNeoXForCausalLM
+
+    return prints(GPTNeoXForCausalLM.from_pretrained(folder).state_dict())
+
+
+def hf_model(folder: Path) -> Callable[[], nn.Module]:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig.from_pretrained(folder)
+
+    def fresh() -> nn.Module:
+        torch.manual_seed(1234)
+        return GPTNeoXForCausalLM(config).eval()
+    return fresh
+
+
+def read_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """The folder's weights as its own library reads them (no ckptshim involved)."""
+    from safetensors.torch import load_file
+
+    if (folder / "model.safetensors").is_file():
+        return load_file(folder / "model.safetensors")
+    return torch.load(folder / "pytorch_model.bin", weights_only=True)
+
+
+# -- the three calls ----------------------------------------------------------------------------------
+
+
+def module_load(name: str, fresh: Callable[[], nn.Module], state_dict: Callable[[], Mapping[str, Any]],
+                strict: bool, truth: Mapping[str, tuple]) -> Load:
+    return Load(f"{name}: load_state_dict(strict={strict})", fresh,
+                lambda model: model.load_state_dict(state_dict(), strict=strict),
+                module_tensors, lambda model, _: module_tensors(model), truth, complete=strict)
+
+
+def setter_load(name: str, fresh: Callable[[], nn.Module], state_dict: Callable[[], Mapping[str, Any]],
+                strict: bool, truth: Mapping[str, tuple]) -> Load:
+    from torch.distributed.checkpoint import state_dict as setters
+
+    def call(model: nn.Module) -> Any:
+        return setters.set_model_state_dict(model, state_dict(), options=setters.StateDictOptions(strict=strict))
+    return Load(f"{name}: set_model_state_dict(strict={strict})", fresh, call,
+                module_tensors, lambda model, _: module_tensors(model), truth, complete=strict)
+
+
+def dcp_load(name: str, fresh: Callable[[], dict], checkpoint: Path, strict: bool,
+             truth: Mapping[str, tuple]) -> Load:
+    """``dcp.load`` into a state dict, in place; not strict: ``DefaultLoadPlanner(allow_partial_load=True)``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    def call(state: dict) -> Any:
+        return dcp.load(state, checkpoint_id=str(checkpoint),
+                        planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    return Load(f"{name}: dcp.load(allow_partial_load={not strict})", fresh, call,
+                flat_tensors, lambda state, _: flat_tensors(state), truth, complete=strict)
+
+
+def model_state(fresh_model: Callable[[], nn.Module], nest: str | None = None) -> Callable[[], dict]:
+    def fresh() -> dict:
+        state = fresh_model().state_dict()
+        return {nest: state} if nest else state
+    return fresh
+
+
+def nested_truth(truth: Mapping[str, tuple], nest: str | None) -> dict[str, tuple]:
+    return {f"{nest}.{key}" if nest else key: value for key, value in truth.items()}
+
+
+# -- Hugging Face GPT-NeoX folders ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strict", STRICT)
+@pytest.mark.parametrize("folder", HF_FOLDERS.values(), ids=HF_FOLDERS.keys())
+def test_hugging_face_folders(folder, strict):
+    fresh, truth, name = hf_model(folder), hf_truth(folder), folder.relative_to(FIXTURES)
+    verdicts = [compare(module_load(str(name), fresh, lambda: read_folder(folder), strict, truth)),
+                compare(setter_load(str(name), fresh, lambda: read_folder(folder), strict, truth)),
+                compare(dcp_load(str(name), model_state(fresh), folder, strict, truth))]
+    assert all(verdicts)
+
+
+# -- the torch_dcp_single model and its checkpoints ----------------------------------------------------
+
+
+def tiny_fresh(compiled: bool = False) -> Callable[[], nn.Module]:
+    def fresh() -> nn.Module:
+        model = tiny_module().build(seed=21)
+        return torch.compile(model) if compiled else model
+    return fresh
+
+
+def tiny_truth(prefix: str = "") -> dict[str, tuple]:
+    return {prefix + key: value for key, value in prints(tiny_checkpoint()).items()}
+
+
+@pytest.mark.parametrize("strict", STRICT)
+def test_torch_save_file(strict):
+    name = "torch_dcp_single/torch_save/model.pt"
+    compare(module_load(name, tiny_fresh(), lambda: torch.load(TINY / "torch_save" / "model.pt",
+                                                                weights_only=True), strict, tiny_truth()))
+    compare(setter_load(name, tiny_fresh(), tiny_checkpoint, strict, tiny_truth()))
+    compare(dcp_load(name, model_state(tiny_fresh()), TINY / "torch_save" / "model.pt", strict, tiny_truth()))
+
+
+@pytest.mark.parametrize("strict", STRICT)
+@pytest.mark.parametrize("folder, nest, compiled", [
+    ("dcp_plain", "model", False), ("dcp_plain_toplevel", None, False), ("dcp_compiled", "model", True)])
+def test_dcp_folders(folder, nest, compiled, strict):
+    truth = tiny_truth("_orig_mod." if compiled else "")
+    compare(dcp_load(f"torch_dcp_single/{folder}", model_state(tiny_fresh(compiled), nest), TINY / folder,
+                     strict, nested_truth(truth, nest)))
+
+
+# -- checkpoints the tests build with the libraries' own save paths -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Path]:
+    """A sharded Hugging Face folder (huggingface_hub's ``save_torch_state_dict``, as
+    ``save_pretrained`` shards); a folder holding ``model.safetensors`` beside a stale
+    ``pytorch_model.bin`` index of other values; a safetensors file of the tiny model."""
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("built")
+    source = HF_FOLDERS["tf4.30 safetensors"]
+    sharded = root / "hf_sharded"
+    sharded.mkdir()
+    save_torch_state_dict(read_folder(source), sharded, max_shard_size=300_000)
+    shutil.copy(source / "config.json", sharded)
+
+    both = root / "hf_safetensors_beside_a_stale_index"
+    writable_copy(HF_FOLDERS["tf5 resaved"], both)
+    stale = {key: torch.zeros_like(value) for key, value in read_folder(both).items()}
+    torch.save(stale, both / "pytorch_model-00001-of-00001.bin")
+    (both / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": dict.fromkeys(stale, "pytorch_model-00001-of-00001.bin")}))
+
+    tiny = root / "tiny.safetensors"
+    save_file(tiny_checkpoint(), tiny)
+    return {"hf_sharded": sharded, "both": both, "tiny": tiny}
+
+
+@pytest.mark.parametrize("strict", STRICT)
+def test_built_hugging_face_folders(built, strict):
+    for folder in (built["hf_sharded"], built["both"]):
+        compare(dcp_load(folder.name, model_state(hf_model(folder)), folder, strict, hf_truth(folder)))
+
+
+@pytest.mark.parametrize("strict", STRICT)
+def test_built_safetensors_file(built, strict):
+    from safetensors.torch import load_file
+
+    compare(module_load("tiny.safetensors", tiny_fresh(), lambda: load_file(built["tiny"]), strict, tiny_truth()))
+    compare(dcp_load("tiny.safetensors", model_state(tiny_fresh()), built["tiny"], strict, tiny_truth()))
+
+
+# -- GPT-NeoX pipeline layer files, as DeepSpeed's load_state_dir loads them ------------------------------
+
+
+@pytest.mark.parametrize("strict", STRICT)
+@pytest.mark.parametrize("run, degree", [("pp1_mp1", 1), ("pp2_mp2", 2)])
+def test_neox_pipeline_layer_files(run, degree, strict):
+    """Each ``layer_XX-model_YY-model_states.pt`` into its GPT-NeoX pipeline layer (built at the
+    run's tensor-parallel degree) -- the ``load_state_dict`` DeepSpeed's ``load_state_dir`` makes
+    for each layer of a matching checkpoint."""
+    from test_neox import neox_layers
+
+    torch.manual_seed(5)
+    layers = neox_layers(tp=degree)
+    folder = FIXTURES / "neox_deepspeed" / run / "checkpoint" / "global_step0"
+    for path in sorted(folder.glob("layer_*-model_*-model_states.pt")):
+        layer = layers[int(path.name.split("-")[0].removeprefix("layer_"))]
+
+        def read(path: Path = path) -> dict[str, torch.Tensor]:
+            return torch.load(path, weights_only=True)
+        compare(module_load(f"{run}/{path.name}", lambda layer=layer: copy.deepcopy(layer), read, strict,
+                            prints(read())))
