@@ -518,3 +518,17 @@ def test_fsdp2_two_ranks_each_read_their_own_rows(tmp_path):
         result = json.loads((out / f"rank{rank}.json").read_text())
         assert result["dcp_load"] == "ok" and result["set_model_state_dict"] == "ok", result
         assert result["shard_bytes"] <= result["read_bytes"] <= 0.6 * size, (result, size)
+
+
+@pytest.mark.parametrize("damage", [b'{"model_type": "mixtral", "model_type": "llama"}', b'{"model_type": ',
+                                    b'{"a": ' * 3000])
+def test_a_damaged_config_is_refused_naming_it(tmp_path, damage):
+    """config.json is read from the checkpoint's folder like any of its bytes: a key named twice,
+    cut short, nested too deep -- refused naming the file, before anything is written."""
+    folder = writable_copy(FIXTURE / "mixtral" / "safetensors", tmp_path / "ckpt")
+    (folder / "config.json").write_bytes(damage)
+    model = fresh("mixtral")
+    before = fingerprint(model)
+    with pytest.raises(BaseException, match=r"config\.json: not valid JSON"):
+        dcp.load(model.state_dict(), checkpoint_id=folder)
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
