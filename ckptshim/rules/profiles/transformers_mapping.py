@@ -298,11 +298,11 @@ def _stacked(shape: tuple[int, ...], axis: int, count: int) -> tuple[int, ...]:
 # -- the layout ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, eq=False)  # one per mapping read; transformers' objects compare by identity
 class ConversionLayout:
     """The :class:`~ckptshim.rules.Layout` that pairs keys as transformers' mapping does."""
 
-    def __init__(self, conversions: Conversions) -> None:
-        self.conversions = conversions
+    conversions: Conversions
 
     def pair(self, source: Inventory, target: Inventory, rules: Rules) -> Paired:
         ckpt, model = _relative(source, self.conversions.prefix), _relative(target, self.conversions.prefix)
