@@ -23,7 +23,7 @@ mapped pages still held at the end (``RssFile`` growth) are reported beside it, 
 less them is what the load itself allocated. Targets: load_state_dict / from_pretrained time
 <= 1.0; load_state_dict peak less the state dict's mapped pages <= model bytes + 10%; dcp.load,
 which maps nothing, peak <= model bytes + 10%.
-Run: ``python bench/bench_moe_load.py [--mib 1024] [--rounds 3]``.
+Run: ``python bench/bench_moe_load.py [--mib 1024] [--rounds 5]``.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def worker(case: str, folder: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024, help="checkpoint size (default 1024)")
-    parser.add_argument("--rounds", type=int, default=3, help="fresh processes per case")
+    parser.add_argument("--rounds", type=int, default=5, help="fresh processes per case")
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # worker mode
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -170,8 +170,9 @@ def main() -> int:
         peak = max(r["peak_kib"] for r in results) / 1024
         mapped = max(r["mapped_kib"] for r in results) / 1024
         summary[case] = {"seconds": seconds, "peak_mib": peak, "mapped_mib": mapped}
-        print(f"{case:16s} {seconds:6.3f} s   peak over baseline {peak:7.1f} MiB = {peak / model_mib:.2f} x model "
-              f"(of which mapped checkpoint pages still held: {mapped:6.1f} MiB)")
+        rounds = " ".join(f"{r['seconds']:.2f}" for r in results)
+        print(f"{case:16s} {seconds:6.3f} s (rounds: {rounds})   peak over baseline {peak:7.1f} MiB = "
+              f"{peak / model_mib:.2f} x model (of which mapped checkpoint pages still held: {mapped:6.1f} MiB)")
     ratio = summary["load_state_dict"]["seconds"] / summary["from_pretrained"]["seconds"]
     own = (summary["load_state_dict"]["peak_mib"] - summary["load_state_dict"]["mapped_mib"]) / model_mib
     dcp_peak = summary["dcp.load"]["peak_mib"] / model_mib
