@@ -151,8 +151,9 @@ def load(data: bytes, where: str, dialect: Dialect, find_class: Callable[[str, s
 
 def _message(where: str, interpreter: _Interpreter, what: str) -> str:
     name = _NAMES.get(interpreter.op, f"0x{interpreter.op:02x}")
-    return (f"{where}: {what} (opcode {name} at byte {interpreter.at}); the pickle is damaged or "
-            "was not written by the library that names this file. Re-copy it from the original.")
+    return (f"{where}: does not unpickle: {what} (opcode {name} at byte {interpreter.at}); the "
+            "pickle is damaged or was not written by the library that names this file. Re-copy it "
+            "from the original.")
 
 
 class _Interpreter:
