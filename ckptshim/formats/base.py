@@ -158,13 +158,25 @@ def refuse_links_leaving(root: Path, also: tuple[Path, ...] = ()) -> None:
     of regular files.
     """
     allowed = (root.resolve(), *(p.resolve() for p in also))
+    for entry in _entries(root):
+        if entry.is_symlink():
+            _require_target_inside(Path(entry.path), allowed, root)
+
+
+def folder_bytes(root: Path) -> int:
+    """Bytes of the regular files under ``root`` (links not followed): what its arrays can hold."""
+    return sum(entry.stat(follow_symlinks=False).st_size for entry in _entries(root)
+               if entry.is_file(follow_symlinks=False))
+
+
+def _entries(root: Path) -> Iterator[os.DirEntry]:
+    """Everything under ``root``, depth first, without descending into linked folders."""
     pending = [str(root)]
     while pending:
         with os.scandir(pending.pop()) as listing:
             for entry in listing:
-                if entry.is_symlink():
-                    _require_target_inside(Path(entry.path), allowed, root)
-                elif entry.is_dir(follow_symlinks=False):
+                yield entry
+                if entry.is_dir(follow_symlinks=False):
                     pending.append(entry.path)
 
 
@@ -177,8 +189,9 @@ def _require_target_inside(path: Path, allowed: tuple[Path, ...], root: Path) ->
     target = Path(os.path.realpath(path))
     if not any(target == real or real in target.parents for real in allowed):
         raise UnsafeCheckpointError(
-            f"{path} is a symlink to {target}, outside the checkpoint folder {root}; ckptshim "
-            "reads only files inside the checkpoint. Copy the file into the folder instead.")
+            f"{path} is a symlink to {target}, which lies outside the directory of the checkpoint "
+            f"({root}); ckptshim reads only files the checkpoint contains. Copy the file into the "
+            "checkpoint instead of linking to it.")
 
 
 @dataclass(frozen=True)
@@ -324,15 +337,25 @@ def itemsize(dtype: str) -> int:
     return DTYPE_SIZES[dtype]
 
 
-def strict_json(raw: str | bytes) -> object:
+def strict_json(raw: str | bytes, array_bytes: int = 0) -> object:
     """``json.loads`` that refuses an object naming one key twice (a ``ValueError``).
 
     JSON allows duplicate keys and Python keeps the last one silently; in checkpoint metadata
     two values for one name mean the file was damaged or tampered with, and picking one would
-    be a guess. Nesting too deep for Python's parser (a hostile file) is a ``ValueError`` too.
+    be a guess. Nesting too deep for Python's parser (a hostile file) is a ``ValueError`` too,
+    and so is a document of more values than a :class:`Budget` credited with ``array_bytes``
+    (what the arrays it describes hold) allows: counted before parsing, from its commas and
+    brackets, so that a megabyte of ``[[],[],...]`` never becomes a million lists.
     """
+    text = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    values = text.count(b",") + text.count(b"[") + text.count(b"{") + 1  # at least the values
+    budget = Budget("JSON", array_bytes)
+    if values > budget.left():
+        raise ValueError(f"JSON of about {values:,} values, more than {budget.left():,} (what "
+                         f"{array_bytes:,} bytes of arrays and ckptshim's allowance for metadata "
+                         "justify); refusing it before it exhausts memory")
     try:
-        return json.loads(raw, object_pairs_hook=_unique_pairs)
+        return json.loads(text, object_pairs_hook=_unique_pairs)
     except RecursionError:
         raise ValueError("JSON nested too deeply to parse") from None
 

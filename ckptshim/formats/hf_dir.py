@@ -14,7 +14,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import safetensors, torch_pickle
-from ckptshim.formats.base import Checkpoint, FileInfo, file_info, strict_json
+from ckptshim.formats.base import Checkpoint, FileInfo, file_info, reader, refuse_links_leaving, strict_json
 from ckptshim.inventory import Entry, Inventory
 
 NAME = "hf-dir"
@@ -66,7 +66,10 @@ def _roots(path: Path) -> tuple[Path, ...]:
     return (path.resolve(),)
 
 
+@reader
 def open_checkpoint(path: Path) -> HFDirCheckpoint:
+    roots = _roots(path)
+    refuse_links_leaving(path, also=roots[1:])
     index_name = next((n for n in _INDEX if (path / n).is_file()), None)
     problems: list[str] = []
     files: list[FileInfo] = []
@@ -83,7 +86,6 @@ def open_checkpoint(path: Path) -> HFDirCheckpoint:
                 "re-copy it from the original.") from None
         version = index_name
     parts: dict[str, Checkpoint] = {}
-    roots = _roots(path)
     for shard in shards:
         try:
             shard_path = (path / shard).resolve()
