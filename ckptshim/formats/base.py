@@ -66,8 +66,8 @@ def reading(where: object, what: str = "reading it") -> Iterator[None]:
     except Exception as error:
         raise CorruptCheckpointError(
             f"{where}: {what} failed ({type(error).__name__}: {str(error)[:300]}); the checkpoint is "
-            "damaged or not what its format says. Re-copy it from the original; if it is intact, "
-            "this is a bug in ckptshim: please report it with this message.") from error
+            "corrupt, incomplete or not what its format says. Re-copy it from the original; if it "
+            "is intact, this is a bug in ckptshim: please report it with this message.") from error
 
 
 _Opener = TypeVar("_Opener", bound=Callable[..., Any])
@@ -85,11 +85,11 @@ def reader(open_checkpoint: _Opener) -> _Opener:
 class _GuardedFuture:
     """A read's future whose ``result()`` raises only ``ShimError`` (see :func:`reading`)."""
 
-    def __init__(self, future: Any, where: str) -> None:
-        self._future, self._where = future, where
+    def __init__(self, future: Any, where: object, what: str) -> None:
+        self._future, self._where, self._what = future, where, what
 
     def result(self) -> Any:
-        with reading(self._where):
+        with reading(self._where, self._what):
             return self._future.result()
 
 
@@ -97,11 +97,11 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
     """``Checkpoint.read``/``read_into`` inside :func:`reading`; a returned future too."""
     @functools.wraps(method)
     def guarded(self: Checkpoint, entry: Any, *args: Any) -> Any:
-        where = f"{self.path}: {self.key_sep.join(getattr(entry, 'key', ()))!r}"
-        with reading(where):
+        what = f"reading {self.key_sep.join(getattr(entry, 'key', ()))!r}"
+        with reading(self.path, what):
             result = method(self, entry, *args)
         return result if result is None or isinstance(result, (np.ndarray, _GuardedFuture)) \
-            else _GuardedFuture(result, where)
+            else _GuardedFuture(result, self.path, what)
     guarded.guarded = True  # type: ignore[attr-defined]
     return guarded
 

@@ -248,6 +248,9 @@ def _open_legacy(step_dir: Path) -> T5XCheckpoint:
             count, absent = array.missing_chunks(by_folder.get(name, set()))
             if count:
                 problems.append(f"{name}/: {count} chunk(s) missing ({', '.join(absent)})")
+        count, short = array.short_chunks(step_dir / name, by_folder.get(name, set()))
+        if count:
+            problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")
     return T5XCheckpoint(step_dir, f"legacy msgpack v{t5x_version}", Inventory(entries, str(step_dir)),
                          [file_info(step_dir / AGGREGATE, len(data), root=step_dir)], problems,
                          data, t5x_version)
