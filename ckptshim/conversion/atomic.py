@@ -71,13 +71,14 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _identity(path: Path) -> tuple[int, int] | None:
-    """What is at ``path`` itself (a link is not followed), or ``None`` for nothing."""
+def _identity(path: Path) -> tuple[int, ...] | None:
+    """What is at ``path`` itself (a link is not followed), or ``None`` for nothing: its inode,
+    and its modification time and size (an inode number can be reused by a new file)."""
     try:
         info = path.lstat()
     except FileNotFoundError:
         return None
-    return info.st_dev, info.st_ino
+    return info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size
 
 
 def _present(path: Path) -> bool:
@@ -129,7 +130,7 @@ def _write_failure(destination: Path, error: OSError) -> str:
             "destination and convert again.")
 
 
-def _move_into_place(produced: Path, destination: Path, checked: tuple[int, int] | None) -> None:
+def _move_into_place(produced: Path, destination: Path, checked: tuple[int, ...] | None) -> None:
     """Rename ``produced`` to ``destination``, replacing only ``checked`` (what was there)."""
     try:
         if checked is None:
