@@ -160,20 +160,26 @@ def confined(code: str, *, memory_mb: int = 1500, seconds: float = 60, cwd: Path
     ``memory_mb`` and whose run is cut off after ``seconds``: a regression that allocates
     gigabytes or loops fails the test instead of taking the machine down.
 
-    The child imports ckptshim from this checkout (``PYTHONPATH`` is inherited); it reports
+    The child imports the ckptshim this process imported, in a clean environment; it reports
     its own peak RSS on its last line of stdout as ``PEAK_RSS_MB=<n>``.
     """
     source = textwrap.dedent(code) + textwrap.dedent("""
-        import resource as _r
-        print(f"PEAK_RSS_MB={_r.getrusage(_r.RUSAGE_SELF).ru_maxrss / 1024:.1f}")
+        import re as _re  # VmHWM: this process's own peak (ru_maxrss counts the forked parent's)
+        _peak = _re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read())
+        print(f"PEAK_RSS_MB={int(_peak.group(1)) / 1024:.1f}")
         """)
     limit = memory_mb * 2**20
 
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1",
-           "TF_CPP_MIN_LOG_LEVEL": "3"}
+    import ckptshim
+
+    # the ckptshim under test, and nothing a previous test left in the environment (a launcher
+    # bootstrap folder on PYTHONPATH, CKPTSHIM_* switches)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("CKPTSHIM_")}
+    env.update(PYTHONPATH=str(Path(ckptshim.__file__).resolve().parent.parent), JAX_PLATFORMS="cpu",
+               OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
     try:
         done = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True,
                               timeout=seconds, preexec_fn=cap, env=env, cwd=cwd)
