@@ -117,6 +117,8 @@ def _atom(value: object) -> bool:
 
 
 def _key(value: object) -> object:
+    if type(value) is str:  # nearly every key: strings cache their hash
+        return value
     if not key_hashes_cheaply(value):
         raise Refused(f"a dictionary key or set member that is a {type(value).__name__} "
                        f"({'too long or nested' if isinstance(value, (tuple, int)) else 'not hashable'}); "
@@ -158,7 +160,7 @@ def _message(where: str, interpreter: _Interpreter, what: str) -> str:
 
 class _Interpreter:
     """One run over one pickle; its loop is written for speed (locals, one ``if`` chain with
-    the opcodes ``torch.save`` writes most often first)."""
+    the opcodes ``torch.save`` writes most often first: memo puts, small ints, memo gets)."""
 
     def __init__(self, data: bytes, dialect: Dialect, find_class, persistent_load, budget: Budget) -> None:
         self.data, self.dialect = memoryview(data).cast("B") if not isinstance(data, bytes) else data, dialect
@@ -173,192 +175,199 @@ class _Interpreter:
         metastack: list[list[Any]] = []
         memo: dict[int, Any] = {}
         push = stack.append
-        pos = 0
+        pos = at = op = 0
         left = budget.left()
-        while True:
-            if pos >= end:
-                raise Refused("the pickle ends without STOP")
-            self.at, op = pos, data[pos]
-            self.op = op
-            pos += 1
-            if not allowed[op]:
-                raise Refused(f"an opcode {self.dialect.name} files do not use")
-            left -= 1
-            if left < 0:
-                budget.spend(budget.left() + 1)  # raises, naming the budget
-            if op == BINPUT:
-                memo[data[pos]] = stack[-1]
+        try:
+            while True:
+                if pos >= end:
+                    raise Refused("the pickle ends without STOP")
+                at = pos
+                op = data[pos]
                 pos += 1
-            elif op == BINUNICODE:
-                (n,) = _u4(data, pos)
-                pos = _text(data, pos + 4, n, end, push)
-            elif op == MARK:
-                metastack.append(stack)
-                stack = []
-                push = stack.append
-            elif op == BININT1:
-                push(data[pos])
-                pos += 1
-            elif op == BINGET:
-                push(memo[data[pos]])
-                pos += 1
-            elif op == TUPLE:
-                items = tuple(stack)
-                stack = metastack.pop()
-                push = stack.append
-                push(items)
-            elif op == TUPLE1:
-                stack[-1] = (stack[-1],)
-            elif op == TUPLE2:
-                stack[-2:] = [(stack[-2], stack[-1])]
-            elif op == TUPLE3:
-                stack[-3:] = [(stack[-3], stack[-2], stack[-1])]
-            elif op == LONG_BINPUT or op == LONG_BINGET:
-                (index,) = _u4(data, pos)
-                pos += 4
+                if not allowed[op]:
+                    raise Refused(f"an opcode {self.dialect.name} files do not use")
+                left -= 1
+                if left < 0:
+                    budget.spend(budget.left() + 1)  # raises, naming the budget
                 if op == LONG_BINPUT:
-                    memo[index] = stack[-1]
-                else:
-                    push(memo[index])
-            elif op == MEMOIZE:
-                memo[len(memo)] = stack[-1]
-            elif op == BINPERSID:
-                if self.persistent_load is None:
-                    raise Refused("a persistent id, which this kind of file never holds")
-                stack[-1] = self.persistent_load(stack[-1])
-            elif op == NEWFALSE:
-                push(False)
-            elif op == NEWTRUE:
-                push(True)
-            elif op == NONE:
-                push(None)
-            elif op == EMPTY_TUPLE:
-                push(())
-            elif op == REDUCE:
-                args = stack.pop()
-                if type(args) is not tuple:
-                    raise Refused("REDUCE with arguments that are not a tuple")
-                stack[-1] = _callable(stack[-1], "REDUCE")(*args)
-            elif op == GLOBAL:
-                first = _line(data, pos, end)
-                second = _line(data, first + 1, end)
-                module, name = _utf8(data[pos:first]), _utf8(data[first + 1:second])
-                pos = second + 1
-                push(find_class(module, name))
-            elif op == STACK_GLOBAL:
-                name, module = stack.pop(), stack.pop()
-                if type(module) is not str or type(name) is not str:
-                    raise Refused("STACK_GLOBAL with a module or name that is not a string")
-                push(find_class(module, name))
-            elif op == SETITEMS:
-                items = stack
-                stack = metastack.pop()
-                push = stack.append
-                target = _mapping(stack[-1])
-                if len(items) % 2:
-                    raise Refused("SETITEMS with a key and no value")
-                for i in range(0, len(items), 2):
-                    target[_key(items[i])] = items[i + 1]
-            elif op == SETITEM:
-                value, key = stack.pop(), stack.pop()
-                _mapping(stack[-1])[_key(key)] = value
-            elif op == EMPTY_DICT:
-                push({})
-            elif op == EMPTY_LIST:
-                push([])
-            elif op == APPEND:
-                item = stack.pop()
-                _list(stack[-1]).append(item)
-            elif op == APPENDS:
-                items = stack
-                stack = metastack.pop()
-                push = stack.append
-                _list(stack[-1]).extend(items)
-            elif op == BUILD:
-                state = stack.pop()
-                _build(stack[-1], state)
-            elif op == NEWOBJ:
-                args, cls = stack.pop(), stack.pop()
-                if type(args) is not tuple or not isinstance(_callable(cls, "NEWOBJ"), type):
-                    raise Refused("NEWOBJ of something that is not an allowed class")
-                push(cls.__new__(cls, *args))
-            elif op == BININT:
-                push(_i4(data, pos)[0])
-                pos += 4
-            elif op == BININT2:
-                push(_u2(data, pos)[0])
-                pos += 2
-            elif op == BINFLOAT:
-                push(_f8(data, pos)[0])
-                pos += 8
-            elif op == LONG1 or op == LONG4:
-                (n,) = _u1(data, pos) if op == LONG1 else _i4(data, pos)
-                pos += 1 if op == LONG1 else 4
-                if n < 0 or pos + n > end:
-                    raise Refused(f"an integer of {n} bytes where the pickle has {end - pos}")
-                push(int.from_bytes(data[pos:pos + n], "little", signed=True))
-                pos += n
-            elif op == SHORT_BINUNICODE:
-                pos = _text(data, pos + 1, data[pos], end, push)
-            elif op == BINUNICODE8:
-                (n,) = _u8(data, pos)
-                pos = _text(data, pos + 8, n, end, push)
-            elif op == SHORT_BINSTRING:  # torch.load decodes Python 2 strings as UTF-8
-                n = data[pos]
-                if pos + 1 + n > end:
-                    raise Refused(f"a string of {n} bytes where the pickle has {end - pos - 1}")
-                push(_utf8(data[pos + 1:pos + 1 + n]))
-                pos += 1 + n
-            elif op in (SHORT_BINBYTES, BINBYTES, BINBYTES8):
-                size = {SHORT_BINBYTES: 1, BINBYTES: 4, BINBYTES8: 8}[op]
-                n = int.from_bytes(data[pos:pos + size], "little")
-                pos += size
-                if pos + n > end:
-                    raise Refused(f"{n} bytes where the pickle has {end - pos}")
-                push(bytes(data[pos:pos + n]))
-                pos += n
-            elif op == EMPTY_SET:
-                push(set())
-            elif op == ADDITEMS:
-                items = stack
-                stack = metastack.pop()
-                push = stack.append
-                target = stack[-1]
-                if type(target) is not set:
-                    raise Refused(f"ADDITEMS to a {type(target).__name__}")
-                target.update(map(_key, items))
-            elif op == FROZENSET:
-                items = stack
-                stack = metastack.pop()
-                push = stack.append
-                push(frozenset(map(_key, items)))
-            elif op == POP:
-                if stack:
-                    stack.pop()
-                else:
+                    memo[_u4(data, pos)[0]] = stack[-1]
+                    pos += 4
+                elif op == BININT1:
+                    push(data[pos])
+                    pos += 1
+                elif op == BINGET:
+                    push(memo[data[pos]])
+                    pos += 1
+                elif op == MARK:
+                    metastack.append(stack)
+                    stack = []
+                    push = stack.append
+                elif op == BINUNICODE:  # inline: every key and storage name is one
+                    (n,) = _u4(data, pos)
+                    pos += 4
+                    if pos + n > end:
+                        raise Refused(f"a string of {n} bytes where the pickle has {end - pos}")
+                    push(str(data[pos:pos + n], "utf-8", "surrogatepass"))
+                    pos += n
+                elif op == REDUCE:
+                    args = stack.pop()
+                    if type(args) is not tuple:
+                        raise Refused("REDUCE with arguments that are not a tuple")
+                    stack[-1] = _callable(stack[-1], "REDUCE")(*args)
+                elif op == TUPLE:
+                    items = tuple(stack)
                     stack = metastack.pop()
                     push = stack.append
-            elif op == POP_MARK:
-                stack = metastack.pop()
-                push = stack.append
-            elif op == DUP:
-                push(stack[-1])
-            elif op == FRAME:  # a buffering hint: its 8-byte length must fit the pickle
-                (n,) = _u8(data, pos)
-                pos += 8
-                if pos + n > end:
-                    raise Refused(f"a frame of {n} bytes where the pickle has {end - pos}")
-            elif op == PROTO:
-                if data[pos] > self.dialect.max_protocol:
-                    raise Refused(f"pickle protocol {data[pos]}")
-                pos += 1
-            elif op == STOP:
-                if len(stack) != 1 or metastack:
-                    raise Refused("STOP with other than one object left")
-                budget.spend(budget.left() - left)
-                return stack[0]
-            else:  # pragma: no cover - every allowed opcode has a branch
-                raise Refused("an opcode ckptshim does not interpret")
+                    push(items)
+                elif op == TUPLE2:
+                    stack[-2:] = [(stack[-2], stack[-1])]
+                elif op == EMPTY_TUPLE:
+                    push(())
+                elif op == BINPERSID:
+                    if self.persistent_load is None:
+                        raise Refused("a persistent id, which this kind of file never holds")
+                    stack[-1] = self.persistent_load(stack[-1])
+                elif op == NEWFALSE:
+                    push(False)
+                elif op == BINPUT:
+                    memo[data[pos]] = stack[-1]
+                    pos += 1
+                elif op == LONG_BINGET:
+                    push(memo[_u4(data, pos)[0]])
+                    pos += 4
+                elif op == TUPLE1:
+                    stack[-1] = (stack[-1],)
+                elif op == TUPLE3:
+                    stack[-3:] = [(stack[-3], stack[-2], stack[-1])]
+                elif op == SETITEMS:
+                    items = stack
+                    stack = metastack.pop()
+                    push = stack.append
+                    target = _mapping(stack[-1])
+                    if len(items) % 2:
+                        raise Refused("SETITEMS with a key and no value")
+                    for i in range(0, len(items), 2):
+                        target[_key(items[i])] = items[i + 1]
+                elif op == MEMOIZE:
+                    memo[len(memo)] = stack[-1]
+                elif op == SHORT_BINUNICODE:
+                    pos = _text(data, pos + 1, data[pos], end, push)
+                elif op == NEWTRUE:
+                    push(True)
+                elif op == NONE:
+                    push(None)
+                elif op == SETITEM:
+                    value, key = stack.pop(), stack.pop()
+                    _mapping(stack[-1])[_key(key)] = value
+                elif op == EMPTY_DICT:
+                    push({})
+                elif op == EMPTY_LIST:
+                    push([])
+                elif op == APPEND:
+                    item = stack.pop()
+                    _list(stack[-1]).append(item)
+                elif op == APPENDS:
+                    items = stack
+                    stack = metastack.pop()
+                    push = stack.append
+                    _list(stack[-1]).extend(items)
+                elif op == BUILD:
+                    state = stack.pop()
+                    _build(stack[-1], state)
+                elif op == NEWOBJ:
+                    args, cls = stack.pop(), stack.pop()
+                    if type(args) is not tuple or not isinstance(_callable(cls, "NEWOBJ"), type):
+                        raise Refused("NEWOBJ of something that is not an allowed class")
+                    push(cls.__new__(cls, *args))
+                elif op == GLOBAL:
+                    first = _line(data, pos, end)
+                    second = _line(data, first + 1, end)
+                    module, name = _utf8(data[pos:first]), _utf8(data[first + 1:second])
+                    pos = second + 1
+                    push(find_class(module, name))
+                elif op == STACK_GLOBAL:
+                    name, module = stack.pop(), stack.pop()
+                    if type(module) is not str or type(name) is not str:
+                        raise Refused("STACK_GLOBAL with a module or name that is not a string")
+                    push(find_class(module, name))
+                elif op == BININT:
+                    push(_i4(data, pos)[0])
+                    pos += 4
+                elif op == BININT2:
+                    push(_u2(data, pos)[0])
+                    pos += 2
+                elif op == BINFLOAT:
+                    push(_f8(data, pos)[0])
+                    pos += 8
+                elif op == LONG1 or op == LONG4:
+                    (n,) = _u1(data, pos) if op == LONG1 else _i4(data, pos)
+                    pos += 1 if op == LONG1 else 4
+                    if n < 0 or pos + n > end:
+                        raise Refused(f"an integer of {n} bytes where the pickle has {end - pos}")
+                    push(int.from_bytes(data[pos:pos + n], "little", signed=True))
+                    pos += n
+                elif op == BINUNICODE8:
+                    (n,) = _u8(data, pos)
+                    pos = _text(data, pos + 8, n, end, push)
+                elif op == SHORT_BINSTRING:  # torch.load decodes Python 2 strings as UTF-8
+                    n = data[pos]
+                    if pos + 1 + n > end:
+                        raise Refused(f"a string of {n} bytes where the pickle has {end - pos - 1}")
+                    push(_utf8(data[pos + 1:pos + 1 + n]))
+                    pos += 1 + n
+                elif op in (SHORT_BINBYTES, BINBYTES, BINBYTES8):
+                    size = {SHORT_BINBYTES: 1, BINBYTES: 4, BINBYTES8: 8}[op]
+                    n = int.from_bytes(data[pos:pos + size], "little")
+                    pos += size
+                    if pos + n > end:
+                        raise Refused(f"{n} bytes where the pickle has {end - pos}")
+                    push(bytes(data[pos:pos + n]))
+                    pos += n
+                elif op == EMPTY_SET:
+                    push(set())
+                elif op == ADDITEMS:
+                    items = stack
+                    stack = metastack.pop()
+                    push = stack.append
+                    target = stack[-1]
+                    if type(target) is not set:
+                        raise Refused(f"ADDITEMS to a {type(target).__name__}")
+                    target.update(map(_key, items))
+                elif op == FROZENSET:
+                    items = stack
+                    stack = metastack.pop()
+                    push = stack.append
+                    push(frozenset(map(_key, items)))
+                elif op == POP:
+                    if stack:
+                        stack.pop()
+                    else:
+                        stack = metastack.pop()
+                        push = stack.append
+                elif op == POP_MARK:
+                    stack = metastack.pop()
+                    push = stack.append
+                elif op == DUP:
+                    push(stack[-1])
+                elif op == FRAME:  # a buffering hint: its 8-byte length must fit the pickle
+                    (n,) = _u8(data, pos)
+                    pos += 8
+                    if pos + n > end:
+                        raise Refused(f"a frame of {n} bytes where the pickle has {end - pos}")
+                elif op == PROTO:
+                    if data[pos] > self.dialect.max_protocol:
+                        raise Refused(f"pickle protocol {data[pos]}")
+                    pos += 1
+                elif op == STOP:
+                    if len(stack) != 1 or metastack:
+                        raise Refused("STOP with other than one object left")
+                    budget.spend(budget.left() - left)
+                    return stack[0]
+                else:  # pragma: no cover - every allowed opcode has a branch
+                    raise Refused("an opcode ckptshim does not interpret")
+        except BaseException:
+            self.at, self.op = at, op  # where it went wrong, for the message
+            raise
 
 
 def _text(data, start: int, n: int, end: int, push) -> int:

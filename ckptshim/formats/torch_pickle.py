@@ -135,9 +135,9 @@ class _StateDict(dict):
 def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> _Tensor:
     """A tensor record, once its arguments are what ``torch.save`` writes: a storage record,
     a non-negative offset, and sizes and strides as equally long tuples of ints (sizes >= 0)."""
-    if not (isinstance(storage, _Storage) and _is_int(storage_offset) and storage_offset >= 0
-            and isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride)
-            and all(_is_int(n) and n >= 0 for n in size) and all(_is_int(s) for s in stride)):
+    if not (type(storage) is _Storage and _is_int(storage_offset) and storage_offset >= 0
+            and type(size) is tuple and type(stride) is tuple and len(size) == len(stride)
+            and _all_ints(size, 0) and _all_ints(stride, None)):
         raise safe_pickle.Refused(
             "a tensor record that is not (storage, offset, sizes, strides): "
             f"({', '.join(type(a).__name__ for a in (storage, storage_offset, size, stride))})")
@@ -146,6 +146,15 @@ def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> _Tensor
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _all_ints(values: tuple, low: int | None) -> bool:
+    """Every value an int (not a bool), at least ``low`` if given (a plain loop: it runs for
+    every tensor of a state dict)."""
+    for value in values:
+        if type(value) is not int or (low is not None and value < low):
+            return False
+    return True
 
 
 def _rebuild_parameter(data, *_ignored):
