@@ -64,10 +64,15 @@ def reading(where: object, what: str = "reading it") -> Iterator[None]:
     except ShimError:
         raise
     except Exception as error:
-        raise CorruptCheckpointError(
-            f"{where}: {what} failed ({type(error).__name__}: {str(error)[:300]}); the checkpoint is "
-            "corrupt, incomplete or not what its format says. Re-copy it from the original; if it "
-            "is intact, this is a bug in ckptshim: please report it with this message.") from error
+        raise unreadable(where, what, error) from error
+
+
+def unreadable(where: object, what: str, error: BaseException) -> CorruptCheckpointError:
+    """The error :func:`reading` raises for ``error``, an exception out of a parser."""
+    return CorruptCheckpointError(
+        f"{where}: {what} failed ({type(error).__name__}: {str(error)[:300]}); the checkpoint is "
+        "corrupt, incomplete or not what its format says. Re-copy it from the original; if it "
+        "is intact, this is a bug in ckptshim: please report it with this message.")
 
 
 _Opener = TypeVar("_Opener", bound=Callable[..., Any])
@@ -94,16 +99,24 @@ class _GuardedFuture:
 
 
 def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``Checkpoint.read``/``read_into`` inside :func:`reading`; a returned future too."""
+    """``Checkpoint.read``/``read_into`` inside the trust boundary (as :func:`reading`, written
+    out: reads of small entries are many), and so is a future it returns."""
     @functools.wraps(method)
     def guarded(self: Checkpoint, entry: Any, *args: Any) -> Any:
-        what = f"reading {self.key_sep.join(getattr(entry, 'key', ()))!r}"
-        with reading(self.path, what):
+        try:
             result = method(self, entry, *args)
+        except ShimError:
+            raise
+        except Exception as error:
+            raise unreadable(self.path, _reading(self, entry), error) from error
         return result if result is None or isinstance(result, (np.ndarray, _GuardedFuture)) \
-            else _GuardedFuture(result, self.path, what)
+            else _GuardedFuture(result, self.path, _reading(self, entry))
     guarded.guarded = True  # type: ignore[attr-defined]
     return guarded
+
+
+def _reading(checkpoint: Checkpoint, entry: Any) -> str:
+    return f"reading {checkpoint.key_sep.join(getattr(entry, 'key', ()))!r}"
 
 
 #: Bytes of bookkeeping (Python objects) a parser may build for one checkpoint whatever it
