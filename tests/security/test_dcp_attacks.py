@@ -21,7 +21,7 @@ from ckptshim.cli import main  # noqa: E402
 from ckptshim.errors import CorruptCheckpointError  # noqa: E402
 from ckptshim.formats import dcp as dcp_format  # noqa: E402
 from ckptshim.formats import detect  # noqa: E402
-from hostile import confined, read_dcp_metadata, refusal, write_dcp_metadata, write_sharded_dcp  # noqa: E402
+from hostile import confined, read_dcp_metadata, refusal, write_sharded_dcp  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 FULL = torch.arange(16.0).reshape(4, 4)

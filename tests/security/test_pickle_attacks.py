@@ -9,7 +9,6 @@ attack is. Resource attacks run in a confined child (memory cap, time limit).
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import numpy as np

@@ -9,7 +9,6 @@ reader. DeepSpeed's ``load_state_dir`` loads every ``layer_<ii>-*model_states.pt
 
 from __future__ import annotations
 
-import pickle
 import shutil
 from pathlib import Path
 
