@@ -19,8 +19,9 @@ empty maps, or a zstd frame whose header declares 4 GiB; each of those broke ckp
   checkpoint, listed and read.
 
 Every example runs under the harness's own limits (:class:`Limits`): what escapes must be a
-``ShimError``; it must finish within ``seconds``; and the memory Python and numpy allocate for it
-(``tracemalloc``'s peak) must stay within ``base_mb`` plus ``per_byte`` times the input size.
+``ShimError``; it must finish within ``seconds`` plus ``seconds_per_byte`` times the input size;
+and the memory Python and numpy allocate for it (``tracemalloc``'s peak) must stay within
+``base_mb`` plus ``per_byte`` times the input size.
 """
 
 from __future__ import annotations
@@ -47,9 +48,17 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 @dataclass(frozen=True)
 class Limits:
+    """What one example may cost: time and traced memory, each a constant plus a cost per
+    input byte -- linear in the input, as every parser's budget promises (with tracemalloc on,
+    which slows allocation-heavy code two- to threefold)."""
+
     seconds: float = 10.0
+    seconds_per_byte: float = 50e-6
     base_mb: float = 64.0
     per_byte: float = 32.0
+
+    def seconds_for(self, size: int) -> float:
+        return self.seconds + self.seconds_per_byte * size
 
     def bytes_for(self, size: int) -> float:
         return self.base_mb * 2**20 + self.per_byte * size
@@ -75,8 +84,8 @@ def guarded(run: Callable[[], None], size: int, limits: Limits) -> None:
         if not started:
             tracemalloc.stop()
     elapsed = time.perf_counter() - begin
-    if elapsed > limits.seconds:
-        raise LimitExceeded(f"took {elapsed:.1f} s (limit {limits.seconds} s) for {size} input bytes")
+    if elapsed > limits.seconds_for(size):
+        raise LimitExceeded(f"took {elapsed:.1f} s (limit {limits.seconds_for(size):.1f} s) for {size} input bytes")
     if peak > limits.bytes_for(size):
         raise LimitExceeded(f"allocated {peak / 2**20:.1f} MiB (limit {limits.bytes_for(size) / 2**20:.1f}) "
                             f"for {size} input bytes")
