@@ -190,6 +190,7 @@ class TorchPickleTarget:
     limits = Limits()
 
     def __init__(self, workdir: Path) -> None:
+        import torch.serialization  # noqa: F401 -- imported once here, not timed in the first example
         self.path = workdir / "model.pt"
 
     def __call__(self, data_pkl: bytes, storage_size: int = 16) -> None:
