@@ -30,6 +30,9 @@ _CHUNKED = "__msgpack_chunked_array__"
 #: Nesting deeper than any checkpoint tree; each level costs this reader two Python frames, so
 #: the limit keeps a hostile file's nesting well inside Python's recursion limit.
 MAX_DEPTH = 128
+#: What a number or array costs the budget beyond its one object: it becomes an inventory entry
+#: (the entry, its key path, its location: about five objects' worth of memory).
+ENTRY_OBJECTS = 5
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,8 @@ class _Reader:
             raise self.fail(f"nesting deeper than {MAX_DEPTH} levels, more than any checkpoint tree")
         self.budget.spend()
         b = self.data[self.take(1)]
+        if b <= 0x7F or b >= 0xE0 or b in _SIMPLE or b in (0xC2, 0xC3):
+            self.budget.spend(ENTRY_OBJECTS)  # a number: an entry of the inventory
         if b <= 0x7F:
             return b
         if b >= 0xE0:
@@ -138,6 +143,7 @@ class _Reader:
                 raise self.fail(f"an array {dtype}{list(shape)} whose data holds {raw.length} bytes")
             value: Any = ArrayRef(shape, dtype, ((raw.offset, raw.length),))
             self.budget.credit(raw.length)
+            self.budget.spend(ENTRY_OBJECTS)
         elif code == _EXT_COMPLEX:
             pair = self.value(depth + 1)
             if not (isinstance(pair, list) and len(pair) == 2
