@@ -167,7 +167,7 @@ _DS = "neox_deepspeed/pp1_mp1/checkpoint"
 _PAX = "paxml_runs/TinySpmdRepeat/checkpoints/checkpoint_00000000"
 
 HARNESSES: tuple[Harness, ...] = (
-    Harness("torch_pickle", "formats/torch_pickle.py: read_archive, _SafeUnpickler, tensor_view",
+    Harness("torch_pickle", "formats/torch_pickle.py: read_archive (safe_pickle), tensor_view",
             "neox_deepspeed/pp1_mp1/checkpoint/global_step0/layer_05-model_00-model_states.pt"),
     Harness("torch_pickle_model", "formats/torch_pickle.py (a whole model's archive)",
             "torch_dcp_single/torch_save/model.pt", examples=180),
@@ -176,7 +176,7 @@ HARNESSES: tuple[Harness, ...] = (
     Harness("hf_index", "formats/hf_dir.py: open_checkpoint (weight index JSON)",
             "hf_gptneox_tf4.30.2/safetensors", "model.safetensors.index.json", prepare=_shard_hf,
             examples=450),
-    Harness("dcp_metadata", "formats/dcp.py: _MetadataUnpickler, parse_metadata",
+    Harness("dcp_metadata", "formats/dcp.py: load_metadata (safe_pickle), parse_metadata",
             "torch_dcp_single/dcp_plain", ".metadata", examples=450),
     Harness("dcp_chunks", "formats/dcp.py: read_layout (torch.save archives in .distcp)",
             "torch_dcp_single/dcp_plain", "__0_0.distcp", examples=180),
