@@ -16,7 +16,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import safetensors, torch_pickle
-from ckptshim.formats.base import Checkpoint, FileInfo, file_info, strict_json
+from ckptshim.formats.base import Checkpoint, FileInfo, file_info, reader, refuse_links_leaving, strict_json
 from ckptshim.inventory import Entry, Inventory
 
 NAME = "hf-dir"
@@ -110,7 +110,10 @@ def _explicit_weights_file(path: Path) -> str | None:
     return named
 
 
+@reader
 def open_checkpoint(path: Path) -> HFDirCheckpoint:
+    roots = _roots(path)
+    refuse_links_leaving(path, also=roots[1:])
     chosen = weights_file(path)
     index_name = chosen if chosen.endswith(_INDEX_SUFFIX) else None
     problems: list[str] = []
@@ -128,7 +131,6 @@ def open_checkpoint(path: Path) -> HFDirCheckpoint:
                 "re-copy it from the original.") from None
         version = index_name
     parts: dict[str, Checkpoint] = {}
-    roots = _roots(path)
     for shard in shards:
         try:
             shard_path = (path / shard).resolve()
