@@ -532,3 +532,17 @@ def test_a_damaged_config_is_refused_naming_it(tmp_path, damage):
     with pytest.raises(BaseException, match=r"config\.json: not valid JSON"):
         dcp.load(model.state_dict(), checkpoint_id=folder)
     assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+
+
+def test_a_config_linked_from_outside_the_folder_is_refused(tmp_path):
+    """config.json is one of the checkpoint's files: a link to a file elsewhere is not read."""
+    from ckptshim.errors import UnsafeCheckpointError
+    from ckptshim.formats.hf_dir import model_config
+
+    folder = writable_copy(FIXTURE / "mixtral" / "safetensors", tmp_path / "ckpt")
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text((folder / "config.json").read_text())
+    (folder / "config.json").unlink()
+    (folder / "config.json").symlink_to(elsewhere)
+    with pytest.raises(UnsafeCheckpointError, match="outside the directory"):
+        model_config(folder)

@@ -45,8 +45,11 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
     """
     if to not in WRITERS:
         raise ConvertError(f"cannot convert to {to!r}; choose one of {', '.join(WRITERS)}")
-    source, destination = Path(source).resolve(), Path(destination).resolve()
-    if destination == source or source in destination.parents or destination in source.parents:
+    source = Path(source).resolve()
+    # DST itself is never resolved: a link there is what --force replaces, never its target
+    destination = Path(destination).parent.resolve() / Path(destination).name
+    resolved = destination.resolve()
+    if resolved == source or source in resolved.parents or resolved in source.parents:
         raise ConvertError(f"{destination} overlaps the source {source}; write somewhere else")
     from importlib import import_module
 

@@ -142,7 +142,7 @@ class DcpReader(_Reader):
         try:
             self._checkpoint = dcp.open_checkpoint(self.path)
             if self._checkpoint.problems:
-                raise CorruptCheckpointError(f"{self.path}/.metadata is inconsistent:\n  "
+                raise CorruptCheckpointError(f"{self.path}: the checkpoint's metadata contradicts itself:\n  "
                                              + "\n  ".join(self._checkpoint.problems)
                                              + "\nRe-save the checkpoint; ckptshim will not load part of a tensor.")
         except ShimError as error:
@@ -189,7 +189,7 @@ class DcpReader(_Reader):
                         self._objects[index] = _safe_object(raw, self._stored(item), where)
                         continue
                     meta = self._checkpoint.metadata.tensors[index.fqn]
-                    chunk = next(c for c in meta.chunks if c.offsets == tuple(index.offset))
+                    chunk = meta.chunk_at[tuple(index.offset)]
                     self._layouts[index] = dcp.read_layout(raw, path, self._stored(item), chunk, meta.dtype,
                                                            f"{where} chunk {list(chunk.offsets)}")
 

@@ -11,18 +11,20 @@ range of an entry, straight into a buffer the caller owns).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, TypeVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ckptshim.errors import CorruptCheckpointError
+from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory
 
 _NO_NUMPY_TYPE = {"bfloat16": "<u2", "float8_e4m3fn": "u1", "float8_e5m2": "u1",
@@ -42,6 +44,168 @@ def numpy_dtype(name: str) -> np.dtype:
         import ml_dtypes
 
         return np.dtype(getattr(ml_dtypes, name))
+
+
+# -- the trust boundary ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def reading(where: object, what: str = "reading it") -> Iterator[None]:
+    """The trust boundary around ckptshim's parsing of a checkpoint's bytes at ``where``.
+
+    A :class:`~ckptshim.errors.ShimError` passes; any other exception out of a parser (a
+    ``TypeError`` from a value of the wrong type, a ``RecursionError``, a ``MemoryError``) is a
+    checkpoint ckptshim cannot read, reported as a :class:`CorruptCheckpointError` naming the
+    file -- never a raw traceback, and never a reason for a hook to hand the file to a loader
+    that would unpickle it. The original exception is kept as the cause, for bug reports.
+    """
+    try:
+        yield
+    except ShimError:
+        raise
+    except Exception as error:
+        raise unreadable(where, what, error) from error
+
+
+def unreadable(where: object, what: str, error: BaseException) -> CorruptCheckpointError:
+    """The error :func:`reading` raises for ``error``, an exception out of a parser."""
+    return CorruptCheckpointError(
+        f"{where}: {what} failed ({type(error).__name__}: {str(error)[:300]}); the checkpoint is "
+        "corrupt, incomplete or not what its format says. Re-copy it from the original; if it "
+        "is intact, this is a bug in ckptshim: please report it with this message.")
+
+
+_Opener = TypeVar("_Opener", bound=Callable[..., Any])
+
+
+def reader(open_checkpoint: _Opener) -> _Opener:
+    """Decorate a format module's ``open_checkpoint(path)`` with :func:`reading` (see there)."""
+    @functools.wraps(open_checkpoint)
+    def opened(path: Path, *args: Any, **kwargs: Any) -> Any:
+        with reading(path, "opening it"):
+            return open_checkpoint(path, *args, **kwargs)
+    return opened  # type: ignore[return-value]
+
+
+class _GuardedFuture:
+    """A read's future whose ``result()`` raises only ``ShimError`` (see :func:`reading`)."""
+
+    def __init__(self, future: Any, where: object, what: str) -> None:
+        self._future, self._where, self._what = future, where, what
+
+    def result(self) -> Any:
+        with reading(self._where, self._what):
+            return self._future.result()
+
+
+def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``Checkpoint.read``/``read_into`` inside the trust boundary (as :func:`reading`, written
+    out: reads of small entries are many), and so is a future it returns."""
+    @functools.wraps(method)
+    def guarded(self: Checkpoint, entry: Any, *args: Any) -> Any:
+        try:
+            result = method(self, entry, *args)
+        except ShimError:
+            raise
+        except Exception as error:
+            raise unreadable(self.path, _reading(self, entry), error) from error
+        return result if result is None or isinstance(result, (np.ndarray, _GuardedFuture)) \
+            else _GuardedFuture(result, self.path, _reading(self, entry))
+    guarded.guarded = True  # type: ignore[attr-defined]
+    return guarded
+
+
+def _reading(checkpoint: Checkpoint, entry: Any) -> str:
+    return f"reading {checkpoint.key_sep.join(getattr(entry, 'key', ()))!r}"
+
+
+#: Bytes of bookkeeping (Python objects) a parser may build for one checkpoint whatever it
+#: holds; beyond it, only in proportion to the array bytes the file holds (see :class:`Budget`).
+ALLOWANCE_BYTES = 256 * 2**20
+#: What one parsed object (a container, string, number or record) is counted as.
+NODE_BYTES = 64
+
+
+class Budget:
+    """The objects a parser may build from one file: :data:`ALLOWANCE_BYTES` worth, plus one
+    per :data:`NODE_BYTES` of array data the file holds (:meth:`credit`), each object counted
+    as :data:`NODE_BYTES`.
+
+    A checkpoint's structure (keys, records, containers) is small next to its arrays; one
+    whose structure would take more memory than its arrays plus the allowance is built to
+    exhaust memory (38 MB of empty msgpack maps, a million small integers) and is refused
+    while the parser's memory is still within that bound. Every parser also does a constant
+    amount of work per object, so its time is linear in the file.
+    """
+
+    __slots__ = ("where", "limit", "used")
+
+    def __init__(self, where: object, array_bytes: int = 0) -> None:
+        self.where = where
+        self.limit = (ALLOWANCE_BYTES + max(array_bytes, 0)) // NODE_BYTES
+        self.used = 0
+
+    def credit(self, array_bytes: int) -> None:
+        """Room for the structure of ``array_bytes`` more bytes of arrays found in the file."""
+        self.limit += max(array_bytes, 0) // NODE_BYTES
+
+    def left(self) -> int:
+        return self.limit - self.used
+
+    def spend(self, objects: int = 1) -> None:
+        self.used += objects
+        if self.used > self.limit:
+            raise CorruptCheckpointError(
+                f"{self.where}: describes more than {self.limit:,} objects, more structure than "
+                f"its {max(self.limit * NODE_BYTES - ALLOWANCE_BYTES, 0):,} bytes of arrays need "
+                f"(ckptshim allows {ALLOWANCE_BYTES // 2**20} MiB of metadata beyond them); "
+                "refusing it before it exhausts memory. The file is damaged or built to do that.")
+
+
+def refuse_links_leaving(root: Path, also: tuple[Path, ...] = ()) -> None:
+    """Refuse a checkpoint folder holding a symlink whose target lies outside it (or ``also``).
+
+    ckptshim reads only files a checkpoint contains: a chunk, rank or data file that is a link
+    to ``/etc/machine-id`` would otherwise be read (and converted) as weights. Links inside the
+    folder are fine (their targets are checked where they are). One ``scandir`` walk, no stat
+    of regular files.
+    """
+    allowed = (root.resolve(), *(p.resolve() for p in also))
+    for entry in _entries(root):
+        if entry.is_symlink():
+            _require_target_inside(Path(entry.path), allowed, root)
+
+
+def folder_bytes(root: Path) -> int:
+    """Bytes of the regular files under ``root`` (links not followed): what its arrays can hold."""
+    return sum(entry.stat(follow_symlinks=False).st_size for entry in _entries(root)
+               if entry.is_file(follow_symlinks=False))
+
+
+def _entries(root: Path) -> Iterator[os.DirEntry]:
+    """Everything under ``root``, depth first, without descending into linked folders."""
+    pending = [str(root)]
+    while pending:
+        with os.scandir(pending.pop()) as listing:
+            for entry in listing:
+                yield entry
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
+
+
+def require_inside(root: Path, path: Path, also: tuple[Path, ...] = ()) -> None:
+    """Refuse ``path`` (a file of the checkpoint at ``root``) when its real path leaves ``root``
+    (and ``also``)."""
+    _require_target_inside(path, (root.resolve(), *(p.resolve() for p in also)), root)
+
+
+def _require_target_inside(path: Path, allowed: tuple[Path, ...], root: Path) -> None:
+    target = Path(os.path.realpath(path))
+    if not any(target == real or real in target.parents for real in allowed):
+        raise UnsafeCheckpointError(
+            f"{path} is a symlink to {target}, which lies outside the directory of the checkpoint "
+            f"({root}); ckptshim reads only files the checkpoint contains. Copy the file into the "
+            "checkpoint instead of linking to it.")
 
 
 @dataclass(frozen=True)
@@ -79,6 +243,14 @@ class Checkpoint(ABC):
     key_sep = "."
     orbax_readers: ClassVar[frozenset[str]] = frozenset()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every format's reads run inside the trust boundary (:func:`reading`)."""
+        super().__init_subclass__(**kwargs)
+        for name in ("read", "read_into"):
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "guarded", False):
+                setattr(cls, name, _guarded(method))
+
     path: Path
     format: str
     version: str
@@ -100,6 +272,7 @@ class Checkpoint(ABC):
         Usually a read-only view of a memory map: slicing it reads only the slice's pages.
         """
 
+    @_guarded
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray) -> Any:
         """Copy ``entry[index]`` into ``out``, cast to ``out.dtype`` (as Orbax casts on restore).
 
@@ -155,6 +328,11 @@ def step_folders(root: Path, pattern: re.Pattern, accept: Callable[[Path], Path 
     Two children naming one step (``checkpoint_1`` beside ``checkpoint_01``) are refused: which
     one the writer meant would be a guess.
     """
+    with reading(root, "listing its step folders"):
+        return _step_folders(root, pattern, accept)
+
+
+def _step_folders(root: Path, pattern: re.Pattern, accept: Callable[[Path], Path | None]) -> dict[int, Path]:
     if not root.is_dir():
         return {}
     found: dict[int, tuple[str, Path]] = {}
@@ -176,15 +354,25 @@ def itemsize(dtype: str) -> int:
     return DTYPE_SIZES[dtype]
 
 
-def strict_json(raw: str | bytes) -> object:
+def strict_json(raw: str | bytes, array_bytes: int = 0) -> object:
     """``json.loads`` that refuses an object naming one key twice (a ``ValueError``).
 
     JSON allows duplicate keys and Python keeps the last one silently; in checkpoint metadata
     two values for one name mean the file was damaged or tampered with, and picking one would
-    be a guess. Nesting too deep for Python's parser (a hostile file) is a ``ValueError`` too.
+    be a guess. Nesting too deep for Python's parser (a hostile file) is a ``ValueError`` too,
+    and so is a document of more values than a :class:`Budget` credited with ``array_bytes``
+    (what the arrays it describes hold) allows: counted before parsing, from its commas and
+    brackets, so that a megabyte of ``[[],[],...]`` never becomes a million lists.
     """
+    text = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    values = text.count(b",") + text.count(b"[") + text.count(b"{") + 1  # at least the values
+    budget = Budget("JSON", array_bytes)
+    if values > budget.left():
+        raise ValueError(f"JSON of about {values:,} values, more than {budget.left():,} (what "
+                         f"{array_bytes:,} bytes of arrays and ckptshim's allowance for metadata "
+                         "justify); refusing it before it exhausts memory")
     try:
-        return json.loads(raw, object_pairs_hook=_unique_pairs)
+        return json.loads(text, object_pairs_hook=_unique_pairs)
     except RecursionError:
         raise ValueError("JSON nested too deeply to parse") from None
 

@@ -1,9 +1,13 @@
 """torch.distributed.checkpoint (DCP) directories: a pickled ``.metadata`` beside rank files.
 
-``.metadata`` is a pickle of DCP's metadata dataclasses. It is read by an allow-listed unpickler
-that knows only those classes, ``torch.Size``, torch dtypes and layouts, a few containers and
-path types -- each built here as inert data, so neither torch nor any code from the checkpoint
-runs -- and refuses every other global by name. The default ``FileSystemWriter`` stores each
+``.metadata`` is a pickle of DCP's metadata dataclasses (a ``FileSystemWriter`` with
+``use_collectives=False`` writes one per rank instead, ``__<rank>.metadata``, each describing what
+that rank saved; such a folder reads as the union of them, which is what DCP's reader finds).
+It is read by :mod:`ckptshim.formats.safe_pickle` with an allow-list that knows only those
+classes, ``torch.Size``, torch dtypes and layouts, a few containers and path types -- each built
+here as inert data, so neither torch nor any code from the checkpoint runs -- and refuses every
+other global by name. Any folder DCP's own reader would unpickle metadata from is recognised
+here first, so a ``dcp.load`` hook never hands one to it. The default ``FileSystemWriter`` stores each
 chunk (a whole tensor, or one rank's block of it) as a complete ``torch.save`` archive at
 ``(relative_path, offset, length)`` inside a ``__<rank>_<n>.distcp`` file; those archives are
 parsed with :mod:`ckptshim.formats.torch_pickle` only when their bytes are wanted. Reads go
@@ -16,21 +20,25 @@ import dataclasses
 import io
 import math
 import os
-import pickle
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path, PurePath
 from typing import Any, BinaryIO
 
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
-from ckptshim.formats.base import Checkpoint, file_info, storage_dtype
+from ckptshim.formats import safe_pickle
+from ckptshim.formats.base import Budget, Checkpoint, file_info, reader, reading, refuse_links_leaving, storage_dtype
 from ckptshim.formats.torch_pickle import TensorRef, read_archive, tensor_view
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, dtype_name, split_key
 
 NAME = "torch-dcp"
 METADATA_FILE = ".metadata"
+#: What ``FileSystemWriter(use_collectives=False)`` writes instead: one metadata file per rank.
+RANK_METADATA = re.compile(r"__(\d+)\.metadata")
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _SHARD = "torch.distributed._shard.sharded_tensor.metadata"  # TensorProperties before torch 2.2
@@ -61,15 +69,24 @@ def _path(*parts: str) -> str:
     return str(PurePath(*parts))
 
 
+def _members(kind: type) -> Any:
+    """``set``/``frozenset`` of an iterable, whose members must hash in constant time."""
+    def build(items: Sequence = ()) -> Any:
+        if not all(map(safe_pickle.key_hashes_cheaply, items)):
+            raise safe_pickle.Refused(f"a {kind.__name__} of members that are not names or numbers")
+        return kind(items)
+    return build
+
+
 #: Callables the pickle may apply (REDUCE), each replaced by an inert equivalent.
 _CALLS: dict[tuple[str, str], Any] = {
-    ("torch", "Size"): lambda dims=(): tuple(int(d) for d in dims),
+    ("torch", "Size"): lambda dims=(): _ints(dims),
     ("torch.serialization", "_get_layout"): str,
     (_DCP, "_MEM_FORMAT_ENCODING"): int,
     (_SHARD, "MEM_FORMAT_ENCODING"): int,
     ("collections", "OrderedDict"): dict,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
+    ("builtins", "set"): _members(set),
+    ("builtins", "frozenset"): _members(frozenset),
     **{("pathlib", name): _path for name in ("Path", "PosixPath", "WindowsPath", "PurePath",
                                               "PurePosixPath", "PureWindowsPath")},
 }
@@ -82,12 +99,9 @@ _UNREAD_DTYPES = frozenset(
     | {f"{kind}{bits}" for kind in ("int", "uint") for bits in range(1, 8)})
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, file: BinaryIO, where: str) -> None:
-        super().__init__(file)
-        self.where = where
-
-    def find_class(self, module: str, name: str) -> Any:
+def _find_class(where: str) -> Any:
+    """``find_class`` for ``.metadata``: DCP's records, the inert calls above, dtype names."""
+    def find_class(module: str, name: str) -> Any:
         found = _RECORD_TYPES.get((module, name)) or _CALLS.get((module, name))
         if found is not None:
             return found
@@ -97,15 +111,16 @@ class _MetadataUnpickler(pickle.Unpickler):
             except ValueError:
                 if name in _UNREAD_DTYPES:
                     raise UnknownFormatError(
-                        f"{self.where} describes tensors of dtype torch.{name}, which ckptshim does "
+                        f"{where} describes tensors of dtype torch.{name}, which ckptshim does "
                         "not read yet. Load this checkpoint with the hook off "
                         "(CKPTSHIM_DISABLE_HOOKS=torch-dcp).") from None
         raise UnsafeCheckpointError(
-            f"{self.where} needs {module}.{name} to unpickle, but DCP metadata holds only "
+            f"{where} needs {module}.{name} to unpickle, but DCP metadata holds only "
             "torch.distributed.checkpoint's metadata classes, sizes and dtypes, so ckptshim refuses "
             "to run it: the file was not written by torch.distributed.checkpoint or was altered "
             "afterwards. Re-save the checkpoint with dcp.save; if you trust this file, load it "
             "with the hook off (CKPTSHIM_DISABLE_HOOKS=torch-dcp).")
+    return find_class
 
 
 @dataclass(frozen=True)
@@ -128,9 +143,16 @@ class Stored:
 
 @dataclass(frozen=True)
 class TensorMeta:
+    """One tensor as the metadata lists it: its dtype, size, and the blocks it is stored in."""
+
     dtype: str
     size: tuple[int, ...]
     chunks: tuple[Chunk, ...]
+
+    @cached_property
+    def chunk_at(self) -> dict[tuple[int, ...], Chunk]:
+        """Each stored block by its offsets (what DCP's ``MetadataIndex`` names it by)."""
+        return {chunk.offsets: chunk for chunk in self.chunks}
 
 
 #: A storage key as DCP's ``MetadataIndex``: the flat key and the chunk's offsets (None for objects).
@@ -160,7 +182,11 @@ def _state(record: Any, kind: str) -> Any:
 
 
 def _ints(values: Any) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
+    """Sizes and offsets as DCP writes them: a sequence of integers >= 0 (``torch.Size``)."""
+    if not isinstance(values, (tuple, list)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"{type(values).__name__} {str(values)[:80]} is not a size (integers >= 0)")
+    return tuple(values)
 
 
 def _tensor_meta(record: _Record) -> TensorMeta:
@@ -180,8 +206,8 @@ def _stored(record: _Record) -> Stored:
     file = str(state["relative_path"])
     if PurePath(file).name != file or file in ("", ".", ".."):
         raise ValueError(f"storage file {file!r} is not a plain file name inside the checkpoint")
-    return Stored(file, int(state["offset"]), int(state["length"]),
-                  tuple(state.get("transform_descriptors") or ()))
+    offset, length = _ints((state["offset"], state["length"]))
+    return Stored(file, offset, length, tuple(state.get("transform_descriptors") or ()))
 
 
 def parse_metadata(root: Any) -> DcpMetadata:
@@ -207,24 +233,65 @@ def parse_metadata(root: Any) -> DcpMetadata:
                        {str(k): tuple(v) for k, v in planner_data.items()}, state.get("version"))
 
 
-def load_metadata(file: Path) -> DcpMetadata:
-    """Read a DCP ``.metadata`` file through the allow-listed unpickler."""
-    try:
-        with open(file, "rb") as raw:
-            root = _MetadataUnpickler(raw, str(file)).load()
-    except (UnsafeCheckpointError, UnknownFormatError):
-        raise
-    except OSError as error:
-        raise CorruptCheckpointError(f"{file}: cannot be read ({error})") from None
-    except Exception as error:
-        raise CorruptCheckpointError(f"{file}: does not unpickle ({type(error).__name__}: {error}); "
-                                     "the file is damaged. Re-copy it from the original.") from None
-    try:
-        return parse_metadata(root)
-    except (AttributeError, KeyError, TypeError, ValueError) as error:
-        raise CorruptCheckpointError(
-            f"{file}: does not hold DCP metadata as torch.distributed.checkpoint writes it "
-            f"({type(error).__name__}: {error}). Re-save the checkpoint with dcp.save.") from None
+def load_metadata(file: Path, array_bytes: int = 0) -> DcpMetadata:
+    """Read a DCP ``.metadata`` file (or one rank's) with the allow-listed unpickler; its
+    object budget is credited with ``array_bytes``, what the checkpoint's rank files hold."""
+    where = str(file)
+    with reading(file):
+        try:
+            data = file.read_bytes()
+        except OSError as error:
+            raise CorruptCheckpointError(f"{file}: cannot be read ({error})") from None
+        root = safe_pickle.load(data, where, safe_pickle.PICKLE, _find_class(where),
+                                budget=Budget(where, array_bytes))
+        try:
+            return parse_metadata(root)
+        except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as error:
+            raise CorruptCheckpointError(
+                f"{file}: does not hold DCP metadata as torch.distributed.checkpoint writes it "
+                f"({type(error).__name__}: {str(error)[:200]}). Re-save the checkpoint with dcp.save.") from None
+
+
+def metadata_files(path: Path) -> list[Path]:
+    """The metadata DCP's ``FileSystemReader`` would read in the folder ``path``: ``.metadata``
+    if there is anything of that name, else every rank's ``__<rank>.metadata`` (rank order)."""
+    if not path.is_dir():
+        return []
+    if os.path.lexists(path / METADATA_FILE):
+        return [path / METADATA_FILE]
+    ranks = sorted((int(match[1]), child) for child in path.iterdir()
+                   if (match := RANK_METADATA.fullmatch(child.name)) is not None)
+    return [child for _, child in ranks]
+
+
+def merge_ranks(parts: Sequence[DcpMetadata], files: Sequence[Path]) -> DcpMetadata:
+    """The union of per-rank metadata: what every rank saved, each chunk once.
+
+    A chunk that several ranks saved whole (a replicated tensor: same offsets and sizes) is
+    read from the lowest rank's file; a tensor that ranks describe with different dtypes or
+    sizes is refused. Chunks that overlap otherwise are left to :func:`_problems`.
+    """
+    tensors: dict[str, TensorMeta] = {}
+    storage: dict[StorageKey, Stored] = {}
+    planner_data: dict[str, tuple] = {}
+    for part, file in zip(parts, files):
+        for fqn, meta in part.tensors.items():
+            seen = tensors.get(fqn)
+            if seen is None:
+                tensors[fqn] = meta
+                continue
+            if (seen.dtype, seen.size) != (meta.dtype, meta.size):
+                raise CorruptCheckpointError(
+                    f"{file}: describes {fqn!r} as {meta.dtype}{list(meta.size)}, but a lower rank's "
+                    f"metadata as {seen.dtype}{list(seen.size)}; the ranks' files do not belong together.")
+            known = set(seen.chunks)
+            tensors[fqn] = dataclasses.replace(seen, chunks=seen.chunks + tuple(c for c in meta.chunks if c not in known))
+        for key, stored in part.storage.items():
+            storage.setdefault(key, stored)
+        for fqn, value in part.planner_data.items():
+            planner_data.setdefault(fqn, value)
+    return DcpMetadata(tensors, frozenset().union(*(p.objects for p in parts)), storage, planner_data,
+                       parts[0].version)
 
 
 # -- reading bytes -----------------------------------------------------------------------------
@@ -325,7 +392,8 @@ def read_chunk(raw: BinaryIO, layout: ChunkLayout, where: str) -> np.ndarray:
 
 
 def sniff(path: Path) -> bool:
-    return path.is_dir() and (path / METADATA_FILE).is_file()
+    """A folder DCP's reader would unpickle metadata from (see :func:`metadata_files`)."""
+    return bool(metadata_files(path))
 
 
 READERS = {"torch": sniff}
@@ -335,10 +403,12 @@ class DcpCheckpoint(Checkpoint):
     """A DCP directory. Tensor entries' locations are their flat keys; object entries (pickled
     Python values) are listed as ``uint8`` arrays of their stored length."""
 
-    def __init__(self, path: Path, metadata: DcpMetadata, inventory: Inventory, files, problems) -> None:
+    def __init__(self, path: Path, metadata: DcpMetadata, inventory: Inventory, files, problems,
+                 unreadable: frozenset[str] = frozenset()) -> None:
         version = f"dcp {metadata.version}" if metadata.version else "dcp (before 1.0.0)"
         super().__init__(path, NAME, version, inventory, tuple(files), tuple(problems))
         self.metadata = metadata
+        self._unreadable = unreadable
 
     def stored(self, fqn: str, offsets: tuple[int, ...] | None) -> Stored:
         """Where the object ``fqn`` (``offsets=None``) or its chunk at ``offsets`` is stored."""
@@ -350,6 +420,10 @@ class DcpCheckpoint(Checkpoint):
 
     def read(self, entry: Entry) -> np.ndarray:
         fqn = entry.location
+        if fqn in self._unreadable:  # its chunks overlap or leave part of it unwritten
+            raise CorruptCheckpointError(
+                f"{self.path}: {fqn!r} cannot be read: "
+                + "; ".join(p for p in self.problems if f": {fqn}: " in p))
         if fqn in self.metadata.objects:
             stored = self.stored(fqn, None)
             out = np.empty(stored.length, np.uint8)
@@ -365,7 +439,7 @@ class DcpCheckpoint(Checkpoint):
                 array = read_chunk(raw, read_layout(raw, self.path / stored.file, stored, chunk, meta.dtype, where), where)
             if chunk.sizes == meta.size:
                 return array
-            if out is None:
+            if out is None:  # every element is written below: the chunks tile the tensor exactly
                 out = np.empty(meta.size, storage_dtype(meta.dtype))
             out[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] = array
         if out is None:
@@ -375,10 +449,10 @@ class DcpCheckpoint(Checkpoint):
 
 def _contents(metadata: DcpMetadata) -> dict[str, list[str]]:
     """Per rank file, one line per stored record: key, block and byte range, in file order."""
+    chunks = {(fqn, c.offsets): c for fqn, meta in metadata.tensors.items() for c in meta.chunks}
     lines: dict[str, list[tuple[int, str]]] = {}
     for (fqn, offsets), stored in metadata.storage.items():
-        meta = metadata.tensors.get(fqn)
-        chunk = next((c for c in meta.chunks if c.offsets == offsets), None) if meta else None
+        chunk = chunks.get((fqn, offsets))
         block = ("object" if chunk is None else
                  "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(chunk.offsets, chunk.sizes)) + "]")
         lines.setdefault(stored.file, []).append(
@@ -386,27 +460,72 @@ def _contents(metadata: DcpMetadata) -> dict[str, list[str]]:
     return {file: [text for _, text in sorted(found)] for file, found in lines.items()}
 
 
-def _problems(metadata: DcpMetadata) -> list[str]:
-    """Where ``.metadata`` contradicts itself (each line names it: the fault is in that file)."""
-    problems = []
+def _problems(metadata: DcpMetadata) -> dict[str, list[str]]:
+    """Where the metadata contradicts itself, by key: chunks without storage, outside their
+    tensor, overlapping, or not covering it (then some elements would be read from nowhere)."""
+    problems: dict[str, list[str]] = {}
     for fqn, meta in metadata.tensors.items():
-        covered = 0
+        found = []
         for chunk in meta.chunks:
             if (fqn, chunk.offsets) not in metadata.storage:
-                problems.append(f"{fqn}: chunk at {list(chunk.offsets)} has no storage record")
-            if len(chunk.offsets) != len(meta.size) or any(
-                    o < 0 or o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, meta.size)):
-                problems.append(f"{fqn}: chunk at {list(chunk.offsets)} lies outside {list(meta.size)}")
-            covered += math.prod(chunk.sizes)
+                found.append(f"chunk at {list(chunk.offsets)} has no storage record")
+            if len(chunk.offsets) != len(meta.size) or len(chunk.sizes) != len(meta.size) or any(
+                    o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, meta.size)):
+                found.append(f"chunk at {list(chunk.offsets)} lies outside {list(meta.size)}")
+        overlap = None if found else _first_overlap(meta.chunks)
+        if overlap is not None:
+            found.append(f"chunks at {list(overlap[0].offsets)} and {list(overlap[1].offsets)} overlap")
+        covered = sum(math.prod(chunk.sizes) for chunk in meta.chunks)
         if covered != math.prod(meta.size):
-            problems.append(f"{fqn}: its chunks hold {covered} of {math.prod(meta.size)} elements")
-    problems += [f"{fqn}: object has no storage record" for fqn in sorted(metadata.objects)
-                 if (fqn, None) not in metadata.storage]
-    return [f"{METADATA_FILE}: {problem}" for problem in problems]
+            found.append(f"its chunks hold {covered} of {math.prod(meta.size)} elements")
+        if found:
+            problems[fqn] = found
+    for fqn in sorted(metadata.objects):
+        if (fqn, None) not in metadata.storage:
+            problems[fqn] = ["object has no storage record"]
+    return problems
 
 
+def _first_overlap(chunks: Sequence[Chunk]) -> tuple[Chunk, Chunk] | None:
+    """Two chunks (each inside the tensor) that share an element, or ``None``.
+
+    A sweep along the axis on which the chunks start at the most different offsets (rows for
+    a row-sharded tensor, columns for a column-sharded one): each chunk is compared only with
+    those still open along that axis, so a tiling of n chunks takes about n log n steps.
+    """
+    boxes = [c for c in chunks if 0 not in c.sizes]
+    if len(boxes) < 2:
+        return None
+    if not boxes[0].offsets:  # 0-d: two chunks of one scalar
+        return boxes[0], boxes[1]
+    axis = max(range(len(boxes[0].offsets)), key=lambda a: len({c.offsets[a] for c in boxes}))
+    boxes.sort(key=lambda c: c.offsets[axis])
+    open_: list[Chunk] = []
+    for box in boxes:
+        start = box.offsets[axis]
+        open_ = [other for other in open_ if other.offsets[axis] + other.sizes[axis] > start]
+        for other in open_:
+            if all(a < b + m and b < a + n
+                   for a, n, b, m in zip(box.offsets, box.sizes, other.offsets, other.sizes)):
+                return other, box
+        open_.append(box)
+    return None
+
+
+@reader
 def open_checkpoint(path: Path) -> DcpCheckpoint:
-    metadata = load_metadata(path / METADATA_FILE)
+    """The DCP folder ``path``: its ``.metadata``, or the union of its ranks' metadata files."""
+    refuse_links_leaving(path)
+    sources = metadata_files(path)
+    if not sources:
+        raise CorruptCheckpointError(f"{path}: no {METADATA_FILE} (nor __<rank>.metadata) in the folder; "
+                                     "it is not a DCP checkpoint, or its metadata is missing.")
+    if not all(source.is_file() for source in sources):
+        raise CorruptCheckpointError(f"{sources[0]} is not a file; DCP writes its metadata there.")
+    array_bytes = sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
+    parts = [load_metadata(source, array_bytes) for source in sources]
+    metadata = parts[0] if len(parts) == 1 else merge_ranks(parts, sources)
+    label = sources[0].name if len(sources) == 1 else f"{len(sources)} rank metadata files"
     entries = [Entry(split_key(fqn), meta.size, meta.dtype, fqn) for fqn, meta in metadata.tensors.items()]
     entries += [Entry(split_key(fqn), (metadata.storage[fqn, None].length,), "uint8", fqn)
                 for fqn in sorted(metadata.objects) if (fqn, None) in metadata.storage]
@@ -416,4 +535,6 @@ def open_checkpoint(path: Path) -> DcpCheckpoint:
     contents = _contents(metadata)
     files = [dataclasses.replace(file_info(path / name, size, root=path), contents=tuple(contents[name]))
              for name, size in sorted(needed.items())]
-    return DcpCheckpoint(path, metadata, Inventory(entries, str(path)), files, _problems(metadata))
+    problems = _problems(metadata)
+    shown = [f"{label}: {fqn}: {problem}" for fqn, found in problems.items() for problem in found]
+    return DcpCheckpoint(path, metadata, Inventory(entries, str(path)), files, shown, frozenset(problems))

@@ -33,12 +33,15 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptshim.formats import tensor_parallel, torch_pickle
-from ckptshim.formats.base import Checkpoint, FileInfo, file_info
+from ckptshim.formats.base import Checkpoint, FileInfo, file_info, reader, refuse_links_leaving
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key
 from ckptshim.rules.profiles import neox
 
 NAME = "deepspeed-pipeline"
 _LAYER_FILE = re.compile(r"layer_(\d+)-(?:model_(\d+)-)?model_states\.pt")
+#: Every name DeepSpeed's ``load_state_dir`` globs for a layer (``layer_{i:02d}-*model_states.pt``)
+#: and hands to ``torch.load(weights_only=False)``: each must be one ckptshim reads as a layer.
+_LOADED_AS_LAYER = re.compile(r"layer_\d+-.*model_states\.pt", re.DOTALL)
 _MP_RANK_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 
 
@@ -118,7 +121,25 @@ def _layer_of(key: KeyPath) -> int | None:
 # -- finding the step directory -------------------------------------------------------------
 
 def _is_step_dir(path: Path) -> bool:
-    return any(_LAYER_FILE.fullmatch(p.name) or _MP_RANK_FILE.fullmatch(p.name) for p in path.iterdir())
+    return any(_LOADED_AS_LAYER.fullmatch(p.name) or _MP_RANK_FILE.fullmatch(p.name) for p in path.iterdir())
+
+
+def _layer_files(step: Path) -> list[tuple[int, int, Path]]:
+    """(layer, tensor-parallel rank, file) for every file DeepSpeed would load as a layer; a
+    name it would load that ckptshim cannot place is refused, not left to DeepSpeed's unpickler."""
+    found = []
+    for file in sorted(step.iterdir()):
+        if not _LOADED_AS_LAYER.fullmatch(file.name):
+            continue
+        match = _LAYER_FILE.fullmatch(file.name)
+        if match is None:
+            raise CorruptCheckpointError(
+                f"{file}: DeepSpeed's load_state_dir would load this file as layer "
+                f"{file.name[6:].split('-')[0]}, but its name is not one DeepSpeed writes "
+                "(layer_<ii>[-model_<rr>]-model_states.pt), so which tensor-parallel rank it holds is "
+                "unknown. Move it out of the checkpoint folder.")
+        found.append((int(match[1]), int(match[2] or 0), file))
+    return found
 
 
 def step_directory(path: Path) -> Path:
@@ -222,11 +243,12 @@ class DeepSpeedPipelineCheckpoint(Checkpoint):
             part.close()
 
 
+@reader
 def open_checkpoint(path: Path) -> DeepSpeedPipelineCheckpoint:
     step = step_directory(path)
+    refuse_links_leaving(step)
     scan = _Scan()
-    layer_files = [(int(m[1]), int(m[2] or 0), f) for f in sorted(step.iterdir())
-                   if (m := _LAYER_FILE.fullmatch(f.name)) is not None]
+    layer_files = _layer_files(step)
     for file in sorted(step.iterdir()):
         if (match := _MP_RANK_FILE.fullmatch(file.name)) is not None:
             _scan_mp_rank(file, int(match[1]), step, scan, weights_elsewhere=bool(layer_files))

@@ -14,7 +14,7 @@ from types import ModuleType
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import dcp, deepspeed_pipeline, flax_msgpack, hf_dir, orbax, orbax_manager, paxml, paxml_flax, safetensors, t5x, torch_pickle
-from ckptshim.formats.base import Checkpoint
+from ckptshim.formats.base import Checkpoint, reading
 
 #: Most specific first: a directory format before the single files it may contain; PaxML's and
 #: T5X's msgpack aggregates before Orbax's, for which they would otherwise pass.
@@ -28,14 +28,15 @@ def detect(path: str | Path, backend: str | None = None) -> ModuleType:
     """The format module that recognises ``path`` (for ``backend``'s load calls, if given), or a
     :class:`UnknownFormatError`."""
     path = Path(path)
-    if not path.exists():
-        raise CorruptCheckpointError(f"{path}: no such file or directory")
-    if path.is_dir() and not any(path.iterdir()):
-        raise UnknownFormatError(f"{path} is an empty directory; point at a checkpoint file or folder.")
-    candidates = FORMATS if backend is None else tuple(fmt for fmt in FORMATS if backend in fmt.READERS)
-    for fmt in candidates:
-        if (fmt.sniff if backend is None else fmt.READERS[backend])(path):
-            return fmt
+    with reading(path, "recognising its format"):
+        if not path.exists():
+            raise CorruptCheckpointError(f"{path}: no such file or directory")
+        if path.is_dir() and not any(path.iterdir()):
+            raise UnknownFormatError(f"{path} is an empty directory; point at a checkpoint file or folder.")
+        candidates = FORMATS if backend is None else tuple(fmt for fmt in FORMATS if backend in fmt.READERS)
+        for fmt in candidates:
+            if (fmt.sniff if backend is None else fmt.READERS[backend])(path):
+                return fmt
     known = ", ".join(fmt.NAME for fmt in candidates)
     if hf_dir in candidates and path.is_dir() and (path / "config.json").is_file():
         raise CorruptCheckpointError(

@@ -17,7 +17,7 @@ from typing import ClassVar
 import numpy as np
 
 from ckptshim.formats import msgpack_tree
-from ckptshim.formats.base import Checkpoint, file_info, numpy_dtype, storage_dtype
+from ckptshim.formats.base import Checkpoint, file_info, numpy_dtype, reader, require_inside, storage_dtype
 from ckptshim.inventory import Entry, Inventory
 
 NAME = "flax-msgpack"
@@ -65,11 +65,13 @@ class FlaxMsgpackCheckpoint(Checkpoint):
         self._data = None
 
 
+@reader
 def open_checkpoint(path: Path) -> FlaxMsgpackCheckpoint:
     version = "legacy msgpack"
     if path.is_dir():
         steps = step_files(path)
         version += f", latest of {len(steps)} step file(s)"
+        require_inside(path, steps[-1])
         path = steps[-1]
     data = msgpack_tree.map_file(path)
     tree = msgpack_tree.read_tree(data, str(path))

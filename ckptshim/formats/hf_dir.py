@@ -19,7 +19,8 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import safetensors, torch_pickle
-from ckptshim.formats.base import Checkpoint, FileInfo, file_info, strict_json
+from ckptshim.formats.base import (Checkpoint, FileInfo, file_info, reader, refuse_links_leaving, require_inside,
+                                   strict_json)
 from ckptshim.inventory import Entry, Inventory
 
 NAME = "hf-dir"
@@ -43,10 +44,11 @@ def model_config(path: Path) -> dict | None:
     """The ``config.json`` of the model a checkpoint at ``path`` holds: in the folder, or beside
     the file (``model.safetensors`` in a Hugging Face folder). ``None`` when there is none or it
     is not a JSON object; a damaged one is refused, naming the file."""
-    path = Path(path)
-    found = (path if path.is_dir() else path.parent) / CONFIG
+    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+    found = folder / CONFIG
     if not found.is_file():
         return None
+    require_inside(folder, found, _roots(folder))  # a hub-cache snapshot links it into blobs/
     with open(found, "rb") as raw:
         data = raw.read(MAX_CONFIG_BYTES + 1)
     try:
@@ -132,7 +134,10 @@ def _explicit_weights_file(path: Path) -> str | None:
     return named
 
 
+@reader
 def open_checkpoint(path: Path) -> HFDirCheckpoint:
+    roots = _roots(path)
+    refuse_links_leaving(path, also=roots[1:])
     chosen = weights_file(path)
     index_name = chosen if chosen.endswith(_INDEX_SUFFIX) else None
     problems: list[str] = []
@@ -150,7 +155,6 @@ def open_checkpoint(path: Path) -> HFDirCheckpoint:
                 "re-copy it from the original.") from None
         version = index_name
     parts: dict[str, Checkpoint] = {}
-    roots = _roots(path)
     for shard in shards:
         try:
             shard_path = (path / shard).resolve()

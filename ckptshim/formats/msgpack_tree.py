@@ -5,7 +5,9 @@ dict whose array leaves are msgpack *ext* values: type 1 (ndarray) or 3 (numpy s
 a small msgpack ``(shape, dtype name, raw bytes)`` triple. ``msgpack.unpackb`` would copy every
 array into memory to build that tree; this walker reads the structure from a memory map and
 records each array as an :class:`ArrayRef` (file offset, shape, dtype) instead, so listing a
-multi-GiB file touches only its headers. Arrays over 1 GiB are split by Flax into
+multi-GiB file touches only its headers, and every value counts against a
+:class:`~ckptshim.formats.base.Budget` (a file of millions of empty maps or small integers is
+refused before it exhausts memory; time is linear in the file). Arrays over 1 GiB are split by Flax into
 ``{'__msgpack_chunked_array__': True, 'shape': ..., 'chunks': ...}``; those come back as one
 :class:`ArrayRef` with several byte ranges.
 """
@@ -20,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
-from ckptshim.formats.base import numpy_dtype
+from ckptshim.formats.base import Budget, numpy_dtype
 from ckptshim.inventory import DTYPE_SIZES, Entry, KeyPath, dtype_name, flatten
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
@@ -28,6 +30,9 @@ _CHUNKED = "__msgpack_chunked_array__"
 #: Nesting deeper than any checkpoint tree; each level costs this reader two Python frames, so
 #: the limit keeps a hostile file's nesting well inside Python's recursion limit.
 MAX_DEPTH = 128
+#: What a number or array costs the budget beyond its one object: it becomes an inventory entry
+#: (the entry, its key path, its location: about five objects' worth of memory).
+ENTRY_OBJECTS = 5
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class ArrayRef:
 class _Reader:
     def __init__(self, data, where: str) -> None:
         self.data, self.where, self.pos = data, where, 0
+        self.budget = Budget(where)  # one object per value; array bytes credited as found
 
     def fail(self, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -69,7 +75,10 @@ class _Reader:
     def value(self, depth: int = 0) -> Any:
         if depth > MAX_DEPTH:
             raise self.fail(f"nesting deeper than {MAX_DEPTH} levels, more than any checkpoint tree")
+        self.budget.spend()
         b = self.data[self.take(1)]
+        if b <= 0x7F or b >= 0xE0 or b in _SIMPLE or b in (0xC2, 0xC3):
+            self.budget.spend(ENTRY_OBJECTS)  # a number: an entry of the inventory
         if b <= 0x7F:
             return b
         if b >= 0xE0:
@@ -133,6 +142,8 @@ class _Reader:
             if raw.length != math.prod(shape) * DTYPE_SIZES[dtype]:
                 raise self.fail(f"an array {dtype}{list(shape)} whose data holds {raw.length} bytes")
             value: Any = ArrayRef(shape, dtype, ((raw.offset, raw.length),))
+            self.budget.credit(raw.length)
+            self.budget.spend(ENTRY_OBJECTS)
         elif code == _EXT_COMPLEX:
             pair = self.value(depth + 1)
             if not (isinstance(pair, list) and len(pair) == 2

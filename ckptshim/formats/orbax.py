@@ -25,7 +25,8 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import kvstore, msgpack_tree, zarr
-from ckptshim.formats.base import Checkpoint, FileInfo, file_info, inside, numpy_dtype, storage_dtype, strict_json
+from ckptshim.formats.base import (Checkpoint, FileInfo, file_info, folder_bytes, numpy_dtype, reader,
+                                   refuse_links_leaving, storage_dtype, strict_json)
 from ckptshim.formats.ts_arrays import TensorstoreArrays
 from ckptshim.inventory import Entry, Inventory, KeyPath
 
@@ -83,14 +84,9 @@ class OrbaxCheckpoint(Checkpoint):
 
     def read(self, entry: Entry) -> np.ndarray:
         out = np.empty(entry.shape, numpy_dtype(entry.dtype))
-        try:
-            pending = self.read_into(entry, (), out)
-            if pending is not None:
-                pending.result()
-        except (ValueError, OSError) as error:  # tensorstore: a chunk missing, cut short, corrupt
-            raise CorruptCheckpointError(
-                f"{self.path}: reading {'/'.join(entry.key)!r} failed ({error}); the checkpoint is "
-                "incomplete or corrupt. Re-copy it from the original.") from None
+        pending = self.read_into(entry, (), out)  # tensorstore's errors become ShimErrors (base.reading)
+        if pending is not None:
+            pending.result()
         return out.view(storage_dtype(entry.dtype))
 
     def close(self) -> None:
@@ -104,7 +100,7 @@ def _metadata_leaves(path: Path) -> tuple[list[tuple[KeyPath, str]], dict]:
     """``_METADATA`` -> [(key path, zarr array name)] for array leaves, and the file's options."""
     where = path / METADATA
     try:
-        meta = strict_json(where.read_bytes())
+        meta = strict_json(where.read_bytes(), folder_bytes(path))
         tree = meta["tree_metadata"]
         leaves = []
         for record in tree.values():
@@ -131,17 +127,9 @@ def _require_plain_names(path: Path, leaves: list[tuple[KeyPath, object]]) -> No
                 "checkpoint. Re-copy the checkpoint from the original.")
 
 
-def _require_inside(path: Path, names: list[str]) -> None:
-    """Per-leaf array folders that are symlinks must not lead out of the checkpoint."""
-    for name in names:
-        folder = path / name
-        if folder.is_symlink() and not inside(path, folder):
-            raise CorruptCheckpointError(
-                f"{folder} is a symlink to {folder.resolve()}, outside the checkpoint folder {path}; "
-                "ckptshim reads only files inside the checkpoint. Copy the array into it instead.")
-
-
+@reader
 def open_checkpoint(path: Path) -> OrbaxCheckpoint:
+    refuse_links_leaving(path)  # array folders, chunks, OCDBT data files: tensorstore follows links
     native = (path / METADATA).is_file()
     ocdbt = (path / "manifest.ocdbt").is_file()
     aggregate = None
@@ -164,9 +152,6 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
                   for key, leaf in found.items() if not isinstance(leaf, str) or leaf.startswith(PLACEHOLDER)]
         _require_plain_names(path, leaves)
         version = f"legacy aggregate{' + ocdbt' if ocdbt else ''}"
-    if not ocdbt:
-        _require_inside(path, [name for _, name in leaves if isinstance(name, str)])
-
     listed = kvstore.list_keys(path, ocdbt)
     by_array: dict[str, set[str]] = {}
     for key in listed:

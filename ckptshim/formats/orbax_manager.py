@@ -17,7 +17,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import orbax
-from ckptshim.formats.base import Checkpoint, FileInfo, step_folders
+from ckptshim.formats.base import Checkpoint, FileInfo, reader, step_folders
 from ckptshim.inventory import Entry, Inventory
 
 NAME = "orbax-manager"
@@ -78,6 +78,7 @@ class ManagerCheckpoint(Checkpoint):
             part.close()
 
 
+@reader
 def open_checkpoint(path: Path) -> ManagerCheckpoint:
     found = items(path)
     if found:

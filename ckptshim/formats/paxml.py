@@ -18,7 +18,6 @@ axis 0 (``repeat/sub/x_layers_0/...`` is ``[L, ...]``).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import kvstore, orbax, zarr
-from ckptshim.formats.base import Checkpoint, step_folders
+from ckptshim.formats.base import Checkpoint, reader, refuse_links_leaving, step_folders, strict_json
 from ckptshim.inventory import Entry, Inventory, KeyPath, flatten
 
 NAME = "paxml"
@@ -43,9 +42,9 @@ def _version(step_dir: Path) -> tuple[float | None, dict]:
     if not where.is_file():
         return None, {}
     try:
-        meta = json.loads(where.read_text())
+        meta = strict_json(where.read_bytes())
         return float(meta["version"]), meta
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
+    except (OSError, ValueError, KeyError, TypeError) as error:
         raise CorruptCheckpointError(
             f"{where}: not a valid PaxML metadata file ({type(error).__name__}: {error}); "
             "PaxML writes {\"version\": ...}. Re-copy the checkpoint.") from None
@@ -117,6 +116,7 @@ def unpadded_shapes(meta: dict) -> dict[KeyPath, tuple[int, ...]]:
     return out
 
 
+@reader
 def open_checkpoint(path: Path) -> Checkpoint:
     """A step folder, its ``state/`` item, or a ``checkpoints/`` root (latest step)."""
     if not (is_step_dir(path) or is_state_dir(path)):
@@ -126,6 +126,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
         path = found[max(found)]
     step_dir, state = (path, path / STATE) if is_step_dir(path) else (
         (path.parent, path) if (path.parent / METADATA).is_file() else (path, path))
+    refuse_links_leaving(step_dir)
     version, meta = _version(step_dir)
     if orbax.sniff(state):  # 1.2: OCDBT + Orbax aggregate
         item = orbax.open_checkpoint(state)

@@ -25,7 +25,7 @@ from typing import Any
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import flax_msgpack, msgpack_tree
-from ckptshim.formats.base import file_info, step_folders
+from ckptshim.formats.base import file_info, reader, require_inside, step_folders
 from ckptshim.inventory import Inventory, KeyPath
 
 NAME = "paxml-flax"
@@ -269,6 +269,7 @@ def _positional(value: Any, where: Path) -> list:
         "the file is damaged or not a PaxML FLAX checkpoint. Re-copy it from the original.")
 
 
+@reader
 def open_checkpoint(path: Path) -> PaxmlFlaxCheckpoint:
     """A payload file, its ``state`` item, its step folder, or a checkpoints root (latest step)."""
     payload = _payload_of(path)
@@ -279,6 +280,7 @@ def open_checkpoint(path: Path) -> PaxmlFlaxCheckpoint:
             raise CorruptCheckpointError(f"{path}: no PaxML checkpoint_<step> with a FLAX payload found")
         payload = found[max(found)]
         version += f", latest of {len(found)} step(s)"
+    require_inside(path, payload)
     data = msgpack_tree.map_file(payload)
     tree = msgpack_tree.read_tree(data, str(payload))
     if not isinstance(tree, dict) or set(tree) != {LEAVES, TREEDEF} or not isinstance(tree[TREEDEF], str):

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
-from ckptshim.formats.base import Checkpoint, check_view, file_info, storage_dtype, strict_json
+from ckptshim.formats.base import Checkpoint, check_view, file_info, reader, storage_dtype, strict_json
 from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
 
 NAME = "safetensors"
@@ -42,7 +42,7 @@ def read_header(path: Path) -> tuple[dict, int]:
                 f"{path}: header claims {length} bytes but the file has {size}; it is truncated "
                 "or not a safetensors file.")
         try:
-            header = strict_json(f.read(length))
+            header = strict_json(f.read(length), array_bytes=size - 8 - length)
         except ValueError as error:  # not JSON, not UTF-8, too deep, or a name listed twice
             raise CorruptCheckpointError(f"{path}: header is not valid JSON ({error})") from None
     if not isinstance(header, dict):
@@ -133,6 +133,7 @@ def _contiguous(shape: tuple[int, ...], index: tuple) -> tuple[int, int] | None:
     return first, math.prod(lengths)
 
 
+@reader
 def open_checkpoint(path: Path) -> SafetensorsCheckpoint:
     header, start = read_header(path)
     found = entries(path, header, start)

@@ -30,7 +30,8 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats import kvstore, msgpack_tree, orbax, zarr
-from ckptshim.formats.base import Checkpoint, file_info, inside, numpy_dtype, step_folders, storage_dtype
+from ckptshim.formats.base import (Checkpoint, file_info, inside, numpy_dtype, reader, refuse_links_leaving,
+                                   step_folders, storage_dtype)
 from ckptshim.inventory import Entry, Inventory, KeyPath
 
 NAME = "t5x"
@@ -212,6 +213,7 @@ def read_contents(step_dir: Path) -> tuple[Any, Any, int]:
 
 
 def _open_legacy(step_dir: Path) -> T5XCheckpoint:
+    refuse_links_leaving(step_dir)  # a chunk linked out of the folder would be read as weights
     data, tree, t5x_version = read_contents(step_dir)
     found: dict[KeyPath, Any] = {}
     _walk(tree["optimizer"], (), found)
@@ -246,6 +248,9 @@ def _open_legacy(step_dir: Path) -> T5XCheckpoint:
             count, absent = array.missing_chunks(by_folder.get(name, set()))
             if count:
                 problems.append(f"{name}/: {count} chunk(s) missing ({', '.join(absent)})")
+        count, short = array.short_chunks(step_dir / name, by_folder.get(name, set()))
+        if count:
+            problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")
     return T5XCheckpoint(step_dir, f"legacy msgpack v{t5x_version}", Inventory(entries, str(step_dir)),
                          [file_info(step_dir / AGGREGATE, len(data), root=step_dir)], problems,
                          data, t5x_version)
@@ -266,6 +271,7 @@ def _spec_shape_dtype(spec: dict) -> tuple[tuple[int, ...], str]:
 # -- opening ----------------------------------------------------------------------------------
 
 
+@reader
 def open_checkpoint(path: Path) -> Checkpoint:
     """A step folder of either generation, its ``checkpoint`` file, or a model dir (latest step)."""
     if path.is_file():

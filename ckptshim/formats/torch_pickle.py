@@ -1,17 +1,20 @@
 """``torch.save`` files (the zip format torch has written since 1.6), read without running code.
 
-The pickle in ``<archive>/data.pkl`` is interpreted by an allow-listed unpickler that knows only
-what ``weights_only=True`` allows for plain state dicts: containers, ``OrderedDict``, tensor
-rebuild functions and storage types -- built here as inert placeholders, so no tensor bytes are
-read and torch is not imported. Any other global is refused, naming it. Tensor bytes are then
-read-only views of a memory map of the (uncompressed) zip member that holds each storage.
+The pickle in ``<archive>/data.pkl`` is interpreted by :mod:`ckptshim.formats.safe_pickle` in
+the dialect ``torch.load(weights_only=True)`` reads, with an allow-list of what it allows for
+plain state dicts: containers, ``OrderedDict``, tensor rebuild functions and storage types --
+built here as inert stand-ins, so no tensor bytes are read and torch is not imported. Any other
+global is refused, naming it. Only after the whole pickle has been interpreted (so that no
+``BUILD`` can change a record once it was checked) are the stand-ins turned into
+:class:`TensorRef` records, and every record checked against the zip member that holds its
+storage, as torch checks them. Tensor bytes are then read-only views of a memory map of the
+(uncompressed) zip member that holds each storage.
 """
 
 from __future__ import annotations
 
 import collections
 import io
-import pickle
 import struct
 import zipfile
 import zlib
@@ -23,10 +26,14 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError
-from ckptshim.formats.base import Checkpoint, check_view, file_info, storage_dtype
+from ckptshim.formats import safe_pickle
+from ckptshim.formats.base import Budget, Checkpoint, check_view, file_info, reader, reading, storage_dtype
 from ckptshim.inventory import Entry, Inventory, dtype_name, flatten
 
 NAME = "torch-pickle"
+#: Nesting deeper than any state dict (an optimizer's is four levels deep); deeper pickles cost
+#: time quadratic in their depth to flatten, and could hold a container that holds itself.
+MAX_DEPTH = 128
 
 _STORAGE_DTYPES = {
     "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
@@ -45,6 +52,10 @@ class StorageRef:
     dtype: str
     numel: int
 
+    @property
+    def nbytes(self) -> int:
+        return self.numel * storage_dtype(self.dtype).itemsize
+
 
 @dataclass(frozen=True)
 class TensorRef:
@@ -55,25 +66,95 @@ class TensorRef:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
 
+    @property
+    def extent(self) -> int:
+        """Elements of the storage the window reaches (0 for a tensor with no elements)."""
+        if 0 in self.shape:
+            return 0
+        return self.offset + 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+
+
+# -- stand-ins the pickle builds (turned into records by _settle once it has been read) -------
+
 
 class _StorageType:
+    """``torch.<T>Storage``, the type named in a storage record."""
+
     def __init__(self, name: str) -> None:
         self.dtype = _STORAGE_DTYPES[name]
 
 
-def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> TensorRef:
-    """A :class:`TensorRef`, once its arguments are what ``torch.save`` writes: a storage record,
+class _Storage:
+    """What a persistent id stands for: its storage record. ``torch.load`` lets ``BUILD`` give a
+    storage attributes, which change nothing it reads; so does this stand-in."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: StorageRef) -> None:
+        self.ref = ref
+
+    def __setstate__(self, state: Any) -> None:
+        parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+        if not all(part is None or isinstance(part, dict) for part in parts):
+            raise safe_pickle.Refused(f"a storage given a {type(state).__name__} as its attributes")
+
+
+class _Tensor:
+    """What ``_rebuild_tensor_v2`` returned; ``BUILD`` cannot change it (torch.save never
+    writes one there, and torch refuses a dictionary as a tensor's state)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: TensorRef) -> None:
+        self.ref = ref
+
+    def __setstate__(self, state: Any) -> None:
+        raise safe_pickle.Refused(
+            "a tensor record followed by BUILD, which would change it after it was checked; "
+            "torch.save never writes that")
+
+
+class _StateDict(dict):
+    """``collections.OrderedDict``. ``BUILD`` may give it attributes, as torch.save writes a state
+    dict's ``_metadata``; an attribute that would hide one of the dictionary's own methods
+    (``values``, ``items``, ``keys``...) is refused, since the tensors would be read through it."""
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, dict) and all(isinstance(name, str) for name in state)):
+            raise safe_pickle.Refused(
+                f"an OrderedDict given a {type(state).__name__} as its attributes; torch.save "
+                "writes a dictionary of attribute names there")
+        hiding = sorted(name for name in state if hasattr(collections.OrderedDict, name))
+        if hiding:
+            raise safe_pickle.Refused(
+                f"an OrderedDict given the attribute(s) {', '.join(hiding)[:200]}, which would hide "
+                "the dictionary's own methods of that name (and the tensors read through them); "
+                "a state dict never carries such attributes")
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> _Tensor:
+    """A tensor record, once its arguments are what ``torch.save`` writes: a storage record,
     a non-negative offset, and sizes and strides as equally long tuples of ints (sizes >= 0)."""
-    if not (isinstance(storage, StorageRef) and _is_int(storage_offset) and storage_offset >= 0
-            and isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride)
-            and all(_is_int(n) and n >= 0 for n in size) and all(_is_int(s) for s in stride)):
-        raise ValueError("a tensor record that is not (storage, offset, sizes, strides): "
-                         f"({', '.join(type(a).__name__ for a in (storage, storage_offset, size, stride))})")
-    return TensorRef(storage, storage_offset, size, stride)
+    if not (type(storage) is _Storage and _is_int(storage_offset) and storage_offset >= 0
+            and type(size) is tuple and type(stride) is tuple and len(size) == len(stride)
+            and _all_ints(size, 0) and _all_ints(stride, None)):
+        raise safe_pickle.Refused(
+            "a tensor record that is not (storage, offset, sizes, strides): "
+            f"({', '.join(type(a).__name__ for a in (storage, storage_offset, size, stride))})")
+    return _Tensor(TensorRef(storage.ref, storage_offset, size, stride))
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _all_ints(values: tuple, low: int | None) -> bool:
+    """Every value an int (not a bool), at least ``low`` if given (a plain loop: it runs for
+    every tensor of a state dict)."""
+    for value in values:
+        if type(value) is not int or (low is not None and value < low):
+            return False
+    return True
 
 
 def _rebuild_parameter(data, *_ignored):
@@ -81,7 +162,7 @@ def _rebuild_parameter(data, *_ignored):
 
 
 _ALLOWED = {
-    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("collections", "OrderedDict"): _StateDict,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
@@ -93,13 +174,17 @@ _ALLOWED = {
 ExtraGlobals = Mapping[tuple[str, str], Callable[..., Any]]
 
 
-class _SafeUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, where: str, extra: ExtraGlobals | None = None) -> None:
-        super().__init__(io.BytesIO(data))
+class _Globals:
+    """``find_class`` and ``persistent_load`` for one archive: the allow-list, and storage
+    records by key -- the first record of a key is the storage, as in ``torch.load``, which
+    hands every later record of that key the same storage whatever dtype or size it names."""
+
+    def __init__(self, where: str, extra: ExtraGlobals | None) -> None:
         self.where = where
         self.extra = extra or {}
+        self.storages: dict[str, StorageRef] = {}
 
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and name in _STORAGE_DTYPES:
             return _StorageType(name)
         found = _ALLOWED.get((module, name)) or self.extra.get((module, name))
@@ -107,15 +192,18 @@ class _SafeUnpickler(pickle.Unpickler):
             raise UnsafeCheckpointError(_unsafe_message(self.where, f"{module}.{name}"))
         return found
 
-    def persistent_load(self, pid):
+    def persistent_load(self, pid: Any) -> _Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
                 and isinstance(pid[1], _StorageType)):
-            raise CorruptCheckpointError(f"{self.where}: unexpected storage record (a {type(pid).__name__})")
+            raise safe_pickle.Refused(f"an unexpected storage record (a {type(pid).__name__})")
         _, storage_type, key, _location, numel = pid
-        if not (_is_int(numel) and numel >= 0):
-            raise CorruptCheckpointError(f"{self.where}: storage record whose element count is not a "
-                                         f"size ({numel if _is_int(numel) else type(numel).__name__})")
-        return StorageRef(str(key), storage_type.dtype, numel)
+        if not (_is_int(numel) and numel >= 0 and isinstance(key, str)):
+            raise safe_pickle.Refused(f"a storage record whose key or element count is not one "
+                                      f"({type(key).__name__}, {type(numel).__name__})")
+        found = self.storages.get(key)
+        if found is None:
+            found = self.storages[key] = StorageRef(key, storage_type.dtype, numel)
+        return _Storage(found)
 
 
 def _unsafe_message(where: str, first: str) -> str:
@@ -164,20 +252,19 @@ class TorchPickleCheckpoint(Checkpoint):
         start = self._offsets.get(ref.storage.key)
         if start is None:
             raise CorruptCheckpointError(f"{self.path}: storage {ref.storage.key} is missing from the archive")
-        nbytes = ref.storage.numel * storage_dtype(ref.storage.dtype).itemsize
-        check_view(Entry(entry.key, (ref.storage.numel,), ref.storage.dtype), start, start + nbytes,
+        check_view(Entry(entry.key, (ref.storage.numel,), ref.storage.dtype), start, start + ref.storage.nbytes,
                    len(self._map), str(self.path))
-        return tensor_view(self._map[start:start + nbytes], ref, f"{self.path}: {'.'.join(entry.key)!r}")
+        return tensor_view(self._map[start:start + ref.storage.nbytes], ref, f"{self.path}: {'.'.join(entry.key)!r}")
 
     def close(self) -> None:
         self._map = None
 
 
 def tensor_view(storage_bytes: np.ndarray, ref: TensorRef, where: str) -> np.ndarray:
-    """The tensor ``ref`` describes, as a read-only strided view of its storage's bytes."""
+    """The tensor ``ref`` describes, as a read-only strided view of its storage's bytes (which
+    must be the whole storage: the view never reaches past them)."""
     storage = storage_bytes.view(storage_dtype(ref.storage.dtype))
-    extent = ref.offset + 1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride))
-    if min(ref.shape, default=1) > 0 and (extent > ref.storage.numel or min(ref.stride, default=0) < 0):
+    if ref.extent > len(storage) or min(ref.stride, default=0) < 0:
         raise CorruptCheckpointError(f"{where} reaches past its storage")
     if not ref.shape:
         return storage[ref.offset:ref.offset + 1].reshape(())
@@ -188,9 +275,9 @@ def tensor_view(storage_bytes: np.ndarray, ref: TensorRef, where: str) -> np.nda
 
 @dataclass(frozen=True)
 class Archive:
-    """A parsed ``torch.save`` archive: its object tree (tensors as :class:`TensorRef`), where
-    each storage's bytes start (from the start of the file object it was read from), and any
-    problems found on the way."""
+    """A parsed ``torch.save`` archive: its object tree (tensors as :class:`TensorRef`, every one
+    inside its storage), where each storage's bytes start (from the start of the file object it
+    was read from; each holds exactly its storage), and any problems found on the way."""
 
     tree: object
     offsets: dict[str, int]
@@ -209,92 +296,141 @@ def read_archive(raw: BinaryIO, where: str, extra: ExtraGlobals | None = None) -
 
     ``extra`` widens the allow-list for this one read only (DeepSpeed's ``mp_rank`` files hold
     numpy RNG state): each allowed global maps to an inert stand-in that builds data."""
-    try:
-        return _read_archive(raw, where, extra)
-    except ShimError:
-        raise
-    except _ZIP_ERRORS as error:
-        raise CorruptCheckpointError(f"{where}: not a readable torch.save zip archive "
-                                     f"({type(error).__name__}: {error}); the file may be truncated "
-                                     "or damaged. Re-copy it from the original.") from None
+    with reading(where):
+        try:
+            return _read_archive(raw, where, extra)
+        except ShimError:
+            raise
+        except _ZIP_ERRORS as error:
+            raise CorruptCheckpointError(f"{where}: not a readable torch.save zip archive "
+                                         f"({type(error).__name__}: {error}); the file may be truncated "
+                                         "or damaged. Re-copy it from the original.") from None
 
 
 def _read_archive(raw: BinaryIO, where: str, extra: ExtraGlobals | None) -> Archive:
     size = raw.seek(0, io.SEEK_END)
     with zipfile.ZipFile(raw) as archive:
-        names = archive.namelist()
-        pkl = next((n for n in names if n.endswith("/data.pkl")), None)
-        if pkl is None:
-            raise CorruptCheckpointError(f"{where}: zip archive without data.pkl is not a torch.save file")
-        prefix = pkl[: -len("data.pkl")]
-        byteorder = _stored_member(archive, prefix + "byteorder", size, where) if prefix + "byteorder" in names else b"little"
-        data = _stored_member(archive, pkl, size, where)
-        try:
-            tree = _SafeUnpickler(data, where, extra).load()
-            byteorder = byteorder.decode()
-        except ShimError:
-            raise
-        except Exception as error:
-            raise CorruptCheckpointError(f"{where}: data.pkl does not unpickle ({type(error).__name__}: {error})") from None
-        _check_tree(tree, len(data), where)
-        offsets, problems = _member_offsets(raw, archive, prefix)
-    if byteorder != "little":
-        problems.append(f"stored {byteorder!r:.40}-endian; ckptshim reads little-endian torch files only")
+        members = _members(archive, where)
+        if not members:
+            raise CorruptCheckpointError(f"{where}: an empty zip archive is not a torch.save file")
+        prefix = archive.infolist()[0].filename.split("/", 1)[0] + "/"  # as torch's reader finds it
+        if prefix + "data.pkl" not in members:
+            raise CorruptCheckpointError(
+                f"{where}: zip archive without {prefix}data.pkl (torch reads the folder of its "
+                "first member) is not a torch.save file")
+        byteorder = _stored_member(archive, members[prefix + "byteorder"], size, where) \
+            if prefix + "byteorder" in members else b"little"
+        data = _stored_member(archive, members[prefix + "data.pkl"], size, where)
+        stored = {name[len(prefix) + 5:]: info for name, info in members.items()
+                  if name.startswith(prefix + "data/")}
+        names = _Globals(where, extra)
+        budget = Budget(f"{where}: data.pkl", sum(info.file_size for info in stored.values()))
+        stand_ins = safe_pickle.load(data, f"{where}: data.pkl", safe_pickle.TORCH, names.find_class,
+                                     names.persistent_load, budget)
+        tree, tensors = _settle(stand_ins, len(data), where)
+        offsets, problems = _storage_offsets(raw, names.storages, stored, size, where)
+    for tensor in tensors:
+        if tensor.extent > tensor.storage.numel or min(tensor.stride, default=0) < 0:
+            raise CorruptCheckpointError(
+                f"{where}: a tensor {list(tensor.shape)} with strides {list(tensor.stride)} from element "
+                f"{tensor.offset} reaches past its storage of {tensor.storage.numel}; torch refuses it too.")
+    text = byteorder.decode("ascii", "replace")
+    if text != "little":
+        problems.append(f"stored {text!r:.40}-endian; ckptshim reads little-endian torch files only")
     return Archive(tree, offsets, tuple(problems))
 
 
-def _stored_member(archive: zipfile.ZipFile, name: str, size: int, where: str) -> bytes:
+def _members(archive: zipfile.ZipFile, where: str) -> dict[str, zipfile.ZipInfo]:
+    """Members by name; a name twice is refused (torch reads the first, ``zipfile`` the last)."""
+    members: dict[str, zipfile.ZipInfo] = {}
+    for info in archive.infolist():
+        if info.filename in members:
+            raise CorruptCheckpointError(
+                f"{where}: the zip archive holds {info.filename!r:.200} twice; which one is meant "
+                "would be a guess (torch reads the first, Python's zipfile the last). The file was "
+                "altered after torch.save wrote it.")
+        members[info.filename] = info
+    return members
+
+
+def _stored_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, size: int, where: str) -> bytes:
     """A small member's bytes, refused unless stored uncompressed (as torch.save stores every
     member) and within the file: a compressed member could inflate to any size in memory."""
-    info = archive.getinfo(name)
     if info.compress_type != zipfile.ZIP_STORED or info.header_offset + info.compress_size > size:
         raise CorruptCheckpointError(
-            f"{where}: {name} is compressed or runs past the end of the file ({info.compress_size} "
+            f"{where}: {info.filename} is compressed or runs past the end of the file ({info.compress_size} "
             f"bytes at {info.header_offset} of {size}); torch.save stores it uncompressed. The file "
             "is damaged or was not written by torch.save.")
     return archive.read(info)
 
 
-def _check_tree(tree: object, budget: int, where: str) -> None:
-    """Refuse an object graph that is not a tree of at most ``budget`` nodes.
+def _settle(root: object, budget: int, where: str) -> tuple[object, list[TensorRef]]:
+    """The unpickled stand-ins as plain data -- dicts, lists, tuples, :class:`TensorRef` -- and
+    every tensor record in it, or a refusal.
 
-    A pickle can make a container hold itself, or refer to one container from many places, so
-    that walking the tree (as :func:`~ckptshim.inventory.flatten` does) never ends or takes
-    exponential time. ``torch.save`` writes each container of a state dict once, with at least
-    one opcode byte per node, so a walk longer than the pickle has bytes is such a graph.
+    A pickle can make a container hold itself, refer to one container from many places (so
+    that a walk takes exponential time), or nest so deeply that flattening it takes time
+    quadratic in its depth. ``torch.save`` writes each container of a state dict once, with at
+    least one opcode byte per node, a few levels deep; so a walk longer than the pickle has
+    bytes, or deeper than :data:`MAX_DEPTH`, is refused.
     """
-    stack, visited = [tree], 0
-    while stack:
-        node = stack.pop()
+    tensors: list[TensorRef] = []
+    visited = 0
+
+    def settle(node: object, depth: int) -> object:
+        nonlocal visited
         visited += 1
-        if visited > budget:
+        if visited > budget or depth > MAX_DEPTH:
             raise CorruptCheckpointError(
-                f"{where}: data.pkl's objects refer to themselves or to each other more often than "
-                f"a state dict does (over {budget} nodes from {budget} bytes); refusing to walk it. "
-                "The file was not written by torch.save of a state dict.")
-        if isinstance(node, Mapping):
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
+                f"{where}: data.pkl's objects nest deeper than {MAX_DEPTH} levels, refer to "
+                f"themselves, or refer to each other more often than a state dict does (over "
+                f"{budget} nodes from {budget} bytes); refusing to walk it. The file was not written "
+                "by torch.save of a state dict.")
+        kind = type(node)
+        if kind is _Tensor:
+            tensors.append(node.ref)
+            return node.ref
+        if kind is _Storage:
+            return node.ref
+        if isinstance(node, dict):  # a dict, an OrderedDict, a stand-in that is a dict of its state
+            return {key: settle(value, depth + 1) for key, value in dict.items(node)}
+        if kind is list:
+            return [settle(value, depth + 1) for value in node]
+        if kind is tuple:
+            return tuple(settle(value, depth + 1) for value in node)
+        return node
+
+    return settle(root, 0), tensors
 
 
-def _member_offsets(raw: BinaryIO, archive: zipfile.ZipFile, prefix: str) -> tuple[dict[str, int], list[str]]:
-    """Where each uncompressed ``data/<key>`` member's bytes start in ``raw``."""
+def _storage_offsets(raw: BinaryIO, storages: Mapping[str, StorageRef], members: Mapping[str, zipfile.ZipInfo],
+                     size: int, where: str) -> tuple[dict[str, int], list[str]]:
+    """Where each storage's bytes start in ``raw``, once its ``data/<key>`` member is as torch
+    requires: stored, exactly ``numel x itemsize`` bytes long, inside the file. A missing member
+    is a problem (the file is incomplete); a member of another size is refused, as torch does."""
     offsets, problems = {}, []
-    for info in archive.infolist():
-        if not info.filename.startswith(prefix + "data/"):
+    for key, storage in storages.items():
+        info = members.get(key)
+        if info is None:
+            problems.append(f"storage {key} is missing")
             continue
-        key = info.filename[len(prefix) + 5:]
-        if info.compress_type != zipfile.ZIP_STORED:
-            problems.append(f"{info.filename}: compressed members are not a torch.save layout")
-            continue
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != storage.nbytes:
+            raise CorruptCheckpointError(
+                f"{where}: {info.filename} holds {info.file_size} bytes"
+                f"{'' if info.compress_type == zipfile.ZIP_STORED else ' compressed'}, but its storage "
+                f"record declares {storage.numel} x {storage.dtype} ({storage.nbytes} bytes); torch "
+                "refuses the file too. It was altered after torch.save wrote it.")
         raw.seek(info.header_offset)
         local = raw.read(30)
         if len(local) < 30 or local[:4] != b"PK\x03\x04":
             problems.append(f"{info.filename}: local zip header is damaged")
             continue
         name_len, extra_len = struct.unpack("<HH", local[26:30])
-        offsets[key] = info.header_offset + 30 + name_len + extra_len
+        start = info.header_offset + 30 + name_len + extra_len
+        if start + storage.nbytes > size:
+            problems.append(f"{info.filename}: needs bytes up to {start + storage.nbytes} but the file "
+                            f"has {size}; it is truncated")
+        offsets[key] = start
     return offsets, problems
 
 
@@ -308,6 +444,7 @@ def flat_tree(tree: object, where: str) -> dict[tuple[str, ...], object]:
                                      "The file is damaged or was not written by torch.save.") from None
 
 
+@reader
 def open_checkpoint(path: Path) -> TorchPickleCheckpoint:
     try:
         with open(path, "rb") as raw:
@@ -321,10 +458,8 @@ def open_checkpoint(path: Path) -> TorchPickleCheckpoint:
             key = tuple(part for component in path_parts for part in component.split("."))
             entries.append(Entry(key, leaf.shape, dtype_name(leaf.storage.dtype), (str(path), leaf)))
             start = archive.offsets.get(leaf.storage.key)
-            if start is None:
-                problems.append(f"storage {leaf.storage.key} for {'.'.join(key)} is missing")
-            else:
-                expected = max(expected, start + leaf.storage.numel * storage_dtype(leaf.storage.dtype).itemsize)
+            if start is not None:
+                expected = max(expected, start + leaf.storage.nbytes)
     checkpoint = TorchPickleCheckpoint(path, Inventory(entries, str(path)),
                                        [file_info(path, expected)], archive.offsets)
     checkpoint.problems = tuple(problems)

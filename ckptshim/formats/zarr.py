@@ -18,8 +18,8 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import frames
-from ckptshim.formats.base import strict_json
-from ckptshim.inventory import dtype_name
+from ckptshim.formats.base import ALLOWANCE_BYTES, strict_json
+from ckptshim.inventory import DTYPE_SIZES, dtype_name
 
 #: The metadata file of each zarr version, relative to the array's folder/prefix.
 METADATA_FILES = {".zarray": "zarr", "zarr.json": "zarr3"}
@@ -86,12 +86,18 @@ class ZarrArray:
         first = itertools.islice((k for k in self.chunk_keys() if k not in present), min(shown, missing))
         return missing, list(first)
 
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes one chunk decompresses to (zarr v2 stores every chunk whole, edges padded)."""
+        return math.prod(self.chunks) * DTYPE_SIZES[self.dtype]
+
     def short_chunks(self, folder: Path, present: Collection[str], shown: int = 4) -> tuple[int, list[str]]:
         """How many of the chunk files ``present`` in ``folder`` are shorter than their own
-        compressed frames say, and why for the first ``shown`` (see :mod:`frames`)."""
-        if self.compressor not in frames.MEASURABLE:
+        compressed frames say, or declare more decompressed bytes than a chunk holds, and why
+        for the first ``shown`` (see :mod:`frames`)."""
+        if self.compressor not in frames.SIZED:
             return 0, []
-        problems = (frames.short_chunk(folder / key, self.compressor, f"{folder.name}/{key}")
+        problems = (frames.short_chunk(folder / key, self.compressor, f"{folder.name}/{key}", self.chunk_bytes)
                     for key in sorted(present) if self.is_chunk_key(key))
         found = [problem for problem in problems if problem]
         return len(found), found[:shown]
@@ -113,12 +119,18 @@ def parse(raw: bytes, where: str) -> ZarrArray:
 
 def _check(array: ZarrArray) -> None:
     """``ValueError`` unless shape and chunks are as zarr defines them (one positive chunk
-    length per axis, no negative lengths) and the key separator is a string."""
+    length per axis, no negative lengths), the key separator is a string, and one chunk is not
+    larger than the array plus :data:`~ckptshim.formats.base.ALLOWANCE_BYTES`: decoding a
+    chunk takes its whole size in memory, however little of it the array uses."""
     if len(array.chunks) != len(array.shape) or any(n < 0 for n in array.shape) or any(
             c < 1 for c in array.chunks):
         raise ValueError(f"shape {list(array.shape)} with chunks {list(array.chunks)}")
     if not (isinstance(array.separator, str) and array.separator and isinstance(array.prefix, str)):
         raise ValueError(f"chunk key separator {array.separator!r:.40}")
+    array_bytes = math.prod(array.shape) * DTYPE_SIZES[array.dtype]
+    if array.chunk_bytes > array_bytes + ALLOWANCE_BYTES:
+        raise ValueError(f"chunks {list(array.chunks)} of {array.chunk_bytes} bytes each for an array "
+                         f"{list(array.shape)} of {array_bytes}; decoding one would take that much memory")
 
 
 def _parse_v2(meta: dict) -> ZarrArray:

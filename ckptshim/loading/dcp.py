@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ckptshim.errors import PlanError, UnknownFormatError
+from ckptshim.errors import PlanError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.execute.dcp_planner import FlatKeys, KeyMapping, RemappingLoadPlanner
 from ckptshim.execute.dcp_storage import DcpReader, FormatReader
 from ckptshim.formats import dcp
@@ -45,13 +45,21 @@ HOOK = "torch.distributed.checkpoint.load"
 
 
 def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageReader | None:
-    """ckptshim's reader for a local checkpoint it knows; else the caller's (``None``: DCP's)."""
+    """ckptshim's reader for a local checkpoint it knows; else the caller's (``None``: DCP's).
+
+    A reader the caller built themselves (anything but DCP's plain ``FileSystemReader``) is theirs
+    and runs untouched, as a ``torch.load(weights_only=False)`` they wrote would. A checkpoint
+    named by URL is read locally for ``file://``; any other scheme is refused, since DCP would
+    pick its ``FsspecReader``, which unpickles ``.metadata`` from it without limits.
+    """
     from torch.distributed.checkpoint import FileSystemReader
 
     if given is not None and type(given) is not FileSystemReader:
         return given
     location = checkpoint_id if checkpoint_id is not None else getattr(given, "path", None)
-    if location is None or "://" in str(location) or not Path(location).exists():
+    if location is not None and "://" in str(location):
+        location = _local_path(str(location))
+    if location is None or not Path(location).exists():
         return given
     try:
         fmt = detect(location, backend="torch")
@@ -61,6 +69,20 @@ def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageRe
         return DcpReader(location)
     logger.info("%s: %s is a %s checkpoint, which DCP cannot read; ckptshim reads it", HOOK, location, fmt.NAME)
     return FormatReader(location)
+
+
+def _local_path(url: str) -> str:
+    """The local path a ``file://`` URL names; any other scheme is refused."""
+    from urllib.parse import unquote, urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme == "file" and parts.netloc in ("", "localhost"):
+        return unquote(parts.path)
+    raise UnsafeCheckpointError(
+        f"dcp.load of {url}: ckptshim reads local checkpoints only, and DCP's own reader for "
+        f"{parts.scheme}:// would unpickle its .metadata without limits. Copy the checkpoint to a "
+        "local folder and load that, or, if you trust it, load it with the hook off "
+        "(CKPTSHIM_DISABLE_HOOKS=torch-dcp).")
 
 
 def load_planner(inner: LoadPlanner | None) -> RemappingLoadPlanner:

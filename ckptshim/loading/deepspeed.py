@@ -56,11 +56,11 @@ def load_stage(module: Any, load_dir: Path, strict: bool, native: Callable[[], A
               if isinstance(layer, nn.Module) and hasattr(layer, "load_state_dict")}
     try:
         source = open_checkpoint(load_dir, backend="torch")
-    except UnknownFormatError:  # nothing ckptshim reads (e.g. legacy pickles): DeepSpeed's call
+    except UnknownFormatError:  # no file DeepSpeed's layer glob would load: its call, harmless
         return native()
     try:
         if not is_neox(source) or _native_fits(source, layers, degree):
-            return native()
+            return _native_once_read(source, native)
         states = layer_state_dicts(source, layers, rank, degree, strict)
     finally:
         source.close()
@@ -68,6 +68,16 @@ def load_stage(module: Any, load_dir: Path, strict: bool, native: Callable[[], A
         layer.load_state_dict(states.get(index, OrderedDict()), strict=strict)
     module._synchronize_tied_weights()
     return None
+
+
+def _native_once_read(source: Checkpoint, native: Callable[[], Any]) -> Any:
+    """DeepSpeed's own load -- which unpickles every ``layer_*model_states.pt`` in the folder with
+    ``torch.load(weights_only=False)`` -- only once ckptshim has read each of those files through
+    its allow-listed unpickler (refusing any that needs more), whatever format the folder was
+    recognised as first (a Hugging Face folder may hold layer files too)."""
+    if not isinstance(source, deepspeed_pipeline.DeepSpeedPipelineCheckpoint) and deepspeed_pipeline.sniff(source.path):
+        deepspeed_pipeline.open_checkpoint(source.path).close()
+    return native()
 
 
 def is_neox(source: Checkpoint) -> bool:

@@ -166,7 +166,7 @@ def _require_fit(plan: Plan, rules: Rules) -> None:
             [f"checkpoint {plan.source.source} does not fit target {plan.target.source}: "
              "the two stack different numbers of layers:"] + [f"  {line}" for line in gaps]
             + (["MaxText keeps NNX rng state for layer 0 only when layers are not scanned. To "
-                f"keep the target's own rng state instead, set CKPTSHIM_RNG_FROM_TARGET=1 "
+                "keep the target's own rng state instead, set CKPTSHIM_RNG_FROM_TARGET=1 "
                 "and pass the target as concrete arrays."] if rng else [])
             + ["Restore into a target with the checkpoint's layer count, or leave those keys out "
                "of the target."]))

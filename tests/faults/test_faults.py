@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import stat
 import time
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import pytest
 
 from fault_damage import KINDS, PWNED
 from fault_loaders import LOADERS, Load, digest, refusal
-from support.fixtures import FIXTURES
+from support.fixtures import FIXTURES, writable_copy
 from fault_table import BY_NAME, COMPLETE, FORMATS, LISTING, OPEN
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
@@ -78,12 +77,6 @@ CASES = [Case(fmt.name, damage, path) for fmt in FORMATS for damage, stage in fm
 CONTROLS = sorted({(fmt.name, path) for fmt in FORMATS for path in ("inspect", "plan", *fmt.hooks)})
 
 
-def _copy(source: Path, into: Path) -> Path:
-    shutil.copytree(source, into, symlinks=True)
-    for path in [into, *into.rglob("*")]:
-        path.chmod(path.stat().st_mode | stat.S_IWUSR)
-    return into
-
 
 def _snapshot(folder: Path) -> dict[str, tuple]:
     """Every entry under ``folder``: kind, size and modification time (links not followed)."""
@@ -104,7 +97,7 @@ def _setup(fmt_name: str, path_kind: str, tmp_path: Path, monkeypatch, request) 
         source = FIXTURES / fmt.fixture
     if path_kind == "t5x":
         request.getfixturevalue("t5x_standin")
-    root = _copy(source, tmp_path / "ckpt")
+    root = writable_copy(source, tmp_path / "ckpt")
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")

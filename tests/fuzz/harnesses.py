@@ -18,9 +18,7 @@ insertions of huge length prefixes.
 from __future__ import annotations
 
 import json
-import shutil
 import struct
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,8 +29,8 @@ from hypothesis import strategies as st
 from ckptshim import api
 from ckptshim.errors import ShimError
 from ckptshim.formats import detect, kvstore, zarr
+from support.fixtures import FIXTURES, writable_copy
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 #: Bytes that make parsers believe in huge sizes or counts: msgpack array32/map32/bin32/str32
 #: headers, 4- and 8-byte lengths (both byte orders), pickle LONG4/BINUNICODE8/FRAME headers,
@@ -101,12 +99,10 @@ class Target:
         if harness.direct is None:
             source = FIXTURES / harness.fixture
             if source.is_dir():
-                shutil.copytree(source, self.root, copy_function=shutil.copyfile)
-                for folder in [self.root, *(p for p in self.root.rglob("*") if p.is_dir())]:
-                    folder.chmod(0o755)  # fixtures are read-only; the copy's folders must not be
+                writable_copy(source, self.root)
             else:  # keep the file's name: formats recognise some files by it
                 self.root.mkdir(parents=True)
-                self.root = Path(shutil.copyfile(source, self.root / source.name))
+                self.root = writable_copy(source, self.root / source.name)
             if harness.prepare is not None:
                 harness.prepare(self.root)
         self.member = self.root / harness.member if harness.member else self.root
@@ -150,9 +146,7 @@ def _seed_zarr3() -> bytes:
 
 def _write_paxml_flax(root: Path) -> None:
     """Beside the copied PaxML run, its FLAX-type save (``flax/checkpoint_1/state/checkpoint``)
-    as ``tests/paxml_flax_writer.py`` reproduces it with the real Orbax writer."""
-    if str(FIXTURES.parent) not in sys.path:
-        sys.path.insert(0, str(FIXTURES.parent))  # tests/, where the writer lives
+    as ``tests/support/paxml_flax_writer.py`` reproduces it with the real Orbax writer."""
     from support.paxml_flax_writer import pax_payload, write_with_orbax
 
     checkpoint = detect.open_checkpoint(root)
@@ -167,7 +161,7 @@ _DS = "neox_deepspeed/pp1_mp1/checkpoint"
 _PAX = "paxml_runs/TinySpmdRepeat/checkpoints/checkpoint_00000000"
 
 HARNESSES: tuple[Harness, ...] = (
-    Harness("torch_pickle", "formats/torch_pickle.py: read_archive, _SafeUnpickler, tensor_view",
+    Harness("torch_pickle", "formats/torch_pickle.py: read_archive (safe_pickle), tensor_view",
             "neox_deepspeed/pp1_mp1/checkpoint/global_step0/layer_05-model_00-model_states.pt"),
     Harness("torch_pickle_model", "formats/torch_pickle.py (a whole model's archive)",
             "torch_dcp_single/torch_save/model.pt", examples=180),
@@ -176,7 +170,7 @@ HARNESSES: tuple[Harness, ...] = (
     Harness("hf_index", "formats/hf_dir.py: open_checkpoint (weight index JSON)",
             "hf_gptneox_tf4.30.2/safetensors", "model.safetensors.index.json", prepare=_shard_hf,
             examples=450),
-    Harness("dcp_metadata", "formats/dcp.py: _MetadataUnpickler, parse_metadata",
+    Harness("dcp_metadata", "formats/dcp.py: load_metadata (safe_pickle), parse_metadata",
             "torch_dcp_single/dcp_plain", ".metadata", examples=450),
     Harness("dcp_chunks", "formats/dcp.py: read_layout (torch.save archives in .distcp)",
             "torch_dcp_single/dcp_plain", "__0_0.distcp", examples=180),

@@ -30,13 +30,14 @@ def copy_fixture(name: str, into: Path, as_name: str | None = None) -> Path:
 
 def writable_copy(source: Path, destination: Path) -> Path:
     """``source`` (a folder or a file) copied to ``destination``, every copy writable by its owner
-    (the shared fixtures are read-only)."""
+    (the shared fixtures are read-only); symlinks are copied as links, never followed."""
     if source.is_dir():
-        shutil.copytree(source, destination)
+        shutil.copytree(source, destination, symlinks=True)
     else:
-        shutil.copy2(source, destination)
+        shutil.copy2(source, destination, follow_symlinks=False)
     for path in [destination, *destination.rglob("*")]:
-        path.chmod(path.stat().st_mode | stat.S_IWUSR)
+        if not path.is_symlink():
+            path.chmod(path.stat().st_mode | stat.S_IWUSR)
     return destination
 
 
