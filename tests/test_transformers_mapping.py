@@ -546,3 +546,21 @@ def test_a_config_linked_from_outside_the_folder_is_refused(tmp_path):
     (folder / "config.json").symlink_to(elsewhere)
     with pytest.raises(UnsafeCheckpointError, match="outside the directory"):
         model_config(folder)
+
+
+@pytest.mark.parametrize("config", [
+    {}, {"model_type": 3}, {"architectures": "MixtralForCausalLM"}, {"model_type": "no_such_model"},
+    {"architectures": ["NoSuchClass", 7, None]}, {"model_type": "mixtral", "num_attention_heads": "four"},
+    {"architectures": ["MixtralForCausalLM"], "model_type": "no_such_model"},
+    {"architectures": ["GPTNeoXForCausalLM"]}, {"model_type": "mixtral", "architectures": ["NoSuchClass"]},
+])
+def test_any_config_names_a_mapping_or_none(config):
+    """A config.json holds what its writer put there: only a model type or class name that
+    transformers' table has names a mapping (``mixtral`` is a model type there,
+    ``GPTNeoXForCausalLM`` a class); nothing else raises (a config object it cannot build leaves
+    the ops that need one to refuse by themselves)."""
+    from ckptshim.rules.profiles.transformers_mapping import from_config
+
+    found = from_config(config, "config.json")
+    named = config.get("model_type") == "mixtral" or config.get("architectures") == ["GPTNeoXForCausalLM"]
+    assert (found is not None) == named

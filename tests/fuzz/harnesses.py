@@ -170,6 +170,8 @@ HARNESSES: tuple[Harness, ...] = (
     Harness("hf_index", "formats/hf_dir.py: open_checkpoint (weight index JSON)",
             "hf_gptneox_tf4.30.2/safetensors", "model.safetensors.index.json", prepare=_shard_hf,
             examples=450),
+    Harness("hf_config", "formats/hf_dir.py: model_config (config.json beside the weights)",
+            "transformers4_moe/mixtral/safetensors", "config.json", examples=300),
     Harness("dcp_metadata", "formats/dcp.py: load_metadata (safe_pickle), parse_metadata",
             "torch_dcp_single/dcp_plain", ".metadata", examples=450),
     Harness("dcp_chunks", "formats/dcp.py: read_layout (torch.save archives in .distcp)",

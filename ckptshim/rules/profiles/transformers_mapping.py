@@ -108,9 +108,22 @@ def from_config(config: Mapping[str, Any], origin: str) -> Conversions | None:
         model_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
     except Exception:  # an unknown or malformed model type: ops that need the config refuse
         model_config = None
-    model_class = next((found for name in names if (found := getattr(transformers, name, None)) is not None), None)
     return Conversions(tuple(transforms) + tuple(table.get_checkpoint_conversion_mapping("legacy")),
-                       model_config, origin, getattr(model_class, "base_model_prefix", None) or None)
+                       model_config, origin, _base_model_prefix(transformers, names))
+
+
+def _base_model_prefix(transformers: Any, names: list[str]) -> str | None:
+    """The ``base_model_prefix`` of the first class ``names`` (a config's ``architectures``)
+    gives that transformers has; ``None`` when none does."""
+    for name in names:
+        try:
+            model_class = getattr(transformers, name, None)
+        except Exception:  # importing a model's code can fail on a missing optional dependency
+            model_class = None
+        prefix = getattr(model_class, "base_model_prefix", None)
+        if isinstance(prefix, str) and prefix:
+            return prefix
+    return None
 
 
 # -- translating one converter -------------------------------------------------------------------
