@@ -5,9 +5,11 @@ checks every shape, dtype and destination and works out, for each target key, a 
 already holds its value -- the source itself, a ``select`` view of a stacked source, or the
 destination's own value -- without writing anything or copying any tensor bytes. Only a
 :class:`Prepared` load writes: stacked targets layer by layer into ``select`` views of the
-destination (never ``torch.stack``, which would build a second full copy), everything else with
-``copy_`` (which also casts). Anything wrong raises before the first write, so a failed load
-leaves the destination as it was.
+destination (never ``torch.stack``, which would build a second full copy), everything else
+copied in (casting where the plan casts), each write into the plain tensor behind its
+destination -- a DTensor's shard, a float8 training weight's high-precision tensor -- through
+:func:`ckptshim.execute.destinations.write`. Anything wrong raises before the first write, so a
+failed load leaves the destination as it was.
 
 Callers that hand the values to the framework's own loader (the ``load_state_dict`` hook) use
 :attr:`Prepared.values` and :meth:`Prepared.write_stacked`; others call :meth:`Prepared.write`.
@@ -31,6 +33,7 @@ import torch
 
 from ckptshim.errors import PlanError
 from ckptshim.execute.derived import REBUILDABLE, mismatch, not_equal
+from ckptshim.execute.destinations import is_dtensor, values_of, write
 from ckptshim.inventory import Entry, KeyPath, dtype_name, join_key
 from ckptshim.ops import (NOT_PERSISTENT, Cast, Drop, DropIfDerived, Op, Rename, Stack, Synthesize, Unstack,
                           require_kinds)
@@ -70,10 +73,10 @@ class Prepared:
 
     def write_stacked(self) -> None:
         """Write each layer of every stacked target into its ``select`` view of the target."""
-        with torch.no_grad():
-            for whole, axis, layers in self.stacks:
-                for index, layer in enumerate(layers):
-                    whole.select(axis, index).copy_(layer)
+        for whole, axis, layers in self.stacks:
+            values = values_of(whole)
+            for index, layer in enumerate(layers):
+                write(values.select(axis, index), layer)
 
     def write(self) -> None:
         """Write every value into its destination (refused up front if one is on meta)."""
@@ -84,11 +87,10 @@ class Prepared:
                 f"written in place (first: {on_meta[0]}). Materialize the model first "
                 "(module.to_empty(device=...)), or load through load_state_dict(..., assign=True).")
         self.write_stacked()
-        with torch.no_grad():
-            for key, value in self.values.items():
-                destination = self.destinations[key]
-                if value is not destination:
-                    destination.copy_(value)
+        for key, value in self.values.items():
+            destination = self.destinations[key]
+            if value is not destination:
+                write(destination, value)
 
 
 def prepare(plan: Plan, fetch: Fetch, destinations: Mapping[KeyPath, torch.Tensor], *,
@@ -206,7 +208,7 @@ class _Preparer:
         return self.own_by_name.get(strip_wrappers(source)) or self.own_by_name.get(source[-1:], [])
 
     def _nothing(self, op: Op) -> None:
-        """``Drop`` reads nothing; a ``Cast`` is done by ``copy_`` (checked in :meth:`_check_value`)."""
+        """``Drop`` reads nothing; a ``Cast`` is done by the write (checked in :meth:`_check_value`)."""
 
     # -- checks -----------------------------------------------------------------------------------
 
@@ -269,13 +271,7 @@ def _writable_in_place(tensor: torch.Tensor) -> bool:
     Not on the meta device (no storage) and not a DTensor (a view of a sharded tensor takes no
     plain layer; the framework's own loader distributes a whole value instead).
     """
-    if tensor.is_meta:
-        return False
-    if torch.distributed.is_available():
-        from torch.distributed.tensor import DTensor
-
-        return not isinstance(tensor, DTensor)
-    return True
+    return not tensor.is_meta and not is_dtensor(tensor)
 
 
 def _require_entry(tensor: torch.Tensor, entry: Entry, side: str) -> None:
