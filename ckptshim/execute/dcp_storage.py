@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError
-from ckptshim.execute.destinations import values_of, write
+from ckptshim.execute import destinations
 from ckptshim.execute.torch import as_tensor
 from ckptshim.formats import dcp
 from ckptshim.formats.base import Checkpoint, storage_dtype
@@ -262,12 +262,12 @@ def _copy_chunk(raw, layout: dcp.ChunkLayout, items: list[tuple[ReadItem, torch.
     one ``pread`` straight into each destination's memory where that memory is the block's
     bytes, else from one read of the bytes they need together, through
     :func:`~ckptshim.execute.destinations.write` (device memory through the staging buffer)."""
-    items = [(item, values_of(destination)) for item, destination in items if destination.numel()]
+    items = [(item, destinations.values_of(destination)) for item, destination in items if destination.numel()]
     if not items:
         return
     dtype = getattr(torch, dtype_name(layout.ref.storage.dtype))
     spans = [_span(layout, item) for item, _ in items]
-    direct = all(contiguous and type(d) is torch.Tensor and d.device.type == "cpu" and d.is_contiguous()
+    direct = all(contiguous and type(d) is torch.Tensor and destinations.in_host_memory(d) and d.is_contiguous()
                  and d.dtype == dtype for (_, d), (_, _, contiguous) in zip(items, spans))
     if direct and _disjoint(spans):
         for (_, destination), (begin, _, _) in sorted(zip(items, spans), key=lambda pair: pair[1][0]):
@@ -282,7 +282,7 @@ def _copy_chunk(raw, layout: dcp.ChunkLayout, items: list[tuple[ReadItem, torch.
         block = np.lib.stride_tricks.as_strided(
             values[(begin - low) // itemsize:], shape=tuple(item.lengths),
             strides=tuple(s * itemsize for s in layout.ref.stride), writeable=False)
-        write(destination, as_tensor(block, dtype))
+        destinations.write(destination, as_tensor(block, dtype))
 
 
 def _disjoint(spans: list[tuple[int, int, bool]]) -> bool:
@@ -329,7 +329,7 @@ class FormatReader(_Reader):
                 entry = checkpoint.inventory[split_key(fqn)]
                 sources[fqn] = as_tensor(checkpoint.read(entry), getattr(torch, entry.dtype))
         for item, destination in resolved:
-            write(destination, sources[item.storage_index.fqn][_block(item)])
+            destinations.write(destination, sources[item.storage_index.fqn][_block(item)])
         for item, destination in resolved:
             planner.commit_tensor(item, destination)
         checkpoint.close()

@@ -46,19 +46,20 @@ def values_of(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def write(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy ``source``'s values into ``destination``'s (casting where the dtypes differ): host
-    values bound for device memory through the staging buffer, everything else with ``copy_``."""
+    """Copy ``source``'s values into ``destination``'s (casting where the dtypes differ): plain
+    host values bound for device memory through the staging buffer, everything else with ``copy_``."""
     target, values = values_of(destination), values_of(source)
     with torch.no_grad():
-        if staged(target, values):
+        if not in_host_memory(target) and values.device.type == "cpu" and type(values) is torch.Tensor:
             staging.copy(target, values)
         else:
             target.copy_(values)
 
 
-def staged(target: torch.Tensor, source: torch.Tensor) -> bool:
-    """Whether a copy goes through the staging buffer: plain host values into device memory."""
-    return target.device.type != "cpu" and source.device.type == "cpu" and type(source) is torch.Tensor
+def in_host_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory is host memory, which ckptshim writes (or reads file bytes)
+    into directly; any other destination is staged. (The one device check of every writer.)"""
+    return tensor.device.type == "cpu"
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:

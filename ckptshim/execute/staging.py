@@ -26,9 +26,10 @@ CAPACITY = 64 << 20
 _buffers = threading.local()
 
 
-def copy(destination: torch.Tensor, source: torch.Tensor, capacity: int = CAPACITY) -> None:
+def copy(destination: torch.Tensor, source: torch.Tensor) -> None:
     """Copy the host tensor ``source`` into ``destination`` (the same shape; any strides, dtype
-    and device) block by block through the staging buffer."""
+    and device) block by block through the staging buffer of :data:`CAPACITY` bytes."""
+    capacity = CAPACITY
     if source.element_size() > capacity:
         raise ValueError(f"a staging buffer of {capacity} bytes cannot hold one {source.dtype} element")
     buffer = _buffer(capacity, pinned=destination.device.type == "cuda" and torch.cuda.is_available())
