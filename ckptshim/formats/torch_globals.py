@@ -263,13 +263,15 @@ def _attributes(state: Any) -> dict[str, Any]:
     """The Python attributes ``_rebuild_from_type_v2`` would set: ``state`` as torch's
     ``_set_obj_state`` takes it (a dict, or a (dict, slots dict) pair, either part possibly
     ``None``), names being strings (``setattr`` takes nothing else)."""
-    parts = state if isinstance(state, tuple) else (state,)
-    if len(parts) > 2 or (isinstance(state, tuple) and len(parts) != 2) or not all(
-            part is None or (isinstance(part, dict) and all(type(name) is str for name in part))
-            for part in parts):
+    parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+    if not all(part is None or isinstance(part, dict) for part in parts):
         raise safe_pickle.Refused(f"a tensor given a {type(state).__name__} as its attributes; torch.save "
                                   "writes a dictionary of attribute names there")
-    return {name: value for part in parts if part for name, value in part.items()}
+    attributes = {name: value for part in parts if part for name, value in part.items()}
+    if not all(type(name) is str for name in attributes):
+        raise safe_pickle.Refused("a tensor given attributes whose names are not strings, which torch "
+                                  "cannot set either")
+    return attributes
 
 
 _TENSOR_REBUILDS = (_rebuild_tensor, _rebuild_parameter, _rebuild_wrapper_subclass)
@@ -340,10 +342,13 @@ class Globals:
     def rebuild_from_type(self, func, new_type, args, state) -> Tensor:
         """``torch._tensor._rebuild_from_type_v2``: the tensor ``func(*args)`` rebuilds, as torch's
         own type or as a registered wrapper of one tensor of its values (see the module docstring)."""
-        if func not in _TENSOR_REBUILDS or type(args) is not tuple or not isinstance(new_type, _TensorType):
+        if not isinstance(new_type, _TensorType):
+            raise safe_pickle.Refused("_rebuild_from_type_v2 to a type that is not a tensor type (a "
+                                      "registered class that does not derive from torch.Tensor)")
+        if func not in _TENSOR_REBUILDS or type(args) is not tuple:
             raise safe_pickle.Refused(
-                f"_rebuild_from_type_v2 of a {type(new_type).__name__} rebuilt by a {type(func).__name__}; "
-                "torch.save rebuilds a tensor type there with one of torch's tensor rebuild functions")
+                f"_rebuild_from_type_v2 to {new_type.name} with something other than torch's tensor "
+                "rebuild functions and their arguments; torch.save never writes that")
         value, attributes = func(*args), _attributes(state)
         if new_type.plain:
             if type(value) is not Tensor:
