@@ -58,7 +58,7 @@ def mismatches(state_dict: dict, expected: dict[str, torch.Tensor]) -> list[str]
         want = expected[plain_key(key)]
         if isinstance(value, DTensor):
             want = distribute_tensor(want, value.device_mesh, value.placements).to_local()
-        found = high_precision(value)
+        found = high_precision(value).cpu()
         if found.dtype != want.dtype or found.shape != want.shape or not torch.equal(_bits(found), _bits(want)):
             wrong.append(key)
     return wrong
