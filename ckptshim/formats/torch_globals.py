@@ -176,8 +176,8 @@ class _Dtype:
 
 class _Inert:
     """A value torch allows and ckptshim never uses -- a device, a layout, an instance of a
-    registered class that is not a tensor: built from any arguments, given any state, it keeps
-    nothing, and no code of the real global runs."""
+    registered class that is not a tensor: built from any arguments (a registered class's own
+    constructor never runs to check them), given any state, it keeps nothing."""
 
     def __new__(cls, *args: Any) -> _Inert:
         return object.__new__(cls)
@@ -240,6 +240,21 @@ def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, 
     return _Wrapper(cls, dtype.name, size)
 
 
+def _device(kind, index=None) -> _Inert:
+    """``torch.device(kind[, index])``, where torch would place a tensor: ckptshim reads bytes
+    into whatever the caller's destination is, so only the arguments' form is checked."""
+    if type(kind) is not str or not (index is None or is_int(index)):
+        raise safe_pickle.Refused(f"torch.device of ({type(kind).__name__}, {type(index).__name__})")
+    return _Inert()
+
+
+def _layout(name) -> _Inert:
+    """``torch.serialization._get_layout(name)``: a layout by its name (``"torch.strided"``)."""
+    if type(name) is not str or not name.startswith("torch."):
+        raise safe_pickle.Refused(f"torch.serialization._get_layout of a {type(name).__name__}")
+    return _Inert()
+
+
 def is_int(value: object) -> bool:
     """An ``int`` that is not a ``bool``."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -285,8 +300,8 @@ _ALLOWED: Mapping[str, Any] = {
     "torch._utils._rebuild_parameter": _rebuild_parameter,
     "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
     "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
-    "torch.device": _Inert,
-    "torch.serialization._get_layout": _Inert,
+    "torch.device": _device,
+    "torch.serialization._get_layout": _layout,
     **_PLAIN_TYPES,
     **{f"torch.{name}": StorageType(name) for name in _STORAGE_DTYPES},
 }
