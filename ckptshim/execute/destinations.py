@@ -49,6 +49,10 @@ def write(destination: torch.Tensor, source: torch.Tensor) -> None:
     """Copy ``source``'s values into ``destination``'s (casting where the dtypes differ): plain
     host values bound for device memory through the staging buffer, everything else with ``copy_``."""
     target, values = values_of(destination), values_of(source)
+    if target.shape != values.shape:  # a DTensor takes this rank's shard, never a whole value
+        raise PlanError(f"a value of shape {list(values.shape)} cannot be written into a {type(destination).__name__} "
+                        f"whose memory here holds {list(target.shape)}; ckptshim writes shards into sharded "
+                        "tensors. This is a bug in ckptshim: please report it.")
     with torch.no_grad():
         if not in_host_memory(target) and values.device.type == "cpu" and type(values) is torch.Tensor:
             staging.copy(target, values)

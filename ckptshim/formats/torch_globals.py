@@ -54,13 +54,13 @@ _STORAGE_DTYPES = {
 }
 
 #: torch dtypes (torch 2.13) that ckptshim has no name for: refused as unreadable, not as unsafe.
-UNREAD_DTYPES = frozenset(
+_UNREAD_DTYPES = frozenset(
     {"bit", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "chalf", "complex32",
      "float4_e2m1fn_x2", "float8_e8m0fnu", "qint32", "qint8", "quint2x4", "quint4x2", "quint8"}
     | {f"{kind}{bits}" for kind in ("int", "uint") for bits in range(1, 8)})
 
 #: Modules torch's weights_only unpickler never takes a global from, registered or not.
-BLOCKED_MODULES = frozenset({"sys", "os", "posix", "nt"})
+_BLOCKED_MODULES = frozenset({"sys", "os", "posix", "nt"})
 
 
 def torch_dtype(name: str, where: str) -> str | None:
@@ -68,7 +68,7 @@ def torch_dtype(name: str, where: str) -> str | None:
     has no dtype of that name. A dtype torch has and ckptshim does not read is refused, naming it."""
     if name in DTYPE_SIZES:
         return name
-    if name in UNREAD_DTYPES:
+    if name in _UNREAD_DTYPES:
         raise UnknownFormatError(
             f"{where} describes tensors of dtype torch.{name}, which ckptshim does not read yet. "
             "Load it without ckptshim: torch.load(..., weights_only=True) for a torch.save file, "
@@ -112,7 +112,7 @@ class TensorRef:
 # -- stand-ins the pickle builds (turned into records once it has been read) ----------------------
 
 
-class StorageType:
+class _StorageType:
     """``torch.<T>Storage``, the type named in a storage record."""
 
     def __init__(self, name: str) -> None:
@@ -149,7 +149,7 @@ class Tensor:
             "torch.save never writes that")
 
 
-class StateDict(dict):
+class _StateDict(dict):
     """``collections.OrderedDict``. ``BUILD`` may give it attributes, as torch.save writes a state
     dict's ``_metadata``; an attribute that would hide one of the dictionary's own methods
     (``values``, ``items``, ``keys``...) is refused, since the tensors would be read through it."""
@@ -218,7 +218,7 @@ class _Wrapper:
 def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> Tensor:
     """A tensor record, once its arguments are what ``torch.save`` writes: a storage record,
     a non-negative offset, and sizes and strides as equally long tuples of ints (sizes >= 0)."""
-    if not (type(storage) is Storage and is_int(storage_offset) and storage_offset >= 0
+    if not (type(storage) is Storage and _is_int(storage_offset) and storage_offset >= 0
             and _is_shape(size, stride)):
         raise safe_pickle.Refused(
             "a tensor record that is not (storage, offset, sizes, strides): "
@@ -243,7 +243,7 @@ def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, 
 def _device(kind, index=None) -> _Inert:
     """``torch.device(kind[, index])``, where torch would place a tensor: ckptshim reads bytes
     into whatever the caller's destination is, so only the arguments' form is checked."""
-    if type(kind) is not str or not (index is None or is_int(index)):
+    if type(kind) is not str or not (index is None or _is_int(index)):
         raise safe_pickle.Refused(f"torch.device of ({type(kind).__name__}, {type(index).__name__})")
     return _Inert()
 
@@ -255,7 +255,7 @@ def _layout(name) -> _Inert:
     return _Inert()
 
 
-def is_int(value: object) -> bool:
+def _is_int(value: object) -> bool:
     """An ``int`` that is not a ``bool``."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -295,7 +295,7 @@ _PLAIN_TYPES = {name: _TensorType(name, plain=True) for name in ("torch.Tensor",
 
 #: The globals of torch's own allow-list that state dicts use, by ``module.name`` -> stand-in.
 _ALLOWED: Mapping[str, Any] = {
-    "collections.OrderedDict": StateDict,
+    "collections.OrderedDict": _StateDict,
     "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
     "torch._utils._rebuild_parameter": _rebuild_parameter,
     "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
@@ -303,7 +303,7 @@ _ALLOWED: Mapping[str, Any] = {
     "torch.device": _device,
     "torch.serialization._get_layout": _layout,
     **_PLAIN_TYPES,
-    **{f"torch.{name}": StorageType(name) for name in _STORAGE_DTYPES},
+    **{f"torch.{name}": _StorageType(name) for name in _STORAGE_DTYPES},
 }
 
 #: Extra globals a caller allows for one read: ``(module, name)`` -> the inert stand-in to
@@ -334,12 +334,12 @@ class Globals:
             dtype = torch_dtype(name, self.where)
             if dtype is not None:
                 return _Dtype(dtype)
-        found = self.registered().get(full) if module not in BLOCKED_MODULES else None
+        found = self._registered_globals().get(full) if module not in _BLOCKED_MODULES else None
         if found is None:
-            raise UnsafeCheckpointError(unsafe_message(self.where, full))
+            raise UnsafeCheckpointError(_unsafe_message(self.where, full))
         return found
 
-    def registered(self) -> dict[str, Any]:
+    def _registered_globals(self) -> dict[str, Any]:
         """Stand-ins for what torch's safe-globals registry holds now, by the name torch matches
         each by (``module.qualname``, or the name given with it); empty when torch is not imported."""
         if self._registered is None:
@@ -394,10 +394,10 @@ class Globals:
 
     def persistent_load(self, pid: Any) -> Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], StorageType)):
+                and isinstance(pid[1], _StorageType)):
             raise safe_pickle.Refused(f"an unexpected storage record (a {type(pid).__name__})")
         _, storage_type, key, _location, numel = pid
-        if not (is_int(numel) and numel >= 0 and isinstance(key, str)):
+        if not (_is_int(numel) and numel >= 0 and isinstance(key, str)):
             raise safe_pickle.Refused(f"a storage record whose key or element count is not one "
                                       f"({type(key).__name__}, {type(numel).__name__})")
         found = self.storages.get(key)
@@ -415,7 +415,7 @@ def _stand_in(name: str, value: Any) -> Any:
     return _Inert
 
 
-def unsafe_message(where: str, first: str) -> str:
+def _unsafe_message(where: str, first: str) -> str:
     """Why a file naming the global ``first`` (and, as torch can list them, any other it does
     not allow) is refused, and what to do about it."""
     names = [first]
