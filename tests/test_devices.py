@@ -20,15 +20,12 @@ import ckptshim  # noqa: E402
 from ckptshim.execute import destinations, staging  # noqa: E402
 from support.fixtures import FIXTURES  # noqa: E402
 from support.markers import QUIET  # noqa: E402
+from support.tensors import bits  # noqa: E402
 from test_dcp import build, module_from, reference, stacked_twin  # noqa: E402
 from torch.distributed.checkpoint.state_dict import set_model_state_dict  # noqa: E402
 
 pytestmark = QUIET
 TINY = FIXTURES / "torch_dcp_single"
-
-
-def bits(value: torch.Tensor) -> torch.Tensor:
-    return value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 # -- the staging buffer -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 from support.fixtures import FIXTURES, fixture_module
+from support.tensors import bits
 
 TINY = FIXTURES / "torch_dcp_single"
 build = fixture_module("torch_dcp_single/dcp_tiny_model.py").build
@@ -58,11 +59,7 @@ def mismatches(state_dict: dict, expected: dict[str, torch.Tensor]) -> list[str]
         want = expected[plain_key(key)]
         if isinstance(value, DTensor):
             want = distribute_tensor(want, value.device_mesh, value.placements).to_local()
-        found = high_precision(value).cpu()
-        if found.dtype != want.dtype or found.shape != want.shape or not torch.equal(_bits(found), _bits(want)):
+        found = high_precision(value)
+        if found.dtype != want.dtype or found.shape != want.shape or not torch.equal(bits(found), bits(want)):
             wrong.append(key)
     return wrong
-
-
-def _bits(value: torch.Tensor) -> torch.Tensor:
-    return value.contiguous().reshape(-1).view(torch.uint8)
