@@ -146,7 +146,9 @@ def test_fsdp2_on_one_gpu(tmp_path):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
+    torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
     try:
         model = build(seed=3).cuda()
@@ -156,6 +158,7 @@ def test_fsdp2_on_one_gpu(tmp_path):
         fully_shard(model, mesh=mesh)
         state_dict = torch.compile(model).state_dict()
         dcp.load({"model": state_dict}, checkpoint_id=TINY / "dcp_plain")
-        assert_reference({key: value.full_tensor() for key, value in state_dict.items()})
+        assert_reference({key: value.full_tensor() if isinstance(value, DTensor) else value
+                          for key, value in state_dict.items()})
     finally:
         dist.destroy_process_group()
