@@ -5,9 +5,11 @@ ckptshim's allow-listed unpickler (never ``pickle.load``), checks every file, ch
 stored Python object a load needs before the first byte is written (objects must pass torch's
 ``weights_only`` unpickler: DCP's default planner would unpickle them without limits), and
 reads each stored chunk once: straight into the destination with one ``pread`` when the block
-is contiguous on both sides, else once into a buffer from which every destination that needs a
-slice of it is filled. (The stock reader deserialises a whole chunk again for every read item
-that touches it.)
+is contiguous on both sides and the destination is host memory, else once into a buffer from
+which every destination that needs a slice of it is filled (device memory through the bounded
+staging buffer). A destination's bytes are those of the plain tensor behind it -- a DTensor's
+shard, a float8 training weight's high-precision tensor (:mod:`ckptshim.execute.destinations`).
+(The stock reader deserialises a whole chunk again for every read item that touches it.)
 
 :class:`FormatReader` lets ``dcp.load`` read a ``torch.save`` file, a safetensors file or a
 Hugging Face directory, each tensor being one chunk; each read goes straight into its
@@ -47,6 +49,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError
+from ckptshim.execute import destinations
 from ckptshim.execute.torch import as_tensor
 from ckptshim.formats import dcp
 from ckptshim.formats.base import Checkpoint, storage_dtype
@@ -257,14 +260,17 @@ def _writable_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def _copy_chunk(raw, layout: dcp.ChunkLayout, items: list[tuple[ReadItem, torch.Tensor]], where: str) -> None:
-    """Fill every destination that needs part of one stored chunk, reading each byte once."""
-    items = [(item, destination) for item, destination in items if destination.numel()]
+    """Fill every destination that needs part of one stored chunk, reading each byte once: with
+    one ``pread`` straight into each destination's memory where that memory is the block's
+    bytes, else from one read of the bytes they need together, through
+    :func:`~ckptshim.execute.destinations.write` (device memory through the staging buffer)."""
+    items = [(item, destinations.values_of(destination)) for item, destination in items if destination.numel()]
     if not items:
         return
     dtype = getattr(torch, dtype_name(layout.ref.storage.dtype))
     spans = [_span(layout, item) for item, _ in items]
-    direct = all(contiguous and d.device.type == "cpu" and d.is_contiguous() and d.dtype == dtype
-                 for (_, d), (_, _, contiguous) in zip(items, spans))
+    direct = all(contiguous and type(d) is torch.Tensor and destinations.in_host_memory(d) and d.is_contiguous()
+                 and d.dtype == dtype for (_, d), (_, _, contiguous) in zip(items, spans))
     if direct and _disjoint(spans):
         for (_, destination), (begin, _, _) in sorted(zip(items, spans), key=lambda pair: pair[1][0]):
             dcp.read_exact(raw, _writable_bytes(destination), begin, where)
@@ -274,12 +280,11 @@ def _copy_chunk(raw, layout: dcp.ChunkLayout, items: list[tuple[ReadItem, torch.
     dcp.read_exact(raw, memoryview(buffer), low, where)
     values = buffer.view(storage_dtype(dtype_name(layout.ref.storage.dtype)))
     itemsize = layout.itemsize
-    with torch.no_grad():
-        for (item, destination), (begin, _, _) in zip(items, spans):
-            block = np.lib.stride_tricks.as_strided(
-                values[(begin - low) // itemsize:], shape=tuple(item.lengths),
-                strides=tuple(s * itemsize for s in layout.ref.stride), writeable=False)
-            destination.copy_(as_tensor(block, dtype))
+    for (item, destination), (begin, _, _) in zip(items, spans):
+        block = np.lib.stride_tricks.as_strided(
+            values[(begin - low) // itemsize:], shape=tuple(item.lengths),
+            strides=tuple(s * itemsize for s in layout.ref.stride), writeable=False)
+        destinations.write(destination, as_tensor(block, dtype))
 
 
 def _disjoint(spans: list[tuple[int, int, bool]]) -> bool:
@@ -288,11 +293,13 @@ def _disjoint(spans: list[tuple[int, int, bool]]) -> bool:
 
 
 def _raw_view(destination: torch.Tensor, entry: Entry) -> np.ndarray | None:
-    """``destination`` as a numpy array of ``entry``'s stored dtype (a view: writes land in it),
-    or ``None`` where the bytes cannot go in as stored (another dtype, not in host memory)."""
-    if destination.device.type != "cpu" or dtype_name(destination.dtype) != entry.dtype:
+    """The plain tensor behind ``destination`` as a numpy array of ``entry``'s stored dtype (a
+    view: writes land in it), or ``None`` where the bytes cannot go in as stored (another dtype,
+    not in host memory, a subclass ckptshim does not know)."""
+    tensor = destinations.values_of(destination)
+    if (type(tensor) is not torch.Tensor or not destinations.in_host_memory(tensor)
+            or dtype_name(tensor.dtype) != entry.dtype):
         return None
-    tensor = destination.detach()
     bits = storage_dtype(entry.dtype)
     if tensor.is_floating_point() and bits.kind == "u":  # bfloat16, float8: numpy holds their bits
         tensor = tensor.view(getattr(torch, f"uint{8 * bits.itemsize}"))
@@ -340,14 +347,13 @@ class FormatReader(_Reader):
             if fqn not in sources:
                 entry = checkpoint.inventory[split_key(fqn)]
                 sources[fqn] = entry, as_tensor(checkpoint.read(entry), getattr(torch, entry.dtype))
-        with torch.no_grad():
-            for item, destination in resolved:
-                entry, source = sources[item.storage_index.fqn]
-                raw = _raw_view(destination, entry)
-                if raw is None:
-                    destination.copy_(source[_block(item)])
-                else:
-                    checkpoint.read_into(entry, _block(item), raw)
+        for item, destination in resolved:
+            entry, source = sources[item.storage_index.fqn]
+            raw = _raw_view(destination, entry)
+            if raw is None:
+                destinations.write(destination, source[_block(item)])
+            else:
+                checkpoint.read_into(entry, _block(item), raw)
         for item, destination in resolved:
             planner.commit_tensor(item, destination)
         checkpoint.close()

@@ -8,7 +8,9 @@ writing anything or copying any tensor bytes. Only a :class:`Prepared` load writ
 assembled from several sources (stacked layers, fused experts) or whose indices a permutation
 scatters, source by source into views of the destination (``select``, ``narrow``, ``permute``,
 one axis split into factors; never ``torch.stack`` or ``torch.cat``, which would build a second
-full copy), everything else with ``copy_`` (which also casts). Anything wrong raises before the
+full copy), everything else copied in (casting where the plan casts), each write into the plain
+tensor behind its destination -- a DTensor's shard, a float8 training weight's high-precision
+tensor -- through :func:`ckptshim.execute.destinations.write`. Anything wrong raises before the
 first write, so a failed load leaves the destination as it was.
 
 Callers that hand the values to the framework's own loader (the ``load_state_dict`` hook) use
@@ -33,6 +35,7 @@ import torch
 
 from ckptshim.errors import PlanError
 from ckptshim.execute.derived import REBUILDABLE, mismatch, not_equal
+from ckptshim.execute.destinations import is_dtensor, values_of, write
 from ckptshim.inventory import Entry, KeyPath, dtype_name, join_key
 from ckptshim.ops import (
     NOT_PERSISTENT,
@@ -91,9 +94,8 @@ class Prepared:
 
     def write_assembled(self) -> None:
         """Write every source of an assembled target into its view of the target."""
-        with torch.no_grad():
-            for view, value in self.fills:
-                view.copy_(value)
+        for view, value in self.fills:
+            write(view, value)
 
     def write(self) -> None:
         """Write every value into its destination (refused up front if one is on meta)."""
@@ -104,11 +106,10 @@ class Prepared:
                 f"written in place (first: {on_meta[0]}). Materialize the model first "
                 "(module.to_empty(device=...)), or load through load_state_dict(..., assign=True).")
         self.write_assembled()
-        with torch.no_grad():
-            for key, value in self.values.items():
-                destination = self.destinations[key]
-                if value is not destination:
-                    destination.copy_(value)
+        for key, value in self.values.items():
+            destination = self.destinations[key]
+            if value is not destination:
+                write(destination, value)
 
 
 def prepare(plan: Plan, fetch: Fetch, destinations: Mapping[KeyPath, torch.Tensor], *,
@@ -198,7 +199,7 @@ class _Preparer:
         if not _writable_in_place(destination):  # build the target once instead
             whole = torch.empty(destination.shape, dtype=sources[0].dtype, device=sources[0].device)
         try:
-            views = [VIEWS[op.kind](op, whole, index) for index in range(len(sources))]
+            views = [VIEWS[op.kind](op, values_of(whole), index) for index in range(len(sources))]
             sources = tuple(_source_view(op, value) for value in sources)
         except (IndexError, RuntimeError) as error:
             raise PlanError(f"{join_key(op.target)!r} has shape {tuple(destination.shape)}, which "
@@ -245,7 +246,7 @@ class _Preparer:
         return self.own_by_name.get(strip_wrappers(source)) or self.own_by_name.get(source[-1:], [])
 
     def _nothing(self, op: Op) -> None:
-        """``Drop`` reads nothing; a ``Cast`` is done by ``copy_`` (checked in :meth:`_check_value`)."""
+        """``Drop`` reads nothing; a ``Cast`` is done by the write (checked in :meth:`_check_value`)."""
 
     # -- checks -----------------------------------------------------------------------------------
 
@@ -347,13 +348,7 @@ def _writable_in_place(tensor: torch.Tensor) -> bool:
     Not on the meta device (no storage) and not a DTensor (a view of a sharded tensor takes no
     plain layer; the framework's own loader distributes a whole value instead).
     """
-    if tensor.is_meta:
-        return False
-    if torch.distributed.is_available():
-        from torch.distributed.tensor import DTensor
-
-        return not isinstance(tensor, DTensor)
-    return True
+    return not tensor.is_meta and not is_dtensor(tensor)
 
 
 def _require_entry(tensor: torch.Tensor, entry: Entry, side: str) -> None:

@@ -32,7 +32,8 @@ import numpy as np
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats import safe_pickle
 from ckptshim.formats.base import Budget, Checkpoint, file_info, reader, reading, refuse_links_leaving, storage_dtype
-from ckptshim.formats.torch_pickle import TensorRef, read_archive, tensor_view
+from ckptshim.formats.torch_globals import TensorRef, torch_dtype
+from ckptshim.formats.torch_pickle import read_archive, tensor_view
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, dtype_name, split_key
 
 NAME = "torch-dcp"
@@ -92,28 +93,15 @@ _CALLS: dict[tuple[str, str], Any] = {
 }
 
 
-#: torch dtypes (torch 2.13) that ckptshim has no name for: refused as unreadable, not as unsafe.
-_UNREAD_DTYPES = frozenset(
-    {"bit", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "chalf", "complex32",
-     "float4_e2m1fn_x2", "float8_e8m0fnu", "qint32", "qint8", "quint2x4", "quint4x2", "quint8"}
-    | {f"{kind}{bits}" for kind in ("int", "uint") for bits in range(1, 8)})
-
-
 def _find_class(where: str) -> Any:
     """``find_class`` for ``.metadata``: DCP's records, the inert calls above, dtype names."""
     def find_class(module: str, name: str) -> Any:
         found = _RECORD_TYPES.get((module, name)) or _CALLS.get((module, name))
         if found is not None:
             return found
-        if module == "torch":
-            try:
-                return dtype_name(name)  # torch.float32 -> "float32"
-            except ValueError:
-                if name in _UNREAD_DTYPES:
-                    raise UnknownFormatError(
-                        f"{where} describes tensors of dtype torch.{name}, which ckptshim does "
-                        "not read yet. Load this checkpoint with the hook off "
-                        "(CKPTSHIM_DISABLE_HOOKS=torch-dcp).") from None
+        dtype = torch_dtype(name, where) if module == "torch" else None  # torch.float32 -> "float32"
+        if dtype is not None:
+            return dtype
         raise UnsafeCheckpointError(
             f"{where} needs {module}.{name} to unpickle, but DCP metadata holds only "
             "torch.distributed.checkpoint's metadata classes, sizes and dtypes, so ckptshim refuses "

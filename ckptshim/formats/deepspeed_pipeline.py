@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
-from ckptshim.formats import tensor_parallel, torch_pickle
+from ckptshim.formats import tensor_parallel, torch_globals, torch_pickle
 from ckptshim.formats.base import Checkpoint, FileInfo, file_info, reader, refuse_links_leaving
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key
 from ckptshim.rules.profiles import neox
@@ -101,7 +101,7 @@ class Namespace(dict):
         self.update(state if isinstance(state, dict) else {})
 
 
-MP_RANK_GLOBALS: torch_pickle.ExtraGlobals = {
+MP_RANK_GLOBALS: torch_globals.ExtraGlobals = {
     ("numpy", "ndarray"): NumpyArray,
     ("numpy", "dtype"): _NumpyDtype,
     ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
@@ -303,7 +303,7 @@ def _scan_mp_rank(file: Path, rank: int, step: Path, scan: _Scan, weights_elsewh
                                ("engine state (args, RNG, optimizer)",) if module is None else ()))
     if isinstance(module, dict):
         for path, leaf in torch_pickle.flat_tree(module, str(file)).items():
-            if isinstance(leaf, torch_pickle.TensorRef):
+            if isinstance(leaf, torch_globals.TensorRef):
                 key = tuple(part for component in path for part in component.split("."))
                 entry = Entry(key, leaf.shape, dtype_name(leaf.storage.dtype), (str(file), leaf))
                 if (layer := _layer_of(key)) is not None:

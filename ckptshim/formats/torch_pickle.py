@@ -1,10 +1,11 @@
 """``torch.save`` files (the zip format torch has written since 1.6), read without running code.
 
 The pickle in ``<archive>/data.pkl`` is interpreted by :mod:`ckptshim.formats.safe_pickle` in
-the dialect ``torch.load(weights_only=True)`` reads, with an allow-list of what it allows for
-plain state dicts: containers, ``OrderedDict``, tensor rebuild functions and storage types --
-built here as inert stand-ins, so no tensor bytes are read and torch is not imported. Any other
-global is refused, naming it. Only after the whole pickle has been interpreted (so that no
+the dialect ``torch.load(weights_only=True)`` reads, with the globals it allows in this process
+(:mod:`ckptshim.formats.torch_globals`: containers, ``OrderedDict``, tensor rebuild functions,
+storage types, dtypes, and what torch's safe-globals registry holds, such as torchao's float8
+weight subclass) built as inert stand-ins, so no tensor bytes are read and no code from the
+file runs; torch is not even imported. Any other global is refused, naming it. Only after the whole pickle has been interpreted (so that no
 ``BUILD`` can change a record once it was checked) are the stand-ins turned into
 :class:`TensorRef` records, and every record checked against the zip member that holds its
 storage, as torch checks them. Tensor bytes are then read-only views of a memory map of the
@@ -13,211 +14,27 @@ storage, as torch checks them. Tensor bytes are then read-only views of a memory
 
 from __future__ import annotations
 
-import collections
 import io
 import struct
 import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable, Mapping
-from typing import Any, BinaryIO
+from collections.abc import Mapping
+from typing import BinaryIO
 
 import numpy as np
 
-from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError
+from ckptshim.errors import CorruptCheckpointError, ShimError
 from ckptshim.formats import safe_pickle
 from ckptshim.formats.base import Budget, Checkpoint, check_view, file_info, reader, reading, storage_dtype
+from ckptshim.formats.torch_globals import ExtraGlobals, Globals, Storage, StorageRef, Tensor, TensorRef
 from ckptshim.inventory import Entry, Inventory, dtype_name, flatten
 
 NAME = "torch-pickle"
 #: Nesting deeper than any state dict (an optimizer's is four levels deep); deeper pickles cost
 #: time quadratic in their depth to flatten, and could hold a container that holds itself.
 MAX_DEPTH = 128
-
-_STORAGE_DTYPES = {
-    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
-    "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
-    "Float8_e4m3fnStorage": "float8_e4m3fn", "Float8_e5m2Storage": "float8_e5m2",
-}
-
-
-@dataclass(frozen=True)
-class StorageRef:
-    """One storage record of the archive: the ``data/<key>`` member, its dtype and length."""
-
-    key: str
-    dtype: str
-    numel: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * storage_dtype(self.dtype).itemsize
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """A tensor as the pickle describes it: a strided window (in elements) onto a storage."""
-
-    storage: StorageRef
-    offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-    @property
-    def extent(self) -> int:
-        """Elements of the storage the window reaches (0 for a tensor with no elements)."""
-        if 0 in self.shape:
-            return 0
-        return self.offset + 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
-
-
-# -- stand-ins the pickle builds (turned into records by _settle once it has been read) -------
-
-
-class _StorageType:
-    """``torch.<T>Storage``, the type named in a storage record."""
-
-    def __init__(self, name: str) -> None:
-        self.dtype = _STORAGE_DTYPES[name]
-
-
-class _Storage:
-    """What a persistent id stands for: its storage record. ``torch.load`` lets ``BUILD`` give a
-    storage attributes, which change nothing it reads; so does this stand-in."""
-
-    __slots__ = ("ref",)
-
-    def __init__(self, ref: StorageRef) -> None:
-        self.ref = ref
-
-    def __setstate__(self, state: Any) -> None:
-        parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
-        if not all(part is None or isinstance(part, dict) for part in parts):
-            raise safe_pickle.Refused(f"a storage given a {type(state).__name__} as its attributes")
-
-
-class _Tensor:
-    """What ``_rebuild_tensor_v2`` returned; ``BUILD`` cannot change it (torch.save never
-    writes one there, and torch refuses a dictionary as a tensor's state)."""
-
-    __slots__ = ("ref",)
-
-    def __init__(self, ref: TensorRef) -> None:
-        self.ref = ref
-
-    def __setstate__(self, state: Any) -> None:
-        raise safe_pickle.Refused(
-            "a tensor record followed by BUILD, which would change it after it was checked; "
-            "torch.save never writes that")
-
-
-class _StateDict(dict):
-    """``collections.OrderedDict``. ``BUILD`` may give it attributes, as torch.save writes a state
-    dict's ``_metadata``; an attribute that would hide one of the dictionary's own methods
-    (``values``, ``items``, ``keys``...) is refused, since the tensors would be read through it."""
-
-    def __setstate__(self, state: Any) -> None:
-        if not (isinstance(state, dict) and all(isinstance(name, str) for name in state)):
-            raise safe_pickle.Refused(
-                f"an OrderedDict given a {type(state).__name__} as its attributes; torch.save "
-                "writes a dictionary of attribute names there")
-        hiding = sorted(name for name in state if hasattr(collections.OrderedDict, name))
-        if hiding:
-            raise safe_pickle.Refused(
-                f"an OrderedDict given the attribute(s) {', '.join(hiding)[:200]}, which would hide "
-                "the dictionary's own methods of that name (and the tensors read through them); "
-                "a state dict never carries such attributes")
-
-
-def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> _Tensor:
-    """A tensor record, once its arguments are what ``torch.save`` writes: a storage record,
-    a non-negative offset, and sizes and strides as equally long tuples of ints (sizes >= 0)."""
-    if not (type(storage) is _Storage and _is_int(storage_offset) and storage_offset >= 0
-            and type(size) is tuple and type(stride) is tuple and len(size) == len(stride)
-            and _all_ints(size, 0) and _all_ints(stride, None)):
-        raise safe_pickle.Refused(
-            "a tensor record that is not (storage, offset, sizes, strides): "
-            f"({', '.join(type(a).__name__ for a in (storage, storage_offset, size, stride))})")
-    return _Tensor(TensorRef(storage.ref, storage_offset, size, stride))
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _all_ints(values: tuple, low: int | None) -> bool:
-    """Every value an int (not a bool), at least ``low`` if given (a plain loop: it runs for
-    every tensor of a state dict)."""
-    for value in values:
-        if type(value) is not int or (low is not None and value < low):
-            return False
-    return True
-
-
-def _rebuild_parameter(data, *_ignored):
-    return data
-
-
-_ALLOWED = {
-    ("collections", "OrderedDict"): _StateDict,
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-}
-
-
-#: Extra globals a caller allows for one read: ``(module, name)`` -> the inert stand-in to
-#: build instead (a function or class that makes plain data, never the real global).
-ExtraGlobals = Mapping[tuple[str, str], Callable[..., Any]]
-
-
-class _Globals:
-    """``find_class`` and ``persistent_load`` for one archive: the allow-list, and storage
-    records by key -- the first record of a key is the storage, as in ``torch.load``, which
-    hands every later record of that key the same storage whatever dtype or size it names."""
-
-    def __init__(self, where: str, extra: ExtraGlobals | None) -> None:
-        self.where = where
-        self.extra = extra or {}
-        self.storages: dict[str, StorageRef] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageType(name)
-        found = _ALLOWED.get((module, name)) or self.extra.get((module, name))
-        if found is None:
-            raise UnsafeCheckpointError(_unsafe_message(self.where, f"{module}.{name}"))
-        return found
-
-    def persistent_load(self, pid: Any) -> _Storage:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], _StorageType)):
-            raise safe_pickle.Refused(f"an unexpected storage record (a {type(pid).__name__})")
-        _, storage_type, key, _location, numel = pid
-        if not (_is_int(numel) and numel >= 0 and isinstance(key, str)):
-            raise safe_pickle.Refused(f"a storage record whose key or element count is not one "
-                                      f"({type(key).__name__}, {type(numel).__name__})")
-        found = self.storages.get(key)
-        if found is None:
-            found = self.storages[key] = StorageRef(key, storage_type.dtype, numel)
-        return _Storage(found)
-
-
-def _unsafe_message(where: str, first: str) -> str:
-    names = [first]
-    try:  # torch, when installed, can list every unsafe global at once
-        import torch.serialization
-
-        names = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(where))) or names
-    except Exception:  # torch missing or the file unreadable by it: the first global is enough
-        pass
-    return (f"{where} needs {', '.join(names)} to unpickle, which torch.load(weights_only=True) "
-            "does not allow and ckptshim will not run. If you trust this file, load it yourself "
-            "with torch.load(..., weights_only=False), re-save its state dict with torch.save, "
-            "and load that.")
 
 
 def sniff(path: Path) -> bool:
@@ -323,7 +140,7 @@ def _read_archive(raw: BinaryIO, where: str, extra: ExtraGlobals | None) -> Arch
         data = _stored_member(archive, members[prefix + "data.pkl"], size, where)
         stored = {name[len(prefix) + 5:]: info for name, info in members.items()
                   if name.startswith(prefix + "data/")}
-        names = _Globals(where, extra)
+        names = Globals(where, extra)
         budget = Budget(f"{where}: data.pkl", sum(info.file_size for info in stored.values()))
         stand_ins = safe_pickle.load(data, f"{where}: data.pkl", safe_pickle.TORCH, names.find_class,
                                      names.persistent_load, budget)
@@ -387,10 +204,10 @@ def _settle(root: object, budget: int, where: str) -> tuple[object, list[TensorR
                 f"{budget} nodes from {budget} bytes); refusing to walk it. The file was not written "
                 "by torch.save of a state dict.")
         kind = type(node)
-        if kind is _Tensor:
+        if kind is Tensor:
             tensors.append(node.ref)
             return node.ref
-        if kind is _Storage:
+        if kind is Storage:
             return node.ref
         if isinstance(node, dict):  # a dict, an OrderedDict, a stand-in that is a dict of its state
             return {key: settle(value, depth + 1) for key, value in dict.items(node)}

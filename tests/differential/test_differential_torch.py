@@ -251,3 +251,54 @@ def test_neox_pipeline_layer_files(run, degree, strict):
             return torch.load(path, weights_only=True)
         compare(module_load(f"{run}/{path.name}", lambda layer=layer: copy.deepcopy(layer), read, strict,
                             prints(read())))
+
+
+
+# -- torchao float8 training checkpoints (the torchtitan story) ------------------------------------
+
+
+def float8_model(seed: int, compiled: bool, converted: bool) -> Callable[[], nn.Module]:
+    def fresh() -> nn.Module:
+        from support.float8 import float8
+
+        model = tiny_module().build(seed=seed)
+        model = float8(model) if converted else model
+        return torch.compile(model) if compiled else model
+    return fresh
+
+
+FLOAT8_DESTINATIONS = {"compiled float8": (True, True), "float8": (False, True), "plain": (False, False),
+                       "compiled plain": (True, False)}
+
+
+@pytest.fixture(scope="module")
+def float8_saved(tmp_path_factory) -> dict[str, Path]:
+    """The compiled float8 tiny model with the torch_save fixture's values (seed 0), saved by
+    ``dcp.save`` as ``{"model": ...}`` (torchtitan's layout) and by ``torch.save``."""
+    pytest.importorskip("torchao.float8")
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path_factory.mktemp("float8")
+    state = float8_model(0, compiled=True, converted=True)().state_dict()
+    dcp.save({"model": state}, checkpoint_id=root / "dcp")
+    torch.save(state, root / "model.pt")
+    return {"dcp": root / "dcp", "torch_save": root / "model.pt"}
+
+
+@pytest.mark.parametrize("strict", STRICT)
+@pytest.mark.parametrize("destination", FLOAT8_DESTINATIONS)
+def test_float8_checkpoints(float8_saved, destination, strict):
+    """Its own compiled float8 model loads it natively (ckptshim identically); the others through
+    ckptshim's plan. ``torch.load(weights_only=True)`` hands the float8 weights as torchao's
+    subclass to ``load_state_dict`` and ``set_model_state_dict``."""
+    compiled, converted = FLOAT8_DESTINATIONS[destination]
+    fresh, truth = float8_model(21, compiled, converted), tiny_truth("_orig_mod." if compiled else "")
+    name = f"compiled float8 -> {destination}"
+
+    def read() -> dict[str, torch.Tensor]:
+        return torch.load(float8_saved["torch_save"], weights_only=True)
+    compare(dcp_load(f"{name} (dcp)", model_state(fresh, "model"), float8_saved["dcp"], strict,
+                     nested_truth(truth, "model")))
+    compare(dcp_load(f"{name} (torch.save)", model_state(fresh), float8_saved["torch_save"], strict, truth))
+    compare(module_load(f"{name} (torch.save)", fresh, read, strict, truth))
+    compare(setter_load(f"{name} (torch.save)", fresh, read, strict, truth))

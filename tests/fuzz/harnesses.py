@@ -161,7 +161,7 @@ _DS = "neox_deepspeed/pp1_mp1/checkpoint"
 _PAX = "paxml_runs/TinySpmdRepeat/checkpoints/checkpoint_00000000"
 
 HARNESSES: tuple[Harness, ...] = (
-    Harness("torch_pickle", "formats/torch_pickle.py: read_archive (safe_pickle), tensor_view",
+    Harness("torch_pickle", "formats/torch_pickle.py: read_archive (safe_pickle, torch_globals), tensor_view",
             "neox_deepspeed/pp1_mp1/checkpoint/global_step0/layer_05-model_00-model_states.pt"),
     Harness("torch_pickle_model", "formats/torch_pickle.py (a whole model's archive)",
             "torch_dcp_single/torch_save/model.pt", examples=180),

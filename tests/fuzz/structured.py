@@ -437,7 +437,7 @@ class Structured:
 
 
 HARNESSES: tuple[Structured, ...] = (
-    Structured("pickle_torch", "formats/safe_pickle.py + torch_pickle.py (agreement with torch.load)",
+    Structured("pickle_torch", "formats/safe_pickle.py + torch_globals.py + torch_pickle.py (agreement with torch.load)",
                lambda: st.tuples(pickle_programs(), st.sampled_from([0, 8, 16, 64])), TorchPickleTarget),
     Structured("pickle_dcp", "formats/safe_pickle.py + dcp.py: _find_class, parse_metadata",
                lambda: pickle_programs().map(lambda p: b"\x80\x04" + p[2:]), DcpMetadataTarget),

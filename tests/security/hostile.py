@@ -83,6 +83,27 @@ def tensor(storage_record: bytes, offset: int, shape: tuple[int, ...], stride: t
                 call("collections", "OrderedDict"))
 
 
+def attributes(items: dict[str, bytes]) -> bytes:
+    """A dict of attribute name -> already-pickled value."""
+    return EMPTY_DICT + MARK + b"".join(text(k) + v for k, v in items.items()) + SETITEMS
+
+
+def wrapper_subclass(cls: bytes, state: bytes, shape: tuple[int, ...] = (4,), dtype: str = "float32",
+                     func: bytes | None = None) -> bytes:
+    """A tensor subclass as ``torch.save`` pickles one that owns no storage (torchao's float8
+    training weight): ``torch._tensor._rebuild_from_type_v2(_rebuild_wrapper_subclass, cls,
+    (cls, torch.<dtype>, shape, strides, 0, torch.strided, cpu, False), state)`` -- ``func`` in
+    place of ``_rebuild_wrapper_subclass``, if given."""
+    strides = [1] * len(shape)
+    for axis in range(len(shape) - 2, -1, -1):
+        strides[axis] = strides[axis + 1] * shape[axis + 1]
+    args = tuple_of(cls, glob("torch", dtype), tuple_of(*map(integer, shape)), tuple_of(*map(integer, strides)),
+                    integer(0), call("torch.serialization", "_get_layout", text("torch.strided")),
+                    call("torch", "device", text("cpu")), NEWFALSE)
+    rebuild = func if func is not None else glob("torch._utils", "_rebuild_wrapper_subclass")
+    return call("torch._tensor", "_rebuild_from_type_v2", rebuild, cls, args, state)
+
+
 def state_dict(items: dict[str, bytes], ordered: bool = True) -> bytes:
     """A dict (an ``OrderedDict``, as ``model.state_dict()`` is) of already-pickled values."""
     opener = call("collections", "OrderedDict") if ordered else EMPTY_DICT

@@ -1,0 +1,433 @@
+"""The globals a ``torch.save`` pickle may name -- exactly those ``torch.load(weights_only=True)``
+allows in this process -- and the inert stand-in ckptshim builds for each.
+
+torch's ``weights_only`` unpickler allows a fixed set of globals (``OrderedDict``, the tensor
+rebuild functions, storage types, dtypes, ``torch.device``, ``torch.Tensor``...) plus whatever
+the process has put in torch's safe-globals registry: ``torch.serialization.add_safe_globals``,
+the ``safe_globals`` context manager, and the libraries that register their own classes when
+imported (torchao its float8 tensor subclass and its configuration tuples). :class:`Globals`
+decides the same way, reading the registry at the moment of the read -- and only if torch is
+already imported: a process that never imported torch has registered nothing. A global in a
+module torch blocks (``os``, ``sys``, ``posix``, ``nt``) is refused even when registered, as
+torch refuses it.
+
+What it hands the unpickler is never the real global, so nothing from the checkpoint runs --
+not even the code of a class the process trusts:
+
+- tensors: ``_rebuild_tensor_v2`` builds a :class:`TensorRef` (a strided window onto a
+  :class:`StorageRef`); ``_rebuild_parameter(_with_state)`` returns that tensor;
+- tensor subclasses: ``_rebuild_from_type_v2(func, type, args, state)`` with torch's own
+  ``Tensor`` or ``Parameter`` as the type is the tensor ``func`` rebuilds (its Python attributes
+  set aside). With a registered subclass that wraps one tensor of its values (listed in
+  :mod:`ckptshim.rules.subclasses`: torchao's ``WeightWithDynamicFloat8CastTensor``), rebuilt
+  storage-less by ``_rebuild_wrapper_subclass``, it is the inner tensor its attributes hold,
+  which must have the wrapper's shape and dtype. Any other subclass is refused as a form
+  ckptshim does not read: which of its parts holds the values only its own code knows;
+- every other registered global is an inert value that takes any arguments and any ``BUILD``
+  state and keeps none of them (torchao's ``LinearMMConfig``, an enum member).
+
+So a registered subclass's ``__new__``, ``__init__``, ``__setstate__`` and ``__setattr__`` never
+run on checkpoint data; what ckptshim keeps of it is the inner tensor's record (its bytes are
+read later, by the caller) and nothing of the wrapper but its type's name, checked.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptshim.errors import UnknownFormatError, UnsafeCheckpointError
+from ckptshim.formats import safe_pickle
+from ckptshim.formats.base import storage_dtype
+from ckptshim.inventory import DTYPE_SIZES
+from ckptshim.rules.subclasses import WRAPPED_VALUES, values_attribute
+
+_STORAGE_DTYPES = {
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
+    "Float8_e4m3fnStorage": "float8_e4m3fn", "Float8_e5m2Storage": "float8_e5m2",
+}
+
+#: torch dtypes (torch 2.13) that ckptshim has no name for: refused as unreadable, not as unsafe.
+_UNREAD_DTYPES = frozenset(
+    {"bit", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "chalf", "complex32",
+     "float4_e2m1fn_x2", "float8_e8m0fnu", "qint32", "qint8", "quint2x4", "quint4x2", "quint8"}
+    | {f"{kind}{bits}" for kind in ("int", "uint") for bits in range(1, 8)})
+
+#: Modules torch's weights_only unpickler never takes a global from, registered or not.
+_BLOCKED_MODULES = frozenset({"sys", "os", "posix", "nt"})
+
+
+def torch_dtype(name: str, where: str) -> str | None:
+    """ckptshim's name for the dtype a pickle's ``torch.<name>`` global names; ``None`` if torch
+    has no dtype of that name. A dtype torch has and ckptshim does not read is refused, naming it."""
+    if name in DTYPE_SIZES:
+        return name
+    if name in _UNREAD_DTYPES:
+        raise UnknownFormatError(
+            f"{where} describes tensors of dtype torch.{name}, which ckptshim does not read yet. "
+            "Load it without ckptshim: torch.load(..., weights_only=True) for a torch.save file, "
+            "dcp.load with the hook off (CKPTSHIM_DISABLE_HOOKS=torch-dcp) for a DCP checkpoint.")
+    return None
+
+
+# -- the records a pickle becomes -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """One storage record of the archive: the ``data/<key>`` member, its dtype and length."""
+
+    key: str
+    dtype: str
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * storage_dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor as the pickle describes it: a strided window (in elements) onto a storage."""
+
+    storage: StorageRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def extent(self) -> int:
+        """Elements of the storage the window reaches (0 for a tensor with no elements)."""
+        if 0 in self.shape:
+            return 0
+        return self.offset + 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+
+
+# -- stand-ins the pickle builds (turned into records once it has been read) ----------------------
+
+
+class _StorageType:
+    """``torch.<T>Storage``, the type named in a storage record."""
+
+    def __init__(self, name: str) -> None:
+        self.dtype = _STORAGE_DTYPES[name]
+
+
+class Storage:
+    """What a persistent id stands for: its storage record. ``torch.load`` lets ``BUILD`` give a
+    storage attributes, which change nothing it reads; so does this stand-in."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: StorageRef) -> None:
+        self.ref = ref
+
+    def __setstate__(self, state: Any) -> None:
+        parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+        if not all(part is None or isinstance(part, dict) for part in parts):
+            raise safe_pickle.Refused(f"a storage given a {type(state).__name__} as its attributes")
+
+
+class Tensor:
+    """What ``_rebuild_tensor_v2`` returned; ``BUILD`` cannot change it (torch.save never
+    writes one there, and torch refuses a dictionary as a tensor's state)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: TensorRef) -> None:
+        self.ref = ref
+
+    def __setstate__(self, state: Any) -> None:
+        raise safe_pickle.Refused(
+            "a tensor record followed by BUILD, which would change it after it was checked; "
+            "torch.save never writes that")
+
+
+class _StateDict(dict):
+    """``collections.OrderedDict``. ``BUILD`` may give it attributes, as torch.save writes a state
+    dict's ``_metadata``; an attribute that would hide one of the dictionary's own methods
+    (``values``, ``items``, ``keys``...) is refused, since the tensors would be read through it."""
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, dict) and all(isinstance(name, str) for name in state)):
+            raise safe_pickle.Refused(
+                f"an OrderedDict given a {type(state).__name__} as its attributes; torch.save "
+                "writes a dictionary of attribute names there")
+        hiding = sorted(name for name in state if hasattr(collections.OrderedDict, name))
+        if hiding:
+            raise safe_pickle.Refused(
+                f"an OrderedDict given the attribute(s) {', '.join(hiding)[:200]}, which would hide "
+                "the dictionary's own methods of that name (and the tensors read through them); "
+                "a state dict never carries such attributes")
+
+
+@dataclass(frozen=True)
+class _Dtype:
+    """A ``torch.<dtype>`` global, by ckptshim's name for it."""
+
+    name: str
+
+
+class _Inert:
+    """A value torch allows and ckptshim never uses -- a device, a layout, an instance of a
+    registered class that is not a tensor: built from any arguments (a registered class's own
+    constructor never runs to check them), given any state, it keeps nothing."""
+
+    def __new__(cls, *args: Any) -> _Inert:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+class _TensorType:
+    """A tensor type a pickle names: torch's own ``Tensor``/``Parameter`` (``plain``), or a
+    subclass in torch's safe-globals registry. It only names the type a tensor is rebuilt as."""
+
+    def __init__(self, name: str, plain: bool) -> None:
+        self.name, self.plain = name, plain
+
+    def __call__(self, *args: Any) -> Any:
+        raise safe_pickle.Refused(f"a call of {self.name}; torch.save rebuilds tensors through "
+                                  "torch._utils and torch._tensor, never by calling their type")
+
+
+class _Wrapper:
+    """What ``_rebuild_wrapper_subclass`` returned: a storage-less tensor subclass of a dtype and
+    shape, whose values its attributes (given by ``_rebuild_from_type_v2``) hold."""
+
+    __slots__ = ("type", "dtype", "shape")
+
+    def __init__(self, type_: _TensorType, dtype: str, shape: tuple[int, ...]) -> None:
+        self.type, self.dtype, self.shape = type_, dtype, shape
+
+    def __setstate__(self, state: Any) -> None:
+        raise safe_pickle.Refused(f"BUILD on a {self.type.name} rebuilt by _rebuild_wrapper_subclass; "
+                                  "torch.save gives a subclass its attributes through _rebuild_from_type_v2")
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> Tensor:
+    """A tensor record, once its arguments are what ``torch.save`` writes: a storage record,
+    a non-negative offset, and sizes and strides as equally long tuples of ints (sizes >= 0)."""
+    if not (type(storage) is Storage and _is_int(storage_offset) and storage_offset >= 0
+            and _is_shape(size, stride)):
+        raise safe_pickle.Refused(
+            "a tensor record that is not (storage, offset, sizes, strides): "
+            f"({', '.join(type(a).__name__ for a in (storage, storage_offset, size, stride))})")
+    return Tensor(TensorRef(storage.ref, storage_offset, size, stride))
+
+
+def _rebuild_parameter(data, *_ignored):
+    return data
+
+
+def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad) -> _Wrapper:
+    """torch's ``_rebuild_wrapper_subclass``, without making the tensor: the registered subclass,
+    dtype and shape it would have."""
+    if not (isinstance(cls, _TensorType) and not cls.plain and type(dtype) is _Dtype and _is_shape(size, stride)):
+        raise safe_pickle.Refused(
+            "a tensor subclass record that is not (registered subclass, dtype, sizes, strides, ...): "
+            f"({', '.join(type(a).__name__ for a in (cls, dtype, size, stride))})")
+    return _Wrapper(cls, dtype.name, size)
+
+
+def _device(kind, index=None) -> _Inert:
+    """``torch.device(kind[, index])``, where torch would place a tensor: ckptshim reads bytes
+    into whatever the caller's destination is, so only the arguments' form is checked."""
+    if type(kind) is not str or not (index is None or _is_int(index)):
+        raise safe_pickle.Refused(f"torch.device of ({type(kind).__name__}, {type(index).__name__})")
+    return _Inert()
+
+
+def _layout(name) -> _Inert:
+    """``torch.serialization._get_layout(name)``: a layout by its name (``"torch.strided"``)."""
+    if type(name) is not str or not name.startswith("torch."):
+        raise safe_pickle.Refused(f"torch.serialization._get_layout of a {type(name).__name__}")
+    return _Inert()
+
+
+def _is_int(value: object) -> bool:
+    """An ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_shape(size: object, stride: object) -> bool:
+    return (type(size) is tuple and type(stride) is tuple and len(size) == len(stride)
+            and _all_ints(size, 0) and _all_ints(stride, None))
+
+
+def _all_ints(values: tuple, low: int | None) -> bool:
+    """Every value an int (not a bool), at least ``low`` if given (a plain loop: it runs for
+    every tensor of a state dict)."""
+    for value in values:
+        if type(value) is not int or (low is not None and value < low):
+            return False
+    return True
+
+
+def _attributes(state: Any) -> dict[str, Any]:
+    """The Python attributes ``_rebuild_from_type_v2`` would set: ``state`` as torch's
+    ``_set_obj_state`` takes it (a dict, or a (dict, slots dict) pair, either part possibly
+    ``None``), names being strings (``setattr`` takes nothing else)."""
+    parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+    if not all(part is None or isinstance(part, dict) for part in parts):
+        raise safe_pickle.Refused(f"a tensor given a {type(state).__name__} as its attributes; torch.save "
+                                  "writes a dictionary of attribute names there")
+    attributes = {name: value for part in parts if part for name, value in part.items()}
+    if not all(type(name) is str for name in attributes):
+        raise safe_pickle.Refused("a tensor given attributes whose names are not strings, which torch "
+                                  "cannot set either")
+    return attributes
+
+
+_TENSOR_REBUILDS = (_rebuild_tensor, _rebuild_parameter, _rebuild_wrapper_subclass)
+_PLAIN_TYPES = {name: _TensorType(name, plain=True) for name in ("torch.Tensor", "torch.nn.parameter.Parameter")}
+
+
+#: The globals of torch's own allow-list that state dicts use, by ``module.name`` -> stand-in.
+_ALLOWED: Mapping[str, Any] = {
+    "collections.OrderedDict": _StateDict,
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+    "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
+    "torch.device": _device,
+    "torch.serialization._get_layout": _layout,
+    **_PLAIN_TYPES,
+    **{f"torch.{name}": _StorageType(name) for name in _STORAGE_DTYPES},
+}
+
+#: Extra globals a caller allows for one read: ``(module, name)`` -> the inert stand-in to
+#: build instead (a function or class that makes plain data, never the real global).
+ExtraGlobals = Mapping[tuple[str, str], Callable[..., Any]]
+
+
+class Globals:
+    """``find_class`` and ``persistent_load`` for one archive: the allow-list (torch's registry
+    read at the first global outside ckptshim's own), and storage records by key -- the first
+    record of a key is the storage, as in ``torch.load``, which hands every later record of that
+    key the same storage whatever dtype or size it names."""
+
+    def __init__(self, where: str, extra: ExtraGlobals | None) -> None:
+        self.where = where
+        self.extra = {f"{module}.{name}": stand_in for (module, name), stand_in in (extra or {}).items()}
+        self.storages: dict[str, StorageRef] = {}
+        self._registered: dict[str, Any] | None = None
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"  # as torch matches globals: by the joined name
+        found = _ALLOWED.get(full) or self.extra.get(full)
+        if found is not None:
+            return found
+        if full == "torch._tensor._rebuild_from_type_v2":
+            return self.rebuild_from_type
+        if module == "torch":
+            dtype = torch_dtype(name, self.where)
+            if dtype is not None:
+                return _Dtype(dtype)
+        found = self._registered_globals().get(full) if module not in _BLOCKED_MODULES else None
+        if found is None:
+            raise UnsafeCheckpointError(_unsafe_message(self.where, full))
+        return found
+
+    def _registered_globals(self) -> dict[str, Any]:
+        """Stand-ins for what torch's safe-globals registry holds now, by the name torch matches
+        each by (``module.qualname``, or the name given with it); empty when torch is not imported."""
+        if self._registered is None:
+            serialization = sys.modules.get("torch.serialization")
+            entries = serialization.get_safe_globals() if serialization is not None else []
+            self._registered = {}
+            for entry in entries:
+                value, name = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, None)
+                if name is None:
+                    name = f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
+                if isinstance(name, str):
+                    self._registered[name] = _stand_in(name, value)
+        return self._registered
+
+    def rebuild_from_type(self, func, new_type, args, state) -> Tensor:
+        """``torch._tensor._rebuild_from_type_v2``: the tensor ``func(*args)`` rebuilds, as torch's
+        own type or as a registered wrapper of one tensor of its values (see the module docstring)."""
+        if not isinstance(new_type, _TensorType):
+            raise safe_pickle.Refused("_rebuild_from_type_v2 to a type that is not a tensor type (a "
+                                      "registered class that does not derive from torch.Tensor)")
+        if func not in _TENSOR_REBUILDS or type(args) is not tuple:
+            raise safe_pickle.Refused(
+                f"_rebuild_from_type_v2 to {new_type.name} with something other than torch's tensor "
+                "rebuild functions and their arguments; torch.save never writes that")
+        value, attributes = func(*args), _attributes(state)
+        if new_type.plain:
+            if type(value) is not Tensor:
+                raise safe_pickle.Refused(f"a {type(value).__name__} rebuilt as {new_type.name}, which "
+                                          "torch.save writes for plain tensors only")
+            return value
+        attribute = values_attribute(new_type.name)
+        if attribute is None:
+            raise self._unreadable(new_type.name)
+        if type(value) is not _Wrapper or value.type.name != new_type.name:
+            raise safe_pickle.Refused(f"a {new_type.name} not rebuilt by _rebuild_wrapper_subclass as one, "
+                                      "as torch.save writes it")
+        inner = attributes.get(attribute)
+        if type(inner) is not Tensor or inner.ref.shape != value.shape or inner.ref.storage.dtype != value.dtype:
+            raise safe_pickle.Refused(
+                f"a {new_type.name} {value.dtype}{list(value.shape)} whose {attribute} is not a "
+                "tensor of that dtype and shape; the wrapper's values are that tensor's")
+        return inner
+
+    def _unreadable(self, name: str) -> UnknownFormatError:
+        return UnknownFormatError(
+            f"{self.where} holds tensors of type {name}, a tensor subclass that torch allows in this "
+            "process but whose values ckptshim cannot read from its parts (it reads torch's own "
+            "tensors and subclasses wrapping one tensor of their values: "
+            f"{', '.join(sorted(WRAPPED_VALUES))}). Load it without ckptshim: torch.load(..., "
+            "weights_only=True) for a torch.save file, dcp.load with the hook off "
+            "(CKPTSHIM_DISABLE_HOOKS=torch-dcp) for a DCP checkpoint.")
+
+    def persistent_load(self, pid: Any) -> Storage:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                and isinstance(pid[1], _StorageType)):
+            raise safe_pickle.Refused(f"an unexpected storage record (a {type(pid).__name__})")
+        _, storage_type, key, _location, numel = pid
+        if not (_is_int(numel) and numel >= 0 and isinstance(key, str)):
+            raise safe_pickle.Refused(f"a storage record whose key or element count is not one "
+                                      f"({type(key).__name__}, {type(numel).__name__})")
+        found = self.storages.get(key)
+        if found is None:
+            found = self.storages[key] = StorageRef(key, storage_type.dtype, numel)
+        return Storage(found)
+
+
+def _stand_in(name: str, value: Any) -> Any:
+    """The stand-in for a registered global: a tensor subclass is a type tensors are rebuilt as,
+    anything else an inert value."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, type) and issubclass(value, torch.Tensor):
+        return _TensorType(name, plain=False)
+    return _Inert
+
+
+def _unsafe_message(where: str, first: str) -> str:
+    """Why a file naming the global ``first`` (and, as torch can list them, any other it does
+    not allow) is refused, and what to do about it."""
+    names = [first]
+    try:  # torch, when installed, can list every unsafe global at once
+        import torch.serialization
+
+        names = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(where))) or names
+    except Exception:  # torch missing or the file unreadable by it: the first global is enough
+        pass
+    return (f"{where} needs {', '.join(names)} to unpickle, which torch.load(weights_only=True) "
+            "does not allow in this process and ckptshim will not run. If it is a class you trust, "
+            "register it with torch.serialization.add_safe_globals (libraries such as torchao "
+            "register their own tensor subclasses when imported: import them first); ckptshim then "
+            "allows it as torch does. If you trust the whole file, load it yourself with "
+            "torch.load(..., weights_only=False), re-save its state dict with torch.save, and load that.")
