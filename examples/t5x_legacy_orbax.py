@@ -55,7 +55,6 @@ def shim_cli(*args: str) -> list[str]:
 
 def main() -> int:
     import jax
-    import orbax.checkpoint as ocp
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", force=True)  # not absl's
     logging.getLogger("absl").setLevel(logging.ERROR)

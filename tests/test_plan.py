@@ -9,7 +9,7 @@ import pytest
 
 from ckptshim.errors import PlanError, ShimError
 from ckptshim.inventory import Entry, Inventory, join_key
-from ckptshim.ops import Cast, Drop, DropIfDerived, Rename, Stack, Synthesize, Transpose, Unstack
+from ckptshim.ops import Cast, Drop, DropIfDerived, Rename, Stack, Synthesize, Unstack
 from ckptshim.planner import Mismatch, Plan, explain, plan, summary
 from ckptshim.rules import DEFAULT_RULES, Alias, Rules, ScanAxis
 from support.plans import inverse

@@ -329,7 +329,7 @@ def test_swapping_source_and_target_plans_the_same_mapping(case):
     source, target = case.inventories()
     rules = DEFAULT_RULES.extend(scan_axes=case.rules.scan_axes)
     try:
-        forward = plan(source, target, rules)
+        plan(source, target, rules)
     except ShimError:
         return
     try:

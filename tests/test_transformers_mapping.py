@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 import ckptshim
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Entry, Inventory, split_key
-from ckptshim.ops import Chunk, Concat, Rename, Reorder, Stack
+from ckptshim.ops import Concat, Rename, Stack
 from ckptshim.planner import plan, summary
 from ckptshim.rules import DEFAULT_RULES
 from ckptshim.rules.profiles.transformers_mapping import ConversionLayout, Conversions

@@ -41,6 +41,7 @@ from torch import nn
 
 from ckptshim.errors import PlanError
 from ckptshim.execute.derived import mismatch
+from ckptshim.execute.destinations import values_of
 from ckptshim.execute.torch import prepare
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, split_key
 from ckptshim.loading.report import report_load
@@ -191,9 +192,11 @@ def tied_groups(named: Iterable[tuple[KeyPath, torch.Tensor]]) -> frozenset[froz
 
 
 def _identity(tensor: torch.Tensor) -> object:
-    """What two tensors share exactly when they are one tensor."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: its shard
-    if local.is_meta or not local.numel():
+    """What two tensors share exactly when they are one tensor: the memory of the plain tensor
+    behind it (a DTensor's shard, a float8 weight's high-precision tensor). A subclass ckptshim
+    does not know, like a tensor without storage, is only ever itself."""
+    local = values_of(tensor)
+    if type(local) is not torch.Tensor or local.is_meta or not local.numel():
         return id(tensor)
     return (local.device, local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
             local.stride(), local.dtype)
