@@ -1,16 +1,21 @@
 """The key-value stores Orbax keeps arrays in: a plain folder, or an OCDBT database.
 
 Both are opened through tensorstore so that listing keys and reading small metadata values use
-the same code; neither reads array chunks. For OCDBT, :func:`ocdbt_data_files` walks the
-B+tree index (metadata only) and returns every data file it points at, with the size it must
-have, so that a deleted or truncated ``d/...`` file (including one in a per-process
-``ocdbt.process_N/`` folder) is reported before any read is attempted.
+the same code; neither reads array chunks. For OCDBT, :func:`ocdbt_index` walks the manifest
+and the b-tree (metadata only) and returns every key with its value or the byte range that
+holds it, and every index node, so that a deleted, truncated or replaced file (including one
+in a per-process ``ocdbt.process_N/`` folder) is reported, with what it costs, before any read
+is attempted.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import unquote
 
 from ckptshim.errors import CorruptCheckpointError
 
@@ -61,44 +66,139 @@ def read_values(root: Path, ocdbt: bool, keys: list[str], context=None) -> dict[
     return out
 
 
-def ocdbt_data_files(root: Path) -> dict[str, int]:
-    """Data files the OCDBT index of ``root`` references -> bytes each must at least hold.
+@dataclass(frozen=True)
+class Reference:
+    """A byte range of one file of an OCDBT database (a value or an index node)."""
 
-    Raises :class:`CorruptCheckpointError` when the manifest or an index node itself cannot be
-    read, since then no key of the database can be found.
+    file: str    # relative to the database's root folder
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class IndexNode:
+    """One b-tree node of the index, with the range of keys under it: ``[first, end)``
+    (``end`` ``None``: unbounded). A node whose file is missing or too short is not read: the
+    keys in its range are then unknown, and whatever they hold is lost."""
+
+    where: Reference
+    first: str
+    end: str | None
+    read: bool
+
+    def overlaps(self, prefix: str) -> bool:
+        """Whether any key starting with ``prefix`` (non-empty) can lie under this node."""
+        after = prefix[:-1] + chr(ord(prefix[-1]) + 1)  # the first string above every such key
+        return self.first < after and (self.end is None or prefix < self.end)
+
+
+@dataclass
+class OcdbtIndex:
+    """What an OCDBT database's manifest and b-tree say: every key with its value (the bytes
+    themselves when stored inline, else a :class:`Reference` into a data file), and every index
+    node the latest version consists of. Read once, metadata only; no array chunk is read."""
+
+    values: dict[str, bytes | Reference] = field(default_factory=dict)
+    nodes: list[IndexNode] = field(default_factory=list)
+
+    def unreadable(self) -> list[IndexNode]:
+        return [node for node in self.nodes if not node.read]
+
+    def files(self) -> dict[str, int]:
+        """Each file the index references -> the bytes it must at least hold."""
+        needed: dict[str, int] = {}
+        references = [node.where for node in self.nodes]
+        references += [v for v in self.values.values() if isinstance(v, Reference)]
+        for ref in references:
+            if needed.get(ref.file, -1) < ref.end:
+                needed[ref.file] = ref.end
+        return needed
+
+
+def ocdbt_index(root: Path) -> OcdbtIndex:
+    """Walk the latest version of the OCDBT database at ``root``: its manifest, then each b-tree
+    node it reaches, with tensorstore's own decoder (``ts.ocdbt.dump``).
+
+    Nodes may live in other databases' folders (Orbax's per-process ``ocdbt.process_N/``, which
+    the root's index points into after a multi-process save). A node whose file is missing, not
+    a regular file or too short is recorded and skipped, so the walk goes on and the report
+    can say what it costs; a manifest or node that is there but cannot be decoded raises
+    :class:`CorruptCheckpointError`.
     """
     ts = _ts()
     base = ts.KvStore.open(file_url(root)).result()
-    needed: dict[str, int] = {}
+    index = OcdbtIndex()
+    sizes: dict[str, int | None] = {}
     try:
         manifest = ts.ocdbt.dump(base).result()
         versions = manifest.get("versions") or []
         if not versions:
-            return needed
+            return index
         latest = max(versions, key=lambda v: v["generation_number"])
         location = latest.get("root", {}).get("location")
-        pending = [location] if location else []
+        pending = [(location, "", None)] if location else []
         while pending:
-            location = pending.pop()
-            _note(location, needed)
-            node = ts.ocdbt.dump(base, location).result()
-            for entry in node.get("entries", ()):
-                if node.get("height", 0) > 0 and "location" in entry:
-                    pending.append(entry["location"])
-                elif "indirect_value" in entry:
-                    _note(entry["indirect_value"], needed)
+            location, first, end = pending.pop()
+            where = _reference(location, root)
+            if where.file not in sizes:
+                sizes[where.file] = regular_size(root / where.file)
+            readable = sizes[where.file] is not None and sizes[where.file] >= where.end
+            index.nodes.append(IndexNode(where, first, end, readable))
+            if readable:
+                _walk_node(ts.ocdbt.dump(base, location).result(), end, root, index, pending)
     except (ValueError, OSError, KeyError, TypeError) as error:
         raise CorruptCheckpointError(
             f"{root}: the OCDBT index (manifest.ocdbt and the index nodes it points at) cannot be "
             f"read ({error}); the checkpoint is incomplete or corrupt. Re-copy it from the "
             "original.") from None
-    return needed
+    return index
 
 
-def _note(location: str, needed: dict[str, int]) -> None:
-    """``"value:ocdbt.process_0/:d/abc:10:20"`` -> ``needed["ocdbt.process_0/d/abc"] >= 30``."""
+def _walk_node(node: dict, end: str | None, root: Path, index: OcdbtIndex, pending: list) -> None:
+    """Record a leaf node's values, or queue an interior node's children with their key ranges."""
+    entries = node.get("entries", ())
+    if node.get("height", 0) > 0:
+        for i, entry in enumerate(entries):
+            upper = _text(entries[i + 1]["key"]) if i + 1 < len(entries) else end
+            pending.append((entry["location"], _text(entry["key"]), upper))
+        return
+    values = index.values
+    for entry in entries:
+        key = _text(entry["key"])
+        values[key] = entry["inline_value"] if "inline_value" in entry else \
+            _reference(entry["indirect_value"], root)
+
+
+def _text(key: bytes) -> str:
+    return bytes(key).decode("utf-8", "replace")
+
+
+def regular_size(path: Path) -> int | None:
+    """The size of the regular file at ``path`` (a link followed); ``None`` for anything else."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_size if stat.S_ISREG(found.st_mode) else None
+
+
+def _reference(location: str, root: Path) -> Reference:
+    """``"value:ocdbt.process_0/:d/abc:10:20"`` -> ``Reference("ocdbt.process_0/d/abc", 10, 20)``.
+
+    tensorstore percent-encodes both path parts; a path that would leave the database's folder
+    is refused (tensorstore would read it relative to the folder, wherever that leads).
+    """
     _kind, rest = location.split(":", 1)
     paths, offset, length = rest.rsplit(":", 2)
     base_path, relative = paths.split(":", 1)
-    name = base_path + relative
-    needed[name] = max(needed.get(name, 0), int(offset) + int(length))
+    name = unquote(base_path) + unquote(relative)
+    parts = PurePosixPath(name).parts
+    if not parts or PurePosixPath(name).is_absolute() or ".." in parts:
+        raise CorruptCheckpointError(
+            f"{root}: the OCDBT index points at {name!r}, which is not a file inside the "
+            "checkpoint; ckptshim reads only files the checkpoint contains. Re-copy it from the original.")
+    return Reference(name, int(offset), int(length))

@@ -18,6 +18,7 @@ completeness from the OCDBT index and the listing of chunk keys.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -25,8 +26,8 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import kvstore, msgpack_tree, zarr
-from ckptshim.formats.base import (Checkpoint, FileInfo, file_info, folder_bytes, numpy_dtype, reader,
-                                   refuse_links_leaving, storage_dtype, strict_json)
+from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, numpy_dtype,
+                                   reader, refuse_links_leaving, storage_dtype, strict_json)
 from ckptshim.formats.ts_arrays import TensorstoreArrays
 from ckptshim.inventory import Entry, Inventory, KeyPath
 
@@ -152,43 +153,106 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
                   for key, leaf in found.items() if not isinstance(leaf, str) or leaf.startswith(PLACEHOLDER)]
         _require_plain_names(path, leaves)
         version = f"legacy aggregate{' + ocdbt' if ocdbt else ''}"
-    listed = kvstore.list_keys(path, ocdbt)
-    by_array: dict[str, set[str]] = {}
-    for key in listed:
-        name, _, rest = key.partition("/")
-        if rest:
-            by_array.setdefault(name, set()).add(rest)
+    store = _Store.ocdbt(path) if ocdbt else _Store.folders(path)
     wanted = [name for _, name in leaves if isinstance(name, str)]
-    meta_keys = {name: next((f"{name}/{m}" for m in zarr.METADATA_FILES if m in by_array.get(name, ())), None)
-                 for name in wanted}
-    raw = kvstore.read_values(path, ocdbt, [k for k in meta_keys.values() if k is not None])
+    raw = store.metadata(wanted)
 
     entries: list[Entry] = []
     problems: list[str] = []
+    arrays: dict[str, tuple[str, zarr.ZarrArray]] = {}
+    files: list[FileInfo] = []
     for key, leaf in leaves:
         if not isinstance(leaf, str):
             entries.append(msgpack_tree.inline_entry(key, leaf))
             continue
-        meta_key = meta_keys[leaf]
-        if meta_key is None or raw.get(meta_key) is None:
+        meta_key, meta = raw.get(leaf, (None, None))
+        if meta is None:
             problems.append(f"{leaf}: array metadata (.zarray or zarr.json) missing; the array "
                             "cannot be read")
             continue
-        array = zarr.parse(raw[meta_key], f"{path}/{meta_key}")
+        array = zarr.parse(meta, f"{path}/{meta_key}")
         entries.append(Entry(key, array.shape, array.dtype, StoredArray(leaf, array.driver)))
-        if zarr.chunk_keys_required(array, fill_stored):
-            count, absent = array.missing_chunks(by_array.get(leaf, set()))
+        arrays[leaf] = "/".join(key), array
+        present = store.by_array.get(leaf, set())
+        required = zarr.chunk_keys_required(array, fill_stored)
+        if ocdbt:  # OCDBT records each chunk's size; the index's files are checked below
+            count, absent = array.missing_chunks(present) if required else (0, [])
             if count:
                 shown = ", ".join(absent) + (f" and {count - len(absent)} more" if count > len(absent) else "")
-                problems.append(f"{leaf}: {count} chunk(s) missing ({shown})")
-        if not ocdbt:  # OCDBT records each chunk's size; plain files only their frames do
-            count, short = array.short_chunks(path / leaf, by_array.get(leaf, set()))
-            if count:
-                problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")
-
-    files: list[FileInfo] = []
+                problems.append(f"{leaf}: {count} chunk(s) missing from the OCDBT index ({shown})")
+            continue
+        chunk_files, unlisted = array.folder_files(path / leaf, present, "/".join(key), required, path)
+        files += chunk_files
+        if unlisted:
+            problems.append(f"{leaf}: {unlisted} more chunk file(s) missing")
+        count, short = array.short_chunks(path / leaf, present)  # plain files: only frames say
+        if count:
+            problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")
     if ocdbt:
-        files = [file_info(path / name, size, root=path)
-                 for name, size in sorted(kvstore.ocdbt_data_files(path).items())]
+        files = ocdbt_files(path, store.index, arrays)
     return OrbaxCheckpoint(path, version, Inventory(entries, str(path)), files, problems,
                            ocdbt=ocdbt, native=native, aggregate=aggregate)
+
+
+class _Store:
+    """The keys of an item's store grouped by array (``name/<chunk>``), and its arrays' zarr
+    metadata: from the OCDBT index (one walk; metadata is stored inline), or by listing and
+    reading a folder of per-leaf arrays."""
+
+    def __init__(self, root: Path, keys, index: kvstore.OcdbtIndex | None) -> None:
+        self.root, self.index = root, index
+        self.by_array: dict[str, set[str]] = {}
+        for key in keys:
+            name, _, rest = key.partition("/")
+            if rest:
+                self.by_array.setdefault(name, set()).add(rest)
+
+    @classmethod
+    def ocdbt(cls, root: Path) -> _Store:
+        index = kvstore.ocdbt_index(root)
+        return cls(root, index.values, index)
+
+    @classmethod
+    def folders(cls, root: Path) -> _Store:
+        return cls(root, kvstore.list_keys(root, False), None)
+
+    def metadata(self, names: list[str]) -> dict[str, tuple[str, bytes | None]]:
+        """Array name -> (its metadata key, the bytes of its ``.zarray``/``zarr.json``)."""
+        keys = {name: next((f"{name}/{m}" for m in zarr.METADATA_FILES if m in self.by_array.get(name, ())), None)
+                for name in names}
+        values = {} if self.index is None else self.index.values
+        inline = {key: values[key] for key in keys.values() if isinstance(values.get(key), bytes)}
+        rest = [key for key in keys.values() if key is not None and key not in inline]
+        found = {**inline, **kvstore.read_values(self.root, self.index is not None, rest)}
+        return {name: (key, found.get(key)) for name, key in keys.items() if key is not None}
+
+
+def ocdbt_files(root: Path, index: kvstore.OcdbtIndex, arrays: dict[str, tuple[str, zarr.ZarrArray]]) -> list[FileInfo]:
+    """Every file the OCDBT index of ``root`` references, with the bytes it must hold and the
+    process folder that wrote it; a file with a problem lists what it costs (the chunks it
+    holds, the arrays an unreadable index node indexes)."""
+    files = [file_info(root / name, size, root=root, writer=_writer(name))
+             for name, size in sorted(index.files().items())]
+    lost = {f.path for f in files if f.problem is not None}
+    if not lost:
+        return files
+    pieces: dict[str, list[Piece]] = {}
+    for key, value in index.values.items():
+        if isinstance(value, kvstore.Reference) and value.file in lost:
+            name, _, chunk = key.partition("/")
+            spelled, array = arrays.get(name, (name, None))
+            region = array.chunk_region(chunk) if array is not None and array.is_chunk_key(chunk) else chunk
+            pieces.setdefault(value.file, []).append(Piece(spelled, region, value.offset, value.length))
+    for node in index.unreadable():
+        pieces.setdefault(node.where.file, []).extend(
+            Piece(spelled, "(its index node)", node.where.offset, node.where.length)
+            for name, (spelled, _) in sorted(arrays.items()) if node.overlaps(f"{name}/"))
+    return [dataclasses.replace(f, pieces=tuple(sorted(pieces.get(f.path, ()), key=lambda p: p.offset)))
+            if f.path in lost else f for f in files]
+
+
+def _writer(name: str) -> str:
+    """The process folder that wrote an OCDBT file (``ocdbt.process_3``), or ``root`` for the
+    item's own database (the merged index of a multi-process save, or a single writer's data)."""
+    first = name.split("/", 1)[0]
+    return first if first.startswith("ocdbt.process_") else "root"

@@ -18,11 +18,13 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import frames
-from ckptshim.formats.base import ALLOWANCE_BYTES, strict_json
+from ckptshim.formats.base import ALLOWANCE_BYTES, FileInfo, Piece, file_info, strict_json
 from ckptshim.inventory import DTYPE_SIZES, dtype_name
 
 #: The metadata file of each zarr version, relative to the array's folder/prefix.
 METADATA_FILES = {".zarray": "zarr", "zarr.json": "zarr3"}
+#: Missing chunk files of one array listed one by one in a completeness report; more are counted.
+LISTED_MISSING = 1000
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,32 @@ class ZarrArray:
         missing = math.prod(self.grid) - sum(1 for key in present if self.is_chunk_key(key))
         first = itertools.islice((k for k in self.chunk_keys() if k not in present), min(shown, missing))
         return missing, list(first)
+
+    def chunk_region(self, key: str) -> str:
+        """The elements chunk ``key`` (one of :meth:`chunk_keys`) holds, as ``"[0:32, 32:64]"``;
+        ``""`` for a scalar's one chunk."""
+        if not self.shape:
+            return ""
+        starts = map(int, key[len(self.prefix):].split(self.separator))
+        return "[" + ", ".join(f"{i * c}:{min((i + 1) * c, n)}"
+                               for i, c, n in zip(starts, self.chunks, self.shape)) + "]"
+
+    def folder_files(self, folder: Path, present: Collection[str], key: str, required: bool,
+                     root: Path) -> tuple[list[FileInfo], int]:
+        """The chunk files of an array stored as a folder of its own (per-leaf Orbax, PaxML,
+        T5X), for the completeness report: each one ``present`` (its size), and -- when
+        ``required`` (see :func:`chunk_keys_required`) -- each missing one, with the block of
+        array ``key`` it would hold. At most :data:`LISTED_MISSING` missing files are listed;
+        the count of the others is returned (damaged metadata can declare any number)."""
+        writer = f"{folder.name}/"
+        files = [file_info(folder / name, root=root, writer=writer, pieces=(Piece(key, self.chunk_region(name)),))
+                 for name in sorted(present) if self.is_chunk_key(name)]
+        if not required:
+            return files, 0
+        missing, first = self.missing_chunks(present, LISTED_MISSING)
+        files += [FileInfo(f"{folder.relative_to(root)}/{name}", None, writer=writer,
+                           pieces=(Piece(key, self.chunk_region(name)),)) for name in first]
+        return files, missing - len(first)
 
     @property
     def chunk_bytes(self) -> int:
