@@ -10,6 +10,7 @@ read back in one process.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,17 @@ def test_inspect_two_rank_checkpoint(two_ranks):
     expected = expected_arrays("torch_dcp_single")
     for key, entry in checkpoint.inventory.items():
         assert array_sha256(checkpoint.read(entry)) == expected[".".join(key[1:])]["sha256"], key
+
+
+def test_inspect_names_the_rank_a_missing_file_costs(two_ranks, tmp_path, capsys):
+    from ckptshim.cli import main
+
+    copy = tmp_path / "fsdp2_plain"
+    shutil.copytree(two_ranks / "fsdp2_plain", copy)
+    (copy / "__1_0.distcp").unlink()
+    assert main(["inspect", str(copy), "--json"]) == 1
+    writers = {w["writer"]: w for w in json.loads(capsys.readouterr().out)["writers"]}
+    assert set(writers) == {"rank 0", "rank 1"} and not writers["rank 0"]["gaps"]
+    (gap,) = writers["rank 1"]["gaps"]
+    assert writers["rank 1"]["bytes_present"] == 0 and writers["rank 0"]["bytes_present"] > 0
+    assert any(cost.startswith("model.lm_head.weight [128:256, 0:64] bytes ") for cost in gap["costs"])

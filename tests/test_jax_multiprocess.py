@@ -9,6 +9,9 @@ what each process wrote.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from ckptshim.cli import main as cli
+from ckptshim.errors import ShimError
 from support.fixtures import copy_fixture
 from support.processes import environment, worker
 
@@ -105,3 +110,88 @@ def test_a_process_that_never_reports_is_named_within_the_timeout(launch):
     for run in runs:
         assert f"process {PROCESSES - 1} did not report within 3 s" in run["message"], run
         assert 3 <= run["seconds"] < 15, run
+
+
+# -- completeness of the checkpoint the four processes saved --------------------------------------
+
+
+def _damaged_copy(launch, tmp_path: Path, damage: str) -> tuple[Path, str]:
+    """A copy of the 4-process save with one data file of ``ocdbt.process_2`` damaged."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(Path(launch[0]["out"]) / "mp_unscanned", root)
+    data = sorted((root / "ocdbt.process_2" / "d").iterdir(), key=lambda p: p.stat().st_size)[-1]
+    if damage == "deleted":
+        data.unlink()
+    elif damage == "truncated":
+        os.truncate(data, data.stat().st_size // 2)
+    elif damage == "directory":
+        data.unlink()
+        data.mkdir()
+    elif damage == "symlinked away":
+        moved = tmp_path / "elsewhere"
+        data.rename(moved)
+        data.symlink_to(moved)
+    return root, str(data.relative_to(root))
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated", "directory"])
+def test_inspect_names_the_writer_the_file_and_what_it_costs(launch, tmp_path, capsys, damage):
+    root, damaged = _damaged_copy(launch, tmp_path, damage)
+    assert cli(["inspect", str(root), "--json"]) == 1
+    info = json.loads(capsys.readouterr().out)
+    writers = {w["writer"]: w for w in info["writers"]}
+    assert set(writers) == {"root"} | {f"ocdbt.process_{i}" for i in range(PROCESSES)}
+    assert [w for w, report in writers.items() if report["gaps"]] == ["ocdbt.process_2"]
+    gap = writers["ocdbt.process_2"]["gaps"][0]
+    assert gap["file"] == damaged and info["problems"] == [gap["problem"]]
+    assert writers["ocdbt.process_2"]["bytes_present"] < writers["ocdbt.process_2"]["bytes_needed"]
+    # process 2 wrote the rows of devices 4 and 5: 32 rows each of every layer's w
+    assert gap["costs"] and all(re.search(r"params/layers_\d/(w \[(128|160):(160|192), 0:1024\]|b \[(128|160):(160|192)\])", c)
+                                for c in gap["costs"]), gap["costs"]
+    assert cli(["inspect", str(root)]) == 1
+    text = capsys.readouterr().out
+    assert re.search(rf"\n    {re.escape(damaged)}: .*; costs \d array\(s\): params/layers_", text), text
+    assert re.search(r"\n    ocdbt.process_2: \d file\(s\)", text), text
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated", "directory", "symlinked away"])
+def test_a_load_is_refused_before_any_read(launch, tmp_path, monkeypatch, damage):
+    root, damaged = _damaged_copy(launch, tmp_path, damage)
+    import jax
+    import orbax.checkpoint as ocp
+
+    import ckptshim  # noqa: F401  (hooks on)
+    from ckptshim.formats.orbax import OrbaxCheckpoint
+
+    reads = []
+    monkeypatch.setattr(OrbaxCheckpoint, "read_into", lambda *args: reads.append(args))
+    target = {"params": {"layers": {"w": jax.ShapeDtypeStruct((256, 4, 1024), "float32"),
+                                    "b": jax.ShapeDtypeStruct((256, 4), "float32")}}}
+    with pytest.raises(ShimError, match=re.escape(Path(damaged).name)):
+        ocp.StandardCheckpointer().restore(root, target)
+    assert reads == []
+
+
+def test_a_missing_index_node_costs_every_array_it_indexes(launch, tmp_path, capsys):
+    root, _ = _damaged_copy(launch, tmp_path, "none")
+    (node,) = (root / "d").iterdir()  # the merged index's one node
+    node.unlink()
+    assert cli(["inspect", str(root), "--json"]) == 1
+    info = json.loads(capsys.readouterr().out)
+    (gap,) = [gap for w in info["writers"] for gap in w["gaps"]]
+    assert gap["file"] == f"d/{node.name}" and gap["lost"].startswith("8 array(s)")
+    assert all(cost.split(" ")[1:3] == ["(its", "index"] for cost in gap["costs"])
+
+
+def test_files_the_latest_version_does_not_use_are_not_needed(launch, tmp_path, capsys):
+    """A per-process database keeps the index nodes of its earlier generations; the merged index
+    never points at them, so deleting them loses nothing (Orbax and ckptshim restore alike)."""
+    root, _ = _damaged_copy(launch, tmp_path, "none")
+    from ckptshim.formats import kvstore
+
+    needed = set(kvstore.ocdbt_index(root).files())
+    unused = [p for p in root.glob("ocdbt.process_*/d/*") if str(p.relative_to(root)) not in needed]
+    for path in unused:
+        path.unlink()
+    assert cli(["inspect", str(root)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("complete")

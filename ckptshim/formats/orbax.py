@@ -159,7 +159,7 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
 
     entries: list[Entry] = []
     problems: list[str] = []
-    arrays: dict[str, tuple[str, zarr.ZarrArray]] = {}
+    arrays: dict[str, zarr.ZarrArray] = {}
     files: list[FileInfo] = []
     for key, leaf in leaves:
         if not isinstance(leaf, str):
@@ -172,7 +172,7 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
             continue
         array = zarr.parse(meta, f"{path}/{meta_key}")
         entries.append(Entry(key, array.shape, array.dtype, StoredArray(leaf, array.driver)))
-        arrays[leaf] = "/".join(key), array
+        arrays[leaf] = array
         present = store.by_array.get(leaf, set())
         required = zarr.chunk_keys_required(array, fill_stored)
         if ocdbt:  # OCDBT records each chunk's size; the index's files are checked below
@@ -189,7 +189,8 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
         if count:
             problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")
     if ocdbt:
-        files = ocdbt_files(path, store.index, arrays)
+        names = {name: "/".join(key) for key, name in leaves if isinstance(name, str)}
+        files = ocdbt_files(path, store.index, names, arrays)
     return OrbaxCheckpoint(path, version, Inventory(entries, str(path)), files, problems,
                            ocdbt=ocdbt, native=native, aggregate=aggregate)
 
@@ -227,10 +228,12 @@ class _Store:
         return {name: (key, found.get(key)) for name, key in keys.items() if key is not None}
 
 
-def ocdbt_files(root: Path, index: kvstore.OcdbtIndex, arrays: dict[str, tuple[str, zarr.ZarrArray]]) -> list[FileInfo]:
+def ocdbt_files(root: Path, index: kvstore.OcdbtIndex, names: dict[str, str],
+                arrays: dict[str, zarr.ZarrArray]) -> list[FileInfo]:
     """Every file the OCDBT index of ``root`` references, with the bytes it must hold and the
     process folder that wrote it; a file with a problem lists what it costs (the chunks it
-    holds, the arrays an unreadable index node indexes)."""
+    holds, the arrays an unreadable index node indexes). ``names`` spells each stored array's
+    name as a key; ``arrays`` has the zarr metadata of those the index let us read."""
     files = [file_info(root / name, size, root=root, writer=_writer(name))
              for name, size in sorted(index.files().items())]
     lost = {f.path for f in files if f.problem is not None}
@@ -240,13 +243,13 @@ def ocdbt_files(root: Path, index: kvstore.OcdbtIndex, arrays: dict[str, tuple[s
     for key, value in index.values.items():
         if isinstance(value, kvstore.Reference) and value.file in lost:
             name, _, chunk = key.partition("/")
-            spelled, array = arrays.get(name, (name, None))
+            array = arrays.get(name)
             region = array.chunk_region(chunk) if array is not None and array.is_chunk_key(chunk) else chunk
-            pieces.setdefault(value.file, []).append(Piece(spelled, region, value.offset, value.length))
+            pieces.setdefault(value.file, []).append(Piece(names.get(name, name), region, value.offset, value.length))
     for node in index.unreadable():
         pieces.setdefault(node.where.file, []).extend(
             Piece(spelled, "(its index node)", node.where.offset, node.where.length)
-            for name, (spelled, _) in sorted(arrays.items()) if node.overlaps(f"{name}/"))
+            for name, spelled in sorted(names.items()) if node.overlaps(f"{name}/"))
     return [dataclasses.replace(f, pieces=tuple(sorted(pieces.get(f.path, ()), key=lambda p: p.offset)))
             if f.path in lost else f for f in files]
 
