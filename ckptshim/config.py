@@ -14,7 +14,6 @@ each other's outcome (see :mod:`ckptshim.loading.agreement`).
 from __future__ import annotations
 
 import os
-from typing import Any
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -58,7 +57,7 @@ AGREEMENT_TIMEOUT = 300.0
 
 def progress_min_bytes() -> int:
     """``CKPTSHIM_PROGRESS_MIN_BYTES`` (an integer number of bytes), else :data:`PROGRESS_MIN_BYTES`."""
-    return _number("CKPTSHIM_PROGRESS_MIN_BYTES", PROGRESS_MIN_BYTES, int)
+    return int(_number("CKPTSHIM_PROGRESS_MIN_BYTES", PROGRESS_MIN_BYTES, int))
 
 
 def agreement_timeout() -> float:
@@ -66,7 +65,7 @@ def agreement_timeout() -> float:
     return _number("CKPTSHIM_AGREEMENT_TIMEOUT", AGREEMENT_TIMEOUT, float)
 
 
-def _number(name: str, default: float, kind: type) -> Any:
+def _number(name: str, default: float, kind: type) -> float:
     raw = os.environ.get(name, "").strip()
     try:
         value = kind(raw) if raw else default

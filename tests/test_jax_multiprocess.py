@@ -89,6 +89,10 @@ def test_each_process_reads_about_its_share_of_the_bytes(launch):
     assert all(0.95 / PROCESSES < share < 1.1 / PROCESSES for share in shares), shares
 
 
+def test_only_process_0_shows_a_progress_bar(launch):
+    assert [result["shows_progress"] for result in launch] == [True] + [False] * (PROCESSES - 1)
+
+
 def test_refusal_from_metadata_is_the_same_on_every_process(launch):
     runs = [result["case_refused_from_metadata"] for result in launch]
     assert len({run["message"] for run in runs}) == 1 and "layers" in runs[0]["message"]

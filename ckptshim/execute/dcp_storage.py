@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ckptshim import progress
 from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError
 from ckptshim.execute.torch import as_tensor
 from ckptshim.formats import dcp
@@ -86,6 +87,10 @@ def _resolve(planner: LoadPlanner, items: Iterable[ReadItem]) -> list[tuple[Read
                 "the planner and the checkpoint disagree.")
         resolved.append((item, destination))
     return resolved
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _block(item: ReadItem) -> tuple[slice, ...]:
@@ -201,11 +206,14 @@ class DcpReader(_Reader):
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(self._objects[item.storage_index]))
         order = sorted(by_chunk, key=lambda index: (self._layouts[index].file, self._layouts[index].start))
-        for file in dict.fromkeys(self._layouts[index].file for index in order):
-            with open(file, "rb", buffering=0) as raw:
-                for index in order:
-                    if self._layouts[index].file == file:
-                        _copy_chunk(raw, self._layouts[index], by_chunk[index], f"{file}: {index.fqn!r}")
+        size = {index: sum(_nbytes(d) for _, d in by_chunk[index]) for index in order}
+        with progress.load_bar(sum(size.values()), "ckptshim: dcp.load"):
+            for file in dict.fromkeys(self._layouts[index].file for index in order):
+                with open(file, "rb", buffering=0) as raw:
+                    for index in order:
+                        if self._layouts[index].file == file:
+                            _copy_chunk(raw, self._layouts[index], by_chunk[index], f"{file}: {index.fqn!r}")
+                            progress.advance(size[index])
         for index in order:
             for item, destination in by_chunk[index]:
                 planner.commit_tensor(item, destination)
@@ -323,9 +331,10 @@ class FormatReader(_Reader):
             if fqn not in sources:
                 entry = checkpoint.inventory[split_key(fqn)]
                 sources[fqn] = as_tensor(checkpoint.read(entry), getattr(torch, entry.dtype))
-        with torch.no_grad():
+        with torch.no_grad(), progress.load_bar(sum(_nbytes(d) for _, d in resolved), "ckptshim: dcp.load"):
             for item, destination in resolved:
                 destination.copy_(sources[item.storage_index.fqn][_block(item)])
+                progress.advance(_nbytes(destination))
         for item, destination in resolved:
             planner.commit_tensor(item, destination)
         checkpoint.close()

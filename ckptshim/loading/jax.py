@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptshim import config
+from ckptshim import config, progress
 from ckptshim.errors import PlanError, UnknownFormatError
 from ckptshim.execute import jax as executor
 from ckptshim.execute.jax_tree import TargetTree
@@ -52,8 +52,10 @@ class Prepared:
         of a multi-process job, or on none: see :mod:`~ckptshim.loading.agreement`)."""
         report_load(self.where, self.plan, SEP,
                     read_as=f"{self.checkpoint.format} ({self.checkpoint.version})")
-        with agreement.agreeing(self.where, "reading"):
-            built = executor.build(self.checkpoint, self.plan, self.target.targets, SEP)
+        targets = self.target.targets
+        with agreement.agreeing(self.where, "reading"), \
+                progress.load_bar(executor.local_bytes(self.plan, targets), "ckptshim: restoring"):
+            built = executor.build(self.checkpoint, self.plan, targets, SEP)
         return self.target.rebuild(built)
 
 

@@ -44,6 +44,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import ckptshim  # noqa: E402,F401  (installs the hooks)
+from ckptshim import log  # noqa: E402
 from ckptshim.api import inspect  # noqa: E402
 from ckptshim.errors import PeerError, PlanError, ShimError  # noqa: E402
 from ckptshim.formats import kvstore  # noqa: E402
@@ -250,7 +251,8 @@ CASES = [case_save_then_scan, case_maxtext, case_paxml_gpt3, case_legacy_orbax, 
 
 
 def main() -> None:
-    results: dict[str, object] = {"devices": jax.device_count(), "local_devices": jax.local_device_count()}
+    results: dict[str, object] = {"devices": jax.device_count(), "local_devices": jax.local_device_count(),
+                                  "shows_progress": log.first_process()}
     for case in CASES:
         try:
             results[case.__name__] = {"status": "ok", **case()}
