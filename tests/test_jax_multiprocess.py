@@ -193,7 +193,7 @@ def test_files_the_latest_version_does_not_use_are_not_needed(launch, tmp_path, 
     root, _ = _damaged_copy(launch, tmp_path, "none")
     from ckptshim.formats import kvstore
 
-    needed = set(kvstore.ocdbt_index(root).files())
+    needed = set(kvstore.ocdbt_index(root).files)
     unused = [p for p in root.glob("ocdbt.process_*/d/*") if str(p.relative_to(root)) not in needed]
     for path in unused:
         path.unlink()

@@ -98,7 +98,8 @@ class OrbaxCheckpoint(Checkpoint):
 
 
 def _metadata_leaves(path: Path) -> tuple[list[tuple[KeyPath, str]], dict]:
-    """``_METADATA`` -> [(key path, zarr array name)] for array leaves, and the file's options."""
+    """``_METADATA`` -> [(key path, zarr array name)] for array leaves, and the file's other fields
+    (its options)."""
     where = path / METADATA
     try:
         meta = strict_json(where.read_bytes(), folder_bytes(path))
@@ -115,7 +116,7 @@ def _metadata_leaves(path: Path) -> tuple[list[tuple[KeyPath, str]], dict]:
             f"{where}: not a valid Orbax metadata file ({type(error).__name__}: {error}). "
             "Orbax writes it last, so the save may have been interrupted; restore an intact copy "
             "of the checkpoint, or remove the file to read the folder as a legacy layout.") from None
-    return leaves, meta
+    return leaves, {name: value for name, value in meta.items() if name != "tree_metadata"}  # not the tree: big
 
 
 def _require_plain_names(path: Path, leaves: list[tuple[KeyPath, object]]) -> None:
@@ -160,6 +161,7 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
     entries: list[Entry] = []
     problems: list[str] = []
     arrays: dict[str, zarr.ZarrArray] = {}
+    parsed: dict[bytes, zarr.ZarrArray] = {}
     files: list[FileInfo] = []
     for key, leaf in leaves:
         if not isinstance(leaf, str):
@@ -170,7 +172,9 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
             problems.append(f"{leaf}: array metadata (.zarray or zarr.json) missing; the array "
                             "cannot be read")
             continue
-        array = zarr.parse(meta, f"{path}/{meta_key}")
+        array = parsed.get(meta)
+        if array is None:  # the layers of a model share their metadata: parse each text once
+            array = parsed[meta] = zarr.parse(meta, f"{path}/{meta_key}")
         entries.append(Entry(key, array.shape, array.dtype, StoredArray(leaf, array.driver)))
         arrays[leaf] = array
         present = store.by_array.get(leaf, set())
@@ -197,35 +201,40 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
 
 class _Store:
     """The keys of an item's store grouped by array (``name/<chunk>``), and its arrays' zarr
-    metadata: from the OCDBT index (one walk; metadata is stored inline), or by listing and
+    metadata: from the OCDBT index (one walk; Orbax stores metadata inline), or by listing and
     reading a folder of per-leaf arrays."""
 
-    def __init__(self, root: Path, keys, index: kvstore.OcdbtIndex | None) -> None:
-        self.root, self.index = root, index
-        self.by_array: dict[str, set[str]] = {}
-        for key in keys:
-            name, _, rest = key.partition("/")
-            if rest:
-                self.by_array.setdefault(name, set()).add(rest)
+    def __init__(self, root: Path, by_array: dict[str, set[str]], index: kvstore.OcdbtIndex | None) -> None:
+        self.root, self.by_array, self.index = root, by_array, index
 
     @classmethod
     def ocdbt(cls, root: Path) -> _Store:
-        index = kvstore.ocdbt_index(root)
-        return cls(root, index.values, index)
+        index = kvstore.ocdbt_index(root, keep=_METADATA_SUFFIXES)
+        return cls(root, index.keys, index)
 
     @classmethod
     def folders(cls, root: Path) -> _Store:
-        return cls(root, kvstore.list_keys(root, False), None)
+        by_array: dict[str, set[str]] = {}
+        for key in kvstore.list_keys(root, False):
+            name, _, rest = key.partition("/")
+            by_array.setdefault(name, set()).add(rest)
+        return cls(root, by_array, None)
 
     def metadata(self, names: list[str]) -> dict[str, tuple[str, bytes | None]]:
         """Array name -> (its metadata key, the bytes of its ``.zarray``/``zarr.json``)."""
         keys = {name: next((f"{name}/{m}" for m in zarr.METADATA_FILES if m in self.by_array.get(name, ())), None)
                 for name in names}
-        values = {} if self.index is None else self.index.values
-        inline = {key: values[key] for key in keys.values() if isinstance(values.get(key), bytes)}
-        rest = [key for key in keys.values() if key is not None and key not in inline]
-        found = {**inline, **kvstore.read_values(self.root, self.index is not None, rest)}
+        wanted = [key for key in keys.values() if key is not None]
+        if self.index is None:
+            found = kvstore.read_values(self.root, False, wanted)
+        else:
+            kept = self.index.kept
+            found = {key: value if isinstance(value, bytes) else kvstore.read_reference(self.root, value)
+                     for key in wanted if (value := kept.get(key)) is not None}
         return {name: (key, found.get(key)) for name, key in keys.items() if key is not None}
+
+
+_METADATA_SUFFIXES = tuple(f"/{name}" for name in zarr.METADATA_FILES)
 
 
 def ocdbt_files(root: Path, index: kvstore.OcdbtIndex, names: dict[str, str],
@@ -235,17 +244,16 @@ def ocdbt_files(root: Path, index: kvstore.OcdbtIndex, names: dict[str, str],
     holds, the arrays an unreadable index node indexes). ``names`` spells each stored array's
     name as a key; ``arrays`` has the zarr metadata of those the index let us read."""
     files = [file_info(root / name, size, root=root, writer=_writer(name))
-             for name, size in sorted(index.files().items())]
+             for name, size in sorted(index.files.items())]
     lost = {f.path for f in files if f.problem is not None}
     if not lost:
         return files
     pieces: dict[str, list[Piece]] = {}
-    for key, value in index.values.items():
-        if isinstance(value, kvstore.Reference) and value.file in lost:
-            name, _, chunk = key.partition("/")
-            array = arrays.get(name)
-            region = array.chunk_region(chunk) if array is not None and array.is_chunk_key(chunk) else chunk
-            pieces.setdefault(value.file, []).append(Piece(names.get(name, name), region, value.offset, value.length))
+    for key, where in kvstore.references_into(root, index, lost):
+        name, _, chunk = key.partition("/")
+        array = arrays.get(name)
+        region = array.chunk_region(chunk) if array is not None and array.is_chunk_key(chunk) else chunk
+        pieces.setdefault(where.file, []).append(Piece(names.get(name, name), region, where.offset, where.length))
     for node in index.unreadable():
         pieces.setdefault(node.where.file, []).extend(
             Piece(spelled, "(its index node)", node.where.offset, node.where.length)

@@ -12,6 +12,7 @@ import itertools
 import math
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,7 @@ class ZarrArray:
     fill_value_null: bool        # v2 with no fill value: a missing chunk silently reads as zeros
     compressor: str | None = None  # v2: of each chunk file ("zstd", "gzip", ...); None: not known
 
-    @property
+    @cached_property
     def grid(self) -> tuple[int, ...]:
         """Chunks along each axis (none at all when an axis is empty)."""
         return tuple(0 if n == 0 else -(-n // c) for n, c in zip(self.shape, self.chunks))
@@ -74,9 +75,13 @@ class ZarrArray:
             return key == self._scalar_key
         if not key.startswith(self.prefix):
             return False
-        parts = key[len(self.prefix):].split(self.separator)
-        return len(parts) == len(self.grid) and all(
-            p.isdigit() and str(int(p)) == p and int(p) < n for p, n in zip(parts, self.grid))
+        parts, grid = key[len(self.prefix):].split(self.separator), self.grid
+        if len(parts) != len(grid):
+            return False
+        for part, n in zip(parts, grid):  # a loop, not all(...): a million keys go through here
+            if not (part.isascii() and part.isdigit()) or (part[0] == "0" and part != "0") or int(part) >= n:
+                return False
+        return True
 
     def missing_chunks(self, present: Collection[str], shown: int = 4) -> tuple[int, list[str]]:
         """How many chunk keys are not in ``present``, and the first ``shown`` of them.
@@ -84,7 +89,11 @@ class ZarrArray:
         Takes time in the size of ``present`` (what the folder or database lists), never in the
         number of chunks the metadata declares, which a damaged file can make astronomical.
         """
-        missing = math.prod(self.grid) - sum(1 for key in present if self.is_chunk_key(key))
+        total = math.prod(self.grid)
+        if total <= len(present) + LISTED_MISSING:  # as many keys as the listing, give or take: list them
+            absent = [key for key in self.chunk_keys() if key not in present]
+            return len(absent), absent[:shown]
+        missing = total - sum(1 for key in present if self.is_chunk_key(key))
         first = itertools.islice((k for k in self.chunk_keys() if k not in present), min(shown, missing))
         return missing, list(first)
 

@@ -151,7 +151,7 @@ def case_save_then_scan() -> dict:
     return {**check(restored, target, expected), "seconds": seconds,
             "rchar": after["rchar"] - before["rchar"], "read_bytes": after["read_bytes"] - before["read_bytes"],
             "array_bytes": sum(v.nbytes for v in expected.values()),
-            "stored_bytes": sum(kvstore.ocdbt_index(OUT / "mp_unscanned").files().values())}
+            "stored_bytes": sum(kvstore.ocdbt_index(OUT / "mp_unscanned").files.values())}
 
 
 def case_maxtext() -> dict:
@@ -210,7 +210,8 @@ def case_damaged_chunk_one_process() -> dict:
     last = 2 * COUNT - 1  # the last device's rows belong to the last process only
     if PROCESS == 0:
         shutil.copytree(OUT / "mp_unscanned", damaged)
-        where = kvstore.ocdbt_index(damaged).values[f"params.layers_2.w/{last}.0"]
+        chunk = f"params.layers_2.w/{last}.0"
+        where = kvstore.ocdbt_index(damaged, keep=(chunk,)).kept[chunk]
         with open(damaged / where.file, "r+b") as f:  # the zstd frame's magic number, zeroed
             f.seek(where.offset)
             f.write(b"\0\0\0\0")
