@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ckptshim.formats import completeness
 from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.planner import Plan
@@ -43,9 +44,11 @@ def describe(checkpoint: Checkpoint) -> dict:
         "entries": [{"key": sep.join(e.key), "shape": list(e.shape), "dtype": e.dtype, "bytes": e.nbytes}
                     for e in checkpoint.inventory.values()],
         "total_bytes": checkpoint.inventory.total_bytes,
-        "files": [{"path": f.path, "size": f.size, "expected_size": f.expected_size,
+        "files": [{"path": f.path, "size": f.size, "expected_size": f.expected_size, "writer": f.writer,
+                   **({"kind": f.kind} if f.kind != "file" else {}),
                    **({"contents": list(f.contents)} if f.contents else {})}
                   for f in checkpoint.files],
+        "writers": completeness.as_json(completeness.by_writer(checkpoint.files)),
         "complete": checkpoint.complete,
         "problems": checkpoint.all_problems(),
     }

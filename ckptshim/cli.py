@@ -11,37 +11,43 @@ import json
 import sys
 
 from ckptshim.errors import ShimError
+from ckptshim.inventory import size_text
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+#: ``inspect`` lists a checkpoint's files one by one up to this many; beyond, per writer only.
+LISTED_FILES = 64
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from ckptshim.api import describe, inspect
+    from ckptshim.api import inspect
+    from ckptshim.formats import completeness
 
     checkpoint = inspect(args.path)
-    info = describe(checkpoint)
     if args.json:
+        from ckptshim.api import describe
+
+        info = describe(checkpoint)
         print(json.dumps(info, indent=1))
-    else:
-        print(f"{info['path']}: {info['format']} (version {info['version']}), "
-              f"{len(info['entries'])} arrays, {_size(info['total_bytes'])}")
-        width = max((len(e["key"]) for e in info["entries"]), default=0)
-        for e in info["entries"]:
-            print(f"  {e['key']:<{width}}  {e['dtype']:<9} {str(tuple(e['shape'])):<18} {_size(e['bytes'])}")
-        for f in info["files"]:
-            print(f"  file {f['path']}: {'missing' if f['size'] is None else _size(f['size'])}")
-            for line in f.get("contents", ()):
+        return EXIT_OK if info["complete"] else EXIT_PROBLEM
+    inventory = checkpoint.inventory
+    print(f"{checkpoint.path}: {checkpoint.format} (version {checkpoint.version}), "
+          f"{len(inventory)} arrays, {size_text(inventory.total_bytes)}")
+    sep = checkpoint.key_sep
+    width = max((len(sep.join(e.key)) for e in inventory.values()), default=0)
+    for e in inventory.values():
+        print(f"  {sep.join(e.key):<{width}}  {e.dtype:<9} {str(tuple(e.shape)):<18} {size_text(e.nbytes)}")
+    if len(checkpoint.files) <= LISTED_FILES:
+        for f in checkpoint.files:
+            print(f"  file {f.path}: {'missing' if f.size is None else size_text(f.size)}")
+            for line in f.contents:
                 print(f"    {line}")
-        print("complete" if info["complete"] else "INCOMPLETE:\n  " + "\n  ".join(info["problems"]))
-    return EXIT_OK if info["complete"] else EXIT_PROBLEM
+    if checkpoint.files:
+        for line in completeness.lines(completeness.by_writer(checkpoint.files)):
+            print(f"  {line}")
+    print("complete" if checkpoint.complete else "INCOMPLETE:\n  " + "\n  ".join(checkpoint.all_problems()))
+    return EXIT_OK if checkpoint.complete else EXIT_PROBLEM
 
 
 def _plan(args: argparse.Namespace) -> int:

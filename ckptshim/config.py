@@ -5,7 +5,10 @@ single hooks; ``CKPTSHIM_STRICT=1`` turns every guess into an error; ``CKPTSHIM_
 prints the summary (or the whole plan) of every load on stderr; ``CKPTSHIM_RNG_FROM_TARGET=1``
 opts in to keeping the target's own rng state where the checkpoint's does not fit (see
 :mod:`ckptshim.rules.profiles.maxtext`); ``CKPTSHIM_PROGRESS=0`` hides progress bars even on a
-terminal (for logs captured through a pseudo-terminal, e.g. ``script`` or CI runners).
+terminal (for logs captured through a pseudo-terminal, e.g. ``script`` or CI runners);
+``CKPTSHIM_PROGRESS_MIN_BYTES`` is how much a hooked load must read before it shows one;
+``CKPTSHIM_AGREEMENT_TIMEOUT`` is how long the processes of a multi-process JAX load wait for
+each other's outcome (see :mod:`ckptshim.loading.agreement`).
 """
 
 from __future__ import annotations
@@ -44,3 +47,29 @@ def log_level() -> str | None:
     if not raw or raw in {"0", "off", "none"}:
         return None
     return "debug" if raw == "debug" else "info"
+
+
+#: A hooked load reading fewer bytes than this shows no progress bar (1 GiB).
+PROGRESS_MIN_BYTES = 2**30
+#: Seconds the processes of a multi-process load wait for each other's outcome.
+AGREEMENT_TIMEOUT = 300.0
+
+
+def progress_min_bytes() -> int:
+    """``CKPTSHIM_PROGRESS_MIN_BYTES`` (an integer number of bytes), else :data:`PROGRESS_MIN_BYTES`."""
+    return int(_number("CKPTSHIM_PROGRESS_MIN_BYTES", PROGRESS_MIN_BYTES, int))
+
+
+def agreement_timeout() -> float:
+    """``CKPTSHIM_AGREEMENT_TIMEOUT`` (seconds), else :data:`AGREEMENT_TIMEOUT`."""
+    return _number("CKPTSHIM_AGREEMENT_TIMEOUT", AGREEMENT_TIMEOUT, float)
+
+
+def _number(name: str, default: float, kind: type) -> float:
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = kind(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number; unset it or give one (default "
+                         f"{default})") from None
+    return max(value, 0)

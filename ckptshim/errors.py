@@ -41,6 +41,11 @@ class AmbiguousNameError(PlanError):
     """
 
 
+class PeerError(ShimError):
+    """Another process of a multi-process load refused or failed it (or never reported back);
+    raised on every process, so that none goes on alone (see :mod:`ckptshim.loading.agreement`)."""
+
+
 class InternalError(ShimError):
     """A bug inside ckptshim, where falling back to the framework's own loader is not safe.
 

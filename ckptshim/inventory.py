@@ -161,6 +161,15 @@ class Inventory(Mapping[KeyPath, Entry]):
         return sum(entry.nbytes for entry in self._entries.values())
 
 
+def size_text(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``: a byte count as people read it."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def _refuse_duplicate(entries: Iterable[Entry], source: str) -> None:
     """Raise for the first key that ``entries`` name twice."""
     seen: set[KeyPath] = set()

@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ckptshim.rules",),
     ("ckptshim.ops", "ckptshim.keytext"),
     ("ckptshim.inventory",),
-    ("ckptshim.errors", "ckptshim.config", "ckptshim.log"),
+    ("ckptshim.errors", "ckptshim.config", "ckptshim.log", "ckptshim.progress"),
 )
 
 

@@ -1,15 +1,18 @@
-"""DCP with ckptshim across processes: two gloo/CPU ranks under torchrun, then one process.
+"""DCP with ckptshim across processes: two and four gloo/CPU ranks under torchrun, then one process.
 
 One ``torchrun --nproc_per_node=2`` launch (tests/dcp_worker.py) runs every multi-process case:
 FSDP2 and tensor-parallel models, compiled, load a checkpoint saved on one rank, each rank's
 local shard checked against its slice; bad input fails on both ranks with ckptshim's error and
 changes nothing on either; and a plain FSDP2 model is saved on two ranks, which the tests below
-read back in one process.
+read back in one process. A second launch, ``torchrun --nproc_per_node=4``
+(tests/dcp_four_ranks_worker.py), loads that 2-rank checkpoint into FSDP2 x tensor-parallel
+models on a 2 x 2 mesh (compiled, stacked, through ``set_model_state_dict``), each shard exact.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +43,28 @@ def two_ranks(tmp_path_factory) -> Path:
         pytest.fail(f"the two ranks hung: {error.stdout}{error.stderr}")
     assert run.returncode == 0, run.stdout + run.stderr
     return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks(two_ranks, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("four_ranks")
+    env = {k: v for k, v in environment().items() if not k.startswith("CKPTSHIM_")}
+    try:
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc_per_node=4", worker("dcp_four_ranks_worker.py"), str(out),
+                              str(two_ranks / "fsdp2_plain")],
+                             capture_output=True, text=True, timeout=300, env=env, check=False)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"the four ranks hung: {error.stdout}{error.stderr}")
+    assert run.returncode == 0, run.stdout + run.stderr
+    return [json.loads((out / f"four_rank{rank}.json").read_text()) for rank in range(4)]
+
+
+@pytest.mark.parametrize("case", ["case_compiled_2d", "case_stacked_2d", "case_set_model_state_dict_2d",
+                                  "case_missing_rank_file"])
+def test_two_rank_checkpoint_into_a_2x2_mesh_on_four_ranks(four_ranks, case):
+    failed = {rank: results[case] for rank, results in enumerate(four_ranks) if results[case] != "ok"}
+    assert not failed, "\n".join(f"rank {rank}:\n{text}" for rank, text in failed.items())
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -86,3 +111,17 @@ def test_inspect_two_rank_checkpoint(two_ranks):
     expected = expected_arrays("torch_dcp_single")
     for key, entry in checkpoint.inventory.items():
         assert array_sha256(checkpoint.read(entry)) == expected[".".join(key[1:])]["sha256"], key
+
+
+def test_inspect_names_the_rank_a_missing_file_costs(two_ranks, tmp_path, capsys):
+    from ckptshim.cli import main
+
+    copy = tmp_path / "fsdp2_plain"
+    shutil.copytree(two_ranks / "fsdp2_plain", copy)
+    (copy / "__1_0.distcp").unlink()
+    assert main(["inspect", str(copy), "--json"]) == 1
+    writers = {w["writer"]: w for w in json.loads(capsys.readouterr().out)["writers"]}
+    assert set(writers) == {"rank 0", "rank 1"} and not writers["rank 0"]["gaps"]
+    (gap,) = writers["rank 1"]["gaps"]
+    assert writers["rank 1"]["bytes_present"] == 0 and writers["rank 0"]["bytes_present"] > 0
+    assert any(cost.startswith("model.lm_head.weight [128:256, 0:64] bytes ") for cost in gap["costs"])

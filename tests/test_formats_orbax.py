@@ -118,7 +118,10 @@ def test_deleted_zarr_chunk_is_reported(tmp_path, capsys):
     assert main(["inspect", str(root), "--json"]) == 1
     info = json.loads(capsys.readouterr().out)
     assert info["complete"] is False
-    assert info["problems"] == ["params.decoder.layers_1.mlp.wo.kernel: 1 chunk(s) missing (0.0)"]
+    assert info["problems"] == ["params.decoder.layers_1.mlp.wo.kernel/0.0: missing"]
+    (writer,) = [w for w in info["writers"] if w["gaps"]]
+    assert writer["writer"] == "params.decoder.layers_1.mlp.wo.kernel/" and writer["files_missing"] == 1
+    assert writer["gaps"][0]["costs"] == ["params/decoder/layers_1/mlp/wo/kernel [0:64, 0:32]"]
 
 
 def test_deleted_ocdbt_data_file_is_reported(tmp_path):

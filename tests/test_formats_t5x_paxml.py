@@ -241,6 +241,19 @@ def test_paxml_missing_chunk_is_reported(tmp_path, capsys):
     assert any("mdl_vars.params.lm.final_ln.scale" in p and "missing" in p for p in info["problems"])
 
 
+def test_paxml_report_is_per_array_folder(tmp_path, capsys):
+    """PaxML writes one zarr folder per array: that folder is the writer a gap is reported under,
+    with the block of the array the missing chunk held."""
+    step = copy_fixture(f"{PAX}/checkpoints/checkpoint_00000001", tmp_path)
+    (step / "state" / "mdl_vars.params.lm.softmax.logits_ffn.linear.w" / "0.0").unlink()
+    assert main(["inspect", str(step), "--json"]) == 1
+    info = json.loads(capsys.readouterr().out)
+    (writer,) = [w for w in info["writers"] if w["gaps"]]
+    assert writer["writer"] == "mdl_vars.params.lm.softmax.logits_ffn.linear.w/" and writer["files_missing"] == 1
+    assert writer["gaps"][0]["costs"] == ["mdl_vars/params/lm/softmax/logits_ffn/linear/w [0:32, 0:256]"]
+    assert len(info["writers"]) == len(info["entries"])  # every other array's folder: whole
+
+
 def test_t5x_orbax_era_step_is_recognised_by_its_tree_without_manager_metadata(tmp_path):
     step = copy_fixture(f"{T5X}/orbax_checkpoint_manager/checkpoint_0", tmp_path)
     (step / "_CHECKPOINT_METADATA").unlink()

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ckptshim import progress
 from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError
 from ckptshim.execute import destinations
 from ckptshim.execute.torch import as_tensor
@@ -91,6 +92,10 @@ def _resolve(planner: LoadPlanner, items: Iterable[ReadItem]) -> list[tuple[Read
                 "the planner and the checkpoint disagree.")
         resolved.append((item, destination))
     return resolved
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _block(item: ReadItem) -> tuple[slice, ...]:
@@ -206,11 +211,14 @@ class DcpReader(_Reader):
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(self._objects[item.storage_index]))
         order = sorted(by_chunk, key=lambda index: (self._layouts[index].file, self._layouts[index].start))
-        for file in dict.fromkeys(self._layouts[index].file for index in order):
-            with open(file, "rb", buffering=0) as raw:
-                for index in order:
-                    if self._layouts[index].file == file:
-                        _copy_chunk(raw, self._layouts[index], by_chunk[index], f"{file}: {index.fqn!r}")
+        size = {index: sum(_nbytes(d) for _, d in by_chunk[index]) for index in order}
+        with progress.load_bar(sum(size.values()), "ckptshim: dcp.load"):
+            for file in dict.fromkeys(self._layouts[index].file for index in order):
+                with open(file, "rb", buffering=0) as raw:
+                    for index in order:
+                        if self._layouts[index].file == file:
+                            _copy_chunk(raw, self._layouts[index], by_chunk[index], f"{file}: {index.fqn!r}")
+                            progress.advance(size[index])
         for index in order:
             for item, destination in by_chunk[index]:
                 planner.commit_tensor(item, destination)
@@ -347,13 +355,15 @@ class FormatReader(_Reader):
             if fqn not in sources:
                 entry = checkpoint.inventory[split_key(fqn)]
                 sources[fqn] = entry, as_tensor(checkpoint.read(entry), getattr(torch, entry.dtype))
-        for item, destination in resolved:
-            entry, source = sources[item.storage_index.fqn]
-            raw = _raw_view(destination, entry)
-            if raw is None:
-                destinations.write(destination, source[_block(item)])
-            else:
-                checkpoint.read_into(entry, _block(item), raw)
+        with progress.load_bar(sum(_nbytes(d) for _, d in resolved), "ckptshim: dcp.load"):
+            for item, destination in resolved:
+                entry, source = sources[item.storage_index.fqn]
+                raw = _raw_view(destination, entry)
+                if raw is None:
+                    destinations.write(destination, source[_block(item)])
+                else:
+                    checkpoint.read_into(entry, _block(item), raw)
+                progress.advance(_nbytes(destination))
         for item, destination in resolved:
             planner.commit_tensor(item, destination)
         checkpoint.close()

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ckptshim import progress
 from ckptshim.errors import PlanError, ShimError
 from ckptshim.execute import blocks
 from ckptshim.execute.jax_tree import TargetLeaf
@@ -46,7 +47,13 @@ def _build(source: blocks.SliceSource, plan: Plan, target: TargetLeaf, sep: str)
         raise PlanError(f"{join_key(target.key, sep)}: nothing in the plan produces it")
     if producer.kind == Synthesize.kind:  # the caller's own (concrete) value, checked when planned
         return target.value
-    fill = blocks.filler(source, plan, producer, target.key, target.shape, target.dtype, sep)
+    read = blocks.filler(source, plan, producer, target.key, target.shape, target.dtype, sep)
+
+    def fill(index: tuple) -> np.ndarray:
+        block = read(index)
+        progress.advance(block.nbytes)
+        return block
+
     if target.kind == "numpy":
         out = fill(blocks.whole(target.shape))
         return out[()] if isinstance(target.value, np.generic) else out
@@ -68,6 +75,25 @@ def _build(source: blocks.SliceSource, plan: Plan, target: TargetLeaf, sep: str)
     if target.key_impl is not None:
         array = jax.random.wrap_key_data(array, impl=target.key_impl)
     return array
+
+
+def local_bytes(plan: Plan, targets: Mapping[KeyPath, TargetLeaf]) -> int:
+    """Bytes :func:`build` reads on this process: every numpy or Python target, and of each JAX
+    target the distinct blocks of this process's devices (a replicated block is read once);
+    targets that keep the caller's own value read nothing."""
+    total = 0
+    for target in targets.values():
+        producer = plan.producer(target.key)
+        if producer is None or producer.kind == Synthesize.kind:
+            continue
+        itemsize = np.dtype(target.dtype).itemsize
+        if target.kind != "jax":
+            total += int(np.prod(target.shape, dtype=np.int64)) * itemsize
+            continue
+        blocks_here = {_bounds(index, target.shape)
+                       for index in target.sharding.addressable_devices_indices_map(target.shape).values()}
+        total += sum(int(np.prod([b - a for a, b in bounds], dtype=np.int64)) * itemsize for bounds in blocks_here)
+    return total
 
 
 def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import re
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar
@@ -209,25 +210,67 @@ def _require_target_inside(path: Path, allowed: tuple[Path, ...], root: Path) ->
 
 
 @dataclass(frozen=True)
+class Piece:
+    """What one file of a checkpoint holds for one array: all of it, or one part.
+
+    Completeness reports say what a missing or short file costs by its pieces. ``part`` names
+    the part in the format's own terms (``""``: the whole array; ``"[0:128, 0:64]"``: a block;
+    ``"index of keys a .. b"``: an OCDBT index node); ``offset``/``length`` are its byte range in
+    the file, where the metadata says.
+    """
+
+    key: str
+    part: str = ""
+    offset: int | None = None
+    length: int | None = None
+
+    def __str__(self) -> str:
+        where = "" if self.offset is None else f" bytes {self.offset}..{self.offset + (self.length or 0)}"
+        return f"{self.key}{' ' + self.part if self.part else ''}{where}"
+
+
+@dataclass(frozen=True)
 class FileInfo:
     """One file a checkpoint consists of, with the size its metadata implies.
 
-    ``contents`` optionally lists what the file holds, one line per record, for formats that
-    spread arrays over several files (DCP: which chunk of which tensor at which bytes).
+    ``writer`` is what wrote the file, for reports per writer (``ocdbt.process_3``, ``rank 1``, an
+    array's folder); ``pieces`` what it holds (see :class:`Piece`); ``notes`` free-form lines
+    about it. ``kind`` is what is actually there: a regular file, or something ckptshim will
+    not read as one (a directory, a device, a socket).
     """
 
     path: str
     size: int | None           # None: the file is missing
     expected_size: int | None = None
-    contents: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    pieces: tuple[Piece, ...] = ()
+    writer: str = ""
+    kind: str = "file"
+
+    @property
+    def contents(self) -> tuple[str, ...]:
+        """One line per note and per piece, in file order."""
+        return self.notes + tuple(map(str, self.pieces))
 
     @property
     def problem(self) -> str | None:
         if self.size is None:
             return f"{self.path}: missing"
+        if self.kind != "file":
+            return f"{self.path}: a {self.kind}, not a regular file"
         if self.expected_size is not None and self.size < self.expected_size:
             return f"{self.path}: {self.size} bytes, but its metadata needs {self.expected_size}"
         return None
+
+    @property
+    def bytes_needed(self) -> int:
+        """Bytes the metadata needs of this file (its size, where the metadata does not say)."""
+        return self.expected_size if self.expected_size is not None else (self.size or 0)
+
+    @property
+    def bytes_present(self) -> int:
+        """How many of :attr:`bytes_needed` are there to read."""
+        return 0 if self.size is None or self.kind != "file" else min(self.size, self.bytes_needed)
 
 
 @dataclass
@@ -298,13 +341,22 @@ class Checkpoint(ABC):
         """Release open files and maps (reads afterwards are an error)."""
 
 
-def file_info(path: Path, expected_size: int | None = None, root: Path | None = None) -> FileInfo:
+def file_info(path: Path, expected_size: int | None = None, root: Path | None = None, *,
+              pieces: tuple[Piece, ...] = (), writer: str = "") -> FileInfo:
+    """What is at ``path`` (shown relative to ``root``): its size, and whether it is a regular
+    file (a link inside the checkpoint is followed; links leaving it are refused at open)."""
     shown = os.path.relpath(path, root) if root is not None else str(path)
     try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        size = None
-    return FileInfo(shown, size, expected_size)
+        found = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return FileInfo(shown, None, expected_size, pieces=pieces, writer=writer)
+    return FileInfo(shown, found.st_size, expected_size, pieces=pieces, writer=writer, kind=_kind(found.st_mode))
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "file"
+    return "directory" if stat.S_ISDIR(mode) else "special file (device, pipe or socket)"
 
 
 def check_view(entry: Entry, begin: int, end: int, available: int, where: str) -> None:

@@ -31,7 +31,8 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats import safe_pickle
-from ckptshim.formats.base import Budget, Checkpoint, file_info, reader, reading, refuse_links_leaving, storage_dtype
+from ckptshim.formats.base import (Budget, Checkpoint, Piece, file_info, reader, reading, refuse_links_leaving,
+                                   storage_dtype)
 from ckptshim.formats.torch_globals import TensorRef, torch_dtype
 from ckptshim.formats.torch_pickle import read_archive, tensor_view
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, dtype_name, split_key
@@ -435,17 +436,26 @@ class DcpCheckpoint(Checkpoint):
         return out
 
 
-def _contents(metadata: DcpMetadata) -> dict[str, list[str]]:
-    """Per rank file, one line per stored record: key, block and byte range, in file order."""
+def _pieces(metadata: DcpMetadata) -> dict[str, list[Piece]]:
+    """Per rank file, what each stored record holds: key, block and byte range, in file order."""
     chunks = {(fqn, c.offsets): c for fqn, meta in metadata.tensors.items() for c in meta.chunks}
-    lines: dict[str, list[tuple[int, str]]] = {}
+    pieces: dict[str, list[Piece]] = {}
     for (fqn, offsets), stored in metadata.storage.items():
         chunk = chunks.get((fqn, offsets))
         block = ("object" if chunk is None else
                  "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(chunk.offsets, chunk.sizes)) + "]")
-        lines.setdefault(stored.file, []).append(
-            (stored.offset, f"{fqn} {block} bytes {stored.offset}..{stored.offset + stored.length}"))
-    return {file: [text for _, text in sorted(found)] for file, found in lines.items()}
+        pieces.setdefault(stored.file, []).append(Piece(fqn, block, stored.offset, stored.length))
+    return {file: sorted(found, key=lambda piece: piece.offset) for file, found in pieces.items()}
+
+
+#: ``FileSystemWriter``'s rank files: ``__<rank>_<n>.distcp``.
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def _writer(file: str) -> str:
+    """``rank N`` for a rank file, else the file's own name."""
+    match = _RANK_FILE.fullmatch(file)
+    return f"rank {match[1]}" if match else file
 
 
 def _problems(metadata: DcpMetadata) -> dict[str, list[str]]:
@@ -520,8 +530,8 @@ def open_checkpoint(path: Path) -> DcpCheckpoint:
     needed: dict[str, int] = {}
     for stored in metadata.storage.values():
         needed[stored.file] = max(needed.get(stored.file, 0), stored.offset + stored.length)
-    contents = _contents(metadata)
-    files = [dataclasses.replace(file_info(path / name, size, root=path), contents=tuple(contents[name]))
+    pieces = _pieces(metadata)
+    files = [file_info(path / name, size, root=path, pieces=tuple(pieces[name]), writer=_writer(name))
              for name, size in sorted(needed.items())]
     problems = _problems(metadata)
     shown = [f"{label}: {fqn}: {problem}" for fqn, found in problems.items() for problem in found]

@@ -1,16 +1,23 @@
 """The key-value stores Orbax keeps arrays in: a plain folder, or an OCDBT database.
 
 Both are opened through tensorstore so that listing keys and reading small metadata values use
-the same code; neither reads array chunks. For OCDBT, :func:`ocdbt_data_files` walks the
-B+tree index (metadata only) and returns every data file it points at, with the size it must
-have, so that a deleted or truncated ``d/...`` file (including one in a per-process
-``ocdbt.process_N/`` folder) is reported before any read is attempted.
+the same code; neither reads array chunks. For OCDBT, :func:`ocdbt_index` walks the manifest
+and the b-tree (metadata only) and returns every key with its value or the byte range that
+holds it, and every index node, so that a deleted, truncated or replaced file (including one
+in a per-process ``ocdbt.process_N/`` folder) is reported, with what it costs, before any read
+is attempted.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from ckptshim.errors import CorruptCheckpointError
 
@@ -61,44 +68,222 @@ def read_values(root: Path, ocdbt: bool, keys: list[str], context=None) -> dict[
     return out
 
 
-def ocdbt_data_files(root: Path) -> dict[str, int]:
-    """Data files the OCDBT index of ``root`` references -> bytes each must at least hold.
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """A byte range of one file of an OCDBT database (a value or an index node)."""
 
-    Raises :class:`CorruptCheckpointError` when the manifest or an index node itself cannot be
-    read, since then no key of the database can be found.
+    file: str    # relative to the database's root folder
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class IndexNode:
+    """One b-tree node of the index, with the range of keys under it: ``[first, end)``
+    (``end`` ``None``: unbounded). A node whose file is missing or too short is not read: the
+    keys in its range are then unknown, and whatever they hold is lost."""
+
+    where: Reference
+    location: str   # as tensorstore spells it (what ``ts.ocdbt.dump`` reads the node by)
+    first: str
+    end: str | None
+    read: bool
+    leaf: bool
+
+    def overlaps(self, prefix: str) -> bool:
+        """Whether any key starting with ``prefix`` (non-empty) can lie under this node."""
+        after = prefix[:-1] + chr(ord(prefix[-1]) + 1)  # the first string above every such key
+        return self.first < after and (self.end is None or prefix < self.end)
+
+
+@dataclass
+class OcdbtIndex:
+    """What an OCDBT database's manifest and b-tree say, read once (metadata only; no array
+    chunk is read), kept small: a million keys are a million chunks, and the index that lists
+    them a few MiB on disk.
+
+    ``keys``: every key, grouped by its first path component (``"w/0.0"`` under ``"w"``);
+    ``kept``: the value of each key the walk was asked to keep (small metadata: the bytes when
+    stored inline, else their :class:`Reference`); ``files``: every file the index references,
+    with the bytes it must at least hold; ``nodes``: the index nodes of the latest version.
+    Which values live in a file is found again only when asked (:func:`references_into`).
     """
+
+    keys: dict[str, set[str]] = field(default_factory=dict)
+    kept: dict[str, bytes | Reference] = field(default_factory=dict)
+    files: dict[str, int] = field(default_factory=dict)
+    nodes: list[IndexNode] = field(default_factory=list)
+
+    def unreadable(self) -> list[IndexNode]:
+        return [node for node in self.nodes if not node.read]
+
+    def _need(self, where: Reference) -> None:
+        if self.files.get(where.file, -1) < where.end:
+            self.files[where.file] = where.end
+
+
+def ocdbt_index(root: Path, keep: tuple[str, ...] = ()) -> OcdbtIndex:
+    """Walk the latest version of the OCDBT database at ``root``: its manifest, then each b-tree
+    node it reaches, with tensorstore's own decoder (``ts.ocdbt.dump``); keep the values of the
+    keys that end with one of ``keep``.
+
+    Nodes may live in other databases' folders (Orbax's per-process ``ocdbt.process_N/``, which
+    the root's index points into after a multi-process save). A node whose file is missing, not
+    a regular file or too short is recorded and skipped, so the walk goes on and the report
+    can say what it costs; a manifest or node that is there but cannot be decoded raises
+    :class:`CorruptCheckpointError`.
+    """
+    index = OcdbtIndex()
+    locations = _Locations(root)
+    keys, kept, files = index.keys, index.kept, index.files
+    for node, dumped in _walk(root, locations, index.nodes):
+        index._need(node.where)
+        if dumped is None or not node.leaf:
+            continue
+        for entry in dumped["entries"]:  # a tight loop: a leaf node may hold a million entries
+            key = entry["key"].decode("utf-8", "replace")
+            group, _, rest = key.partition("/")
+            found = keys.get(group)
+            if found is None:
+                found = keys[group] = set()
+            found.add(rest)
+            value = entry.get("inline_value")
+            if value is None:
+                head, offset, length = entry["indirect_value"].rsplit(":", 2)
+                file, end = locations.file(head), int(offset) + int(length)
+                if files.get(file, -1) < end:
+                    files[file] = end
+                if key.endswith(keep):
+                    kept[key] = Reference(file, int(offset), int(length))
+            elif key.endswith(keep):
+                kept[key] = value
+    return index
+
+
+def references_into(root: Path, index: OcdbtIndex, files: set[str]) -> Iterator[tuple[str, Reference]]:
+    """``(key, where its value lies)`` for every value the index stores in one of ``files``:
+    the leaf nodes walked again (only a report of what a damaged file costs asks this)."""
     ts = _ts()
     base = ts.KvStore.open(file_url(root)).result()
-    needed: dict[str, int] = {}
+    locations = _Locations(root)
+    for node in index.nodes:
+        if not (node.leaf and node.read):
+            continue
+        with _decoding(root):
+            dumped = ts.ocdbt.dump(base, node.location).result()
+        for entry in dumped["entries"]:
+            if "indirect_value" in entry:
+                where = locations.reference(entry["indirect_value"])
+                if where.file in files:
+                    yield entry["key"].decode("utf-8", "replace"), where
+
+
+def read_reference(root: Path, where: Reference) -> bytes:
+    """The bytes of one value stored out of line (OCDBT stores values uncompressed)."""
     try:
+        with open(root / where.file, "rb") as f:
+            data = os.pread(f.fileno(), where.length, where.offset)
+    except OSError as error:
+        raise CorruptCheckpointError(f"{root / where.file}: cannot be read ({error}); run "
+                                     "`ckptshim inspect` on the checkpoint to see what is missing.") from None
+    if len(data) != where.length:
+        raise CorruptCheckpointError(f"{root / where.file}: holds {len(data)} of the {where.length} bytes "
+                                     f"at {where.offset} its index points at; it is truncated.")
+    return data
+
+
+def _walk(root: Path, locations: _Locations, nodes: list[IndexNode]) -> Iterator[tuple[IndexNode, dict | None]]:
+    """Each index node of the latest version, depth first, with its dump (``None`` when its
+    file cannot hold it); interior nodes' children are queued with their key ranges."""
+    ts = _ts()
+    base = ts.KvStore.open(file_url(root)).result()
+    sizes: dict[str, int | None] = {}
+    with _decoding(root):
         manifest = ts.ocdbt.dump(base).result()
         versions = manifest.get("versions") or []
         if not versions:
-            return needed
+            return
         latest = max(versions, key=lambda v: v["generation_number"])
         location = latest.get("root", {}).get("location")
-        pending = [location] if location else []
-        while pending:
-            location = pending.pop()
-            _note(location, needed)
-            node = ts.ocdbt.dump(base, location).result()
-            for entry in node.get("entries", ()):
-                if node.get("height", 0) > 0 and "location" in entry:
-                    pending.append(entry["location"])
-                elif "indirect_value" in entry:
-                    _note(entry["indirect_value"], needed)
+        pending = [(location, "", None, latest.get("root_height", 0) == 0)] if location else []
+    while pending:
+        location, first, end, leaf = pending.pop()
+        where = locations.reference(location)
+        if where.file not in sizes:
+            sizes[where.file] = regular_size(root / where.file)
+        readable = sizes[where.file] is not None and sizes[where.file] >= where.end
+        node = IndexNode(where, location, first, end, readable, leaf)
+        nodes.append(node)
+        if not readable:
+            yield node, None
+            continue
+        with _decoding(root):
+            dumped = ts.ocdbt.dump(base, location).result()
+            height, entries = dumped.get("height", 0), dumped.get("entries", ())
+            if height > 0:
+                for i, entry in enumerate(entries):
+                    upper = _text(entries[i + 1]["key"]) if i + 1 < len(entries) else end
+                    pending.append((entry["location"], _text(entry["key"]), upper, height == 1))
+        yield node, dumped
+
+
+@contextlib.contextmanager
+def _decoding(root: Path) -> Iterator[None]:
+    try:
+        yield
     except (ValueError, OSError, KeyError, TypeError) as error:
         raise CorruptCheckpointError(
             f"{root}: the OCDBT index (manifest.ocdbt and the index nodes it points at) cannot be "
             f"read ({error}); the checkpoint is incomplete or corrupt. Re-copy it from the "
             "original.") from None
-    return needed
 
 
-def _note(location: str, needed: dict[str, int]) -> None:
-    """``"value:ocdbt.process_0/:d/abc:10:20"`` -> ``needed["ocdbt.process_0/d/abc"] >= 30``."""
-    _kind, rest = location.split(":", 1)
-    paths, offset, length = rest.rsplit(":", 2)
-    base_path, relative = paths.split(":", 1)
-    name = base_path + relative
-    needed[name] = max(needed.get(name, 0), int(offset) + int(length))
+def _text(key: bytes) -> str:
+    return bytes(key).decode("utf-8", "replace")
+
+
+class _Locations:
+    """Parses tensorstore's location strings, ``"value:ocdbt.process_0/:d/abc:10:20"`` ->
+    ``Reference("ocdbt.process_0/d/abc", 10, 20)``, checking each file name once.
+
+    tensorstore percent-encodes both path parts; a path that would leave the database's folder
+    is refused (tensorstore would read it relative to the folder, wherever that leads).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._files: dict[str, str] = {}
+
+    def reference(self, location: str) -> Reference:
+        head, offset, length = location.rsplit(":", 2)
+        return Reference(self.file(head), int(offset), int(length))
+
+    def file(self, head: str) -> str:
+        """The file of a location without its offset and length (``"value:<base>:<relative>"``)."""
+        file = self._files.get(head)
+        if file is None:
+            file = self._files[head] = self._checked(head)
+        return file
+
+    def _checked(self, head: str) -> str:
+        _kind, base_path, relative = head.split(":", 2)
+        name = unquote(base_path) + unquote(relative)
+        parts = name.split("/")
+        if not name or name.startswith("/") or ".." in parts or "\0" in name:
+            raise CorruptCheckpointError(
+                f"{self._root}: the OCDBT index points at {name!r}, which is not a file inside the "
+                "checkpoint; ckptshim reads only files the checkpoint contains. Re-copy it from the original.")
+        return name
+
+
+def regular_size(path: Path) -> int | None:
+    """The size of the regular file at ``path`` (a link followed); ``None`` for anything else."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_size if stat.S_ISREG(found.st_mode) else None

@@ -18,6 +18,7 @@ completeness from the OCDBT index and the listing of chunk keys.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -25,8 +26,8 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import kvstore, msgpack_tree, zarr
-from ckptshim.formats.base import (Checkpoint, FileInfo, file_info, folder_bytes, numpy_dtype, reader,
-                                   refuse_links_leaving, storage_dtype, strict_json)
+from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, numpy_dtype,
+                                   reader, refuse_links_leaving, storage_dtype, strict_json)
 from ckptshim.formats.ts_arrays import TensorstoreArrays
 from ckptshim.inventory import Entry, Inventory, KeyPath
 
@@ -97,7 +98,8 @@ class OrbaxCheckpoint(Checkpoint):
 
 
 def _metadata_leaves(path: Path) -> tuple[list[tuple[KeyPath, str]], dict]:
-    """``_METADATA`` -> [(key path, zarr array name)] for array leaves, and the file's options."""
+    """``_METADATA`` -> [(key path, zarr array name)] for array leaves, and the file's other fields
+    (its options)."""
     where = path / METADATA
     try:
         meta = strict_json(where.read_bytes(), folder_bytes(path))
@@ -114,7 +116,7 @@ def _metadata_leaves(path: Path) -> tuple[list[tuple[KeyPath, str]], dict]:
             f"{where}: not a valid Orbax metadata file ({type(error).__name__}: {error}). "
             "Orbax writes it last, so the save may have been interrupted; restore an intact copy "
             "of the checkpoint, or remove the file to read the folder as a legacy layout.") from None
-    return leaves, meta
+    return leaves, {name: value for name, value in meta.items() if name != "tree_metadata"}  # not the tree: big
 
 
 def _require_plain_names(path: Path, leaves: list[tuple[KeyPath, object]]) -> None:
@@ -152,43 +154,116 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
                   for key, leaf in found.items() if not isinstance(leaf, str) or leaf.startswith(PLACEHOLDER)]
         _require_plain_names(path, leaves)
         version = f"legacy aggregate{' + ocdbt' if ocdbt else ''}"
-    listed = kvstore.list_keys(path, ocdbt)
-    by_array: dict[str, set[str]] = {}
-    for key in listed:
-        name, _, rest = key.partition("/")
-        if rest:
-            by_array.setdefault(name, set()).add(rest)
+    store = _Store.ocdbt(path) if ocdbt else _Store.folders(path)
     wanted = [name for _, name in leaves if isinstance(name, str)]
-    meta_keys = {name: next((f"{name}/{m}" for m in zarr.METADATA_FILES if m in by_array.get(name, ())), None)
-                 for name in wanted}
-    raw = kvstore.read_values(path, ocdbt, [k for k in meta_keys.values() if k is not None])
+    raw = store.metadata(wanted)
 
     entries: list[Entry] = []
     problems: list[str] = []
+    arrays: dict[str, zarr.ZarrArray] = {}
+    parsed: dict[bytes, zarr.ZarrArray] = {}
+    files: list[FileInfo] = []
     for key, leaf in leaves:
         if not isinstance(leaf, str):
             entries.append(msgpack_tree.inline_entry(key, leaf))
             continue
-        meta_key = meta_keys[leaf]
-        if meta_key is None or raw.get(meta_key) is None:
+        meta_key, meta = raw.get(leaf, (None, None))
+        if meta is None:
             problems.append(f"{leaf}: array metadata (.zarray or zarr.json) missing; the array "
                             "cannot be read")
             continue
-        array = zarr.parse(raw[meta_key], f"{path}/{meta_key}")
+        array = parsed.get(meta)
+        if array is None:  # the layers of a model share their metadata: parse each text once
+            array = parsed[meta] = zarr.parse(meta, f"{path}/{meta_key}")
         entries.append(Entry(key, array.shape, array.dtype, StoredArray(leaf, array.driver)))
-        if zarr.chunk_keys_required(array, fill_stored):
-            count, absent = array.missing_chunks(by_array.get(leaf, set()))
+        arrays[leaf] = array
+        present = store.by_array.get(leaf, set())
+        required = zarr.chunk_keys_required(array, fill_stored)
+        if ocdbt:  # OCDBT records each chunk's size; the index's files are checked below
+            count, absent = array.missing_chunks(present) if required else (0, [])
             if count:
                 shown = ", ".join(absent) + (f" and {count - len(absent)} more" if count > len(absent) else "")
-                problems.append(f"{leaf}: {count} chunk(s) missing ({shown})")
-        if not ocdbt:  # OCDBT records each chunk's size; plain files only their frames do
-            count, short = array.short_chunks(path / leaf, by_array.get(leaf, set()))
-            if count:
-                problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")
-
-    files: list[FileInfo] = []
+                problems.append(f"{leaf}: {count} chunk(s) missing from the OCDBT index ({shown})")
+            continue
+        chunk_files, unlisted = array.folder_files(path / leaf, present, "/".join(key), required, path)
+        files += chunk_files
+        if unlisted:
+            problems.append(f"{leaf}: {unlisted} more chunk file(s) missing")
+        count, short = array.short_chunks(path / leaf, present)  # plain files: only frames say
+        if count:
+            problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")
     if ocdbt:
-        files = [file_info(path / name, size, root=path)
-                 for name, size in sorted(kvstore.ocdbt_data_files(path).items())]
+        names = {name: "/".join(key) for key, name in leaves if isinstance(name, str)}
+        files = ocdbt_files(path, store.index, names, arrays)
     return OrbaxCheckpoint(path, version, Inventory(entries, str(path)), files, problems,
                            ocdbt=ocdbt, native=native, aggregate=aggregate)
+
+
+class _Store:
+    """The keys of an item's store grouped by array (``name/<chunk>``), and its arrays' zarr
+    metadata: from the OCDBT index (one walk; Orbax stores metadata inline), or by listing and
+    reading a folder of per-leaf arrays."""
+
+    def __init__(self, root: Path, by_array: dict[str, set[str]], index: kvstore.OcdbtIndex | None) -> None:
+        self.root, self.by_array, self.index = root, by_array, index
+
+    @classmethod
+    def ocdbt(cls, root: Path) -> _Store:
+        index = kvstore.ocdbt_index(root, keep=_METADATA_SUFFIXES)
+        return cls(root, index.keys, index)
+
+    @classmethod
+    def folders(cls, root: Path) -> _Store:
+        by_array: dict[str, set[str]] = {}
+        for key in kvstore.list_keys(root, False):
+            name, _, rest = key.partition("/")
+            by_array.setdefault(name, set()).add(rest)
+        return cls(root, by_array, None)
+
+    def metadata(self, names: list[str]) -> dict[str, tuple[str, bytes | None]]:
+        """Array name -> (its metadata key, the bytes of its ``.zarray``/``zarr.json``)."""
+        keys = {name: next((f"{name}/{m}" for m in zarr.METADATA_FILES if m in self.by_array.get(name, ())), None)
+                for name in names}
+        wanted = [key for key in keys.values() if key is not None]
+        if self.index is None:
+            found = kvstore.read_values(self.root, False, wanted)
+        else:
+            kept = self.index.kept
+            found = {key: value if isinstance(value, bytes) else kvstore.read_reference(self.root, value)
+                     for key in wanted if (value := kept.get(key)) is not None}
+        return {name: (key, found.get(key)) for name, key in keys.items() if key is not None}
+
+
+_METADATA_SUFFIXES = tuple(f"/{name}" for name in zarr.METADATA_FILES)
+
+
+def ocdbt_files(root: Path, index: kvstore.OcdbtIndex, names: dict[str, str],
+                arrays: dict[str, zarr.ZarrArray]) -> list[FileInfo]:
+    """Every file the OCDBT index of ``root`` references, with the bytes it must hold and the
+    process folder that wrote it; a file with a problem lists what it costs (the chunks it
+    holds, the arrays an unreadable index node indexes). ``names`` spells each stored array's
+    name as a key; ``arrays`` has the zarr metadata of those the index let us read."""
+    files = [file_info(root / name, size, root=root, writer=_writer(name))
+             for name, size in sorted(index.files.items())]
+    lost = {f.path for f in files if f.problem is not None}
+    if not lost:
+        return files
+    pieces: dict[str, list[Piece]] = {}
+    for key, where in kvstore.references_into(root, index, lost):
+        name, _, chunk = key.partition("/")
+        array = arrays.get(name)
+        region = array.chunk_region(chunk) if array is not None and array.is_chunk_key(chunk) else chunk
+        pieces.setdefault(where.file, []).append(Piece(names.get(name, name), region, where.offset, where.length))
+    for node in index.unreadable():
+        pieces.setdefault(node.where.file, []).extend(
+            Piece(spelled, "(its index node)", node.where.offset, node.where.length)
+            for name, spelled in sorted(names.items()) if node.overlaps(f"{name}/"))
+    return [dataclasses.replace(f, pieces=tuple(sorted(pieces.get(f.path, ()), key=lambda p: p.offset)))
+            if f.path in lost else f for f in files]
+
+
+def _writer(name: str) -> str:
+    """The process folder that wrote an OCDBT file (``ocdbt.process_3``), or ``root`` for the
+    item's own database (the merged index of a multi-process save, or a single writer's data)."""
+    first = name.split("/", 1)[0]
+    return first if first.startswith("ocdbt.process_") else "root"

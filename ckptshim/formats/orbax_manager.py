@@ -10,6 +10,7 @@ several. The hooks use :func:`steps` and :func:`items` to find what a restore ca
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import orbax
-from ckptshim.formats.base import Checkpoint, FileInfo, reader, step_folders
+from ckptshim.formats.base import Checkpoint, reader, step_folders
 from ckptshim.inventory import Entry, Inventory
 
 NAME = "orbax-manager"
@@ -53,8 +54,7 @@ class ManagerCheckpoint(Checkpoint):
         prefixed = len(parts) > 1
         entries = [Entry(((name,) if prefixed else ()) + e.key, e.shape, e.dtype, (name, e.location))
                    for name, part in parts.items() for e in part.inventory.values()]
-        files = [FileInfo(f"{name}/{f.path}", f.size, f.expected_size)
-                 for name, part in parts.items() for f in part.files]
+        files = [dataclasses.replace(f, path=f"{name}/{f.path}") for name, part in parts.items() for f in part.files]
         problems = [f"{name}: {p}" for name, part in parts.items() for p in part.problems]
         super().__init__(path, NAME, version, Inventory(entries, str(path)), tuple(files), tuple(problems))
         self._parts = parts

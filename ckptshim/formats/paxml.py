@@ -95,8 +95,8 @@ class PaxmlCheckpoint(orbax.OrbaxCheckpoint):
     #: Today's Orbax finds no tree metadata here; the Orbax hooks always step in.
     orbax_readers: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, path: Path, version: str, inventory: Inventory, problems) -> None:
-        super().__init__(path, version, inventory, (), problems, ocdbt=False, native=False)
+    def __init__(self, path: Path, version: str, inventory: Inventory, files, problems) -> None:
+        super().__init__(path, version, inventory, files, problems, ocdbt=False, native=False)
         self.format = NAME
 
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray):
@@ -143,7 +143,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
     for key in kvstore.list_keys(state, False):
         folder, _, rest = key.partition("/")
         listed.setdefault(folder, set()).add(rest)
-    entries, problems = [], []
+    entries, problems, files = [], [], []
     for name in names:
         meta_key = next(f"{name}/{m}" for m in zarr.METADATA_FILES if raw.get(f"{name}/{m}") is not None)
         array = zarr.parse(raw[meta_key], f"{state / meta_key}")
@@ -157,12 +157,13 @@ def open_checkpoint(path: Path) -> Checkpoint:
         location = orbax.StoredArray(name, array.driver) if shape == array.shape else \
             _Padded(name, array.driver)
         entries.append(Entry(key, shape, array.dtype, location))
-        if zarr.chunk_keys_required(array, False):
-            count, absent = array.missing_chunks(listed.get(name, set()))
-            if count:
-                problems.append(f"{name}: {count} chunk(s) missing ({', '.join(absent)})")
+        chunk_files, unlisted = array.folder_files(state / name, listed.get(name, set()), "/".join(key),
+                                                   zarr.chunk_keys_required(array, False), state)
+        files += chunk_files
+        if unlisted:
+            problems.append(f"{name}: {unlisted} more chunk file(s) missing")
         count, short = array.short_chunks(state / name, listed.get(name, set()))
         if count:
             problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")
     shown = "0.0 (no metadata)" if version is None else f"{version:g}"
-    return PaxmlCheckpoint(state, f"{shown}, tensorstore", Inventory(entries, str(state)), problems)
+    return PaxmlCheckpoint(state, f"{shown}, tensorstore", Inventory(entries, str(state)), files, problems)

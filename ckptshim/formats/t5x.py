@@ -224,6 +224,7 @@ def _open_legacy(step_dir: Path) -> T5XCheckpoint:
         by_folder.setdefault(folder, set()).add(rest)
     entries: list[Entry] = []
     problems: list[str] = []
+    files = [file_info(step_dir / AGGREGATE, len(data), root=step_dir)]
     specs = {key: local_folder(leaf, step_dir, f"{step_dir / AGGREGATE} leaf {'/'.join(key)!r}")
              for key, leaf in found.items() if _is_spec(leaf)}
     raw = kvstore.read_values(step_dir, False, [f"{name}/.zarray" for name in specs.values()])
@@ -244,15 +245,16 @@ def _open_legacy(step_dir: Path) -> T5XCheckpoint:
             entries.append(Entry(key, array.shape, "bfloat16", _Uint16Bits(name, array.driver)))
         else:
             entries.append(Entry(key, array.shape, array.dtype, orbax.StoredArray(name, array.driver)))
-        if zarr.chunk_keys_required(array, False):
-            count, absent = array.missing_chunks(by_folder.get(name, set()))
-            if count:
-                problems.append(f"{name}/: {count} chunk(s) missing ({', '.join(absent)})")
+        chunk_files, unlisted = array.folder_files(step_dir / name, by_folder.get(name, set()), "/".join(key),
+                                                   zarr.chunk_keys_required(array, False), step_dir)
+        files += chunk_files
+        if unlisted:
+            problems.append(f"{name}/: {unlisted} more chunk file(s) missing")
         count, short = array.short_chunks(step_dir / name, by_folder.get(name, set()))
         if count:
             problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")
     return T5XCheckpoint(step_dir, f"legacy msgpack v{t5x_version}", Inventory(entries, str(step_dir)),
-                         [file_info(step_dir / AGGREGATE, len(data), root=step_dir)], problems,
+                         files, problems,
                          data, t5x_version)
 
 

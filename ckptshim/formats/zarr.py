@@ -12,17 +12,20 @@ import itertools
 import math
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import frames
-from ckptshim.formats.base import ALLOWANCE_BYTES, strict_json
+from ckptshim.formats.base import ALLOWANCE_BYTES, FileInfo, Piece, file_info, strict_json
 from ckptshim.inventory import DTYPE_SIZES, dtype_name
 
 #: The metadata file of each zarr version, relative to the array's folder/prefix.
 METADATA_FILES = {".zarray": "zarr", "zarr.json": "zarr3"}
+#: Missing chunk files of one array listed one by one in a completeness report; more are counted.
+LISTED_MISSING = 1000
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ class ZarrArray:
     fill_value_null: bool        # v2 with no fill value: a missing chunk silently reads as zeros
     compressor: str | None = None  # v2: of each chunk file ("zstd", "gzip", ...); None: not known
 
-    @property
+    @cached_property
     def grid(self) -> tuple[int, ...]:
         """Chunks along each axis (none at all when an axis is empty)."""
         return tuple(0 if n == 0 else -(-n // c) for n, c in zip(self.shape, self.chunks))
@@ -72,9 +75,13 @@ class ZarrArray:
             return key == self._scalar_key
         if not key.startswith(self.prefix):
             return False
-        parts = key[len(self.prefix):].split(self.separator)
-        return len(parts) == len(self.grid) and all(
-            p.isdigit() and str(int(p)) == p and int(p) < n for p, n in zip(parts, self.grid))
+        parts, grid = key[len(self.prefix):].split(self.separator), self.grid
+        if len(parts) != len(grid):
+            return False
+        for part, n in zip(parts, grid):  # a loop, not all(...): a million keys go through here
+            if not (part.isascii() and part.isdigit()) or (part[0] == "0" and part != "0") or int(part) >= n:
+                return False
+        return True
 
     def missing_chunks(self, present: Collection[str], shown: int = 4) -> tuple[int, list[str]]:
         """How many chunk keys are not in ``present``, and the first ``shown`` of them.
@@ -82,9 +89,39 @@ class ZarrArray:
         Takes time in the size of ``present`` (what the folder or database lists), never in the
         number of chunks the metadata declares, which a damaged file can make astronomical.
         """
-        missing = math.prod(self.grid) - sum(1 for key in present if self.is_chunk_key(key))
+        total = math.prod(self.grid)
+        if total <= len(present) + LISTED_MISSING:  # as many keys as the listing, give or take: list them
+            absent = [key for key in self.chunk_keys() if key not in present]
+            return len(absent), absent[:shown]
+        missing = total - sum(1 for key in present if self.is_chunk_key(key))
         first = itertools.islice((k for k in self.chunk_keys() if k not in present), min(shown, missing))
         return missing, list(first)
+
+    def chunk_region(self, key: str) -> str:
+        """The elements chunk ``key`` (one of :meth:`chunk_keys`) holds, as ``"[0:32, 32:64]"``;
+        ``""`` for a scalar's one chunk."""
+        if not self.shape:
+            return ""
+        starts = map(int, key[len(self.prefix):].split(self.separator))
+        return "[" + ", ".join(f"{i * c}:{min((i + 1) * c, n)}"
+                               for i, c, n in zip(starts, self.chunks, self.shape)) + "]"
+
+    def folder_files(self, folder: Path, present: Collection[str], key: str, required: bool,
+                     root: Path) -> tuple[list[FileInfo], int]:
+        """The chunk files of an array stored as a folder of its own (per-leaf Orbax, PaxML,
+        T5X), for the completeness report: each one ``present`` (its size), and -- when
+        ``required`` (see :func:`chunk_keys_required`) -- each missing one, with the block of
+        array ``key`` it would hold. At most :data:`LISTED_MISSING` missing files are listed;
+        the count of the others is returned (damaged metadata can declare any number)."""
+        writer = f"{folder.name}/"
+        files = [file_info(folder / name, root=root, writer=writer, pieces=(Piece(key, self.chunk_region(name)),))
+                 for name in sorted(present) if self.is_chunk_key(name)]
+        if not required:
+            return files, 0
+        missing, first = self.missing_chunks(present, LISTED_MISSING)
+        files += [FileInfo(f"{folder.relative_to(root)}/{name}", None, writer=writer,
+                           pieces=(Piece(key, self.chunk_region(name)),)) for name in first]
+        return files, missing - len(first)
 
     @property
     def chunk_bytes(self) -> int:

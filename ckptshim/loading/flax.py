@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptshim.formats import flax_msgpack
-from ckptshim.loading import jax as jax_loading
+from ckptshim.loading import agreement, jax as jax_loading
 
 
 def legacy_file(ckpt_dir: str | os.PathLike, step: Any, prefix: str) -> Path | None:
@@ -42,11 +42,14 @@ def restore_checkpoint(ckpt_dir: str | os.PathLike, target: Any, step: Any, pref
     if path is None:
         return native()
     with ExitStack() as stack:
-        checkpoint = flax_msgpack.open_checkpoint(path)
-        stack.callback(checkpoint.close)
-        prepared = jax_loading.prepare(checkpoint, serialization.to_state_dict(target),
-                                       f"flax restore_checkpoint({path})")
-        if jax_loading.native_fits(prepared, readable=True, partial=False):
+        where = f"flax restore_checkpoint({path})"
+        with agreement.agreeing(where, "planning") as planned:
+            checkpoint = flax_msgpack.open_checkpoint(path)
+            stack.callback(checkpoint.close)
+            prepared = jax_loading.prepare(checkpoint, serialization.to_state_dict(target), where)
+            native_fits = jax_loading.native_fits(prepared, readable=True, partial=False)
+            planned.decision = "flax restores it" if native_fits else "ckptshim restores it"
+        if native_fits:
             return native()
         state_dict = prepared.run()
     return serialization.from_state_dict(target, state_dict)

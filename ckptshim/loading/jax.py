@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptshim import config
+from ckptshim import config, progress
 from ckptshim.errors import PlanError, UnknownFormatError
 from ckptshim.execute import jax as executor
 from ckptshim.execute.jax_tree import TargetTree
@@ -26,6 +26,7 @@ from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Inventory, join_key, unflatten
 from ckptshim.keytext import ranges
+from ckptshim.loading import agreement
 from ckptshim.loading.report import report_load
 from ckptshim.log import logger
 from ckptshim.ops import Cast, Synthesize
@@ -47,10 +48,15 @@ class Prepared:
     where: str
 
     def run(self) -> Any:
-        """Read what the plan needs and return the caller's tree filled with it."""
+        """Read what the plan needs and return the caller's tree filled with it (on every process
+        of a multi-process job, or on none: see :mod:`~ckptshim.loading.agreement`)."""
         report_load(self.where, self.plan, SEP,
                     read_as=f"{self.checkpoint.format} ({self.checkpoint.version})")
-        return self.target.rebuild(executor.build(self.checkpoint, self.plan, self.target.targets, SEP))
+        targets = self.target.targets
+        with agreement.agreeing(self.where, "reading"), \
+                progress.load_bar(executor.local_bytes(self.plan, targets), "ckptshim: restoring"):
+            built = executor.build(self.checkpoint, self.plan, targets, SEP)
+        return self.target.rebuild(built)
 
 
 def open_item(path: Path) -> Checkpoint | None:

@@ -18,7 +18,10 @@ from typing import Any
 
 from ckptshim.errors import PlanError
 from ckptshim.formats import orbax_manager
-from ckptshim.loading import jax as jax_loading
+from ckptshim.loading import agreement, jax as jax_loading
+
+#: What a process decided for a restore, as it tells the others (see :mod:`~ckptshim.loading.agreement`).
+NATIVE, SHIM = "orbax restores it", "ckptshim restores it"
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,10 @@ def restore_item(path: Path, request: Request | None, where: str, native: Callab
     """One item at ``path``: restored by ckptshim, or by ``native()`` where Orbax can do it itself
     (or where the request is not one ckptshim understands: ``None``)."""
     with ExitStack() as stack:
-        prepared = None if request is None else prepare_item(path, request, where, stack)
-        if prepared is None or fits(prepared, request):
+        with agreement.agreeing(where, "planning") as planned:
+            prepared = None if request is None else prepare_item(path, request, where, stack)
+            planned.decision = NATIVE if prepared is None or fits(prepared, request) else SHIM
+        if planned.decision == NATIVE:
             return native()
         return prepared.run()
 
@@ -72,17 +77,19 @@ def restore_items(step_dir: Path, requested: Mapping[str, Request | None], where
     ...) and requests ckptshim does not understand are restored by ``native(names)``. ``force``:
     restore the array items here even where Orbax could (used after Orbax failed to).
     """
-    folders = match_items(step_dir, requested)
     with ExitStack() as stack:
-        prepared: dict[str, jax_loading.Prepared] = {}
-        shim = force or any(folder.name != name for name, folder in folders.items())
-        for name, folder in folders.items():
-            request = requested[name]
-            item = None if request is None else prepare_item(folder, request, f"{where} item {name!r}", stack)
-            if item is not None:
-                prepared[name] = item
-                shim = shim or not fits(item, request)
-        if not shim:
+        with agreement.agreeing(where, "planning") as planned:
+            folders = match_items(step_dir, requested)
+            prepared: dict[str, jax_loading.Prepared] = {}
+            shim = force or any(folder.name != name for name, folder in folders.items())
+            for name, folder in folders.items():
+                request = requested[name]
+                item = None if request is None else prepare_item(folder, request, f"{where} item {name!r}", stack)
+                if item is not None:
+                    prepared[name] = item
+                    shim = shim or not fits(item, request)
+            planned.decision = SHIM if shim else NATIVE
+        if planned.decision == NATIVE:
             return None
         results = {name: item.run() for name, item in prepared.items()}
     rest = [name for name in requested if name not in results]

@@ -30,7 +30,7 @@ from typing import Any
 from ckptshim.formats import t5x as t5x_format
 from ckptshim.formats.base import Checkpoint, numpy_dtype
 from ckptshim.inventory import flatten, unflatten
-from ckptshim.loading import jax as jax_loading
+from ckptshim.loading import agreement, jax as jax_loading
 from ckptshim.loading.report import report_read_as_stored
 
 
@@ -165,7 +165,8 @@ def restore(instance: Any, call: dict[str, Any], native: Callable[[], Any]) -> A
                 state_dict = _merge(state_dict, fallback)
         else:
             stack.callback(checkpoint.close)
-            target = instance._train_state.state_dict()
-            state_dict = jax_loading.prepare(checkpoint, target, where).run()
+            with agreement.agreeing(where, "planning"):
+                prepared = jax_loading.prepare(checkpoint, instance._train_state.state_dict(), where)
+            state_dict = prepared.run()
         state_dict = _cast_target(state_dict, getattr(instance, "restore_dtype", None))
     return instance._restore_train_state(state_dict)

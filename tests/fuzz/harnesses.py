@@ -188,7 +188,7 @@ HARNESSES: tuple[Harness, ...] = (
             "orbax_0.2.3_unscanned/pytree_checkpointer", "checkpoint", examples=180),
     Harness("orbax_metadata", "formats/orbax.py: _metadata_leaves (_METADATA JSON)",
             "orbax_0.12.8_scanned/standard_checkpointer_scanned", "_METADATA", examples=120),
-    Harness("ocdbt_manifest", "formats/kvstore.py: list_keys, ocdbt_data_files (tensorstore)",
+    Harness("ocdbt_manifest", "formats/kvstore.py: ocdbt_index, read_values (tensorstore)",
             "orbax_0.12.8_scanned/standard_checkpointer_scanned", "manifest.ocdbt", examples=120),
     Harness("zarr_v2_file", "formats/zarr.py: parse (.zarray in a per-leaf folder)",
             "orbax_0.2.3_unscanned/pytree_checkpointer",

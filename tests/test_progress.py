@@ -1,0 +1,127 @@
+"""What a long hooked load shows: one tqdm bar over the bytes it reads, on a terminal only, and
+its one summary line, once.
+
+A bar needs stderr to be a terminal, so these loads run in a child process whose stderr is a
+pseudo-terminal (as ``test_convert.py``'s bar does); the fixtures are small, so
+``CKPTSHIM_PROGRESS_MIN_BYTES`` lowers the threshold (1 GiB by default) to show one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from support.fixtures import FIXTURES, copy_fixture
+from support.processes import environment
+
+RESTORE = """
+import os, sys
+import jax, orbax.checkpoint as ocp
+import ckptshim
+unscanned, scanned = sys.argv[1], sys.argv[2]
+with ocp.StandardCheckpointer() as checkpointer:
+    stored = checkpointer.restore(scanned)
+    target = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                     stored["params"])}
+    checkpointer.restore(unscanned, target)
+print("restored", file=sys.stderr, flush=True)
+"""
+
+DCP_LOAD = """
+import sys
+import torch, torch.distributed.checkpoint as dcp
+import ckptshim
+from ckptshim.api import inspect
+checkpoint = inspect(sys.argv[1])
+state = {"model": {".".join(k[1:]): torch.empty(e.shape, dtype=getattr(torch, e.dtype))
+                   for k, e in checkpoint.inventory.items() if k[0] == "model"}}
+compiled = {"model": {"_orig_mod." + k: v for k, v in state["model"].items()}}
+dcp.load(compiled, checkpoint_id=sys.argv[1])
+print("loaded", file=sys.stderr, flush=True)
+"""
+
+
+def on_a_terminal(code: str, *argv: str, **env: str) -> str:
+    """What ``python -c code argv...`` writes to stderr when stderr is a terminal."""
+    import pty
+    import termios
+
+    controller, terminal = pty.openpty()
+    termios.tcsetwinsize(terminal, (24, 100))
+    base = {k: v for k, v in environment().items() if not k.startswith("CKPTSHIM_")}
+    child = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.DEVNULL, stderr=terminal,
+                             env={**base, "JAX_PLATFORMS": "cpu", **env})
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(controller)
+    text = shown.decode(errors="replace").replace("\r\n", "\n")
+    assert child.wait(timeout=180) == 0, text
+    return text
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = copy_fixture("maxtext_runs", tmp_path_factory.mktemp("runs"))
+    return [str(root / name / "checkpoints" / "1" / "items") for name in ("tiny_unscanned", "tiny_scanned")]
+
+
+def test_a_restore_over_the_threshold_shows_one_bar_to_its_end(runs):
+    shown = on_a_terminal(RESTORE, *runs, CKPTSHIM_PROGRESS_MIN_BYTES="1")
+    assert shown.count("ckptshim: restoring") >= 1 and "100%|" in shown, shown
+    bars = {line.split("|")[0].split(":")[-1] for line in shown.split("\r") if "ckptshim: restoring" in line}
+    assert "100%" in {b.strip() for b in bars}
+
+
+@pytest.mark.parametrize("env", [{}, {"CKPTSHIM_PROGRESS_MIN_BYTES": "1", "CKPTSHIM_PROGRESS": "0"}],
+                         ids=["under the 1 GiB default", "CKPTSHIM_PROGRESS=0"])
+def test_no_bar_under_the_threshold_or_when_switched_off(runs, env):
+    shown = on_a_terminal(RESTORE, *runs, **env)
+    assert "restored" in shown and "%|" not in shown, shown
+
+
+def test_no_bar_when_stderr_is_not_a_terminal(runs):
+    env = {**{k: v for k, v in environment().items() if not k.startswith("CKPTSHIM_")},
+           "JAX_PLATFORMS": "cpu", "CKPTSHIM_PROGRESS_MIN_BYTES": "1"}
+    result = subprocess.run([sys.executable, "-c", RESTORE, *runs], capture_output=True, text=True, env=env,
+                            timeout=180)
+    assert result.returncode == 0 and "restored" in result.stderr and "%|" not in result.stderr, result.stderr
+
+
+def test_a_dcp_load_through_ckptshim_shows_a_bar(tmp_path):
+    shown = on_a_terminal(DCP_LOAD, str(copy_fixture("torch_dcp_single/dcp_plain", tmp_path)),
+                          CKPTSHIM_PROGRESS_MIN_BYTES="1")
+    assert "ckptshim: dcp.load" in shown and "100%|" in shown and "loaded" in shown, shown
+
+
+def test_the_summary_line_is_printed_once_when_the_application_logs_too(runs):
+    """CKPTSHIM_LOG asks for ckptshim's lines on stderr; a root handler prints them too (Orbax's
+    import calls logging.basicConfig, and so may the application) -- each appears once."""
+    code = "import logging; logging.basicConfig(level=logging.INFO)\n" + RESTORE
+    env = {**{k: v for k, v in environment().items() if not k.startswith("CKPTSHIM_")},
+           "JAX_PLATFORMS": "cpu", "CKPTSHIM_LOG": "info"}
+    result = subprocess.run([sys.executable, "-c", code, *runs], capture_output=True, text=True, env=env, timeout=180)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "27 stacked" in line or "stacked (axis 1)" in line]
+    assert len(lines) == 1, result.stderr
+
+
+def test_the_summary_line_is_printed_by_ckptshim_when_nothing_else_would(runs):
+    """The application's root logger writes elsewhere (a file; here nowhere): ckptshim's own
+    handler prints the line."""
+    env = {**{k: v for k, v in environment().items() if not k.startswith("CKPTSHIM_")},
+           "JAX_PLATFORMS": "cpu", "CKPTSHIM_LOG": "info"}
+    code = "import logging; logging.getLogger().addHandler(logging.NullHandler())\n" + RESTORE
+    result = subprocess.run([sys.executable, "-c", code, *runs], capture_output=True, text=True, env=env, timeout=180)
+    lines = [line for line in result.stderr.splitlines() if "stacked (axis 1)" in line]
+    assert len(lines) == 1 and lines[0].startswith("ckptshim: "), result.stderr
