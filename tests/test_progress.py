@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from support.fixtures import FIXTURES, copy_fixture
+from support.fixtures import copy_fixture
 from support.processes import environment
 
 RESTORE = """

@@ -49,7 +49,7 @@ from ckptshim.api import inspect  # noqa: E402
 from ckptshim.errors import PeerError, PlanError, ShimError  # noqa: E402
 from ckptshim.formats import kvstore  # noqa: E402
 from ckptshim.formats.base import numpy_dtype  # noqa: E402
-from ckptshim.inventory import flatten, unflatten  # noqa: E402
+from ckptshim.inventory import flatten  # noqa: E402
 from support.trees import nest, scanned_expected  # noqa: E402
 from test_paxml_gpt3 import expected_state  # noqa: E402
 
