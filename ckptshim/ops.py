@@ -254,11 +254,10 @@ class Synthesize(_Defaults, _IntoTarget):
 
 
 @dataclass(frozen=True, slots=True)
-class Drop(_Defaults, _FromSource):
-    """The checkpoint's ``source`` is not loaded, unchecked: the inverse of a ``Synthesize`` by
-    :data:`OWN_VALUE` (going back, the value the target kept has no place)."""
+class _Dropping(_Defaults, _FromSource):
+    """A checkpoint key that is not loaded, and the rule that says why; going back, the target
+    gets its own value by that rule."""
 
-    kind: ClassVar[str] = "drop"
     produces: ClassVar[bool] = False
 
     source: KeyPath
@@ -271,9 +270,6 @@ class Drop(_Defaults, _FromSource):
     def inverse(self) -> Synthesize:
         return Synthesize(self.source, self.rule)
 
-    def describe(self, sep: str = ".") -> str:
-        return f"{join_key(self.source, sep)} -> drop({self.rule})"
-
     def tally(self) -> tuple[str, int]:
         return "dropped", 1
 
@@ -282,7 +278,18 @@ class Drop(_Defaults, _FromSource):
 
 
 @dataclass(frozen=True, slots=True)
-class DropIfDerived(_Defaults, _FromSource):
+class Drop(_Dropping):
+    """The checkpoint's ``source`` is not loaded, unchecked: the inverse of a ``Synthesize`` by
+    :data:`OWN_VALUE` (going back, the value the target kept has no place)."""
+
+    kind: ClassVar[str] = "drop"
+
+    def describe(self, sep: str = ".") -> str:
+        return f"{join_key(self.source, sep)} -> drop({self.rule})"
+
+
+@dataclass(frozen=True, slots=True)
+class DropIfDerived(_Dropping):
     """The checkpoint's ``source`` is a buffer the target computes itself; it is not loaded once
     its value is checked to be that buffer.
 
@@ -295,26 +302,9 @@ class DropIfDerived(_Defaults, _FromSource):
     """
 
     kind: ClassVar[str] = "drop-if-derived"
-    produces: ClassVar[bool] = False
-
-    source: KeyPath
-    rule: str
-
-    @property
-    def targets(self) -> tuple[KeyPath, ...]:
-        return ()
-
-    def inverse(self) -> Synthesize:
-        return Synthesize(self.source, self.rule)
 
     def describe(self, sep: str = ".") -> str:
         return f"{join_key(self.source, sep)} -> drop({self.rule}) once its value is checked"
-
-    def tally(self) -> tuple[str, int]:
-        return "dropped", 1
-
-    def note(self, sep: str = ".") -> str:
-        return self.rule
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ import pytest
 from ckptshim.cli import main
 from ckptshim.formats.detect import open_checkpoint
 from support.fixtures import FIXTURES, array_sha256
+from support.processes import on_a_terminal
 
 DCP = FIXTURES / "torch_dcp_single" / "dcp_plain"
 ORBAX = FIXTURES / "orbax_0.12.8_scanned"
@@ -211,27 +212,9 @@ assert main(["convert", source, os.path.join(out, "off"), "--to", "safetensors"]
 def test_progress_bar_on_a_terminal_for_every_target(tmp_path):
     """stderr on a pseudo-terminal: each target format shows a bar that reaches 100%, array by
     array (as many updates as arrays at most); CKPTSHIM_PROGRESS=0 hides it on a terminal too."""
-    import pty
-    import termios
-
-    controller, terminal = pty.openpty()
-    termios.tcsetwinsize(terminal, (24, 80))  # a terminal's size, as a real one (or `script`) has
-    child = subprocess.Popen([sys.executable, "-c", ON_A_TERMINAL, str(DCP), str(tmp_path), *TARGETS],
-                             stdout=subprocess.DEVNULL, stderr=terminal, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    os.close(terminal)
-    shown = b""
-    while True:
-        try:
-            chunk = os.read(controller, 65536)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not chunk:
-            break
-        shown += chunk
-    os.close(controller)
-    assert child.wait(timeout=120) == 0, shown.decode(errors="replace")
-    sections = dict(part.split("\n", 1) for part in shown.decode(errors="replace").replace("\r\n", "\n")
-                    .split("== ")[1:])
+    shown = on_a_terminal(["-c", ON_A_TERMINAL, str(DCP), str(tmp_path), *TARGETS],
+                          {**os.environ, "JAX_PLATFORMS": "cpu"}, columns=80, timeout=120)
+    sections = dict(part.split("\n", 1) for part in shown.split("== ")[1:])
     for to in TARGETS:
         assert "100%|" in sections[to] and sections[to].count("%|") >= 2, (to, sections[to])
     assert "%|" not in sections["switched off"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import socket
 from pathlib import Path
 
 import pytest
@@ -52,17 +51,6 @@ def shim_log(caplog):
     caplog.set_level(logging.INFO, logger="ckptshim")
     return caplog
 
-
-@pytest.fixture(scope="module")
-def process_group():
-    import torch.distributed as dist
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 # -- a trained attention.bias is not the causal-mask buffer --------------------------------------

@@ -8,13 +8,13 @@ pseudo-terminal (as ``test_convert.py``'s bar does); the fixtures are small, so
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
 from support.fixtures import copy_fixture
+from support import processes
 from support.processes import environment
 
 RESTORE = """
@@ -46,28 +46,8 @@ print("loaded", file=sys.stderr, flush=True)
 
 def on_a_terminal(code: str, *argv: str, **env: str) -> str:
     """What ``python -c code argv...`` writes to stderr when stderr is a terminal."""
-    import pty
-    import termios
-
-    controller, terminal = pty.openpty()
-    termios.tcsetwinsize(terminal, (24, 100))
     base = {k: v for k, v in environment().items() if not k.startswith("CKPTSHIM_")}
-    child = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=subprocess.DEVNULL, stderr=terminal,
-                             env={**base, "JAX_PLATFORMS": "cpu", **env})
-    os.close(terminal)
-    shown = b""
-    while True:
-        try:
-            chunk = os.read(controller, 65536)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not chunk:
-            break
-        shown += chunk
-    os.close(controller)
-    text = shown.decode(errors="replace").replace("\r\n", "\n")
-    assert child.wait(timeout=180) == 0, text
-    return text
+    return processes.on_a_terminal(["-c", code, *argv], {**base, "JAX_PLATFORMS": "cpu", **env})
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import hashlib
 import importlib.util
 import logging
 import shutil
-import socket
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -77,17 +76,6 @@ def compiled(tiny):
     """One torch.compile'd model for the session (compiling is lazy; its forward never runs)."""
     return torch.compile(tiny.build(seed=1))
 
-
-@pytest.fixture(scope="module")
-def process_group():
-    import torch.distributed as dist
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ gone, a buffer's persistence flipped), and loads the source's state dict into th
 
 from __future__ import annotations
 
-import socket
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -195,18 +194,6 @@ def tree_paths(module: nn.Module, paths: Mapping[int, str]) -> dict[str, str]:
 
 # -- the property -----------------------------------------------------------------------------------------
 
-
-@pytest.fixture(scope="module")
-def process_group():
-    """One-process gloo group, for DDP."""
-    import torch.distributed as dist
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @settings(max_examples=300, derandomize=True, deadline=None,

@@ -34,3 +34,29 @@ def run_device_worker(name: str, *argv: str, devices: int = 4) -> dict:
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def on_a_terminal(argv: list[str], env: Mapping[str, str], columns: int = 100, timeout: int = 180) -> str:
+    """What ``python argv...`` writes to stderr when stderr is a terminal (a pseudo-terminal of
+    ``columns``, as a real one or ``script`` has), with ``\\r\\n`` read as ``\\n``; the
+    process must exit 0."""
+    import pty
+    import termios
+
+    controller, terminal = pty.openpty()
+    termios.tcsetwinsize(terminal, (24, columns))
+    child = subprocess.Popen([sys.executable, *argv], stdout=subprocess.DEVNULL, stderr=terminal, env=dict(env))
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(controller)
+    text = shown.decode(errors="replace").replace("\r\n", "\n")
+    assert child.wait(timeout=timeout) == 0, text
+    return text
