@@ -319,7 +319,8 @@ class FormatReader(_Reader):
     each tensor is one chunk. Every entry a rank reads is located first (a view of a memory map,
     its byte range checked against the file), then each read item's block is read by the format
     straight into its destination (a cast, where the destination's dtype differs, is torch's
-    ``copy_`` from that view)."""
+    ``copy_`` from that view, or, for a part of the tensor -- a rank's rows --, from those rows
+    read alone into a buffer of the stored dtype)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path)
@@ -359,10 +360,14 @@ class FormatReader(_Reader):
             for item, destination in resolved:
                 entry, source = sources[item.storage_index.fqn]
                 raw = _raw_view(destination, entry)
-                if raw is None:
-                    destinations.write(destination, source[_block(item)])
-                else:
+                if raw is not None:
                     checkpoint.read_into(entry, _block(item), raw)
+                elif tuple(item.lengths) != entry.shape:  # a rank's rows, cast: read them alone
+                    block = np.empty(tuple(item.lengths), storage_dtype(entry.dtype))
+                    checkpoint.read_into(entry, _block(item), block)
+                    destinations.write(destination, as_tensor(block, getattr(torch, entry.dtype)))
+                else:
+                    destinations.write(destination, source[_block(item)])
                 progress.advance(_nbytes(destination))
         for item, destination in resolved:
             planner.commit_tensor(item, destination)
