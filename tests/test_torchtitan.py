@@ -19,7 +19,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
-from ckptshim.errors import PlanError
 from ckptshim.inventory import Entry, Inventory, split_key
 from ckptshim.rules.profiles import torchtitan as profile
 from support.fixtures import FIXTURES, array_sha256, expected_arrays, writable_copy
@@ -115,7 +114,8 @@ def test_set_model_state_dict_of_llama_without_a_config_is_refused():
 def test_fsdp2_two_ranks_each_read_their_own_rows(tmp_path):
     """Two gloo ranks shard the torchtitan model with ``fully_shard``; ``dcp.load`` of the Hugging
     Face folder gives each rank exactly its rows of the converter's output and reads about half of
-    the file (``rchar``); ``set_model_state_dict`` of the full Qwen3 state dict too."""
+    the file (``rchar``); ``set_model_state_dict`` of the full Qwen3 state dict, and ``dcp.load`` into
+    tensor-parallel shards (rows or columns) too."""
     for name in MODELS:
         folder = writable_copy(FIXTURE / name / "hf", tmp_path / name)
         out = tmp_path / f"{name}-out"
@@ -128,7 +128,7 @@ def test_fsdp2_two_ranks_each_read_their_own_rows(tmp_path):
         size = (folder / "model.safetensors").stat().st_size
         for rank in (0, 1):
             result = json.loads((out / f"rank{rank}.json").read_text())
-            assert result["dcp_load"] == "ok" and result.get("set_model_state_dict", "ok") == "ok", result
+            assert result["dcp_load"] == result["tp_dcp_load"] == result.get("set_model_state_dict", "ok") == "ok", result
             # its shards are float32, the file bfloat16: half their bytes is what it must read
             assert result["shard_bytes"] // 2 <= result["read_bytes"] <= 0.6 * size, (name, result, size)
 

@@ -6,7 +6,8 @@ builds the torchtitan model of the fixture ``NAME`` (its state-dict layout, test
 shards every parameter with FSDP2 (``fully_shard`` per layer, then the root: rows across the two
 ranks) and loads the Hugging Face ``FOLDER``: ``dcp.load`` of the sharded state dict, then (for
 Qwen3, whose rows need no head count) ``set_model_state_dict`` of the full Hugging Face state
-dict. After each, every local shard must equal its rows of what torchtitan's ``convert_from_hf.py``
+dict; then ``dcp.load`` of the state dict as tensor-parallel DTensors (column-wise linears split by
+rows, row-wise ones by columns, as torchtitan's TP plans place them). After each, every local shard must equal its rows of what torchtitan's ``convert_from_hf.py``
 wrote. Writes ``OUT/rank<N>.json``: per case "ok" or what went wrong, and for ``dcp.load`` the
 bytes this process read (``rchar`` of ``/proc/self/io``) and the bytes of its own shards.
 """
@@ -26,11 +27,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from support.titan import converted, model  # noqa: E402
+from support.titan import converted, layout, model  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
+
+#: Tensor-parallel placements as torchtitan's Llama/Qwen3 plans shard them: column-wise linears
+#: split their rows (output features), row-wise ones their columns; the norms replicated.
+TP_COLUMNS = ("wo", "w2")
 
 
 def read_bytes() -> int:
@@ -64,6 +69,23 @@ def check_shards(titan: torch.nn.Module, expected: dict[str, torch.Tensor]) -> i
     return local_bytes
 
 
+def tp_placement(key: str, shape: list[int]):
+    if len(shape) == 1:
+        return Replicate()
+    return Shard(1) if key.split(".")[-2] in TP_COLUMNS else Shard(0)
+
+
+def tp_state_dict(name: str, mesh) -> dict[str, DTensor]:
+    """The torchtitan model's state dict as tensor-parallel DTensors (a tied key the same one)."""
+    state: dict[str, DTensor] = {}
+    for row in layout(name):
+        if "tied_to" in row:
+            state[row["key"]] = state[row["tied_to"]]
+        else:
+            state[row["key"]] = distribute_tensor(torch.zeros(row["shape"]), mesh, [tp_placement(row["key"], row["shape"])])
+    return state
+
+
 def main(name: str, folder: Path, out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -82,6 +104,16 @@ def main(name: str, folder: Path, out: Path) -> None:
         results["dcp_load"] = "ok"
     except AssertionError as error:
         results["dcp_load"] = f"shard differs: {error}"
+
+    state = tp_state_dict(name, mesh)
+    try:
+        dcp.load(state, checkpoint_id=folder)
+        for key, value in state.items():
+            want = distribute_tensor(expected[key], mesh, value.placements).to_local()
+            assert torch.equal(value.to_local(), want), key
+        results["tp_dcp_load"] = "ok"
+    except Exception:
+        results["tp_dcp_load"] = traceback.format_exc()
 
     if name == "qwen3":
         titan = sharded_model(name, mesh)
