@@ -131,7 +131,7 @@ class TorchtitanLayout:
         forward = _marks(source)[0]  # Hugging Face names into torchtitan's
         hf, tt = (source, target) if forward else (target, source)
         hf_keys = _by_name(hf, torchtitan_name)
-        tt_keys = _by_name(tt, lambda key: strip_wrappers(key))
+        tt_keys = _by_name(tt, strip_wrappers)
         permuted = self._permutes(hf_keys, tt_keys)
         ops: list[Op] = []
         missing: dict[KeyPath, str] = {}
@@ -182,12 +182,11 @@ class TorchtitanLayout:
             return (f"torchtitan's Llama takes {name} permuted per head for its rotary embedding, and the head "
                     "count comes from the Hugging Face folder's config.json, which this load has none of; load "
                     "the folder itself (dcp.load(..., checkpoint_id=<folder>)) or keep config.json beside it")
-        heads = _positive(self.config, "num_attention_heads", None, self.origin)
-        if heads_key != "num_attention_heads":
-            heads = _positive(self.config, heads_key, heads, self.origin)
-        hidden = _positive(self.config, "hidden_size", 0, self.origin)
-        head_dim = _positive(self.config, "head_dim", hidden // _positive(self.config, "num_attention_heads", None,
-                                                                           self.origin), self.origin)
+        query_heads = _positive(self.config, "num_attention_heads", self.origin)
+        heads = _positive(self.config, heads_key, self.origin, query_heads)
+        fallback = None if self.config.get("head_dim") is not None else \
+            _positive(self.config, "hidden_size", self.origin) // query_heads  # transformers' own default
+        head_dim = _positive(self.config, "head_dim", self.origin, fallback)
         rows = hf_entry.shape[0] if hf_entry.shape else 0
         if rows != heads * head_dim or head_dim % 2 or hf_entry.shape != tt_entry.shape:
             raise PlanError(f"{name} {list(hf_entry.shape)}: {self.origin} says {heads} heads ({heads_key}) of "
@@ -210,9 +209,10 @@ def _by_name(inventory: Inventory, name) -> dict[KeyPath, Entry]:
     return found
 
 
-def _positive(config: Mapping[str, Any], key: str, default: int | None, origin: str) -> int:
-    value = config.get(key, default)
-    if value is None and default is not None:
+def _positive(config: Mapping[str, Any], key: str, origin: str, default: int | None = None) -> int:
+    """``config[key]`` (``default`` where it is absent or null), which must be a positive whole number."""
+    value = config.get(key)
+    if value is None:
         value = default
     if type(value) is not int or value < 1:
         raise PlanError(f"{origin}: {key} is {value!r:.40}, not a positive whole number; torchtitan's converter "
