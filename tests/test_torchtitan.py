@@ -111,6 +111,38 @@ def test_set_model_state_dict_of_llama_without_a_config_is_refused():
     assert_untouched(titan, before)
 
 
+def inv_freq(name: str) -> torch.Tensor:
+    """``rotary_emb.inv_freq`` as transformers before 4.35 saved it (default rotary embedding)."""
+    config = json.loads((FIXTURE / name / "hf" / "config.json").read_text())
+    dim = config["head_dim"]
+    return 1.0 / (config["rope_parameters"]["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim))
+
+
+def test_an_old_checkpoints_inv_freq_is_left_unread_by_dcp_load(tmp_path):
+    """torchtitan's map skips ``rotary_emb.inv_freq``; DCP reads only what the state dict asks for,
+    so a checkpoint of transformers before 4.35 that holds it loads, the buffer unread."""
+    folder = writable_copy(FIXTURE / "qwen3" / "hf", tmp_path / "hf")
+    tensors = hf("qwen3")
+    tensors.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": inv_freq("qwen3") for i in range(2)})
+    save_file(tensors, folder / "model.safetensors")
+    titan = model("qwen3")
+    dcp.load(titan.state_dict(), checkpoint_id=folder)
+    assert_converted(titan, "qwen3")
+
+
+def test_inv_freq_is_not_dropped_on_its_name_by_a_strict_set_model_state_dict():
+    """A torchtitan model has no ``inv_freq`` buffer to check the checkpoint's copy against, so a
+    strict ``set_model_state_dict`` names it as unexpected rather than drop an unchecked value."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    titan = model("qwen3")
+    before = fingerprint(titan)
+    tensors = {**hf("qwen3"), "model.layers.0.self_attn.rotary_emb.inv_freq": inv_freq("qwen3")}
+    with pytest.raises(BaseException, match=r"rotary_emb\.inv_freq"):
+        set_model_state_dict(titan, tensors)
+    assert_untouched(titan, before)
+
+
 def test_fsdp2_two_ranks_each_read_their_own_rows(tmp_path):
     """Two gloo ranks shard the torchtitan model with ``fully_shard``; ``dcp.load`` of the Hugging
     Face folder gives each rank exactly its rows of the converter's output and reads about half of
@@ -145,6 +177,13 @@ def test_a_llama_folder_without_config_is_refused(tmp_path):
         dcp.load(titan.state_dict(), checkpoint_id=folder)
     assert "config.json" in str(error.value) and "permuted per head" in str(error.value)
     assert_untouched(titan, before)
+
+
+def test_a_config_without_head_dim_takes_transformers_default(tmp_path):
+    """No ``head_dim`` (older configs): hidden_size / num_attention_heads, as transformers takes it."""
+    titan = model("llama3")
+    dcp.load(titan.state_dict(), checkpoint_id=with_config(tmp_path, "llama3", head_dim=None))
+    assert_converted(titan, "llama3")
 
 
 @pytest.mark.parametrize("changes", [{"num_attention_heads": 3}, {"num_key_value_heads": 3},
