@@ -18,10 +18,9 @@ from pathlib import Path
 
 from ckptshim.conversion.atomic import atomic_destination
 from ckptshim.conversion.progress import tracking
-from ckptshim.errors import PlanError, ShimError
+from ckptshim.errors import ShimError
 from ckptshim.execute.arrays import PlannedArrays
 from ckptshim.formats.detect import open_checkpoint
-from ckptshim.inventory import join_key
 from ckptshim.loading.files import plan_onto
 from ckptshim.planner import Plan
 
@@ -69,14 +68,10 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
 
 
 def _plan_onto(checkpoint, like: str | Path) -> Plan:
-    """The plan onto ``like``'s layout; refused if it would cast (convert copies bytes exactly)
-    or leave a target array without a value."""
-    plan = plan_onto(checkpoint, like)
-    casts = plan.casts()
-    if casts:
-        first = next(iter(casts.values()))
-        raise PlanError(f"{len(casts)} arrays would change dtype (e.g. {join_key(first.target, checkpoint.key_sep)}: "
-                        f"{first.source_dtype} -> {first.target_dtype}); convert copies bytes "
-                        "exactly and never casts. Convert without --like, or cast when loading.")
+    """The plan onto ``like``'s layout, each array in the dtype the source stores it in (convert
+    copies bytes exactly and never casts: a torchtitan float32 checkpoint ``--like`` a bfloat16
+    Hugging Face folder is written in float32, which ``from_pretrained`` casts on load); refused
+    if it would leave a target array without a value."""
+    plan = plan_onto(checkpoint, like, stored_dtypes=True)
     plan.require_complete(checkpoint.key_sep, allow_missing=False, allow_unexpected=True)
     return plan

@@ -318,8 +318,10 @@ class FormatReader(_Reader):
     """``dcp.load`` from a ``torch.save`` file, a safetensors file or a Hugging Face directory:
     each tensor is one chunk. Every entry a rank reads is located first (a view of a memory map,
     its byte range checked against the file), then each read item's block is read by the format
-    straight into its destination (a cast, where the destination's dtype differs, is torch's
-    ``copy_`` from that view)."""
+    straight into its destination; where the destination cannot take the stored bytes as they are
+    (another dtype, device memory, a tensor subclass), into a buffer of the stored dtype the size
+    of that block (a rank's rows of one tensor), then written through the destination (a cast is
+    torch's ``copy_``), so no page of the map is held."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path)
@@ -348,21 +350,23 @@ class FormatReader(_Reader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         assert self._checkpoint is not None, "read_metadata runs first"
         checkpoint = self._checkpoint
-        sources: dict[str, tuple[Entry, torch.Tensor]] = {}
+        located: dict[str, Entry] = {}
         resolved = _resolve(planner, plan.items)
         for item, _ in resolved:  # every entry located (its bytes there), before the first write
             fqn = item.storage_index.fqn
-            if fqn not in sources:
-                entry = checkpoint.inventory[split_key(fqn)]
-                sources[fqn] = entry, as_tensor(checkpoint.read(entry), getattr(torch, entry.dtype))
+            if fqn not in located:
+                located[fqn] = checkpoint.inventory[split_key(fqn)]
+                checkpoint.read(located[fqn])  # a view: its byte range checked against the file
         with progress.load_bar(sum(_nbytes(d) for _, d in resolved), "ckptshim: dcp.load"):
             for item, destination in resolved:
-                entry, source = sources[item.storage_index.fqn]
+                entry = located[item.storage_index.fqn]
                 raw = _raw_view(destination, entry)
-                if raw is None:
-                    destinations.write(destination, source[_block(item)])
-                else:
+                if raw is not None:
                     checkpoint.read_into(entry, _block(item), raw)
+                else:  # a cast: the block alone, as stored, then copied in (no page of the map held)
+                    block = np.empty(tuple(item.lengths), storage_dtype(entry.dtype))
+                    checkpoint.read_into(entry, _block(item), block)
+                    destinations.write(destination, as_tensor(block, getattr(torch, entry.dtype)))
                 progress.advance(_nbytes(destination))
         for item, destination in resolved:
             planner.commit_tensor(item, destination)

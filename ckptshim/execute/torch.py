@@ -154,6 +154,8 @@ class _Preparer:
             HANDLERS[op.kind](self, op)
         prepared = self.prepared
         for tie in self.ties:
+            if tie.twin in self.casts:  # one storage: the twin's cast is the tied key's too
+                self.casts.setdefault(tie.target, self.casts[tie.twin])
             self._check_value(tie.twin, tie.target, prepared.values[tie.twin], self._destination(tie.target))
             prepared.values[tie.target] = prepared.values[tie.twin]
         device = next((t.device for t in self.sources.values()), torch.device("cpu"))

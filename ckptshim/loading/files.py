@@ -14,8 +14,9 @@ from pathlib import Path
 from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.formats.hf_dir import model_config
-from ckptshim.inventory import Inventory
+from ckptshim.inventory import Entry, Inventory, join_key
 from ckptshim.loading import like as like_spec
+from ckptshim.log import logger
 from ckptshim.planner import Plan
 from ckptshim.planner import plan as make_plan
 from ckptshim.rules import Rules
@@ -31,8 +32,13 @@ def target_layout(like: str | Path) -> tuple[Inventory, str]:
     return target.inventory, target.key_sep
 
 
-def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None) -> Plan:
-    """How the open checkpoint ``source`` maps onto the layout of ``like`` (metadata only)."""
+def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None, *,
+              stored_dtypes: bool = False) -> Plan:
+    """How the open checkpoint ``source`` maps onto the layout of ``like`` (metadata only).
+
+    With ``stored_dtypes``, a target array whose dtype in ``like`` differs from the one the source
+    stores it in takes the stored one: the plan then casts nothing (``convert`` copies bytes).
+    """
     target, target_sep = target_layout(like)
     if rules is None:
         if "/" in (source.key_sep, target_sep):
@@ -42,4 +48,14 @@ def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None) 
             if config is None and not like_spec.is_callable_spec(like):
                 config = model_config(Path(like))
             rules = rules_for(source.inventory, target, "torch", model_config=config)
+    plan = make_plan(source.inventory, target, rules)
+    casts = plan.casts() if stored_dtypes else {}
+    if not casts:
+        return plan
+    first = next(iter(casts.values()))
+    logger.info("%d arrays keep the dtype %s stores them in (e.g. %s: %s, where %s has %s); nothing is cast",
+                len(casts), source.path, join_key(first.target, source.key_sep), first.source_dtype, like,
+                first.target_dtype)
+    target = Inventory([Entry(e.key, e.shape, casts[e.key].source_dtype if e.key in casts else e.dtype, e.location)
+                        for e in target.values()], target.source)
     return make_plan(source.inventory, target, rules)

@@ -15,7 +15,7 @@ from ckptshim.inventory import Inventory
 from ckptshim.rules import DEFAULT_RULES, NO_FACTS, Rules, TargetFacts
 from ckptshim.rules.flax_names import LINEN_NNX
 from ckptshim.rules.layers import TORCH_SCAN_AXES
-from ckptshim.rules.profiles import maxtext, neox, paxml, paxml_gpt3, transformers_mapping
+from ckptshim.rules.profiles import maxtext, neox, paxml, paxml_gpt3, torchtitan, transformers_mapping
 from ckptshim.rules.roots import root_prefix
 
 #: What :func:`rules_for` plans for: torch state dicts (``.`` keys) or JAX pytrees (``/`` keys).
@@ -33,7 +33,8 @@ def rules_for(source: Inventory, target: Inventory, backend: str, facts: TargetF
       (Lightning's ``model.``) is set aside; transformers' conversion mapping of each
       transformers model in the target, or, where the target is none, of the model the
       checkpoint's own ``model_config`` (its ``config.json``) names; GPT-NeoX's pipeline names
-      <-> its Hugging Face names, when one side is each;
+      <-> its Hugging Face names, when one side is each; Hugging Face Llama/Qwen3 names <->
+      torchtitan's, when one side is each (heads from ``model_config``);
     - ``"jax"``: Linen/NNX spellings; MaxText's scan axes; PaxML ``Repeat`` stacks; the PaxML
       GPT-3 -> MaxText layout. A JAX restore leaves every checkpoint key the target does not ask
       for on disk and reads no value it could check, so nothing is dropped as derivable.
@@ -45,6 +46,8 @@ def rules_for(source: Inventory, target: Inventory, backend: str, facts: TargetF
         root = root_prefix(source, target)
         if root is not None:
             return rules.extend(layouts=(root,))
+        if torchtitan.applies(source, target):
+            return rules.extend(layouts=(torchtitan.TorchtitanLayout(model_config, "the Hugging Face folder's config.json"),))
         conversions = facts.conversions
         if not conversions and model_config is not None:
             found = transformers_mapping.from_config(model_config, f"config.json of {source.source}")
