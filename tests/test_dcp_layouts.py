@@ -31,6 +31,7 @@ from torch.futures import Future
 import ckptshim
 from ckptshim.execute.dcp_planner import FlatKeys, KeyMapping, RemappingLoadPlanner
 from ckptshim.inventory import Entry, Inventory, join_key
+from ckptshim.ops import Join
 from ckptshim.planner import Plan
 from support.markers import QUIET
 from test_plan_properties import execute, layout_plans, same_bits
@@ -105,18 +106,40 @@ def no_hooks():
 @given(layout_plans(), st.data())
 def test_every_layout_op_reads_through_any_stored_chunking(drawn, data):
     p, arrays = drawn
-    stored = {join_key(key): value for key, value in arrays.items()}
     rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
-    cuts = {fqn: [sorted(rng.sample(range(1, size), rng.randint(0, min(2, size - 1)))) if size > 1 else []
-                  for size in value.shape] for fqn, value in stored.items()}
+    cuts = {join_key(key): [sorted(rng.sample(range(1, size), rng.randint(0, min(2, size - 1)))) if size > 1 else []
+                            for size in value.shape] for key, value in arrays.items()}
+    load_and_compare(p, arrays, cuts)
+
+
+def load_and_compare(p: Plan, arrays: dict, cuts: dict[str, list[list[int]]]) -> None:
+    """Load ``arrays``, stored cut at ``cuts``, through ``p`` into destinations that start out
+    holding a value no source has (NaN, or the dtype's largest integer), so an element left
+    unwritten cannot pass for a written one; compare with what numpy makes of the plan."""
+    stored = {join_key(key): value for key, value in arrays.items()}
     mapping = KeyMapping(p, flat(p.source), flat(p.target))
-    state_dict = {join_key(key): torch.zeros(entry.shape, dtype=getattr(torch, entry.dtype))
-                  for key, entry in p.target.items()}
+    state_dict = {join_key(key): unwritten(entry.shape, getattr(torch, entry.dtype)) for key, entry in p.target.items()}
     dcp.load(state_dict, storage_reader=ChunkedArrays(stored, cuts),
              planner=RemappingLoadPlanner(None, lambda metadata, sd, partial: mapping), no_dist=True)
     expected = execute(p, arrays)
     for key, value in expected.items():
         assert same_bits(state_dict[join_key(key)].numpy(), value), (key, p.ops, cuts)
+
+
+def unwritten(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=dtype)
+    return torch.full(shape, True if dtype == torch.bool else torch.iinfo(dtype).max, dtype=dtype)
+
+
+def test_a_join_whose_permutation_is_not_its_own_inverse_reads_every_chunk():
+    """Found by the property above: a part joined with perm (2, 0, 1), stored in two chunks cut
+    along its axis 1, had its second chunk placed outside the target, so DCP never read it."""
+    part = np.arange(6, dtype=np.float32).reshape(1, 3, 2)
+    p = Plan(Inventory([Entry(("part_0",), (1, 3, 2), "float32", None)], "source"),
+             Inventory([Entry(("w",), (1, 2, 1, 3), "float32", None)], "target"),
+             (Join((("part_0",),), ("w",), (0,), (2, 0, 1)),))
+    load_and_compare(p, {("part_0",): part}, {"part_0": [[], [1], [1]]})
 
 
 def test_a_fused_target_lists_each_source_chunk_at_its_offset():

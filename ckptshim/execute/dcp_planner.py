@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
+from ckptshim.errors import InternalError
 from ckptshim.execute.dcp_storage import Refusal
 from ckptshim.inventory import Inventory, KeyPath
 from ckptshim.ops import (
@@ -175,11 +176,23 @@ class _Virtual:
         self.source, self.target = mapping.source, mapping.target
 
     def _place(self, target: KeyPath, like: str, chunks: list[tuple[Offsets, Offsets, _Link]]) -> None:
-        """Show ``target`` as ``chunks`` (virtual offsets, sizes, and the stored chunk each reads)."""
+        """Show ``target`` as ``chunks`` (virtual offsets, sizes, and the stored chunk each reads).
+
+        The stored chunks tile each stored tensor (:mod:`ckptshim.formats.dcp` checks it), so the
+        chunks shown must tile ``target``: DCP's planner reads only where a chunk overlaps the
+        destination, and a chunk placed wrong would leave part of it unwritten without a word.
+        """
         dst = self.target.fqn(target)
+        shape = self.target.inventory[target].shape
+        inside = all(len(o) == len(shape) and all(0 <= a and a + b <= c for a, b, c in zip(o, n, shape))
+                     for o, n, _ in chunks)
+        if not inside or sum(int(np.prod(n)) for _, n, _ in chunks) != int(np.prod(shape)):
+            raise InternalError(f"ckptshim placed the stored chunks of {dst!r} so that they do not tile its "
+                                f"shape {list(shape)} ({[(o, n) for o, n, _ in chunks][:4]}...); this is a bug in "
+                                "ckptshim: please report it.")
         for offsets, _, link in chunks:
             self.links[dst, offsets] = link
-        self.virtual[dst] = _tensor_md(self.stored[like], self.target.inventory[target].shape,
+        self.virtual[dst] = _tensor_md(self.stored[like], shape,
                                        [(offsets, sizes) for offsets, sizes, _ in chunks])
 
     def rename(self, op: Rename) -> None:
@@ -207,15 +220,15 @@ class _Virtual:
         for index, key in enumerate(op.sources):
             src = self.source.fqn(key)
             squeeze, perm, place = PLACES[op.kind](op, index, shape)
+            back = None if perm is None else inverse_perm(perm)  # remaining axis r is the source's axis back[r]
             for o, n in _chunks(self.stored[src]):
-                offsets, sizes = (o, n) if perm is None else (tuple(o[a] for a in perm), tuple(n[a] for a in perm))
+                offsets, sizes = (o, n) if back is None else (tuple(o[a] for a in back), tuple(n[a] for a in back))
                 for axis, at in sorted(place.items()):
                     if axis in squeeze:
                         offsets, sizes = _insert(offsets, axis, at), _insert(sizes, axis, 1)
                     else:
                         offsets = _replace(offsets, axis, offsets[axis] + at)
-                chunks.append((offsets, sizes, _Link(src, o, squeeze=squeeze,
-                                                     perm=None if perm is None else inverse_perm(perm))))
+                chunks.append((offsets, sizes, _Link(src, o, squeeze=squeeze, perm=perm)))
         self._place(op.target, self.source.fqn(op.sources[0]), chunks)
 
     def taken_apart(self, op: Unstack | Split | Chunk) -> None:
