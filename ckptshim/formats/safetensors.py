@@ -26,7 +26,8 @@ def sniff(path: Path) -> bool:
     return path.is_file() and path.suffix == ".safetensors"
 
 
-READERS = {"torch": sniff}
+#: torch's loaders read it, and a JAX restore takes one (a Hugging Face model as MaxText params)
+READERS = {"torch": sniff, "jax": sniff}
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -74,6 +75,10 @@ def entries(path: Path, header: dict, data_start: int, key_sep: str = ".") -> li
 
 class SafetensorsCheckpoint(Checkpoint):
     """One or more safetensors files; entry locations are ``(file, begin, end)``."""
+
+    #: each array is one row-major run of bytes, so an entry may be read under any shape of the
+    #: same size (a block read of a ``Reshape`` splits axes into factors)
+    row_major = True
 
     def __init__(self, path: Path, inventory: Inventory, files, problems=(), fmt: str = NAME) -> None:
         super().__init__(path, fmt, "1", inventory, tuple(files), tuple(problems))
