@@ -212,10 +212,10 @@ def _layer_layout(row: Row, source: Entry, dims: Dims) -> _LayerLayout:
     fused = 0 if row.layout == "heads_in" else 1
     if len(shape) != 2 or shape[fused] != count * head_dim:
         raise PlanError(
-            f"{join_key(source.key, '.')} has shape {shape}, but config.json's "
+            f"{join_key(source.key, '.')} has shape {shape}: its axis {fused} is not config.json's "
             f"{'num_attention_heads' if row.heads == 'q' else 'num_key_value_heads'} {count} x head_dim "
-            f"{head_dim} = {count * head_dim} does not divide it that way along axis {fused}; MaxText "
-            "splits it into [heads, head_dim]. Check that config.json belongs to these weights.")
+            f"{head_dim} = {count * head_dim}, the [heads, head_dim] MaxText splits it into. Check that "
+            "config.json belongs to these weights.")
     emb = shape[1 - fused]
     if row.layout == "heads_out":  # [E, H*D] -> [H, D, E]
         return _LayerLayout((emb, count, head_dim), (1, 2, 0), (count, head_dim, emb))
