@@ -10,7 +10,6 @@ The restore sharded over a 2x2 mesh of CPU devices runs in ``hf_maxtext_worker.p
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import jax
