@@ -10,6 +10,7 @@ The restore sharded over a 2x2 mesh of CPU devices runs in ``hf_maxtext_worker.p
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -157,3 +158,52 @@ def test_each_device_of_a_2x2_mesh_reads_only_its_slice(tmp_path):
         assert found["shards"] == 4 * found["arrays"], case
     assert set(report) == {f"{m}/{hf}/{layout}" for m, hf in (("llama3", "hf"), ("llama3", "hf_sharded"),
                                                                ("qwen3", "hf")) for layout in ("scanned", "unscanned")}
+
+
+def _load(path: Path) -> dict:
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))
+
+
+def _logits(hf: Path, model: str) -> np.ndarray:
+    import torch
+    import transformers
+
+    cls = transformers.LlamaForCausalLM if model == "llama3" else transformers.Qwen3ForCausalLM
+    loaded = cls.from_pretrained(hf).eval()
+    with torch.no_grad():
+        return loaded(torch.from_numpy(np.load(HERE / "ref_input_ids.npy"))).logits.float().numpy()
+
+
+@pytest.mark.parametrize("model,layout", CASES)
+def test_convert_back_like_the_hf_folder_is_maxtexts_own_way_back(model, layout, tmp_path):
+    """MaxText params saved by Orbax, ``ckptshim convert --to safetensors --like <hf_dir>``: the
+    tensors MaxText's ``to_huggingface`` hooks make, bit for bit; transformers loads them and
+    computes the original logits -- exactly for Qwen3, whose every tensor comes back as it was;
+    for Llama the query went through two bfloat16 roundings (scaled by float32(1/sqrt(12)), then
+    by float32(sqrt(12))), so its logits come back close, not bit-exact (docs/maxtext.md)."""
+    import jax.numpy as jnp
+
+    from ckptshim.cli import main as cli
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "maxtext", unflatten({k: jnp.asarray(v) for k, v in expected(model, layout).items()}))
+    out = tmp_path / "hf"
+    out.mkdir()
+    assert cli(["convert", str(tmp_path / "maxtext"), str(out / "model.safetensors"), "--to", "safetensors",
+                "--like", str(folder(model))]) == 0
+    back, maxtexts, original = _load(out / "model.safetensors"), _load(HERE / model / "to_huggingface.safetensors"), \
+        _load(folder(model) / "model.safetensors")
+    assert back.keys() == maxtexts.keys() == original.keys()
+    for key, value in maxtexts.items():
+        assert np.array_equal(back[key].view(np.uint16), value.view(np.uint16)), key
+    changed = sorted(k for k in original if not np.array_equal(back[k].view(np.uint16), original[k].view(np.uint16)))
+    assert changed == ([f"model.layers.{i}.self_attn.q_proj.weight" for i in range(2)] if model == "llama3" else [])
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(folder(model) / name, out / name)
+    logits, reference = _logits(out, model), np.load(HERE / model / "ref_logits.npy")
+    if model == "qwen3":
+        assert np.array_equal(logits, reference)
+    else:
+        np.testing.assert_allclose(logits, reference, atol=0.02)
