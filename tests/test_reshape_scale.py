@@ -131,3 +131,27 @@ def test_the_torch_executor_refuses_them_by_name(op):
     with pytest.raises(PlanError, match=re.escape(f"`{op.describe('.')}` is a '{op.kind}' op, which the torch executor")):
         prepare(plan, lambda key: fetched.append(key) or torch.ones(H * D, E), {("query",): torch.zeros(QUERY.shape)})
     assert fetched == []
+
+
+def test_a_safetensors_range_read_into_a_view_goes_through_bounded_buffers(tmp_path, monkeypatch):
+    """A contiguous range read into a transposed view (or cast) is one ``pread`` per part of at
+    most ``BUFFER_BYTES``, each copied into place: the values are the range's."""
+    from safetensors.numpy import save_file
+
+    import ckptshim.formats.safetensors as safetensors_format
+    from ckptshim.formats.detect import open_checkpoint
+
+    values = np.random.default_rng(3).standard_normal((300, 50)).astype(np.float32)
+    save_file({"a": values}, tmp_path / "a.safetensors")
+    checkpoint = open_checkpoint(tmp_path / "a.safetensors")
+    entry = checkpoint.inventory[("a",)]
+    monkeypatch.setattr(safetensors_format, "BUFFER_BYTES", 1000)
+    reads = []
+    monkeypatch.setattr(safetensors_format, "_pread", lambda *args, original=safetensors_format._pread:
+                        reads.append(len(args[2])) or original(*args))
+    out = np.empty((50, 300), np.float32)
+    checkpoint.read_into(entry, (slice(None), slice(None)), out.T)
+    assert np.array_equal(out.T, values) and max(reads) <= 1000 and sum(reads) == values.nbytes
+    cast = np.empty((50, 7), np.float64)
+    checkpoint.read_into(entry, (slice(3, 10), slice(None)), cast.T)
+    assert np.array_equal(cast.T, values[3:10])
