@@ -207,3 +207,16 @@ def test_convert_back_like_the_hf_folder_is_maxtexts_own_way_back(model, layout,
         assert np.array_equal(logits, reference)
     else:
         np.testing.assert_allclose(logits, reference, atol=0.02)
+
+
+def test_optimizer_moments_in_the_target_are_never_filled_with_weights():
+    """A train state's ``opt_state/mu/params/decoder/...`` is shaped like the params, but a
+    Hugging Face folder holds no moments: those keys stay missing (the restore is refused)."""
+    source = _inventory(folder("qwen3") / "model.safetensors")
+    params = expected("qwen3", "scanned")
+    moments = {("opt_state", "mu") + key[1:]: value for key, value in params.items()}
+    target = Inventory([Entry(key, v.shape, "bfloat16") for key, v in {**params, **moments}.items()], "t")
+    config = json.loads((folder("qwen3") / "config.json").read_text())
+    found = plan(source, target, rules_for(source, target, "jax", model_config=config))
+    assert not any(key[0] == "opt_state" for op in found.ops for key in op.targets)
+    assert sorted(found.missing) == sorted(moments)

@@ -38,8 +38,6 @@ from ckptshim.ops import Op, Rename, Reshape, Scale, Stack, Transpose, axis_grou
 from ckptshim.rules import Paired, Rules
 from ckptshim.rules.profiles import maxtext
 
-#: MaxText's default ``param_scan_axis``, used where every row's shape fits several axes.
-DEFAULT_SCAN_AXIS = 1
 _LAYER = re.compile(r"layers_(\d+)")
 _LAYERS: KeyPath = ("decoder", "layers")
 #: Why the scaled query is what a MaxText Llama expects (the plan summary says it).
@@ -153,7 +151,7 @@ def _recognise(entry: Entry, rows: Mapping[KeyPath, Row]) -> tuple[Row, int | No
     """The row of a MaxText target key and its layer (``None``: stacked or not a layer), if any."""
     key = entry.key
     at = next((i for i, part in enumerate(key) if part in ("decoder", "token_embedder")), None)
-    if at is None or (at and key[at - 1] != "params"):
+    if at is None or any(part != "params" for part in key[:at]):  # parameters, not optimizer moments
         return None
     rest, layer = key[at:], None
     if len(rest) > 2 and rest[0] == "decoder" and (match := _LAYER.fullmatch(rest[1])):
@@ -270,7 +268,8 @@ def _stacked(entry: Entry, row: Row, sources: list[Entry], layout: _LayerLayout,
 
 
 def _scan_axis(scanned: list, strict: bool) -> int:
-    """The one ``param_scan_axis`` every scanned target's shape fits; refuses when none does."""
+    """The one ``param_scan_axis`` every scanned target's shape fits (see
+    :func:`~ckptshim.rules.profiles.maxtext.common_scan_axis`); refuses a target that fits none."""
     fits: dict[KeyPath, set[int]] = {}
     for entry, _, sources, layout in scanned:
         fits[entry.key] = {a for a in range(len(layout.shape) + 1)
@@ -283,19 +282,7 @@ def _scan_axis(scanned: list, strict: bool) -> int:
                 f"target {join_key(entry.key, '/')} has shape {entry.shape}, but the checkpoint's "
                 f"{len(sources)} layers of {join_key(sources[0].key, '.')} {sources[0].shape} give {expected} "
                 "in MaxText's layout; it fits none. Build the target with the checkpoint's model dimensions.")
-    common = set.intersection(*fits.values())
-    if len(common) == 1:
-        return common.pop()
-    if not common:
-        shown = "; ".join(f"{join_key(k, '/')} fits axis {sorted(a)}" for k, a in list(fits.items())[:6])
-        raise PlanError(f"the target's stacked layer arrays do not agree on one param_scan_axis ({shown}); "
-                        "MaxText stacks every layer variable on the same axis. Build the target with one.")
-    if DEFAULT_SCAN_AXIS in common and not strict:
-        return DEFAULT_SCAN_AXIS
-    raise PlanError(f"every stacked target array fits the layer axis at {' or '.join(map(str, sorted(common)))} "
-                    "(some dimensions equal the layer count), so the shapes do not say which is param_scan_axis"
-                    + (" and CKPTSHIM_STRICT=1 forbids assuming MaxText's default 1" if strict else "")
-                    + ". Build the target with distinct dimensions, or unset CKPTSHIM_STRICT.")
+    return maxtext.common_scan_axis(fits, strict)
 
 
 def _require_shape(entry: Entry, expected: tuple[int, ...], source: Entry) -> None:
