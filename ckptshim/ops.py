@@ -685,7 +685,8 @@ class Reshape(_Defaults):
 
     ``source`` is the one source array, or the several sources stacked on a new leading axis
     (``source_shape[0]`` is then their count, a factor of its own); ``shape`` is the one target,
-    or the several targets stacked on a new leading axis (target ``k`` is ``[k]`` of it). The
+    or the several targets stacked on a new leading axis (target ``k`` is ``[k]`` of it); one
+    side is always one array. The
     ``factors`` split each source axis row-major (they must group into ``source_shape``, and,
     permuted, into ``shape``). So one op says what a converter does in several steps: a
     ``q_proj`` ``[heads * head_dim, emb]`` becomes MaxText's ``[emb, heads, head_dim]`` kernel as
@@ -708,6 +709,9 @@ class Reshape(_Defaults):
         _check_perm(self.perm)
         if len(self.perm) != len(self.factors) or any(f < 1 for f in self.factors):
             raise ValueError(f"factors {self.factors} must be positive, one per entry of perm {self.perm}")
+        if len(self.sources) > 1 and len(self.targets) > 1:
+            raise ValueError("one side of a reshape is one array: several sources make one target, or one "
+                             "source several targets")
         for side, count, shape, factors in (("source", len(self.sources), self.source_shape, self.factors),
                                             ("target", len(self.targets), self.shape, self.target_factors)):
             groups = axis_groups(factors, shape)

@@ -1,5 +1,5 @@
-"""The ``Reshape`` and ``Scale`` op kinds: their algebra, their block reads, and the executors
-that refuse them by name.
+"""The ``Reshape`` and ``Scale`` op kinds: their algebra, their block reads, the torch executor's
+writes of a ``Reshape`` through views, and the executors that refuse them by name.
 
 A ``Reshape`` is checked against numpy's own ``reshape(factors).transpose(perm).reshape(shape)``
 on every random block of a real safetensors file -- the Llama query of MaxText's converter
@@ -20,7 +20,7 @@ import torch
 from ckptshim.errors import PlanError
 from ckptshim.execute import blocks
 from ckptshim.inventory import Entry, Inventory
-from ckptshim.ops import Reshape, Scale, axis_groups, float32, rsqrt_float32
+from ckptshim.ops import Rename, Reshape, Scale, axis_groups, float32, rsqrt_float32
 from ckptshim.planner import Plan, explain, summary
 
 L, H, D, E = 3, 4, 12, 8
@@ -121,16 +121,41 @@ def test_every_block_reads_what_numpy_computes(layers, tmp_path):
                 assert np.array_equal(fill(index), arrays[f"q{layer}"][index]), (key, index)
 
 
-@pytest.mark.parametrize("op", [QUERY, Scale(LAYERS, (("query",),), 0.5, 2.0, "float32", "why")])
-def test_the_torch_executor_refuses_them_by_name(op):
+def test_the_torch_executor_runs_a_reshape_through_views_both_ways():
+    """Per-layer sources into one stacked target, and back: each written through a view of its
+    destination, equal to numpy's reshape/transpose."""
     from ckptshim.execute.torch import prepare
 
+    rng = np.random.default_rng(4)
+    layers = {key: torch.from_numpy(rng.standard_normal((H * D, E)).astype(np.float32)) for key in LAYERS}
+    stacked = np.stack([layers[key].numpy() for key in LAYERS])
+    want = stacked.reshape(QUERY.factors).transpose(QUERY.perm).reshape(QUERY.shape)
     plan = Plan(Inventory([Entry(k, (H * D, E), "float32") for k in LAYERS], "ckpt"),
-                Inventory([Entry(("query",), QUERY.shape, "float32")], "model"), (op,))
-    fetched = []
-    with pytest.raises(PlanError, match=re.escape(f"`{op.describe('.')}` is a '{op.kind}' op, which the torch executor")):
-        prepare(plan, lambda key: fetched.append(key) or torch.ones(H * D, E), {("query",): torch.zeros(QUERY.shape)})
-    assert fetched == []
+                Inventory([Entry(("query",), QUERY.shape, "float32")], "model"), (QUERY,))
+    destination = torch.zeros(QUERY.shape)
+    prepare(plan, layers.__getitem__, {("query",): destination}).write()
+    assert np.array_equal(destination.numpy(), want)
+
+    back = QUERY.inverse()
+    plan = Plan(plan.target, plan.source, (back,))
+    destinations = {key: torch.zeros(H * D, E) for key in LAYERS}
+    prepare(plan, {("query",): torch.from_numpy(want)}.__getitem__, destinations).write()
+    assert all(np.array_equal(destinations[key].numpy(), layers[key].numpy()) for key in LAYERS)
+
+
+def test_the_torch_executor_and_the_dcp_planner_refuse_what_they_do_not_run():
+    """A ``Scale`` by the torch executor (its writes are copies, not arithmetic); a ``Reshape`` by
+    DCP's load planner (no read item maps a factored box yet): by name, before anything is read."""
+    from ckptshim.execute.torch import prepare
+
+    scale = Scale((("q0",),), (("query",),), 0.5, 2.0, "float32", "why")
+    plan = Plan(Inventory([Entry(("q0",), (4,), "float32")], "ckpt"), Inventory([Entry(("query",), (4,), "float32")], "m"),
+                (Rename(("q0",), ("query",)), scale))
+    with pytest.raises(PlanError, match=re.escape(f"`{scale.describe('.')}` is a 'scale' op, which the torch executor")):
+        prepare(plan, lambda key: torch.ones(4), {("query",): torch.zeros(4)})
+    from ckptshim.execute.dcp_planner import VIRTUAL
+
+    assert Reshape.kind not in VIRTUAL and Scale.kind not in VIRTUAL
 
 
 def test_a_safetensors_range_read_into_a_view_goes_through_bounded_buffers(tmp_path, monkeypatch):
