@@ -24,11 +24,21 @@ Layout changes -- a permutation of axes (``Transpose``), slicing or filling with
 permutation of the indices along one axis (``Reorder``) -- are kinds of their own rather than an
 optional field of ``Rename``, ``Stack`` or ``Unstack``: an executor that has not been taught them
 then refuses the plan instead of running the old op and loading the axes in the wrong order.
+
+``Reshape`` is the one layout kind that composes the others: its arrays are read row-major as
+factors (splitting an axis, ``[heads * head_dim, emb]`` as ``[heads, head_dim, emb]``), the
+factors permuted (a transpose, a ``Reorder`` of one axis's factors, layers stacked on any axis)
+and merged into the target's axes. A converter's chain of steps for one key -- transpose,
+reshape, RoPE reorder, stack the layers -- is one ``Reshape``, so an executor reads each block
+of the target straight from the source bytes it needs, with no intermediate array. ``Scale``
+is the one kind that changes values: it multiplies what another op produced by a constant.
 """
 
 from __future__ import annotations
 
 from collections import deque
+import math
+import struct
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -638,3 +648,134 @@ class Tie(_Defaults, _IntoTarget):
 
     def note(self, sep: str = ".") -> str:
         return f"{join_key(self.target, sep)} = {join_key(self.twin, sep)}"
+
+
+def axis_groups(factors: Sequence[int], shape: Sequence[int]) -> list[range] | None:
+    """Which consecutive ``factors`` make up each axis of ``shape`` (row-major), or ``None`` when
+    they do not split it so. An axis of length 1 takes one factor of 1."""
+    groups, at = [], 0
+    for size in shape:
+        start, product = at, 1
+        while at < len(factors) and (product < size or (size == 1 and at == start and factors[at] == 1)):
+            product *= factors[at]
+            at += 1
+        if product != size:
+            return None
+        groups.append(range(start, at))
+    return groups if at == len(factors) else None
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "x".join(map(str, shape)) or "scalar"
+
+
+@dataclass(frozen=True, slots=True)
+class Reshape(_Defaults):
+    """Arrays regrouped: ``target = source.reshape(factors).transpose(perm).reshape(shape)``.
+
+    ``source`` is the one source array, or the several sources stacked on a new leading axis
+    (``source_shape[0]`` is then their count, a factor of its own); ``shape`` is the one target,
+    or the several targets stacked on a new leading axis (target ``k`` is ``[k]`` of it); one
+    side is always one array. The
+    ``factors`` split each source axis row-major (they must group into ``source_shape``, and,
+    permuted, into ``shape``). So one op says what a converter does in several steps: a
+    ``q_proj`` ``[heads * head_dim, emb]`` becomes MaxText's ``[emb, heads, head_dim]`` kernel as
+    factors ``(heads, head_dim, emb)``, perm ``(2, 0, 1)``; split ``head_dim`` further into its
+    rotary halves ``(2, head_dim / 2)`` and the perm also interleaves them (``Reorder``'s
+    ``PermuteForRope``); per-layer sources stack on MaxText's scan axis by where the perm puts the
+    leading count. Every element's place is an index permutation: no value changes.
+    """
+
+    kind: ClassVar[str] = "reshape"
+
+    sources: tuple[KeyPath, ...]
+    targets: tuple[KeyPath, ...]
+    source_shape: tuple[int, ...]
+    factors: tuple[int, ...]
+    perm: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _check_perm(self.perm)
+        if len(self.perm) != len(self.factors) or any(f < 1 for f in self.factors):
+            raise ValueError(f"factors {self.factors} must be positive, one per entry of perm {self.perm}")
+        if len(self.sources) > 1 and len(self.targets) > 1:
+            raise ValueError("one side of a reshape is one array: several sources make one target, or one "
+                             "source several targets")
+        for side, count, shape, factors in (("source", len(self.sources), self.source_shape, self.factors),
+                                            ("target", len(self.targets), self.shape, self.target_factors)):
+            groups = axis_groups(factors, shape)
+            if groups is None:
+                raise ValueError(f"factors {factors} do not split the {side} shape {shape} row-major")
+            if count > 1 and (not shape or shape[0] != count or len(groups[0]) != 1):
+                raise ValueError(f"{count} {side}s must be the leading axis of {shape}, one factor of its own")
+
+    @property
+    def target_factors(self) -> tuple[int, ...]:
+        """The factors in the target's order."""
+        return tuple(self.factors[p] for p in self.perm)
+
+    def inverse(self) -> Reshape:
+        return Reshape(self.targets, self.sources, self.shape, self.target_factors, inverse_perm(self.perm),
+                       self.source_shape)
+
+    def describe(self, sep: str = ".") -> str:
+        return f"{keys_text(self.sources, sep)} -> reshape({self.note()}) -> {keys_text(self.targets, sep)}"
+
+    def tally(self) -> tuple[str, int]:
+        return "reshaped", len(self.targets)
+
+    def note(self, sep: str = ".") -> str:
+        return (f"{_shape_text(self.source_shape)} as {_shape_text(self.factors)}, {_perm_text(self.perm)}, "
+                f"to {_shape_text(self.shape)}")
+
+
+def float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (as ``numpy.float32(value)``), as a Python float."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def rsqrt_float32(n: int) -> float:
+    """``float32(1 / sqrt(n))``: MaxText's query scale for head_dim ``n``, computed as its converter
+    computes it (in float64, then rounded to float32)."""
+    return float32(1 / math.sqrt(n))
+
+
+@dataclass(frozen=True, slots=True)
+class Scale(_Defaults):
+    """The values another op produces for ``targets`` (from ``sources``) multiplied by ``factor``.
+
+    The one value-changing kind, applied exactly as the converter it mirrors does: the value in
+    ``compute_dtype`` times ``factor`` (a ``compute_dtype`` number), rounded to ``dtype`` (the
+    dtype the converter holds the array in), then cast to the target's dtype. ``expected`` says
+    why the target expects the change (a profile that knows its model sets it); a plan with a
+    scale nobody expects is refused under ``CKPTSHIM_STRICT``. The inverse multiplies by
+    ``inverse_factor`` -- the converter's own way back (MaxText's ``to_huggingface`` multiplies by
+    ``float32(sqrt(head_dim))``). Rounding happens each way, so a bfloat16 value scaled and scaled
+    back is not always the value it was.
+    """
+
+    kind: ClassVar[str] = "scale"
+    produces: ClassVar[bool] = False
+
+    sources: tuple[KeyPath, ...]
+    targets: tuple[KeyPath, ...]
+    factor: float
+    inverse_factor: float
+    dtype: str
+    expected: str = ""
+    compute_dtype: str = "float32"
+
+    def inverse(self) -> Scale:
+        return Scale(self.targets, self.sources, self.inverse_factor, self.factor, self.dtype, self.expected,
+                     self.compute_dtype)
+
+    def describe(self, sep: str = ".") -> str:
+        return f"{keys_text(self.targets, sep)}: scale({self.note()})"
+
+    def tally(self) -> tuple[str, int]:
+        return "scaled", len(self.targets)
+
+    def note(self, sep: str = ".") -> str:
+        return (f"x {self.factor!r} in {self.compute_dtype}, rounded to {self.dtype}"
+                + (f": {self.expected}" if self.expected else ""))

@@ -20,7 +20,7 @@ from support.fixtures import FIXTURES
 
 #: Every op class the protocol defines.
 OP_CLASSES = [ops.Rename, ops.Stack, ops.Unstack, ops.Synthesize, ops.Drop, ops.Cast,
-              ops.Transpose, ops.Split, ops.Join, ops.Concat, ops.Chunk, ops.Reorder, ops.Tie]
+              ops.Transpose, ops.Split, ops.Join, ops.Concat, ops.Chunk, ops.Reorder, ops.Tie, ops.Reshape, ops.Scale]
 
 
 @dataclass(frozen=True)

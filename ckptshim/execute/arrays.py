@@ -5,7 +5,9 @@ here in the checkpoint's storage dtype (bfloat16 as its uint16 bits), by one han
 (:data:`HANDLERS`): a ``Rename`` is the source's own read (for memory-mapped formats a view, no
 copy); every layout kind -- stack, unstack, transpose, split, join, concat, chunk, reorder -- is
 filled by the block reads the JAX executor uses (:mod:`ckptshim.execute.blocks`), reading
-exactly the source ranges the array needs into one new buffer. ``Synthesize``\\ d targets are
+exactly the source ranges the array needs into one new buffer, then multiplied where the plan
+``Scale``\\ s it (``ckptshim convert`` of MaxText params back to Hugging Face multiplies the
+query by ``float32(sqrt(head_dim))``, as MaxText's own way back does). ``Synthesize``\\ d targets are
 not written (the checkpoint does not hold them) and ``Drop``\\ ped sources not read -- nor
 ``DropIfDerived`` ones: convert writes only the arrays the target layout names, so a source it
 does not name is left unread whether or not its value is the derived one, as an unexpected one
@@ -22,7 +24,7 @@ import numpy as np
 from ckptshim.execute import blocks
 from ckptshim.formats.base import Checkpoint, numpy_dtype, storage_dtype
 from ckptshim.inventory import Entry
-from ckptshim.ops import Drop, DropIfDerived, Op, Rename, Synthesize, require_kinds
+from ckptshim.ops import Drop, DropIfDerived, Op, Rename, Scale, Synthesize, require_kinds
 from ckptshim.planner import Plan
 
 
@@ -42,8 +44,9 @@ class PlannedArrays:
         if self.plan is None:
             self.entries = list(self.source.inventory.values())
             return
-        require_kinds(self.plan.ops, HANDLERS.keys() | {Synthesize.kind, Drop.kind, DropIfDerived.kind},
+        require_kinds(self.plan.ops, HANDLERS.keys() | {Synthesize.kind, Drop.kind, DropIfDerived.kind, Scale.kind},
                       "array executor", sep=self.sep)
+        self._scales = blocks.scales(self.plan)
         self.entries = [entry for entry in self.plan.target.values()
                         if self.plan.producer(entry.key).kind != Synthesize.kind]
 
@@ -59,10 +62,13 @@ class PlannedArrays:
         return HANDLERS[producer.kind](self, producer, entry)
 
     def _read_source(self, op: Rename, entry: Entry) -> np.ndarray:
+        if entry.key in self._scales:
+            return self._read_blocks(op, entry)
         return self.source.read(self.plan.source[op.source])
 
     def _read_blocks(self, op: Op, entry: Entry) -> np.ndarray:
-        fill = blocks.filler(self.source, self.plan, op, entry.key, entry.shape, numpy_dtype(entry.dtype), self.sep)
+        fill = blocks.filler(self.source, self.plan, op, entry.key, entry.shape, numpy_dtype(entry.dtype), self.sep,
+                             self._scales.get(entry.key))
         return fill(blocks.whole(entry.shape)).view(storage_dtype(entry.dtype))
 
 

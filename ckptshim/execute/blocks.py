@@ -7,9 +7,14 @@ permutation maps it to); for an ``Unstack`` (``Split``) the range at one layer (
 split axes) of the stacked source; for a ``Stack`` (``Join``) the matching range of each
 per-layer source that falls in the block; for a ``Concat`` the part of each source whose slot
 of the fused array falls in the block; for a ``Chunk`` the range of its part of the fused
-source; for a ``Reorder`` each run of rows whose source rows are consecutive -- and hands each
+source; for a ``Reorder`` each run of rows whose source rows are consecutive; for a ``Reshape``
+each box of the block in the factored coordinates, one read per source array -- and hands each
 to the checkpoint's ``read_into(entry, index, out)``, which copies ``entry[index]`` into ``out``
-(cast to its dtype).
+(cast to its dtype). A ``Reshape`` read indexes the source in its factors (``[heads, half,
+head_dim / 2, emb]`` for ``[heads * head_dim, emb]``): a checkpoint that stores each array as
+one row-major run (``row_major``: safetensors) reads that shape of the same bytes as it is;
+any other reads the needed range of the unsplit axes (the whole of each split one) and copies
+the box out of it. A ``Scale`` of the target then multiplies the filled block, as its op says.
 Where a permutation is involved, ``out`` is a transposed *view* of the block's buffer, so every
 element lands straight in its final place: no full source array, no second copy of the block.
 
@@ -20,6 +25,7 @@ that decompress chunks while keeping a few reads going in parallel.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Mapping
 from itertools import product
@@ -29,7 +35,9 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, ShimError
 from ckptshim.inventory import Entry, KeyPath, join_key
-from ckptshim.ops import Chunk, Concat, Join, Op, Rename, Reorder, Split, Stack, Transpose, Unstack, inverse_perm
+from ckptshim.formats.base import numpy_dtype
+from ckptshim.ops import (Chunk, Concat, Join, Op, Rename, Reorder, Reshape, Scale, Split, Stack, Transpose, Unstack,
+                          axis_groups, inverse_perm)
 from ckptshim.planner import Plan
 
 _ALIGN = 64  # XLA's CPU client adopts host buffers aligned to this without copying them
@@ -64,10 +72,12 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 def filler(source: SliceSource, plan: Plan, producer: Op, key: KeyPath, shape: tuple[int, ...],
-           dtype: np.dtype, sep: str = "/") -> Fill:
-    """A function from an index range of target ``key`` (made by ``producer``) to a freshly read
-    ``dtype`` buffer holding it. ``producer``'s kind must be one of :data:`READS`."""
+           dtype: np.dtype, sep: str = "/", scale: Scale | None = None) -> Fill:
+    """A function from an index range of target ``key`` (made by ``producer``, then multiplied by
+    ``scale``) to a freshly read ``dtype`` buffer holding it. ``producer``'s kind must be one of
+    :data:`READS`."""
     reads = READS[producer.kind](plan, producer, key, shape)
+    row_major = getattr(source, "row_major", False)
 
     def fill(index: tuple) -> np.ndarray:
         out = aligned_empty(tuple(s.stop - s.start for s in index), dtype)
@@ -78,15 +88,55 @@ def filler(source: SliceSource, plan: Plan, producer: Op, key: KeyPath, shape: t
                 done, pending, size = started.popleft()
                 _wait(pending, source, done, sep)
                 in_flight -= size
+            stored = plan.source[entry.key]
+            if entry.shape != stored.shape and not row_major:  # a factored read of a chunked format
+                _read_box(source, stored, entry.shape, sub, view, sep)
+                continue
             pending = source.read_into(entry, sub, view)
             if pending is not None:
                 started.append((entry, pending, view.nbytes))
                 in_flight += view.nbytes
         for entry, pending, _ in started:
             _wait(pending, source, entry, sep)
+        if scale is not None:
+            apply_scale(scale, out)
         return out
 
     return fill
+
+
+def scales(plan: Plan) -> dict[KeyPath, Scale]:
+    """Target key -> the ``Scale`` of its value, for the plan's scaled targets."""
+    return {key: op for op in plan.ops if op.kind == Scale.kind for key in op.targets}
+
+
+def apply_scale(op: Scale, out: np.ndarray) -> None:
+    """``out`` multiplied in place as ``op`` says: in its compute dtype, rounded to its dtype."""
+    compute = numpy_dtype(op.compute_dtype)
+    product = np.multiply(out.astype(compute), compute.type(op.factor))
+    out[...] = product.astype(numpy_dtype(op.dtype)).astype(out.dtype)
+
+
+def _read_box(source: SliceSource, stored: Entry, factors: tuple[int, ...], index: tuple, out: np.ndarray,
+              sep: str) -> None:
+    """``stored`` read as ``factors``, ``[index]`` into ``out``, for a format that cannot read a
+    factored shape itself: the index range of each unsplit axis, the whole of each split one."""
+    groups = axis_groups(factors, stored.shape)
+    covering, inner = [], []
+    for group in groups:
+        if len(group) == 1:
+            part = index[group[0]]
+            covering.append(part)
+            inner.append(slice(0, part.stop - part.start))
+        else:
+            covering.append(slice(None))
+            inner += [index[f] for f in group]
+    region = aligned_empty(tuple(len(range(*c.indices(n))) for c, n in zip(covering, stored.shape)), out.dtype)
+    pending = source.read_into(stored, tuple(covering), region)
+    if pending is not None:
+        _wait(pending, source, stored, sep)
+    factored = [region.shape[g[0]] if len(g) == 1 else factors[f] for g in groups for f in g]
+    np.copyto(out, region.reshape(factored)[tuple(inner)])
 
 
 def whole(shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -203,12 +253,78 @@ def _reorder(plan: Plan, op: Reorder, key: KeyPath, shape: tuple[int, ...]) -> R
     return reads
 
 
+def _boxes(start: int, stop: int, factors: list[int]) -> list[tuple[int, int, tuple[slice, ...]]]:
+    """The range ``[start, stop)`` of an axis read row-major as ``factors``, cut into boxes:
+    ``(begin, end, one slice per factor)``. A range of whole inner blocks is one box; otherwise
+    at most a head and a tail within one outer index, around such a middle."""
+    if start >= stop:
+        return []
+    if len(factors) == 1:
+        return [(start, stop, (slice(start, stop),))]
+    inner = math.prod(factors[1:])
+    first, last = start // inner, (stop - 1) // inner
+    if start % inner == 0 and stop % inner == 0:
+        return [(start, stop, (slice(first, last + 1),) + tuple(slice(0, f) for f in factors[1:]))]
+    if first == last:
+        base = first * inner
+        return [(b + base, e + base, (slice(first, first + 1),) + rest)
+                for b, e, rest in _boxes(start - base, stop - base, factors[1:])]
+    head = (first + 1) * inner if start % inner else start
+    tail = last * inner if stop % inner else stop
+    return _boxes(start, head, factors) + _boxes(head, tail, factors) + _boxes(tail, stop, factors)
+
+
+def _split_view(array: np.ndarray, shape: list[int]) -> np.ndarray:
+    """``array`` with its axes split into ``shape`` -- always a view (assigning ``shape`` raises
+    rather than copy), so reads land in the block's buffer."""
+    view = array.view()
+    view.shape = shape
+    return view
+
+
+def _reshaped(plan: Plan, op: Reshape, key: KeyPath, shape: tuple[int, ...]) -> Reads:
+    """``target = source.reshape(factors).transpose(perm).reshape(shape)``: each box of the block
+    in the target's factors is a box of the source's factors, read into the block's buffer seen
+    in the source's factor order (one read per stacked source)."""
+    entries = [plan.source[k] for k in op.sources]
+    target_factors = op.target_factors
+    groups = axis_groups(target_factors, op.shape)
+    back = inverse_perm(op.perm)
+    at = op.targets.index(key)
+    several = len(op.sources) > 1
+
+    def reads(index, out):
+        index = _concrete(index, shape)
+        if len(op.targets) > 1:
+            index, out = (slice(at, at + 1),) + index, out[None]
+        found = []
+        per_axis = [_boxes(part.start, part.stop, [target_factors[f] for f in group])
+                    for part, group in zip(index, groups)]
+        for pieces in product(*per_axis):
+            place = tuple(slice(b - part.start, e - part.start) for (b, e, _), part in zip(pieces, index))
+            slices = [s for *_, parts in pieces for s in parts]
+            view = _split_view(out[place], [s.stop - s.start for s in slices]).transpose(back)
+            source = tuple(slices[back[f]] for f in range(len(back)))
+            if not several:
+                found.append((_factored(entries[0], op.factors), source, view))
+                continue
+            for i in range(source[0].start, source[0].stop):
+                found.append((_factored(entries[i], op.factors[1:]), source[1:], view[i - source[0].start]))
+        return found
+    return reads
+
+
+def _factored(entry: Entry, factors: tuple[int, ...]) -> Entry:
+    """``entry`` seen as ``factors`` (the same row-major bytes); itself when nothing is split."""
+    return entry if entry.shape == factors else Entry(entry.key, factors, entry.dtype, entry.location)
+
+
 #: Op kind -> the reads that fill a block of one of its targets.
 READS: Mapping[str, Callable[[Plan, Any, KeyPath, tuple[int, ...]], Reads]] = {
     Rename.kind: _moved, Transpose.kind: _moved,
     Unstack.kind: _split, Split.kind: _split,
     Stack.kind: _join, Join.kind: _join,
-    Concat.kind: _concat, Chunk.kind: _chunk, Reorder.kind: _reorder,
+    Concat.kind: _concat, Chunk.kind: _chunk, Reorder.kind: _reorder, Reshape.kind: _reshaped,
 }
 
 

@@ -8,7 +8,8 @@ aligned buffer that JAX's CPU backend adopts without a copy); a shard that sever
 size of the restored arrays.
 
 It runs the kinds block reads know (:data:`ckptshim.execute.blocks.READS`), ``Synthesize`` (the
-caller's own value), and ``Drop``/``Cast`` (nothing to do: a checkpoint's ``read_into`` casts);
+caller's own value), ``Drop``/``Cast`` (nothing to do: a checkpoint's ``read_into`` casts) and
+``Scale`` (each block multiplied once filled, before JAX sees it);
 a plan with any other kind is refused before anything is read.
 """
 
@@ -25,21 +26,22 @@ from ckptshim.errors import PlanError, ShimError
 from ckptshim.execute import blocks
 from ckptshim.execute.jax_tree import TargetLeaf
 from ckptshim.inventory import KeyPath, join_key
-from ckptshim.ops import Cast, Drop, Synthesize, require_kinds
+from ckptshim.ops import Cast, Drop, Scale, Synthesize, require_kinds
 from ckptshim.planner import Plan
 
 #: Every op kind this executor runs.
-KINDS = frozenset(blocks.READS) | {Synthesize.kind, Drop.kind, Cast.kind}
+KINDS = frozenset(blocks.READS) | {Synthesize.kind, Drop.kind, Cast.kind, Scale.kind}
 
 
 def build(source: blocks.SliceSource, plan: Plan, targets: Mapping[KeyPath, TargetLeaf],
           sep: str = "/") -> dict[KeyPath, Any]:
     """Restored values for every target key the plan produces (all of them, or an exception)."""
     require_kinds(plan.ops, KINDS, "JAX executor", sep=sep)
-    return {key: _build(source, plan, target, sep) for key, target in targets.items()}
+    scales = blocks.scales(plan)
+    return {key: _build(source, plan, target, sep, scales.get(key)) for key, target in targets.items()}
 
 
-def _build(source: blocks.SliceSource, plan: Plan, target: TargetLeaf, sep: str) -> Any:
+def _build(source: blocks.SliceSource, plan: Plan, target: TargetLeaf, sep: str, scale: Scale | None) -> Any:
     import jax
 
     producer = plan.producer(target.key)
@@ -47,7 +49,7 @@ def _build(source: blocks.SliceSource, plan: Plan, target: TargetLeaf, sep: str)
         raise PlanError(f"{join_key(target.key, sep)}: nothing in the plan produces it")
     if producer.kind == Synthesize.kind:  # the caller's own (concrete) value, checked when planned
         return target.value
-    read = blocks.filler(source, plan, producer, target.key, target.shape, target.dtype, sep)
+    read = blocks.filler(source, plan, producer, target.key, target.shape, target.dtype, sep, scale)
 
     def fill(index: tuple) -> np.ndarray:
         block = read(index)

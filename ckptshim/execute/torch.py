@@ -48,6 +48,7 @@ from ckptshim.ops import (
     Op,
     Rename,
     Reorder,
+    Reshape,
     Split,
     Stack,
     Synthesize,
@@ -197,9 +198,7 @@ class _Preparer:
         """The target is filled source by source through views of it (see :data:`VIEWS`)."""
         destination = self._destination(op.target)
         sources = tuple(self._source(key) for key in op.sources)
-        whole = destination
-        if not _writable_in_place(destination):  # build the target once instead
-            whole = torch.empty(destination.shape, dtype=sources[0].dtype, device=sources[0].device)
+        whole = self._assembly(op.target, sources[0])
         try:
             views = [VIEWS[op.kind](op, values_of(whole), index) for index in range(len(sources))]
             sources = tuple(_source_view(op, value) for value in sources)
@@ -210,6 +209,39 @@ class _Preparer:
             self._check_value(key, op.target, value, view)
             self.prepared.fills.append((view, value))
         self.prepared.values[op.target] = whole
+
+    def _reshaped(self, op: Reshape) -> None:
+        """Each target, seen as its factors, filled from its source(s) seen as theirs: views of
+        both sides (``view`` splits axes, ``permute`` orders them), one fill per source -- or, for
+        several targets, one per target from a permuted view of the one source."""
+        sources = tuple(self._source(key) for key in op.sources)
+        target_factors, back = op.target_factors, inverse_perm(op.perm)
+        several = len(op.targets) > 1
+        try:
+            whole = {key: self._assembly(key, sources[0]) for key in op.targets}
+            if several:  # target k is index k of the source's permuted factors
+                spread = sources[0].view(op.factors).permute(op.perm)
+                fills = [(key, whole[key].view(target_factors[1:]), spread[k], op.sources[0])
+                         for k, key in enumerate(op.targets)]
+            else:  # the target in the source's factor order; source i at index i of it if several
+                (key,) = op.targets
+                seen = whole[key].view(target_factors).permute(back)
+                fills = ([(key, seen[i], value.view(op.factors[1:]), op.sources[i]) for i, value in enumerate(sources)]
+                         if len(sources) > 1 else [(key, seen, sources[0].view(op.factors), op.sources[0])])
+        except RuntimeError as error:  # a view the tensors' strides do not allow
+            raise PlanError(f"`{op.describe()}` cannot be laid out on these tensors ({error}).") from None
+        for key, view, value, source in fills:
+            self._check_value(source, key, value, view)
+            self.prepared.fills.append((view, value))
+        self.prepared.values.update(whole)
+
+    def _assembly(self, key: KeyPath, like: torch.Tensor) -> torch.Tensor:
+        """What an assembled target is filled in: its destination, or a new tensor (of the
+        sources' dtype and device) where the destination takes no writes through views."""
+        destination = self._destination(key)
+        if _writable_in_place(destination):
+            return destination
+        return torch.empty(destination.shape, dtype=like.dtype, device=like.device)
 
     def _tie(self, op: Tie) -> None:
         self.ties.append(op)
@@ -294,6 +326,7 @@ HANDLERS: Mapping[str, Callable[[_Preparer, Op], None]] = {
     Unstack.kind: _Preparer._taken_apart, Split.kind: _Preparer._taken_apart, Chunk.kind: _Preparer._taken_apart,
     Stack.kind: _Preparer._assembled, Join.kind: _Preparer._assembled, Concat.kind: _Preparer._assembled,
     Reorder.kind: _Preparer._assembled,
+    Reshape.kind: _Preparer._reshaped,
     Tie.kind: _Preparer._tie,
     Synthesize.kind: _Preparer._synthesize,
     DropIfDerived.kind: _Preparer._drop_if_derived,

@@ -65,7 +65,8 @@ def sniff(path: Path) -> bool:
     return path.is_dir() and any((path / name).is_file() for name in WEIGHT_FILES)
 
 
-READERS = {"torch": sniff}
+#: torch's loaders read it, and a JAX restore takes one (a Hugging Face model as MaxText params)
+READERS = {"torch": sniff, "jax": sniff}
 
 
 def _open_file(path: Path) -> Checkpoint:
@@ -78,6 +79,8 @@ class HFDirCheckpoint(Checkpoint):
                    for name, part in parts.items() for e in part.inventory.values()]
         super().__init__(path, NAME, version, Inventory(entries, str(path)), tuple(files), tuple(problems))
         self._parts = parts
+        #: every shard stores its arrays row-major (see ``SafetensorsCheckpoint.row_major``)
+        self.row_major = all(getattr(part, "row_major", False) for part in parts.values())
 
     def read(self, entry: Entry) -> np.ndarray:
         name, inner = entry.location

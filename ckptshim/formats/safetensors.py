@@ -15,18 +15,21 @@ from pathlib import Path
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
-from ckptshim.formats.base import Checkpoint, check_view, file_info, reader, storage_dtype, strict_json
+from ckptshim.formats.base import Checkpoint, check_view, file_info, numpy_dtype, reader, storage_dtype, strict_json
 from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
 
 NAME = "safetensors"
 _MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself enforces
+#: The most a read into a view (a transposed block) or another dtype holds in its own buffer at once.
+BUFFER_BYTES = 16 * 2**20
 
 
 def sniff(path: Path) -> bool:
     return path.is_file() and path.suffix == ".safetensors"
 
 
-READERS = {"torch": sniff}
+#: torch's loaders read it, and a JAX restore takes one (a Hugging Face model as MaxText params)
+READERS = {"torch": sniff, "jax": sniff}
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -75,6 +78,10 @@ def entries(path: Path, header: dict, data_start: int, key_sep: str = ".") -> li
 class SafetensorsCheckpoint(Checkpoint):
     """One or more safetensors files; entry locations are ``(file, begin, end)``."""
 
+    #: each array is one row-major run of bytes, so an entry may be read under any shape of the
+    #: same size (a block read of a ``Reshape`` splits axes into factors)
+    row_major = True
+
     def __init__(self, path: Path, inventory: Inventory, files, problems=(), fmt: str = NAME) -> None:
         super().__init__(path, fmt, "1", inventory, tuple(files), tuple(problems))
         self._maps: dict[str, np.memmap] = {}
@@ -89,28 +96,53 @@ class SafetensorsCheckpoint(Checkpoint):
 
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray) -> None:
         """``entry[index]`` into ``out``: one ``pread`` of exactly its bytes when the range is
-        contiguous in the file and ``out`` a C-contiguous buffer of the stored dtype (what a
-        sharded load asks for: rows of a tensor), so nothing is mapped or copied twice; otherwise
-        a copy from the memory map."""
+        contiguous in the file (what a sharded load asks for: rows of a tensor) -- straight into
+        ``out`` when it is a C-contiguous buffer of the stored dtype, so nothing is mapped or
+        copied twice; else into a buffer of that range, then copied (cast) into ``out`` (a
+        transposed view, another dtype). A range that is not one run is copied from the memory
+        map (its pages only)."""
         file, begin, end = entry.location
         span = _contiguous(entry.shape, index)
-        if span is None or out.dtype != storage_dtype(entry.dtype) or not out.flags.c_contiguous:
+        if span is None:
             return super().read_into(entry, index, out)
         check_view(entry, begin, end, os.path.getsize(file), file)
         first, count = span
-        size = storage_dtype(entry.dtype).itemsize
-        target = memoryview(out.reshape(-1).view(np.uint8))
-        with open(file, "rb", buffering=0) as raw:
-            done = 0
-            while done < count * size:
-                read = os.preadv(raw.fileno(), [target[done:]], begin + first * size + done)
-                if read == 0:
-                    raise CorruptCheckpointError(f"{file}: {'.'.join(entry.key)!r} ends early; the file is truncated.")
-                done += read
+        stored = storage_dtype(entry.dtype)
+        direct = out.dtype == stored and out.flags.c_contiguous
+        if not direct and count * stored.itemsize > BUFFER_BYTES:
+            return self._read_in_parts(entry, index, out, count * stored.itemsize)
+        buffer = out if direct else np.empty(out.shape, stored)
+        _pread(file, begin + first * stored.itemsize, memoryview(buffer.reshape(-1).view(np.uint8)), entry)
+        if not direct:
+            np.copyto(out, buffer if out.dtype == stored else buffer.view(numpy_dtype(entry.dtype)), casting="unsafe")
         return None
+
+    def _read_in_parts(self, entry: Entry, index: tuple, out: np.ndarray, nbytes: int) -> None:
+        """A contiguous range too big for one buffer, read as runs of its first ranged axis (each
+        still contiguous), so the buffer stays near :data:`BUFFER_BYTES`."""
+        bounds = [part.indices(size)[:2] if isinstance(part, slice) else None for part, size in zip(index, entry.shape)]
+        axis = next(a for a, b in enumerate(bounds) if b is not None and b[1] - b[0] > 1)
+        at = sum(1 for b in bounds[:axis] if b is not None)  # out has an axis per ranged index only
+        start, stop = bounds[axis]
+        step = max(1, (stop - start) * BUFFER_BYTES // nbytes)
+        for low in range(start, stop, step):
+            high = min(low + step, stop)
+            part = index[:axis] + (slice(low, high),) + index[axis + 1:]
+            self.read_into(entry, part, out[(slice(None),) * at + (slice(low - start, high - start),)])
 
     def close(self) -> None:
         self._maps.clear()
+
+
+def _pread(file: str, offset: int, target: memoryview, entry: Entry) -> None:
+    """Fill ``target`` from ``file`` at ``offset``."""
+    with open(file, "rb", buffering=0) as raw:
+        done = 0
+        while done < len(target):
+            read = os.preadv(raw.fileno(), [target[done:]], offset + done)
+            if read == 0:
+                raise CorruptCheckpointError(f"{file}: {'.'.join(entry.key)!r} ends early; the file is truncated.")
+            done += read
 
 
 def _contiguous(shape: tuple[int, ...], index: tuple) -> tuple[int, int] | None:

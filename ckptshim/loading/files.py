@@ -3,8 +3,9 @@
 No framework call is involved, just a source checkpoint and a target layout -- another
 checkpoint, or what a ``module:function`` of the user's returns (:mod:`ckptshim.loading.like`).
 The rules are the ones a load through that backend would use: JAX's when either side is a JAX
-tree (``/`` keys), torch's otherwise -- with transformers' conversion mapping of the model the
-source's ``config.json`` (else the ``--like`` folder's) names, as a load without a module uses.
+tree (``/`` keys), torch's otherwise -- with the model the source's ``config.json`` (else the
+``--like`` folder's) describes: transformers' conversion mapping of it, as a load without a
+module uses, or the Hugging Face <-> MaxText layout of its family.
 """
 
 from __future__ import annotations
@@ -41,13 +42,11 @@ def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None, 
     """
     target, target_sep = target_layout(like)
     if rules is None:
-        if "/" in (source.key_sep, target_sep):
-            rules = rules_for(source.inventory, target, "jax")
-        else:
-            config = model_config(source.path)
-            if config is None and not like_spec.is_callable_spec(like):
-                config = model_config(Path(like))
-            rules = rules_for(source.inventory, target, "torch", model_config=config)
+        config = model_config(source.path)
+        if config is None and not like_spec.is_callable_spec(like):
+            config = model_config(Path(like))
+        backend = "jax" if "/" in (source.key_sep, target_sep) else "torch"
+        rules = rules_for(source.inventory, target, backend, model_config=config)
     plan = make_plan(source.inventory, target, rules)
     casts = plan.casts() if stored_dtypes else {}
     if not casts:

@@ -23,7 +23,9 @@ from ckptshim.errors import PlanError, UnknownFormatError
 from ckptshim.execute import jax as executor
 from ckptshim.execute.jax_tree import TargetTree
 from ckptshim.formats.base import Checkpoint
+from ckptshim.formats import hf_dir, safetensors
 from ckptshim.formats.detect import open_checkpoint
+from ckptshim.formats.hf_dir import model_config
 from ckptshim.inventory import Inventory, join_key, unflatten
 from ckptshim.keytext import ranges
 from ckptshim.loading import agreement
@@ -36,6 +38,10 @@ from ckptshim.rules.layers import layer_splits
 from ckptshim.rules.profiles import maxtext, paxml_gpt3, rules_for
 
 SEP = "/"
+
+
+#: Formats whose ``config.json`` (in the folder, or beside the file) describes the model.
+HF_FORMATS = frozenset({hf_dir.NAME, safetensors.NAME})
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,8 @@ def prepare(checkpoint: Checkpoint, tree: Any, where: str, restore_args: Any = N
     target = TargetTree(as_stored(checkpoint) if tree is None else tree, restore_args)
     _require_divisible(target, where)
     target_inv = target.inventory(f"given to {where}")
-    rules = rules_for(checkpoint.inventory, target_inv, "jax")
+    config = model_config(checkpoint.path) if checkpoint.format in HF_FORMATS else None
+    rules = rules_for(checkpoint.inventory, target_inv, "jax", model_config=config)
     plan = _plan(checkpoint.inventory, target_inv, rules)
     _require_fit(plan, rules)
     if paxml_gpt3.GPT3_LAYOUT in rules.layouts:

@@ -32,7 +32,7 @@ from operator import attrgetter
 from ckptshim.errors import AmbiguousNameError, PlanError
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, KeyPath, gc_paused, join_key
 from ckptshim.keytext import ranges
-from ckptshim.ops import (NOT_PERSISTENT, OWN_VALUE, Cast, DropIfDerived, Op, Rename, Stack, Synthesize, Tie,
+from ckptshim.ops import (NOT_PERSISTENT, OWN_VALUE, Cast, DropIfDerived, Op, Rename, Scale, Stack, Synthesize, Tie,
                           Unstack, renames)
 from ckptshim.planner import runs
 from ckptshim.planner.names import Names, parent_of
@@ -95,6 +95,9 @@ def _with_layouts(source: Inventory, target: Inventory, rules: Rules) -> Plan:
             used.update(op.sources)
             taken.update(op.targets)
             ops.append(op)
+            if not op.produces:  # a Scale of values another op produces
+                _require_expected(op, rules)
+                continue
             first = source[op.sources[0]]
             for key in op.targets:
                 found = cast_or_mismatch(first, target[key], rules)
@@ -110,6 +113,15 @@ def _with_layouts(source: Inventory, target: Inventory, rules: Rules) -> Plan:
     return Plan(source, target, tuple(ops) + rest.ops, missing=tuple(hints) + rest.missing,
                 unexpected=rest.unexpected, mismatched=tuple(mismatched) + rest.mismatched, hints=hints,
                 notes=tuple(notes))
+
+
+def _require_expected(op: Op, rules: Rules) -> None:
+    """Under ``CKPTSHIM_STRICT``, a value-changing op only where its profile says the target expects it."""
+    if op.kind == Scale.kind and rules.strict and not op.expected:
+        raise PlanError(f"{join_key(op.targets[0])}: the plan's step `{op.describe()}` changes the "
+                        "values, and nothing says the target expects that; CKPTSHIM_STRICT=1 refuses it. "
+                        "Unset CKPTSHIM_STRICT to accept the change, or load with a profile that knows the "
+                        "target's convention.")
 
 
 def cast_or_mismatch(src: Entry, tgt: Entry, rules: Rules) -> Cast | Mismatch | None:

@@ -15,7 +15,7 @@ from ckptshim.inventory import Inventory
 from ckptshim.rules import DEFAULT_RULES, NO_FACTS, Rules, TargetFacts
 from ckptshim.rules.flax_names import LINEN_NNX
 from ckptshim.rules.layers import TORCH_SCAN_AXES
-from ckptshim.rules.profiles import maxtext, neox, paxml, paxml_gpt3, torchtitan, transformers_mapping
+from ckptshim.rules.profiles import hf_maxtext, maxtext, neox, paxml, paxml_gpt3, torchtitan, transformers_mapping
 from ckptshim.rules.roots import root_prefix
 
 #: What :func:`rules_for` plans for: torch state dicts (``.`` keys) or JAX pytrees (``/`` keys).
@@ -36,8 +36,10 @@ def rules_for(source: Inventory, target: Inventory, backend: str, facts: TargetF
       <-> its Hugging Face names, when one side is each; Hugging Face Llama/Qwen3 names <->
       torchtitan's, when one side is each (heads from ``model_config``);
     - ``"jax"``: Linen/NNX spellings; MaxText's scan axes; PaxML ``Repeat`` stacks; the PaxML
-      GPT-3 -> MaxText layout. A JAX restore leaves every checkpoint key the target does not ask
-      for on disk and reads no value it could check, so nothing is dropped as derivable.
+      GPT-3 -> MaxText layout; a Hugging Face Llama 3 / Qwen3 <-> MaxText, by the checkpoint's
+      (or, going back, the Hugging Face side's) ``model_config``. A JAX restore leaves every
+      checkpoint key the target does not ask for on disk and reads no value it could check, so
+      nothing is dropped as derivable.
     """
     rules = DEFAULT_RULES.extend(strict=config.strict(), drop=facts.drop, synthesize=facts.synthesize,
                                  aliases=facts.aliases, tied=facts.tied)
@@ -62,4 +64,8 @@ def rules_for(source: Inventory, target: Inventory, backend: str, facts: TargetF
         rules = rules.extend(aliases=paxml.ALIASES, scan_axes=paxml.SCAN_AXES)
     if paxml_gpt3.applies(source, target):
         rules = rules.extend(layouts=(paxml_gpt3.GPT3_LAYOUT,))
+    for reverse, (hf, mt) in ((False, (source, target)), (True, (target, source))):
+        if hf_maxtext.applies(hf, mt):
+            layout = hf_maxtext.HfMaxTextLayout(model_config, f"config.json of {hf.source}", reverse)
+            rules = rules.extend(layouts=(layout,))
     return rules

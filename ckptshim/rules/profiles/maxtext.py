@@ -16,13 +16,18 @@ concrete arrays (an initialised state), not abstract shapes.
 
 from __future__ import annotations
 
-from ckptshim.inventory import Inventory, KeyPath
+from collections.abc import Mapping
+
+from ckptshim.errors import PlanError
+from ckptshim.inventory import Inventory, KeyPath, join_key
 from ckptshim.rules.layers import ScanAxis, layer_splits
 
 #: First match wins: rng state on axis 0, everything else under a layer list on axis 1.
 SCAN_AXES: tuple[ScanAxis, ...] = (ScanAxis("rngs", 0), ScanAxis("layers", 1))
 
 RNG_COMPONENT = "rngs"
+#: MaxText's default ``param_scan_axis``, used where every stacked array's shape fits several axes.
+DEFAULT_SCAN_AXIS = 1
 
 
 def applies(*inventories: Inventory) -> bool:
@@ -41,3 +46,23 @@ def applies(*inventories: Inventory) -> bool:
 
 def is_rng_state(key: KeyPath) -> bool:
     return RNG_COMPONENT in key[:-1]
+
+
+def common_scan_axis(fits: Mapping[KeyPath, set[int]], strict: bool) -> int:
+    """The one ``param_scan_axis`` of a converter's stacked targets, given the axes each target's
+    shape fits (none empty: a profile refuses those first, in its own words). MaxText stacks every
+    layer variable on one axis; where the shapes leave several, its default 1 -- refused under
+    ``CKPTSHIM_STRICT``."""
+    common = set.intersection(*fits.values())
+    if len(common) == 1:
+        return common.pop()
+    if not common:
+        shown = "; ".join(f"{join_key(k, '/')} fits axis {sorted(a)}" for k, a in list(fits.items())[:6])
+        raise PlanError(f"the target's stacked layer arrays do not agree on one param_scan_axis ({shown}); "
+                        "MaxText stacks every layer variable on the same axis. Build the target with one.")
+    if DEFAULT_SCAN_AXIS in common and not strict:
+        return DEFAULT_SCAN_AXIS
+    raise PlanError(f"every stacked target array fits the layer axis at {' or '.join(map(str, sorted(common)))} "
+                    "(some dimensions equal the layer count), so the shapes do not say which is "
+                    "param_scan_axis" + (" and CKPTSHIM_STRICT=1 forbids assuming MaxText's default 1" if strict else "")
+                    + ". Build the target with distinct dimensions, or unset CKPTSHIM_STRICT.")

@@ -36,8 +36,6 @@ from ckptshim.rules.profiles import maxtext
 LAYERS: KeyPath = ("decoder", "layers")
 REPEAT: KeyPath = ("transformer", "repeat", "sub", "x_layers_0")
 PAX_PARAMS: KeyPath = ("params", "lm")
-#: MaxText's default ``param_scan_axis``, used where every row's shape fits several axes.
-DEFAULT_SCAN_AXIS = 1
 #: PaxML Adam state prefixes: ``p#<layers>#i-1_<k>`` (converter), ``p_<layers>_i-1_<k>`` (PaxML 1.4),
 #: ``no_prefix_<k>`` for variables outside the layer stack.
 _OPT_PREFIX = re.compile(r"p[#_]\d+[#_]i-1_\d+|no_prefix_\d+")
@@ -212,19 +210,7 @@ def _scan_axis(scanned: list[tuple[Entry, _Want]], strict: bool) -> int | None:
                 f"{join_key(source.key, '/')} {source.shape} gives {expected} with its {source.shape[0]} "
                 "layers on MaxText's param_scan_axis; it fits none. Build the target with the "
                 "checkpoint's model dimensions.")
-    common = set.intersection(*fits.values())
-    if len(common) == 1:
-        return common.pop()
-    if not common:
-        shown = "; ".join(f"{join_key(k, '/')} fits axis {sorted(a)}" for k, a in list(fits.items())[:6])
-        raise PlanError(f"the target's stacked layer arrays do not agree on one param_scan_axis ({shown}); "
-                        "MaxText stacks every layer variable on the same axis. Build the target with one.")
-    if DEFAULT_SCAN_AXIS in common and not strict:
-        return DEFAULT_SCAN_AXIS
-    raise PlanError(f"every stacked target array fits the layer axis at {' or '.join(map(str, sorted(common)))} "
-                    "(some dimensions equal the layer count), so the shapes do not say which is "
-                    "param_scan_axis" + (" and CKPTSHIM_STRICT=1 forbids assuming MaxText's default 1" if strict else "")
-                    + ". Build the target with distinct dimensions, or unset CKPTSHIM_STRICT.")
+    return maxtext.common_scan_axis(fits, strict)
 
 
 def _op(source: Entry, group: list[_Want], axis: int | None):
