@@ -74,6 +74,23 @@ def test_pytree_restore_of_the_weights_file_equals_to_maxtext(model, layout):
     same_bits(flatten(restored), want)
 
 
+@pytest.mark.parametrize("item", ["items", "default"])
+def test_a_checkpoint_manager_step_holding_the_folder_as_its_item(tmp_path, item):
+    """MaxText's checkpoint directory with the Hugging Face folder as step 0's item: the
+    manager's restore reads it as the folder itself (``items`` by name, a single-item manager's
+    ``default``)."""
+
+    want = expected("llama3", "scanned")
+    shutil.copytree(folder("llama3"), tmp_path / "0" / item)
+    if item == "default":
+        with ocp.CheckpointManager(tmp_path) as manager:
+            restored = manager.restore(0, args=ocp.args.StandardRestore(abstract(want)))
+    else:
+        with ocp.CheckpointManager(tmp_path, item_names=(item,)) as manager:
+            restored = manager.restore(0, args=ocp.args.Composite(items=ocp.args.StandardRestore(abstract(want))))[item]
+    same_bits(flatten(restored), want)
+
+
 def test_a_sharded_folder_restores_the_same():
     want = expected("llama3", "scanned")
     assert len(list(folder("llama3", "hf_sharded").glob("*.safetensors"))) > 1

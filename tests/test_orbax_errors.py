@@ -6,6 +6,7 @@ refused even where Orbax would have read it (a missing zarr chunk reads as zeros
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import jax
@@ -111,3 +112,23 @@ def test_ambiguous_stacking_axis_is_refused(tmp_path):
     target = {"blocks": {"w": jax.ShapeDtypeStruct((2, 2, 2), np.float32)}}
     with pytest.raises(PlanError, match=r"could be stacked along axis 0 or 1 or 2.*Add a scan-axis rule"):
         restore(tmp_path / "blocks", target)
+
+
+@pytest.mark.parametrize("manager", [False, True], ids=["Checkpointer", "CheckpointManager"])
+def test_a_restore_orbax_itself_fails_raises_orbaxs_error_once(tmp_path, scanned_target, caplog, manager):
+    """A folder no reader of ckptshim's recognises is left to Orbax; Orbax's own error is the
+    caller's, as without ckptshim -- not reported as a bug in the hook, and Orbax's restore is
+    not run a second time as a fallback."""
+    caplog.set_level(logging.INFO, logger="ckptshim")
+    step = tmp_path / "0" / "items"
+    step.mkdir(parents=True)
+    (step / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(FileNotFoundError) as raised:
+        if manager:
+            with ocp.CheckpointManager(tmp_path, item_names=("items",)) as checkpoints:
+                checkpoints.restore(0, args=ocp.args.Composite(items=ocp.args.StandardRestore(scanned_target)))
+        else:
+            restore(step, scanned_target)
+    assert not isinstance(raised.value, ShimError)
+    assert "internal error" not in caplog.text and "falling back" not in caplog.text
+    assert raised.value.__context__ is None or "FrameworkRaised" not in type(raised.value.__context__).__name__

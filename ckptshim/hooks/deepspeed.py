@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ckptshim.hooks.seam import Patches, Seam, bind, guarded
+from ckptshim.hooks.seam import Patches, Seam, bind, framework_call, guarded
 from ckptshim.loading import deepspeed as loading
 
 SEAM = Seam("deepspeed", "deepspeed PipelineModule.load_state_dir", falls_back=False)
@@ -37,5 +37,5 @@ def _load_state_dir(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
     if call is None:
         return native()  # a bad call: DeepSpeed reports it
     load_dir = call["load_dir"]
-    return guarded(SEAM, lambda: loading.load_stage(instance, Path(load_dir), call["strict"], native),
+    return guarded(SEAM, lambda: loading.load_stage(instance, Path(load_dir), call["strict"], framework_call(native)),
                    native, load_dir)

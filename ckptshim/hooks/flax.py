@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ckptshim.hooks.seam import Patches, Seam, bind, guarded
+from ckptshim.hooks.seam import Patches, Seam, bind, framework_call, guarded
 from ckptshim.loading import flax as loading
 
 SEAM = Seam("flax", "flax", falls_back=True)
@@ -30,4 +30,4 @@ def _restore_checkpoint(wrapped, instance, args, kwargs):
     if call is None:
         return native()
     return guarded(SEAM, lambda: loading.restore_checkpoint(call["ckpt_dir"], call["target"], call["step"],
-                                                            call["prefix"], native), native)
+                                                            call["prefix"], framework_call(native)), native)

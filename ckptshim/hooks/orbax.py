@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ckptshim.hooks.seam import Patches, Seam, bind, guarded
+from ckptshim.hooks.seam import FrameworkRaised, Patches, Seam, bind, framework_call, guarded
 from ckptshim.loading import orbax as loading
 from ckptshim.log import logger
 
@@ -51,7 +51,10 @@ def original():
         _inside.active = previous
 
 
+@framework_call
 def _passthrough(wrapped, args, kwargs) -> Any:
+    """Orbax's own restore, with nested restores passing straight through (what it raises is
+    the caller's error: see :func:`~ckptshim.hooks.seam.framework_call`)."""
     with original():
         return wrapped(*args, **kwargs)
 
@@ -101,6 +104,7 @@ def _shim_checkpointer(wrapped, instance, args, kwargs) -> Any:
     if isinstance(ckpt_args, ocp.args.Composite):
         requested = dict(ckpt_args.items())
 
+        @framework_call
         def native(names: list[str]) -> dict[str, Any]:
             with original():
                 return wrapped(directory, args=ocp.args.Composite(**{n: requested[n] for n in names}))
@@ -144,6 +148,7 @@ def _shim_manager(wrapped, instance, args, kwargs) -> Any:
         requested = {"default": None} if single else dict.fromkeys(loading.items_on_disk(step_dir))
     where = f"orbax CheckpointManager.restore(step {step} of {root})"
 
+    @framework_call
     def native(names: list[str]) -> dict[str, Any]:
         with original():
             if single:
@@ -157,7 +162,10 @@ def _shim_manager(wrapped, instance, args, kwargs) -> Any:
             return _passthrough(wrapped, args, kwargs)
         try:  # with no args, Orbax needs a handler registered for each item it finds
             return _passthrough(wrapped, args, kwargs)
-        except (ValueError, KeyError) as error:
+        except FrameworkRaised as raised:
+            if not isinstance(raised.error, (ValueError, KeyError)):
+                raise
+            error = raised.error
             logger.info("%s: Orbax could not restore it without args (%s); ckptshim restores the "
                         "items as stored", where, error)
             done = loading.restore_items(step_dir, _requests(requested), where, native, force=True)

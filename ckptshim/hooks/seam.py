@@ -77,20 +77,47 @@ def bind(function: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, A
     return dict(bound.arguments)
 
 
+class FrameworkRaised(Exception):
+    """The framework's own loader, called from inside a hook (a load ckptshim leaves to it, or
+    the part of one it cannot do), raised ``error``. That is the caller's error, exactly as
+    without ckptshim: :func:`guarded` re-raises ``error`` itself, never reports it as a bug in
+    ckptshim nor runs the framework's load a second time."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def framework_call(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` (the framework's own loader) as a hook runs it inside :func:`guarded`: what it
+    raises comes out of ``guarded`` unchanged (see :class:`FrameworkRaised`)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return call(*args, **kwargs)
+        except Exception as error:
+            raise FrameworkRaised(error) from None
+    return run
+
+
 def guarded(seam: Seam, shimmed: Callable[[], Any], original: Callable[[], Any], where: object = None) -> Any:
-    """Run ``shimmed()``; a ShimError propagates. Any other exception is a bug in ckptshim: the
-    seam either falls back to ``original()`` or raises :func:`internal_error` (``where`` names
-    the checkpoint)."""
+    """Run ``shimmed()``; a ShimError propagates, and so does what the framework's own loader
+    raised inside it (:func:`framework_call`). Any other exception is a bug in ckptshim: the seam
+    either falls back to ``original()`` or raises :func:`internal_error` (``where`` names the
+    checkpoint)."""
     try:
-        return shimmed()
-    except ShimError:
-        raise
-    except Exception as error:
-        if not seam.falls_back:
-            raise internal_error(seam, error, where) from error
-        logger.warning("internal error in the %s hook; falling back to the framework's own "
-                       "loader. Please report this with the traceback below.", seam.call, exc_info=True)
-        return original()
+        try:
+            return shimmed()
+        except (ShimError, FrameworkRaised):
+            raise
+        except Exception as error:
+            if not seam.falls_back:
+                raise internal_error(seam, error, where) from error
+            logger.warning("internal error in the %s hook; falling back to the framework's own "
+                           "loader. Please report this with the traceback below.", seam.call, exc_info=True)
+            return original()
+    except FrameworkRaised as raised:
+        error = raised.error
+    raise error  # outside the except clause: the framework's error as it was, no context added
 
 
 def internal_error(seam: Seam, error: BaseException, where: object = None) -> InternalError:

@@ -3,7 +3,7 @@ steps; :mod:`ckptshim.loading.t5x` decides, legacy steps go to T5X unchanged).""
 
 from __future__ import annotations
 
-from ckptshim.hooks.seam import Patches, Seam, bind, guarded
+from ckptshim.hooks.seam import Patches, Seam, bind, framework_call, guarded
 from ckptshim.loading import t5x as loading
 
 SEAM = Seam("t5x", "t5x", falls_back=True)
@@ -28,7 +28,7 @@ def _load_t5x_checkpoint(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
 
     call = bind(wrapped, args, kwargs)
-    return native() if call is None else guarded(SEAM, lambda: loading.load_t5x_checkpoint(call, native), native)
+    return native() if call is None else guarded(SEAM, lambda: loading.load_t5x_checkpoint(call, framework_call(native)), native)
 
 
 def _checkpointer_restore(wrapped, instance, args, kwargs):
@@ -36,4 +36,4 @@ def _checkpointer_restore(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
 
     call = bind(wrapped, args, kwargs)
-    return native() if call is None else guarded(SEAM, lambda: loading.restore(instance, call, native), native)
+    return native() if call is None else guarded(SEAM, lambda: loading.restore(instance, call, framework_call(native)), native)

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptshim.errors import PlanError
+from ckptshim.errors import PlanError, UnknownFormatError
 from ckptshim.formats import orbax_manager
+from ckptshim.formats.detect import detect
 from ckptshim.loading import agreement, jax as jax_loading
 
 #: What a process decided for a restore, as it tells the others (see :mod:`~ckptshim.loading.agreement`).
@@ -107,7 +108,9 @@ def match_items(step_dir: Path, requested: Iterable[str]) -> dict[str, Path]:
         if name in on_disk:
             out[name] = on_disk[name]
         elif (step_dir / name).exists():
-            continue  # an item Orbax keeps in its own format (JSON metadata, ...)
+            if _foreign_array_item(step_dir / name):
+                out[name] = step_dir / name
+            continue  # else an item Orbax keeps in its own format (JSON metadata, ...)
         elif len(spare) == 1:
             out[name] = on_disk[spare.pop()]
         else:
@@ -118,6 +121,16 @@ def match_items(step_dir: Path, requested: Iterable[str]) -> dict[str, Path]:
                 + f". Name the item the checkpoint uses (e.g. args=ocp.args.Composite("
                 f"{next(iter(on_disk), 'state')}=...)).")
     return out
+
+
+def _foreign_array_item(path: Path) -> bool:
+    """Whether the item folder ``path`` holds arrays in a format a JAX restore takes that is not
+    an Orbax item (a Hugging Face folder standing in for MaxText's ``items``, say)."""
+    try:
+        detect(path, "jax")
+    except UnknownFormatError:
+        return False
+    return True
 
 
 def latest_step(root: Path) -> int | None:
