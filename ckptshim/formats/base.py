@@ -430,11 +430,11 @@ def strict_json(raw: str | bytes, array_bytes: int = 0) -> object:
 
 
 def _unique_pairs(pairs: list[tuple[str, object]]) -> dict:
-    out: dict[str, object] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"key {key!r} appears twice in one JSON object (duplicate key)")
-        out[key] = value
+    out = dict(pairs)  # built in C; only an object with a duplicate key comes out shorter
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        key = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise ValueError(f"key {key!r} appears twice in one JSON object (duplicate key)")
     return out
 
 
