@@ -13,7 +13,8 @@ in a process of its own (the write is timed: at this size the save, not ckptshim
 Then, each in a fresh process (``python -m ckptshim``, output to ``/dev/null``), ``inspect --json``
 of the per-layer checkpoint and ``plan --json`` of it ``--like`` the stacked one: wall time and
 the process's peak RSS (``wait4``'s ``ru_maxrss``, interpreter and imports included; the first
-line shows what those alone cost), best of ``--repeat``. Memory should grow linearly with the
+line shows what those alone cost), and its CPU time (user + system: what a busy machine changes
+least), each the best of ``--repeat``. Memory should grow linearly with the
 metadata: the bytes per array between the smallest and the largest size are printed. Target:
 each command under 10 s at 100,000 arrays. The planner alone on a million keys is
 ``bench_plan.py``.
@@ -64,8 +65,9 @@ def write(fmt: str, folder: Path, layers: int, leaves: int, stacked: bool) -> No
         dcp.save({"model": state}, checkpoint_id=folder)
 
 
-def timed(argv: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS in bytes of one fresh process; it must succeed."""
+def timed(argv: list[str]) -> tuple[float, float, int]:
+    """Wall seconds, CPU seconds (user + system) and peak RSS in bytes of one fresh process; it
+    must succeed."""
     with tempfile.TemporaryFile() as stderr:
         start = time.perf_counter()
         process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr)
@@ -75,12 +77,13 @@ def timed(argv: list[str]) -> tuple[float, int]:
         if process.returncode != 0:
             stderr.seek(0)
             raise SystemExit(f"{' '.join(argv)} failed:\n{stderr.read().decode()[-3000:]}")
-    return seconds, usage.ru_maxrss * 1024
+    return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
 
 
-def best(argv: list[str], repeat: int) -> tuple[float, int]:
+def best(argv: list[str], repeat: int) -> tuple[float, float, int]:
+    """The best of ``repeat`` runs, each figure on its own."""
     runs = [timed(argv) for _ in range(repeat)]
-    return min(s for s, _ in runs), min(rss for _, rss in runs)
+    return tuple(min(run[i] for run in runs) for i in range(3))
 
 
 def main() -> int:
@@ -98,9 +101,9 @@ def main() -> int:
         return 0
 
     python = sys.executable
-    seconds, rss = best([python, "-c", "import ckptshim.cli, tensorstore, numpy"], args.repeat)
-    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-          f"python + ckptshim.cli + tensorstore imported: {seconds:.2f} s, {rss / 2**20:.0f} MiB")
+    seconds, cpu, rss = best([python, "-c", "import ckptshim.cli, tensorstore, numpy"], args.repeat)
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; python + ckptshim.cli + "
+          f"tensorstore imported: {seconds:.2f} s (CPU {cpu:.2f} s), {rss / 2**20:.0f} MiB")
     slow = False
     peaks: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for arrays in sorted(args.arrays):
@@ -124,10 +127,12 @@ def main() -> int:
                       f"load average {os.getloadavg()[0]:.2f}")
                 for command, argv in (("inspect", ["inspect", "--json", str(per_layer)]),
                                       ("plan", ["plan", "--json", str(per_layer), "--like", str(stacked)])):
-                    seconds, rss = best([python, "-m", "ckptshim", *argv], args.repeat)
+                    load = os.getloadavg()[0]
+                    seconds, cpu, rss = best([python, "-m", "ckptshim", *argv], args.repeat)
                     peaks.setdefault((fmt, command), []).append((layers * args.leaves, rss))
                     verdict = "ok" if seconds < TARGET_SECONDS else f"SLOWER than {TARGET_SECONDS} s"
-                    print(f"      {command:8s} {seconds:6.2f} s  peak RSS {rss / 2**20:7.1f} MiB  {verdict}")
+                    print(f"      {command:8s} {seconds:6.2f} s (CPU {cpu:5.2f} s)  peak RSS {rss / 2**20:7.1f} MiB  "
+                          f"{verdict}  (load average {load:.2f})", flush=True)
                     slow |= seconds >= TARGET_SECONDS
             finally:
                 shutil.rmtree(root)

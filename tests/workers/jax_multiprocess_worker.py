@@ -50,6 +50,7 @@ from ckptshim.errors import PeerError, PlanError, ShimError  # noqa: E402
 from ckptshim.formats import kvstore  # noqa: E402
 from ckptshim.formats.base import numpy_dtype  # noqa: E402
 from ckptshim.inventory import flatten, unflatten  # noqa: E402
+from support.pagecache import drop_cache, io_counters  # noqa: E402
 from support.trees import nest, scanned_expected  # noqa: E402
 from test_paxml_gpt3 import expected_state  # noqa: E402
 
@@ -102,21 +103,6 @@ def stored(path: Path) -> dict:
                 for key, entry in checkpoint.inventory.items()}
     finally:
         checkpoint.close()
-
-
-def io_counters() -> dict[str, int]:
-    with open("/proc/self/io") as f:
-        return {name: int(value) for name, value in (line.split(": ") for line in f)}
-
-
-def drop_cache(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def layer_values(layer: int) -> dict[str, np.ndarray]:
