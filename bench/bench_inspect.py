@@ -1,14 +1,18 @@
 """``ckptshim inspect`` and ``ckptshim plan`` on checkpoints of up to 100,000 tiny arrays.
 
 For each size (``--arrays``, default 25,000, 50,000 and 100,000: layers x ``--leaves`` 100),
-two real checkpoints of float32 arrays of 4 elements are written, each by its library's own save,
-in a process of its own (the write is timed: at this size the save, not ckptshim, is slow):
+two real checkpoints of small float32 arrays are written, each by its library's own save, in a
+process of its own (the write is timed: at this size the save, not ckptshim, is slow):
 
 - ``orbax``: ``StandardCheckpointer.save`` (OCDBT, zarr v2) of an unscanned tree
-  ``params/decoder/layers_{i}/w{j}``, and a scanned tree of the same leaves stacked on axis 1 as
-  the layout to plan into;
-- ``dcp``: ``torch.distributed.checkpoint.save`` of ``{"model": {"layers.{i}.w{j}": ...}}``, and a
-  stacked ``layers.w{j}`` ``[L, 4]`` state dict as the layout to plan into.
+  ``params/decoder/layers_{i}/w{j}`` of 4 elements each, and a scanned tree of the same leaves
+  stacked on axis 1 as the layout to plan into;
+- ``dcp``: ``torch.distributed.checkpoint.save`` of ``{"model": {"layers.{i}.w{j}": ...}}`` of
+  2,048 elements each, and a stacked ``layers.w{j}`` ``[L, 2048]`` state dict as the layout to
+  plan into. (DCP's ``.metadata`` pickle takes about 100 opcodes per tensor, which ckptshim's
+  metadata budget counts at 64 bytes each: about 6.4 KB per tensor, granted per byte of
+  arrays plus 256 MiB. 100,000 tensors of 4 elements are refused as a metadata bomb; of 2,048
+  (8 KB) they pass.)
 
 Then, each in a fresh process (``python -m ckptshim``, output to ``/dev/null``), ``inspect --json``
 of the per-layer checkpoint and ``plan --json`` of it ``--like`` the stacked one: wall time and
@@ -34,6 +38,7 @@ from pathlib import Path
 
 TARGET_SECONDS = 10.0
 FORMATS = ("orbax", "dcp")
+ELEMENTS = {"orbax": 4, "dcp": 2048}  # per array (see above for DCP's)
 
 
 def write(fmt: str, folder: Path, layers: int, leaves: int, stacked: bool) -> None:
@@ -43,9 +48,10 @@ def write(fmt: str, folder: Path, layers: int, leaves: int, stacked: bool) -> No
         import orbax.checkpoint as ocp
 
         if stacked:
-            tree = {"layers": {f"w{j}": np.zeros((4, layers), np.float32) for j in range(leaves)}}
+            tree = {"layers": {f"w{j}": np.zeros((ELEMENTS[fmt], layers), np.float32) for j in range(leaves)}}
         else:
-            tree = {f"layers_{i}": {f"w{j}": np.full((4,), i * leaves + j, np.float32) for j in range(leaves)}
+            tree = {f"layers_{i}": {f"w{j}": np.full((ELEMENTS[fmt],), i * leaves + j, np.float32)
+                                    for j in range(leaves)}
                     for i in range(layers)}
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(folder, {"params": {"decoder": tree}})
@@ -58,9 +64,9 @@ def write(fmt: str, folder: Path, layers: int, leaves: int, stacked: bool) -> No
 
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
         if stacked:
-            state = {f"layers.w{j}": torch.zeros(layers, 4) for j in range(leaves)}
+            state = {f"layers.w{j}": torch.zeros(layers, ELEMENTS[fmt]) for j in range(leaves)}
         else:
-            state = {f"layers.{i}.w{j}": torch.full((4,), float(i * leaves + j))
+            state = {f"layers.{i}.w{j}": torch.full((ELEMENTS[fmt],), float(i * leaves + j))
                      for i in range(layers) for j in range(leaves)}
         dcp.save({"model": state}, checkpoint_id=folder)
 

@@ -30,7 +30,9 @@ layer (layout-independently) and must agree.
 Run: ``python bench/bench_orbax_restore.py [--layers 64 | --gib N|half] [--rounds 3] [--cases ...]
 [--cold] [--dir /tmp/...]``. The default cases are native, shimmed and idle; with ``--gib``,
 shimmed, native_unscanned and native_refused (native of the scanned checkpoint peaks near 2x
-the restored bytes, more than half the machine's memory can hold).
+the restored bytes, more than half the machine's memory can hold). Orbax's save needs about 2x
+the arrays' bytes of memory, so the largest checkpoint it can write is about a quarter of the
+machine's memory (``--gib 6`` on 24 GiB).
 """
 
 from __future__ import annotations
@@ -67,21 +69,37 @@ def _layer(i: int):
 
 
 def _write(root: Path, layers: int, scanned: bool) -> None:
-    """The unscanned checkpoint, and the scanned one when asked (run in its own process: it
-    holds the tree, twice while saving both)."""
+    """The unscanned checkpoint, and the scanned one when asked (run in its own process).
+
+    Orbax's save holds about twice the arrays' bytes of its own (a copy, and the compressed
+    chunks until the OCDBT commit), so the values it saves are kept in a file-backed map
+    (reclaimable page cache, not process memory): a checkpoint of a quarter of the machine's
+    memory can be written.
+    """
     import jax
     import numpy as np
     import orbax.checkpoint as ocp
 
-    per_layer = [_layer(i) for i in range(layers)]
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(root / "unscanned", {"params": {"decoder": {
-            f"layers_{i}": layer for i, layer in enumerate(per_layer)}}})
-        checkpointer.wait_until_finished()
-        if scanned:
-            stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs, axis=1), *per_layer)
-            checkpointer.save(root / "scanned", {"params": {"decoder": {"layers": stacked}}})
+    with tempfile.TemporaryFile(dir=root) as scratch:
+        scratch.truncate(layers * LAYER_BYTES)
+        offset = 0
+
+        def mapped(value: np.ndarray) -> np.ndarray:
+            nonlocal offset
+            out = np.memmap(scratch, value.dtype, "r+", offset, value.shape)
+            out[...] = value
+            offset += value.nbytes
+            return out
+
+        per_layer = [jax.tree_util.tree_map(mapped, _layer(i)) for i in range(layers)]
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(root / "unscanned", {"params": {"decoder": {
+                f"layers_{i}": layer for i, layer in enumerate(per_layer)}}})
             checkpointer.wait_until_finished()
+            if scanned:
+                stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs, axis=1), *per_layer)
+                checkpointer.save(root / "scanned", {"params": {"decoder": {"layers": stacked}}})
+                checkpointer.wait_until_finished()
     os.sync()  # written back, so that dropping the pages drops them all
 
 
