@@ -4,9 +4,13 @@ For each size (``--arrays``, default 25,000, 50,000 and 100,000: layers x ``--le
 two real checkpoints of small float32 arrays are written, each by its library's own save, in a
 process of its own (the write is timed: at this size the save, not ckptshim, is slow):
 
-- ``orbax``: ``StandardCheckpointer.save`` (OCDBT, zarr v2) of an unscanned tree
+- ``orbax``: Orbax's ``PyTreeCheckpointHandler`` save (OCDBT, zarr v2, what ``StandardCheckpointer``
+  writes) of an unscanned tree
   ``params/decoder/layers_{i}/w{j}`` of 4 elements each, and a scanned tree of the same leaves
   stacked on axis 1 as the layout to plan into;
+- ``orbax_folders``: the same without OCDBT (``PyTreeCheckpointHandler(use_ocdbt=False)``): one
+  zarr folder per array, as Orbax wrote before OCDBT (not in the default ``--formats``: 100,000
+  folders take minutes to write);
 - ``dcp``: ``torch.distributed.checkpoint.save`` of ``{"model": {"layers.{i}.w{j}": ...}}`` of
   2,048 elements each, and a stacked ``layers.w{j}`` ``[L, 2048]`` state dict as the layout to
   plan into. (DCP's ``.metadata`` pickle takes about 100 opcodes per tensor, which ckptshim's
@@ -37,13 +41,13 @@ import time
 from pathlib import Path
 
 TARGET_SECONDS = 10.0
-FORMATS = ("orbax", "dcp")
-ELEMENTS = {"orbax": 4, "dcp": 2048}  # per array (see above for DCP's)
+FORMATS = ("orbax", "orbax_folders", "dcp")
+ELEMENTS = {"orbax": 4, "orbax_folders": 4, "dcp": 2048}  # per array (see above for DCP's)
 
 
 def write(fmt: str, folder: Path, layers: int, leaves: int, stacked: bool) -> None:
     """One checkpoint, by the library's own save (run in a process of its own)."""
-    if fmt == "orbax":
+    if fmt.startswith("orbax"):
         import numpy as np
         import orbax.checkpoint as ocp
 
@@ -53,9 +57,8 @@ def write(fmt: str, folder: Path, layers: int, leaves: int, stacked: bool) -> No
             tree = {f"layers_{i}": {f"w{j}": np.full((ELEMENTS[fmt],), i * leaves + j, np.float32)
                                     for j in range(leaves)}
                     for i in range(layers)}
-        with ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.save(folder, {"params": {"decoder": tree}})
-            checkpointer.wait_until_finished()
+        handler = ocp.PyTreeCheckpointHandler(use_ocdbt=fmt == "orbax")
+        ocp.Checkpointer(handler).save(folder, args=ocp.args.PyTreeSave({"params": {"decoder": tree}}))
     else:
         import warnings
 
@@ -97,7 +100,7 @@ def main() -> int:
     parser.add_argument("--arrays", type=int, nargs="+", default=[25_000, 50_000, 100_000])
     parser.add_argument("--leaves", type=int, default=100, help="arrays per layer")
     parser.add_argument("--repeat", type=int, default=2, help="fresh processes per command; the best is shown")
-    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=["orbax", "dcp"])
     parser.add_argument("--dir", type=Path, default=None, help="where to write the checkpoints")
     parser.add_argument("--write", nargs=4, metavar=("FORMAT", "DIR", "LAYERS", "STACKED"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -27,6 +27,7 @@ Run: ``python bench/bench_multiprocess.py [--layers 64] [--rounds 3] [--written-
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -89,7 +90,7 @@ def restore(case: str, root: Path, layers: int, out: Path) -> None:
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    import ckptshim  # noqa: F401  (installs the hooks unless disabled)
+    importlib.import_module("ckptshim")  # installs the hooks (off with CKPTSHIM_DISABLE)
     from bench_orbax_restore import EMB, MLP, _layer
 
     rows = NamedSharding(jax.make_mesh((jax.device_count(),), ("x",)), P("x"))

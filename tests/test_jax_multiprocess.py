@@ -142,8 +142,7 @@ def test_a_load_is_refused_before_any_read(launch, tmp_path, monkeypatch, damage
     import jax
     import orbax.checkpoint as ocp
 
-    import ckptshim  # noqa: F401  (hooks on)
-    from ckptshim.formats.orbax import OrbaxCheckpoint
+    from ckptshim.formats.orbax import OrbaxCheckpoint  # (the hooks are on: ckptshim is imported)
 
     reads = []
     monkeypatch.setattr(OrbaxCheckpoint, "read_into", lambda *args: reads.append(args))

@@ -388,9 +388,12 @@ def _step_folders(root: Path, pattern: re.Pattern, accept: Callable[[Path], Path
     if not root.is_dir():
         return {}
     found: dict[int, tuple[str, Path]] = {}
-    for child in sorted(root.iterdir()):
+    # by name, and only the children the pattern matches: a per-array checkpoint folder holds
+    # 100,000 children, and comparing Path objects costs microseconds each
+    named = sorted((child.name, child) for child in root.iterdir() if pattern.match(child.name))
+    for _, child in named:
         match = pattern.match(child.name)
-        accepted = accept(child) if match else None
+        accepted = accept(child)
         if accepted is None:
             continue
         step = int(match.group(1))

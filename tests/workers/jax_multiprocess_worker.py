@@ -41,8 +41,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-import ckptshim  # noqa: E402,F401  (installs the hooks)
-from ckptshim import log  # noqa: E402
+from ckptshim import log  # noqa: E402  (importing ckptshim installs the hooks)
 from ckptshim.api import inspect  # noqa: E402
 from ckptshim.errors import PeerError, PlanError, ShimError  # noqa: E402
 from ckptshim.formats import kvstore  # noqa: E402
