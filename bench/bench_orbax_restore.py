@@ -1,30 +1,48 @@
-"""Restoring a ~1 GiB unscanned Orbax checkpoint into a scanned target, vs Orbax's own restore.
+"""Restoring an unscanned Orbax checkpoint into a scanned target, vs Orbax's own restore.
 
-A 64-layer decoder-style tree (per layer ``mlp/wi`` [1024, 2048] and ``mlp/wo`` [2048, 1024]
-float32, 16 MiB; plus a norm scale) is saved twice with today's ``StandardCheckpointer``: once
-unscanned (``decoder/layers_{i}/...``) and once scanned (the same values stacked on axis 1,
-MaxText's ``param_scan_axis``). Cases, each in fresh subprocesses, rounds interleaved:
+A decoder-style tree (per layer ``mlp/wi`` [1024, 2048] and ``mlp/wo`` [2048, 1024] float32,
+16 MiB; plus a norm scale; 64 layers, about 1 GiB, by default; ``--gib N`` for N GiB, ``--gib
+half`` for half of ``MemTotal``) is saved with today's ``StandardCheckpointer``: unscanned
+(``decoder/layers_{i}/...``) and, when a case needs it, scanned (the same values stacked on axis
+1, MaxText's ``param_scan_axis``). Cases, each in fresh subprocesses, rounds interleaved:
 
 - ``native``: ckptshim disabled, ``StandardCheckpointer.restore(scanned, scanned target)``;
 - ``shimmed``: ``StandardCheckpointer.restore(unscanned, scanned target)`` through ckptshim,
   which stacks the layers while reading;
 - ``idle``: ckptshim installed, scanned into scanned (its only cost: reading the metadata to
-  see that the layout matches).
+  see that the layout matches);
+- ``native_unscanned``: ckptshim disabled, the unscanned checkpoint into its own unscanned
+  layout (what Orbax alone does with the checkpoint ``shimmed`` reads);
+- ``native_refused``: ckptshim disabled, unscanned into the scanned target, which Orbax refuses
+  (its error is reported).
 
 Reported per case: median time, GiB/s of restored bytes, and peak RSS over the process baseline
-(``ru_maxrss`` after restoring minus RSS once jax, Orbax and the abstract target are set up),
-also as a multiple of the restored bytes. Targets: shimmed/native time <= 1.1; shimmed peak
-<= 1.1x the restored bytes. Every case's arrays are checksummed and must agree.
+(the high-water mark ``VmHWM`` after restoring, reset to the resident size once jax, Orbax and
+the abstract target are set up), also as a multiple of the restored bytes. With ``--cold`` the
+page cache is dropped for the checkpoint's files (``posix_fadvise(DONTNEED)`` on each) before
+every restore, and each restore is paired with a raw read just before it, in the same process,
+of the same files (every file of the checkpoint it reads, sequentially, 8 MiB at a time, into one
+buffer; dropped again after): the restore's read throughput (bytes on disk over its time) as a
+fraction of the raw read's (this machine's disk swings by 2x from minute to minute).
+Targets: shimmed/native time <= 1.1; shimmed peak <= 1.1x the restored bytes (1.05x with
+``--gib``); cold, shimmed throughput >= 0.9 of raw. Every case's arrays are hashed layer by
+layer (layout-independently) and must agree.
 
-Run: ``python bench/bench_orbax_restore.py [--layers 64] [--rounds 3] [--dir /tmp/...]``.
+Run: ``python bench/bench_orbax_restore.py [--layers 64 | --gib N|half] [--rounds 3] [--cases ...]
+[--cold] [--dir /tmp/...]``. The default cases are native, shimmed and idle; with ``--gib``,
+shimmed, native_unscanned and native_refused (native of the scanned checkpoint peaks near 2x
+the restored bytes, more than half the machine's memory can hold). Orbax's save needs about 2x
+the arrays' bytes of memory, so the largest checkpoint it can write is about a quarter of the
+machine's memory (``--gib 6`` on 24 GiB).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import hashlib
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -32,8 +50,15 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from support.pagecache import drop_cache, raw_read  # noqa: E402
+
 EMB, MLP = 1024, 2048
-CASES = ("native", "shimmed", "idle")
+LAYER_BYTES = (2 * EMB * MLP + EMB) * 4
+CASES = ("native", "shimmed", "idle", "native_unscanned", "native_refused")
+SMALL_CASES, LARGE_CASES = ("native", "shimmed", "idle"), ("shimmed", "native_unscanned", "native_refused")
+SCANNED_CASES = ("native", "idle")  # the cases that read the scanned checkpoint
 
 
 def _layer(i: int):
@@ -45,94 +70,205 @@ def _layer(i: int):
             "norm": {"scale": rng.standard_normal(EMB, dtype=np.float32)}}
 
 
-def _write(root: Path, layers: int) -> None:
-    """Both checkpoints (run in its own process: it holds the tree twice while saving)."""
+def _write(root: Path, layers: int, scanned: bool) -> None:
+    """The unscanned checkpoint, and the scanned one when asked (run in its own process).
+
+    Orbax's save holds about twice the arrays' bytes of its own (a copy, and the compressed
+    chunks until the OCDBT commit), so the values it saves are kept in a file-backed map
+    (reclaimable page cache, not process memory): a checkpoint of a quarter of the machine's
+    memory can be written.
+    """
     import jax
     import numpy as np
     import orbax.checkpoint as ocp
 
-    per_layer = [_layer(i) for i in range(layers)]
-    unscanned = {"params": {"decoder": {f"layers_{i}": layer for i, layer in enumerate(per_layer)}}}
-    stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs, axis=1), *per_layer)
-    scanned = {"params": {"decoder": {"layers": stacked}}}
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(root / "unscanned", unscanned)
-        checkpointer.save(root / "scanned", scanned)
-        checkpointer.wait_until_finished()
+    with tempfile.TemporaryFile(dir=root) as scratch:
+        scratch.truncate(layers * LAYER_BYTES)
+        offset = 0
+
+        def mapped(value: np.ndarray) -> np.ndarray:
+            nonlocal offset
+            out = np.memmap(scratch, value.dtype, "r+", offset, value.shape)
+            out[...] = value
+            offset += value.nbytes
+            return out
+
+        per_layer = [jax.tree_util.tree_map(mapped, _layer(i)) for i in range(layers)]
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(root / "unscanned", {"params": {"decoder": {
+                f"layers_{i}": layer for i, layer in enumerate(per_layer)}}})
+            checkpointer.wait_until_finished()
+            if scanned:
+                stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs, axis=1), *per_layer)
+                checkpointer.save(root / "scanned", {"params": {"decoder": {"layers": stacked}}})
+                checkpointer.wait_until_finished()
+    os.sync()  # written back, so that dropping the pages drops them all
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
 
 
-def _measure(root: Path, case: str, layers: int) -> dict:
-    """One restore in this (fresh) process: time, peak RSS over baseline, checksum."""
-    if case == "native":
+def _baseline_kib() -> int:
+    """The resident size now, with the high-water mark reset to it (``ru_maxrss`` would carry
+    the parent's over ``exec``)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS")
+
+
+def _layer_hashes(restored: dict, layers: int, scanned: bool) -> list[str]:
+    """One hash per (layer, array), the same for a scanned and an unscanned tree."""
+    import jax
+    import numpy as np
+
+    decoder = restored["params"]["decoder"]
+    hashes = []
+    for i in range(layers):
+        layer = decoder["layers"] if scanned else decoder[f"layers_{i}"]
+        for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(layer), key=lambda pair: str(pair[0])):
+            value = np.asarray(leaf)
+            value = value[:, i] if scanned else value
+            hashes.append(hashlib.blake2b(np.ascontiguousarray(value).tobytes(), digest_size=8).hexdigest())
+    return hashes
+
+
+def _measure(root: Path, case: str, layers: int, cold: bool) -> dict:
+    """One restore in this (fresh) process: time, peak RSS over baseline, hashes."""
+    if case.startswith("native"):
         os.environ["CKPTSHIM_DISABLE"] = "1"
-    import ckptshim  # noqa: F401
+    importlib.import_module("ckptshim")  # installs the hooks (off with CKPTSHIM_DISABLE)
     import jax
     import numpy as np
     import orbax.checkpoint as ocp
 
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shapes = {"wi": (EMB, layers, MLP), "wo": (MLP, layers, EMB)}
-    target = {"params": {"decoder": {"layers": {
-        "mlp": {name: jax.ShapeDtypeStruct(shape, np.float32, sharding=device) for name, shape in shapes.items()},
-        "norm": {"scale": jax.ShapeDtypeStruct((EMB, layers), np.float32, sharding=device)}}}}}
-    source = root / ("unscanned" if case == "shimmed" else "scanned")
+    scanned = case != "native_unscanned"
+    if scanned:
+        shapes = {"mlp": {"wi": (EMB, layers, MLP), "wo": (MLP, layers, EMB)}, "norm": {"scale": (EMB, layers)}}
+        tree = {"layers": shapes}
+    else:
+        tree = {f"layers_{i}": {"mlp": {"wi": (EMB, MLP), "wo": (MLP, EMB)}, "norm": {"scale": (EMB,)}}
+                for i in range(layers)}
+    target = {"params": {"decoder": jax.tree_util.tree_map(
+        lambda shape: jax.ShapeDtypeStruct(shape, np.float32, sharding=device), tree,
+        is_leaf=lambda x: isinstance(x, tuple))}}
+    source = root / ("scanned" if case in SCANNED_CASES else "unscanned")
+    raw = None
+    if cold:
+        drop_cache(source)
+        raw = raw_read(source)
+        drop_cache(source)
     checkpointer = ocp.StandardCheckpointer()
-    baseline = _rss_bytes()
+    baseline = _baseline_kib()
     start = time.perf_counter()
-    restored = checkpointer.restore(source, target)
-    jax.block_until_ready(restored)
+    try:
+        restored = checkpointer.restore(source, target)
+        jax.block_until_ready(restored)
+    except Exception as error:
+        if case != "native_refused":
+            raise
+        return {"case": case, "seconds": time.perf_counter() - start, "refused": type(error).__name__,
+                "message": str(error).strip().splitlines()[0][:300],
+                "peak_over_baseline": (_status_kib("VmHWM") - baseline) * 1024}
     elapsed = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    leaves = jax.tree_util.tree_leaves(restored)
-    restored_bytes = sum(leaf.nbytes for leaf in leaves)
-    checksum = [float(np.asarray(leaf, dtype=np.float64).sum()) for leaf in leaves]
-    return {"case": case, "seconds": elapsed, "peak_over_baseline": peak - baseline,
-            "restored_bytes": restored_bytes, "checksum": checksum}
+    peak = (_status_kib("VmHWM") - baseline) * 1024
+    if case == "native_refused":
+        raise AssertionError("Orbax restored an unscanned checkpoint into a scanned target")
+    restored_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(restored))
+    return {"case": case, "seconds": elapsed, "peak_over_baseline": peak, "restored_bytes": restored_bytes,
+            "hashes": _layer_hashes(restored, layers, scanned), "raw": raw}
 
 
-def main() -> None:
+def _layers(args) -> int:
+    if args.gib is None:
+        return args.layers
+    if args.gib == "half":
+        with open("/proc/meminfo") as f:
+            total_kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+        return total_kib * 1024 // 2 // LAYER_BYTES
+    return int(float(args.gib) * 2**30 // LAYER_BYTES)
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=64)
+    parser.add_argument("--gib", help="checkpoint size in GiB instead of --layers, or 'half' (of MemTotal)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cases", nargs="+", choices=CASES, help="default: native shimmed idle; "
+                        "with --gib: shimmed native_unscanned native_refused")
+    parser.add_argument("--cold", action="store_true", help="drop the checkpoints' pages before every case")
     parser.add_argument("--dir", type=Path, default=None, help="where to write the checkpoints")
     parser.add_argument("--measure", nargs=2, metavar=("DIR", "CASE"), help=argparse.SUPPRESS)
     parser.add_argument("--write", metavar="DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--scanned", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    layers = _layers(args)
     if args.measure:
-        print(json.dumps(_measure(Path(args.measure[0]), args.measure[1], args.layers)))
-        return
+        print(json.dumps(_measure(Path(args.measure[0]), args.measure[1], layers, args.cold)))
+        return 0
     if args.write:
-        _write(Path(args.write), args.layers)
-        return
+        _write(Path(args.write), layers, args.scanned)
+        return 0
+    cases = tuple(args.cases or (SMALL_CASES if args.gib is None else LARGE_CASES))
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         env = dict(os.environ, JAX_PLATFORMS="cpu")
-        subprocess.run([sys.executable, __file__, "--write", tmp, "--layers", str(args.layers)], check=True, env=env)
-        runs: dict[str, list[dict]] = {case: [] for case in CASES}
+        write = [sys.executable, __file__, "--write", tmp, "--layers", str(layers)]
+        start = time.perf_counter()
+        subprocess.run(write + (["--scanned"] if set(cases) & set(SCANNED_CASES) else []), check=True, env=env)
+        written = time.perf_counter() - start
+        stored = sum(f.stat().st_size for f in (Path(tmp) / "unscanned").rglob("*") if f.is_file())
+        print(f"{layers} layers, {layers * LAYER_BYTES / 2**30:.2f} GiB of arrays, unscanned checkpoint "
+              f"{stored / 2**30:.2f} GiB on disk, written in {written:.0f} s; "
+              f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+        runs: dict[str, list[dict]] = {case: [] for case in cases}
         for round_ in range(args.rounds):
-            for case in CASES[round_ % len(CASES):] + CASES[:round_ % len(CASES)]:
-                out = subprocess.run([sys.executable, __file__, "--measure", tmp, case, "--layers", str(args.layers)],
+            for case in cases[round_ % len(cases):] + cases[:round_ % len(cases)]:
+                load = os.getloadavg()[0]
+                out = subprocess.run([sys.executable, __file__, "--measure", tmp, case, "--layers", str(layers)]
+                                     + ["--cold"] * args.cold,
                                      check=True, env=env, capture_output=True, text=True).stdout
-                runs[case].append(json.loads(out.strip().splitlines()[-1]))
-    checksums = {json.dumps(run["checksum"]) for case in CASES for run in runs[case]}
-    assert len(checksums) == 1, "the cases restored different values"
-    restored = runs["native"][0]["restored_bytes"]
-    report = {"restored_GiB": restored / 2**30, "layers": args.layers}
-    for case in CASES:
+                runs[case].append(json.loads(out.strip().splitlines()[-1]) | {"load": load})
+                print(f"  {case}: {runs[case][-1]['seconds']:.2f} s (load average {load:.2f})", flush=True)
+    hashes = {json.dumps(run["hashes"]) for case in cases for run in runs[case] if "hashes" in run}
+    assert len(hashes) == 1, "the cases restored different values"
+    restored = layers * LAYER_BYTES
+    report: dict = {"restored_GiB": round(restored / 2**30, 3), "stored_GiB": round(stored / 2**30, 3),
+                    "layers": layers, "cold": args.cold}
+    for case in cases:
         seconds = statistics.median(run["seconds"] for run in runs[case])
         peak = statistics.median(run["peak_over_baseline"] for run in runs[case])
         report[case] = {"seconds": round(seconds, 3), "GiB_per_s": round(restored / 2**30 / seconds, 3),
                         "peak_over_baseline_GiB": round(peak / 2**30, 3),
-                        "peak_over_restored": round(peak / restored, 3)}
-    report["shimmed_over_native_time"] = round(report["shimmed"]["seconds"] / report["native"]["seconds"], 3)
-    report["idle_over_native_time"] = round(report["idle"]["seconds"] / report["native"]["seconds"], 3)
+                        "peak_over_restored": round(peak / restored, 3),
+                        "load_average": [round(run["load"], 2) for run in runs[case]]}
+        if "refused" in runs[case][0]:
+            report[case] |= {"refused": runs[case][0]["refused"], "message": runs[case][0]["message"]}
+    passed = True
+    if "shimmed" in cases:
+        limit = 1.1 if args.gib is None else 1.05
+        report["shimmed_peak_target"] = limit
+        passed &= report["shimmed"]["peak_over_restored"] <= limit
+    if "native" in cases and "shimmed" in cases:
+        report["shimmed_over_native_time"] = round(report["shimmed"]["seconds"] / report["native"]["seconds"], 3)
+        passed &= report["shimmed_over_native_time"] <= 1.1
+    if "native" in cases and "idle" in cases:
+        report["idle_over_native_time"] = round(report["idle"]["seconds"] / report["native"]["seconds"], 3)
+    if args.cold:
+        for case in cases:
+            pairs = [(run["raw"][0], run["raw"][1], run["seconds"]) for run in runs[case] if run.get("raw")]
+            if pairs and "refused" not in runs[case][0]:
+                report[case]["cold_raw_GiB_per_s"] = [round(size / seconds / 2**30, 3) for size, seconds, _ in pairs]
+                report[case]["cold_over_raw_throughput"] = round(statistics.median(
+                    raw / restore for _, raw, restore in pairs), 3)
+        if "shimmed" in cases:
+            passed &= report["shimmed"]["cold_over_raw_throughput"] >= 0.9
     print(json.dumps(report, indent=1))
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

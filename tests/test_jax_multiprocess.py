@@ -12,26 +12,17 @@ import json
 import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from ckptshim.cli import main as cli
 from ckptshim.errors import ShimError
+from support import jax_processes
 from support.fixtures import copy_fixture
-from support.processes import environment, worker
+from support.processes import worker
 
 PROCESSES = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -41,24 +32,11 @@ def launch(tmp_path_factory) -> list[dict]:
     for name in ("maxtext_runs", "paxml_runs/TinySpmdRepeat", "orbax_0.2.3_unscanned",
                  "t5x_tiny_decoder/legacy_checkpointer"):
         copy_fixture(name, fixtures)
-    env = environment({"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-                       "CKPTSHIM_AGREEMENT_TIMEOUT": "60"})
-    env = {k: v for k, v in env.items() if not k.startswith("CKPTSHIM_") or k == "CKPTSHIM_AGREEMENT_TIMEOUT"}
-    port = _free_port()
-    start = time.monotonic()
-    processes = [subprocess.Popen([sys.executable, worker("jax_multiprocess_worker.py"), str(i),
-                                   str(PROCESSES), str(port), str(out)],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for i in range(PROCESSES)]
-    logs = []
-    for process in processes:
-        try:
-            logs.append(process.communicate(timeout=max(600 - (time.monotonic() - start), 1))[0])
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            pytest.fail("the processes hung:\n" + "\n".join(p.communicate()[0][-3000:] for p in processes))
-    assert all(p.returncode == 0 for p in processes), "\n----\n".join(log[-4000:] for log in logs)
+    ran = jax_processes.launch(worker("jax_multiprocess_worker.py"), PROCESSES, [str(out)], timeout=600,
+                               extra_env={"CKPTSHIM_AGREEMENT_TIMEOUT": "60"})
+    if ran.hung:
+        pytest.fail("the processes hung:\n" + "\n".join(log[-3000:] for log in ran.logs))
+    assert all(code == 0 for code in ran.returncodes), "\n----\n".join(log[-4000:] for log in ran.logs)
     return [json.loads((out / f"process{i}.json").read_text()) | {"out": str(out)} for i in range(PROCESSES)]
 
 
@@ -164,8 +142,7 @@ def test_a_load_is_refused_before_any_read(launch, tmp_path, monkeypatch, damage
     import jax
     import orbax.checkpoint as ocp
 
-    import ckptshim  # noqa: F401  (hooks on)
-    from ckptshim.formats.orbax import OrbaxCheckpoint
+    from ckptshim.formats.orbax import OrbaxCheckpoint  # (the hooks are on: ckptshim is imported)
 
     reads = []
     monkeypatch.setattr(OrbaxCheckpoint, "read_into", lambda *args: reads.append(args))

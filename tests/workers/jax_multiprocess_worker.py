@@ -1,7 +1,7 @@
 """One process of ``test_jax_multiprocess.py``'s launch: real ``jax.distributed`` on localhost.
 
-Started N times (``argv``: process id, process count, coordinator port, the launch's folder)
-with 2 forced CPU devices each and gloo CPU collectives. Every process runs every case below in
+Started N times by ``support.jax_processes.launch`` (``argv``: process id, process count,
+coordinator port, the launch's folder), 2 forced CPU devices each, gloo CPU collectives. Every process runs every case below in
 the same order, each restore through the Orbax hook into targets sharded over all N x 2 devices,
 and writes ``process<i>.json``: per case ``"ok"`` or the error, plus what it measured.
 
@@ -26,30 +26,28 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 import traceback
 from pathlib import Path
 
-import jax
+from support.jax_processes import join
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
+PROCESS, COUNT, ARGS = join()
+OUT = Path(ARGS[0])
 
-PROCESS, COUNT, PORT, OUT = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{PORT}", num_processes=COUNT, process_id=PROCESS)
-
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-import ckptshim  # noqa: E402,F401  (installs the hooks)
-from ckptshim import log  # noqa: E402
+from ckptshim import log  # noqa: E402  (importing ckptshim installs the hooks)
 from ckptshim.api import inspect  # noqa: E402
 from ckptshim.errors import PeerError, PlanError, ShimError  # noqa: E402
 from ckptshim.formats import kvstore  # noqa: E402
 from ckptshim.formats.base import numpy_dtype  # noqa: E402
 from ckptshim.inventory import flatten  # noqa: E402
+from support.pagecache import drop_cache, io_counters  # noqa: E402
 from support.trees import nest, scanned_expected  # noqa: E402
 from test_paxml_gpt3 import expected_state  # noqa: E402
 
@@ -102,21 +100,6 @@ def stored(path: Path) -> dict:
                 for key, entry in checkpoint.inventory.items()}
     finally:
         checkpoint.close()
-
-
-def io_counters() -> dict[str, int]:
-    with open("/proc/self/io") as f:
-        return {name: int(value) for name, value in (line.split(": ") for line in f)}
-
-
-def drop_cache(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def layer_values(layer: int) -> dict[str, np.ndarray]:
