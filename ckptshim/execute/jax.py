@@ -63,10 +63,17 @@ def _build(source: blocks.SliceSource, plan: Plan, target: TargetLeaf, sep: str,
         return type(target.value)(fill(())[()])
     shards: dict[tuple, np.ndarray] = {}
     lock = threading.Lock()
+    box = _tiled_box({_bounds(index, target.shape)
+                      for index in target.sharding.addressable_devices_indices_map(target.shape).values()})
+    together: list[np.ndarray] = []  # this process's blocks, read in one go (see _tiled_box)
 
     def callback(index: tuple) -> np.ndarray:
         bounds = _bounds(index, target.shape)
         with lock:
+            if box is not None:
+                if not together:
+                    together.append(fill(tuple(slice(a, b) for a, b in box)))
+                return together[0][tuple(slice(a - low, b - low) for (a, b), (low, _) in zip(bounds, box))]
             shard = shards.get(bounds)
             if shard is None:
                 shard = shards[bounds] = fill(tuple(slice(a, b) for a, b in bounds))
@@ -96,6 +103,22 @@ def local_bytes(plan: Plan, targets: Mapping[KeyPath, TargetLeaf]) -> int:
                        for index in target.sharding.addressable_devices_indices_map(target.shape).values()}
         total += sum(int(np.prod([b - a for a, b in bounds], dtype=np.int64)) * itemsize for bounds in blocks_here)
     return total
+
+
+def _tiled_box(blocks_here: set[tuple[tuple[int, int], ...]]) -> tuple[tuple[int, int], ...] | None:
+    """The box this process's distinct device blocks of one array tile exactly, when there are
+    several; else ``None``.
+
+    Such blocks are read as that one box: a stored chunk that several of them overlap (an array
+    written by one process is often one chunk) is then fetched and decompressed once per
+    process, not once per device, and the process reads exactly the bytes its devices hold.
+    """
+    if len(blocks_here) < 2:
+        return None
+    box = tuple((min(b[axis][0] for b in blocks_here), max(b[axis][1] for b in blocks_here))
+                for axis in range(len(next(iter(blocks_here)))))
+    volume = sum(int(np.prod([b - a for a, b in block], dtype=np.int64)) for block in blocks_here)
+    return box if volume == int(np.prod([b - a for a, b in box], dtype=np.int64)) else None
 
 
 def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

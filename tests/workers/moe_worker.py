@@ -26,19 +26,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+from support.pagecache import io_counters  # noqa: E402
+from support.tensors import fsdp_row_shards  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
-
-
-def read_bytes() -> int:
-    """Bytes this process has read through read(2) and friends (``rchar``)."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise KeyError("rchar")
 
 
 def sharded_model(folder: Path, mesh) -> torch.nn.Module:
@@ -47,20 +40,6 @@ def sharded_model(folder: Path, mesh) -> torch.nn.Module:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
-
-
-def check_shards(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> int:
-    """Each local shard equals its rows of the expected value; returns the shards' bytes."""
-    local_bytes = 0
-    for key, value in model.state_dict().items():
-        assert isinstance(value, DTensor), key
-        local = value.to_local()
-        rows = value.device_mesh.size()
-        per_rank = -(-value.shape[0] // rows)  # FSDP2 pads the last rank's rows
-        start = min(value.device_mesh.get_local_rank() * per_rank, value.shape[0])
-        assert torch.equal(local, expected[key][start:start + local.shape[0]]), key
-        local_bytes += local.numel() * local.element_size()
-    return local_bytes
 
 
 def main(folder: Path, out: Path) -> None:
@@ -73,11 +52,11 @@ def main(folder: Path, out: Path) -> None:
     model = sharded_model(folder, mesh)
     dcp.load(model.state_dict(), checkpoint_id=folder)  # the first load pays for lazy imports
     model = sharded_model(folder, mesh)
-    before = read_bytes()
+    before = io_counters()["rchar"]
     dcp.load(model.state_dict(), checkpoint_id=folder)
-    results["read_bytes"] = read_bytes() - before
+    results["read_bytes"] = io_counters()["rchar"] - before
     try:
-        results["shard_bytes"] = check_shards(model, expected)
+        results["shard_bytes"] = fsdp_row_shards(model.state_dict(), expected)
         results["dcp_load"] = "ok"
     except AssertionError as error:
         results["dcp_load"] = f"shard differs: {error}"
@@ -86,7 +65,7 @@ def main(folder: Path, out: Path) -> None:
     try:
         set_model_state_dict(model, load_file(folder / "model.safetensors"),
                              options=StateDictOptions(full_state_dict=True))
-        check_shards(model, expected)
+        fsdp_row_shards(model.state_dict(), expected)
         results["set_model_state_dict"] = "ok"
     except Exception:
         results["set_model_state_dict"] = traceback.format_exc()

@@ -91,13 +91,13 @@ def _get(tree: dict, key: str):
 
 
 def expected_reads(target_key: str, array_shape, sharding, source_key_of) -> Counter:
-    """One read per distinct device slice (per layer in it, for a stacked target)."""
-    reads: Counter = Counter()
-    for index in {tuple(s.indices(n)[:2] for s, n in zip(idx, array_shape))
-                  for idx in sharding.devices_indices_map(array_shape).values()}:
-        for key, sub in source_key_of(target_key, index):
-            reads[key, sub] += 1
-    return reads
+    """The process's distinct device slices read as the one box they tile, once (per layer in
+    it, for a stacked target): every byte its devices hold, none twice, nothing else."""
+    slices = {tuple(s.indices(n)[:2] for s, n in zip(idx, array_shape))
+              for idx in sharding.devices_indices_map(array_shape).values()}
+    box = tuple((min(s[axis][0] for s in slices), max(s[axis][1] for s in slices)) for axis in range(len(array_shape)))
+    assert sum(np.prod([b - a for a, b in s]) for s in slices) == np.prod([b - a for a, b in box]), slices
+    return Counter((key, sub) for key, sub in source_key_of(target_key, box))
 
 
 def main(root: Path) -> None:

@@ -27,6 +27,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+from support.pagecache import io_counters  # noqa: E402
+from support.tensors import fsdp_row_shards  # noqa: E402
 from support.titan import converted, layout, model  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -38,35 +40,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 TP_COLUMNS = ("wo", "w2")
 
 
-def read_bytes() -> int:
-    """Bytes this process has read through read(2) and friends (``rchar``)."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise KeyError("rchar")
-
-
 def sharded_model(name: str, mesh) -> torch.nn.Module:
     titan = model(name)
     for layer in titan.layers.children():
         fully_shard(layer, mesh=mesh)
     return fully_shard(titan, mesh=mesh)
-
-
-def check_shards(titan: torch.nn.Module, expected: dict[str, torch.Tensor]) -> int:
-    """Each local shard equals its rows of the expected value; returns the shards' bytes (a tied
-    pair's once)."""
-    local_bytes, seen = 0, set()
-    for key, value in titan.state_dict().items():
-        assert isinstance(value, DTensor), key
-        local = value.to_local()
-        per_rank = -(-value.shape[0] // value.device_mesh.size())  # FSDP2 pads the last rank's rows
-        start = min(value.device_mesh.get_local_rank() * per_rank, value.shape[0])
-        assert torch.equal(local, expected[key][start:start + local.shape[0]]), key
-        if local.data_ptr() not in seen:
-            seen.add(local.data_ptr())
-            local_bytes += local.numel() * local.element_size()
-    return local_bytes
 
 
 def tp_placement(key: str, shape: list[int]):
@@ -96,11 +74,11 @@ def main(name: str, folder: Path, out: Path) -> None:
     titan = sharded_model(name, mesh)
     dcp.load(titan.state_dict(), checkpoint_id=folder)  # the first load pays for lazy imports
     titan = sharded_model(name, mesh)
-    before = read_bytes()
+    before = io_counters()["rchar"]
     dcp.load(titan.state_dict(), checkpoint_id=folder)
-    results["read_bytes"] = read_bytes() - before
+    results["read_bytes"] = io_counters()["rchar"] - before
     try:
-        results["shard_bytes"] = check_shards(titan, expected)
+        results["shard_bytes"] = fsdp_row_shards(titan.state_dict(), expected)
         results["dcp_load"] = "ok"
     except AssertionError as error:
         results["dcp_load"] = f"shard differs: {error}"
@@ -120,7 +98,7 @@ def main(name: str, folder: Path, out: Path) -> None:
         try:
             set_model_state_dict(titan, load_file(folder / "model.safetensors"),
                                  options=StateDictOptions(full_state_dict=True))
-            check_shards(titan, expected)
+            fsdp_row_shards(titan.state_dict(), expected)
             results["set_model_state_dict"] = "ok"
         except Exception:
             results["set_model_state_dict"] = traceback.format_exc()
