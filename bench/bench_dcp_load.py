@@ -41,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from memory import reset_peak, status_kib  # noqa: E402
 from support.pagecache import drop_cache, raw_read  # noqa: E402
 
 CASES = ("native", "shimmed", "stacked", "raw")
@@ -66,20 +67,6 @@ def _model(layers: int, stacked: bool):
         for layer in root.layers:
             layer.weight = nn.Parameter(torch.empty(WIDTH, WIDTH))
     return root
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _baseline_kib() -> int:
-    """The resident size now, with the high-water mark reset to it. (``ru_maxrss`` would not
-    do: Linux carries it over ``exec`` from the parent, which wrote the checkpoint.)"""
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_kib("VmRSS")
 
 
 def save(folder: Path, layers: int) -> None:
@@ -112,7 +99,7 @@ def worker(case: str, folder: Path, layers: int, calls: int, cold: bool) -> dict
         ckptshim.uninstall()
     if case == "shimmed":
         import torch._dynamo  # noqa: F401  (torch.compile's own import is not the load's memory)
-    baseline = _baseline_kib()
+    baseline = reset_peak()
     model = _model(layers, stacked=case == "stacked")
     if case == "shimmed":
         model = torch.compile(model)  # no forward: keys gain _orig_mod., nothing compiles
@@ -126,7 +113,7 @@ def worker(case: str, folder: Path, layers: int, calls: int, cold: bool) -> dict
         start = time.perf_counter()
         dcp.load({"model": state_dict}, checkpoint_id=folder)
         times.append(time.perf_counter() - start)
-    peak = _status_kib("VmHWM") - baseline
+    peak = status_kib("VmHWM") - baseline
     weights = [v for v in state_dict.values()]
     loaded = weights[0].unbind(0) if case == "stacked" else weights
     assert all(torch.equal(tensor, _layer(i)) for i, tensor in enumerate(loaded)), "not bit-exact"

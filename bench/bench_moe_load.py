@@ -41,6 +41,8 @@ import time
 import warnings
 from pathlib import Path
 
+from memory import reset_peak, status_kib
+
 CASES = ("from_pretrained", "load_state_dict", "dcp.load")
 HIDDEN, INTERMEDIATE, EXPERTS, VOCAB = 1024, 2304, 8, 8192
 
@@ -71,17 +73,9 @@ def save(folder: Path, mib: int) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 def _baseline() -> tuple[int, int]:
     """Resident size and file-backed resident size now, the high-water mark reset to them."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_kib("VmRSS"), _status_kib("RssFile")
+    return reset_peak(), status_kib("RssFile")
 
 
 def _empty_model(folder: Path):
@@ -123,8 +117,8 @@ def worker(case: str, folder: Path) -> dict:
             state = None
             dcp.load(model.state_dict(), checkpoint_id=folder)
     elapsed = time.perf_counter() - start
-    peak = _status_kib("VmHWM") - baseline
-    mapped = _status_kib("RssFile") - file_baseline
+    peak = status_kib("VmHWM") - baseline
+    mapped = status_kib("RssFile") - file_baseline
     del state
     loaded = model.state_dict()
     ckptshim.uninstall()

@@ -52,6 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from memory import reset_peak, status_kib  # noqa: E402
 from support.pagecache import drop_cache, raw_read  # noqa: E402
 
 EMB, MLP = 1024, 2048
@@ -105,20 +106,6 @@ def _write(root: Path, layers: int, scanned: bool) -> None:
     os.sync()  # written back, so that dropping the pages drops them all
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _baseline_kib() -> int:
-    """The resident size now, with the high-water mark reset to it (``ru_maxrss`` would carry
-    the parent's over ``exec``)."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_kib("VmRSS")
-
-
 def _layer_hashes(restored: dict, layers: int, scanned: bool) -> list[str]:
     """One hash per (layer, array), the same for a scanned and an unscanned tree."""
     import jax
@@ -162,7 +149,7 @@ def _measure(root: Path, case: str, layers: int, cold: bool) -> dict:
         raw = raw_read(source)
         drop_cache(source)
     checkpointer = ocp.StandardCheckpointer()
-    baseline = _baseline_kib()
+    baseline = reset_peak()
     start = time.perf_counter()
     try:
         restored = checkpointer.restore(source, target)
@@ -172,9 +159,9 @@ def _measure(root: Path, case: str, layers: int, cold: bool) -> dict:
             raise
         return {"case": case, "seconds": time.perf_counter() - start, "refused": type(error).__name__,
                 "message": str(error).strip().splitlines()[0][:300],
-                "peak_over_baseline": (_status_kib("VmHWM") - baseline) * 1024}
+                "peak_over_baseline": (status_kib("VmHWM") - baseline) * 1024}
     elapsed = time.perf_counter() - start
-    peak = (_status_kib("VmHWM") - baseline) * 1024
+    peak = (status_kib("VmHWM") - baseline) * 1024
     if case == "native_refused":
         raise AssertionError("Orbax restored an unscanned checkpoint into a scanned target")
     restored_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(restored))
