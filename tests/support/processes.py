@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Mapping
+from typing import NoReturn
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -60,3 +61,17 @@ def on_a_terminal(argv: list[str], env: Mapping[str, str], columns: int = 100, t
     text = shown.decode(errors="replace").replace("\r\n", "\n")
     assert child.wait(timeout=timeout) == 0, text
     return text
+
+
+def leave_process_group() -> NoReturn:
+    """End a ``torchrun`` worker whose results are written: every rank done (a barrier), the
+    process group destroyed, then the process exits at once, without C++ static destructors. On
+    a loaded machine a gloo or store thread still winding down at interpreter exit otherwise
+    aborts a rank ("terminate called without an active exception"), failing a run that passed."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from ckptshim.errors import ShimError  # noqa: E402
 from support.fixtures import FIXTURES, fixture_module, writable_copy  # noqa: E402
+from support.processes import leave_process_group  # noqa: E402
 
 FIXTURE = FIXTURES / "torch_dcp_single"
 build = fixture_module("torch_dcp_single/dcp_tiny_model.py").build
@@ -185,7 +186,7 @@ def main(out: Path) -> None:
             results[case.__name__] = traceback.format_exc()
         dist.barrier()
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

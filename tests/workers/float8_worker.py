@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa: E402
 
 from support.float8 import build, float8, mismatches, reference  # noqa: E402
+from support.processes import leave_process_group  # noqa: E402
 
 REFERENCE = reference()
 
@@ -104,7 +105,7 @@ def main(out: Path, compiled: Path) -> None:
             results[case.__name__] = traceback.format_exc()
         dist.barrier()
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from support.pagecache import io_counters  # noqa: E402
+from support.processes import leave_process_group  # noqa: E402
 from support.tensors import fsdp_row_shards  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -71,7 +72,7 @@ def main(folder: Path, out: Path) -> None:
         results["set_model_state_dict"] = traceback.format_exc()
 
     (out / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":
