@@ -107,16 +107,23 @@ def local_bytes(plan: Plan, targets: Mapping[KeyPath, TargetLeaf]) -> int:
 
 def _tiled_box(blocks_here: set[tuple[tuple[int, int], ...]]) -> tuple[tuple[int, int], ...] | None:
     """The box this process's distinct device blocks of one array tile exactly, when there are
-    several; else ``None``.
+    several and each is a contiguous run of that box (they differ along one axis only, every
+    axis before it of extent one); else ``None``.
 
     Such blocks are read as that one box: a stored chunk that several of them overlap (an array
     written by one process is often one chunk) is then fetched and decompressed once per
-    process, not once per device, and the process reads exactly the bytes its devices hold.
+    process, not once per device, and the process reads exactly the bytes its devices hold. Each
+    device then takes a contiguous slice of the box, which JAX can use in place; a slice across
+    the box's rows would be copied, holding the box and the copies at once, so such blocks are
+    read one by one instead.
     """
     if len(blocks_here) < 2:
         return None
-    box = tuple((min(b[axis][0] for b in blocks_here), max(b[axis][1] for b in blocks_here))
-                for axis in range(len(next(iter(blocks_here)))))
+    rank = len(next(iter(blocks_here)))
+    box = tuple((min(b[axis][0] for b in blocks_here), max(b[axis][1] for b in blocks_here)) for axis in range(rank))
+    varying = [axis for axis in range(rank) if len({b[axis] for b in blocks_here}) > 1]
+    if len(varying) != 1 or any(box[axis][1] - box[axis][0] != 1 for axis in range(varying[0])):
+        return None
     volume = sum(int(np.prod([b - a for a, b in block], dtype=np.int64)) for block in blocks_here)
     return box if volume == int(np.prod([b - a for a, b in box], dtype=np.int64)) else None
 
