@@ -24,6 +24,7 @@ other before DCP plans a read.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -186,7 +187,7 @@ class _Virtual:
         shape = self.target.inventory[target].shape
         inside = all(len(o) == len(shape) and all(0 <= a and a + b <= c for a, b, c in zip(o, n, shape))
                      for o, n, _ in chunks)
-        if not inside or sum(int(np.prod(n)) for _, n, _ in chunks) != int(np.prod(shape)):
+        if not inside or sum(math.prod(n) for _, n, _ in chunks) != math.prod(shape):
             raise InternalError(f"ckptshim placed the stored chunks of {dst!r} so that they do not tile its "
                                 f"shape {list(shape)} ({[(o, n) for o, n, _ in chunks][:4]}...); this is a bug in "
                                 "ckptshim: please report it.")

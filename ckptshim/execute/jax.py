@@ -63,8 +63,7 @@ def _build(source: blocks.SliceSource, plan: Plan, target: TargetLeaf, sep: str,
         return type(target.value)(fill(())[()])
     shards: dict[tuple, np.ndarray] = {}
     lock = threading.Lock()
-    box = _tiled_box({_bounds(index, target.shape)
-                      for index in target.sharding.addressable_devices_indices_map(target.shape).values()})
+    box = _tiled_box(_blocks_here(target))
     together: list[np.ndarray] = []  # this process's blocks, read in one go (see _tiled_box)
 
     def callback(index: tuple) -> np.ndarray:
@@ -99,10 +98,15 @@ def local_bytes(plan: Plan, targets: Mapping[KeyPath, TargetLeaf]) -> int:
         if target.kind != "jax":
             total += int(np.prod(target.shape, dtype=np.int64)) * itemsize
             continue
-        blocks_here = {_bounds(index, target.shape)
-                       for index in target.sharding.addressable_devices_indices_map(target.shape).values()}
-        total += sum(int(np.prod([b - a for a, b in bounds], dtype=np.int64)) * itemsize for bounds in blocks_here)
+        total += sum(int(np.prod([b - a for a, b in bounds], dtype=np.int64)) * itemsize
+                     for bounds in _blocks_here(target))
     return total
+
+
+def _blocks_here(target: TargetLeaf) -> set[tuple[tuple[int, int], ...]]:
+    """The distinct blocks of ``target`` this process's devices hold (a replicated one once)."""
+    return {_bounds(index, target.shape)
+            for index in target.sharding.addressable_devices_indices_map(target.shape).values()}
 
 
 def _tiled_box(blocks_here: set[tuple[tuple[int, int], ...]]) -> tuple[tuple[int, int], ...] | None:

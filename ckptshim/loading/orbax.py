@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptshim.errors import PlanError, UnknownFormatError
+from ckptshim.errors import PlanError, ShimError
 from ckptshim.formats import orbax_manager
 from ckptshim.formats.detect import detect
 from ckptshim.loading import agreement, jax as jax_loading
@@ -125,10 +125,12 @@ def match_items(step_dir: Path, requested: Iterable[str]) -> dict[str, Path]:
 
 def _foreign_array_item(path: Path) -> bool:
     """Whether the item folder ``path`` holds arrays in a format a JAX restore takes that is not
-    an Orbax item (a Hugging Face folder standing in for MaxText's ``items``, say)."""
+    an Orbax item (a Hugging Face folder standing in for MaxText's ``items``, say). Anything
+    ckptshim cannot recognise -- or refuses to look into -- stays Orbax's to restore, as without
+    ckptshim."""
     try:
         detect(path, "jax")
-    except UnknownFormatError:
+    except ShimError:
         return False
     return True
 

@@ -7,9 +7,10 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
-from typing import NoReturn
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 TESTS = Path(__file__).resolve().parent.parent
 WORKERS = TESTS / "workers"
@@ -61,6 +62,25 @@ def on_a_terminal(argv: list[str], env: Mapping[str, str], columns: int = 100, t
     text = shown.decode(errors="replace").replace("\r\n", "\n")
     assert child.wait(timeout=timeout) == 0, text
     return text
+
+
+def run_rank_cases(cases: Sequence[Callable[..., object]], *args: object, report: Path) -> NoReturn:
+    """Run every case on this ``torchrun`` rank, all ranks in step (a barrier after each), and
+    write ``report``: each case's name -> ``"ok"`` or its traceback (every case reported, not
+    just the first failure; DCP's ``CheckpointException`` is a ``BaseException``); then leave."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import CheckpointException
+
+    results = {}
+    for case in cases:
+        try:
+            case(*args)
+            results[case.__name__] = "ok"
+        except (Exception, CheckpointException):
+            results[case.__name__] = traceback.format_exc()
+        dist.barrier()
+    report.write_text(json.dumps(results, indent=1))
+    leave_process_group()
 
 
 def leave_process_group() -> NoReturn:

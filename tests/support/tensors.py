@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 
 
@@ -27,3 +30,24 @@ def fsdp_row_shards(state_dict: dict[str, torch.Tensor], expected: dict[str, tor
             seen.add(local.data_ptr())
             local_bytes += local.numel() * local.element_size()
     return local_bytes
+
+
+def fsdp_dcp_load(build: Callable[[], torch.nn.Module], folder: Path, expected: dict[str, torch.Tensor]) -> dict:
+    """``dcp.load`` of ``folder`` into a fresh FSDP2-sharded ``build()``, after one load that pays
+    for lazy imports: the bytes this rank read (``rchar``), its shards' bytes, and ``dcp_load``:
+    ``"ok"`` or the shard that differs from ``expected``."""
+    import torch.distributed.checkpoint as dcp
+
+    from support.pagecache import io_counters
+
+    dcp.load(build().state_dict(), checkpoint_id=folder)
+    model = build()
+    before = io_counters()["rchar"]
+    dcp.load(model.state_dict(), checkpoint_id=folder)
+    results: dict = {"read_bytes": io_counters()["rchar"] - before}
+    try:
+        results["shard_bytes"] = fsdp_row_shards(model.state_dict(), expected)
+        results["dcp_load"] = "ok"
+    except AssertionError as error:
+        results["dcp_load"] = f"shard differs: {error}"
+    return results

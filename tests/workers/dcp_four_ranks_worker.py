@@ -9,11 +9,9 @@ wrong. Every local shard is compared with its slice of the saved model's values.
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
-import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -33,7 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from ckptshim.errors import ShimError  # noqa: E402
 from support.fixtures import fixture_module  # noqa: E402
-from support.processes import leave_process_group  # noqa: E402
+from support.processes import run_rank_cases  # noqa: E402
 
 build = fixture_module("torch_dcp_single/dcp_tiny_model.py").build
 SAVED = {key: value for key, value in build(seed=0).state_dict().items()}  # what the 2 ranks saved
@@ -143,16 +141,7 @@ CASES = [case_compiled_2d, case_stacked_2d, case_set_model_state_dict_2d, case_m
 def main(out: Path, saved: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    results = {}
-    for case in CASES:
-        try:
-            case(mesh, out, saved)
-            results[case.__name__] = "ok"
-        except Exception:  # report every case, not just the first failure
-            results[case.__name__] = traceback.format_exc()
-        dist.barrier()
-    (out / f"four_rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
-    leave_process_group()
+    run_rank_cases(CASES, mesh, out, saved, report=out / f"four_rank{dist.get_rank()}.json")
 
 
 if __name__ == "__main__":

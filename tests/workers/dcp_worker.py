@@ -14,7 +14,6 @@ import os
 import pickle
 import sys
 import time
-import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -33,7 +32,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from ckptshim.errors import ShimError  # noqa: E402
 from support.fixtures import FIXTURES, fixture_module, writable_copy  # noqa: E402
-from support.processes import leave_process_group  # noqa: E402
+from support.processes import run_rank_cases  # noqa: E402
 
 FIXTURE = FIXTURES / "torch_dcp_single"
 build = fixture_module("torch_dcp_single/dcp_tiny_model.py").build
@@ -177,16 +176,7 @@ CASES = [case_fsdp2_compiled, case_tensor_parallel_compiled, case_save_two_ranks
 def main(out: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    results = {}
-    for case in CASES:
-        try:
-            case(mesh, out)
-            results[case.__name__] = "ok"
-        except Exception:  # report every case, not just the first failure
-            results[case.__name__] = traceback.format_exc()
-        dist.barrier()
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
-    leave_process_group()
+    run_rank_cases(CASES, mesh, out, report=out / f"rank{dist.get_rank()}.json")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,7 @@ load. Every load is checked bit for bit, shard by shard, against the saved value
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +29,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa: E402
 
 from support.float8 import build, float8, mismatches, reference  # noqa: E402
-from support.processes import leave_process_group  # noqa: E402
+from support.processes import run_rank_cases  # noqa: E402
 
 REFERENCE = reference()
 
@@ -96,16 +94,7 @@ CASES = [case_save_fsdp2_float8, case_fsdp2_float8_into_fsdp2_float8,
 def main(out: Path, compiled: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    results = {}
-    for case in CASES:
-        try:
-            case(mesh, out, compiled)
-            results[case.__name__] = "ok"
-        except (Exception, CheckpointException):  # report every case, not just the first failure
-            results[case.__name__] = traceback.format_exc()
-        dist.barrier()
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
-    leave_process_group()
+    run_rank_cases(CASES, mesh, out, compiled, report=out / f"rank{dist.get_rank()}.json")
 
 
 if __name__ == "__main__":

@@ -108,20 +108,33 @@ def layer_values(layer: int) -> dict[str, np.ndarray]:
             "b": rng.standard_normal((ROWS,), dtype=np.float32)}
 
 
+def unscanned_values() -> dict[str, np.ndarray]:
+    """The values the multi-process save writes, one ``layers_{i}`` subtree per layer."""
+    return {f"params/layers_{i}/{name}": value for i in range(LAYERS) for name, value in layer_values(i).items()}
+
+
+def scanned_by_rows() -> tuple[dict[str, np.ndarray], dict[str, jax.ShapeDtypeStruct]]:
+    """Those values stacked on axis 1, and a target of their shapes with rows sharded over
+    every process's devices."""
+    mesh = row_mesh()
+    expected = scanned_expected(unscanned_values(), LAYERS, lambda key: 1)
+    return expected, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P("x")))
+                      for k, v in expected.items()}
+
+
 # -- cases --------------------------------------------------------------------------------------
 
 
 def case_save_then_scan() -> dict:
     mesh = row_mesh()
     rows = NamedSharding(mesh, P("x"))
-    flat = {f"params/layers_{i}/{name}": value for i in range(LAYERS) for name, value in layer_values(i).items()}
+    flat = unscanned_values()
     tree = nest({k: jax.make_array_from_callback(v.shape, rows, lambda index, v=v: v[index]) for k, v in flat.items()})
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(OUT / "mp_unscanned", tree)
         checkpointer.wait_until_finished()
     multihost_utils.sync_global_devices("saved")
-    expected = scanned_expected(flat, LAYERS, lambda key: 1)
-    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P("x"))) for k, v in expected.items()}
+    expected, target = scanned_by_rows()
     drop_cache(OUT / "mp_unscanned")
     multihost_utils.sync_global_devices("cache dropped")
     before = io_counters()
@@ -175,9 +188,8 @@ def case_t5x() -> dict:
 
 
 def case_refused_from_metadata() -> dict:
-    flat = {f"params/layers_{i}/{name}": value for i in range(LAYERS) for name, value in layer_values(i).items()}
-    expected = scanned_expected(flat, LAYERS, lambda key: 1)
     mesh = row_mesh()
+    expected = scanned_expected(unscanned_values(), LAYERS, lambda key: 1)
     target = {k: jax.ShapeDtypeStruct(v.shape[:1] + (LAYERS + 1,) + v.shape[2:], v.dtype,
                                       sharding=NamedSharding(mesh, P("x"))) for k, v in expected.items()}
     start = time.perf_counter()
@@ -199,10 +211,7 @@ def case_damaged_chunk_one_process() -> dict:
             f.seek(where.offset)
             f.write(b"\0\0\0\0")
     multihost_utils.sync_global_devices("damaged")
-    mesh = row_mesh()
-    flat = {f"params/layers_{i}/{name}": value for i in range(LAYERS) for name, value in layer_values(i).items()}
-    expected = scanned_expected(flat, LAYERS, lambda key: 1)
-    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P("x"))) for k, v in expected.items()}
+    expected, target = scanned_by_rows()
     start = time.perf_counter()
     try:
         ocp.StandardCheckpointer().restore(damaged, nest(target))
@@ -218,10 +227,7 @@ def case_process_that_never_reports() -> dict:
     os.environ["CKPTSHIM_AGREEMENT_TIMEOUT"] = "3"
     if PROCESS == COUNT - 1:
         return {"skipped": True}
-    mesh = row_mesh()
-    flat = {f"params/layers_{i}/{name}": value for i in range(LAYERS) for name, value in layer_values(i).items()}
-    expected = scanned_expected(flat, LAYERS, lambda key: 1)
-    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P("x"))) for k, v in expected.items()}
+    expected, target = scanned_by_rows()
     start = time.perf_counter()
     try:
         ocp.StandardCheckpointer().restore(OUT / "mp_unscanned", nest(target))

@@ -24,11 +24,9 @@ warnings.simplefilter("ignore")
 import ckptshim  # noqa: E402,F401  (the hooks attach when torch.distributed.checkpoint is imported)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from support.pagecache import io_counters  # noqa: E402
 from support.processes import leave_process_group  # noqa: E402
-from support.tensors import fsdp_row_shards  # noqa: E402
+from support.tensors import fsdp_dcp_load, fsdp_row_shards  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
@@ -48,19 +46,7 @@ def main(folder: Path, out: Path) -> None:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     expected = AutoModelForCausalLM.from_pretrained(folder).state_dict()
-    results: dict[str, object] = {}
-
-    model = sharded_model(folder, mesh)
-    dcp.load(model.state_dict(), checkpoint_id=folder)  # the first load pays for lazy imports
-    model = sharded_model(folder, mesh)
-    before = io_counters()["rchar"]
-    dcp.load(model.state_dict(), checkpoint_id=folder)
-    results["read_bytes"] = io_counters()["rchar"] - before
-    try:
-        results["shard_bytes"] = fsdp_row_shards(model.state_dict(), expected)
-        results["dcp_load"] = "ok"
-    except AssertionError as error:
-        results["dcp_load"] = f"shard differs: {error}"
+    results: dict[str, object] = fsdp_dcp_load(lambda: sharded_model(folder, mesh), folder, expected)
 
     model = sharded_model(folder, mesh)
     try:

@@ -27,9 +27,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from support.pagecache import io_counters  # noqa: E402
 from support.processes import leave_process_group  # noqa: E402
-from support.tensors import fsdp_row_shards  # noqa: E402
+from support.tensors import fsdp_dcp_load, fsdp_row_shards  # noqa: E402
 from support.titan import converted, layout, model  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -70,19 +69,7 @@ def main(name: str, folder: Path, out: Path) -> None:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     expected = converted(name)
-    results: dict[str, object] = {}
-
-    titan = sharded_model(name, mesh)
-    dcp.load(titan.state_dict(), checkpoint_id=folder)  # the first load pays for lazy imports
-    titan = sharded_model(name, mesh)
-    before = io_counters()["rchar"]
-    dcp.load(titan.state_dict(), checkpoint_id=folder)
-    results["read_bytes"] = io_counters()["rchar"] - before
-    try:
-        results["shard_bytes"] = fsdp_row_shards(titan.state_dict(), expected)
-        results["dcp_load"] = "ok"
-    except AssertionError as error:
-        results["dcp_load"] = f"shard differs: {error}"
+    results: dict[str, object] = fsdp_dcp_load(lambda: sharded_model(name, mesh), folder, expected)
 
     state = tp_state_dict(name, mesh)
     try:
