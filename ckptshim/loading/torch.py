@@ -31,6 +31,7 @@ checkpoints), torch decides, with its own error if it fails.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -123,12 +124,10 @@ def module_layout(root: nn.Module) -> ModuleLayout:
 
 def _is_activation_wrapper(module: nn.Module) -> bool:
     """Whether ``module`` is torch's activation-checkpoint (or offload) wrapper, whose state-dict
-    hooks hide its ``_checkpoint_wrapped_module`` hop."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
-
-    return isinstance(module, ActivationWrapper)
+    hooks hide its ``_checkpoint_wrapped_module`` hop. Such a wrapper exists only once its module
+    is imported; a process that never did is not made to (as :func:`~ckptshim.execute.destinations.is_dtensor`)."""
+    wrappers = sys.modules.get("torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
+    return wrappers is not None and isinstance(module, wrappers.ActivationWrapper)
 
 
 def _holds_a_plain_hop(wrapped: nn.Module | None) -> bool:
