@@ -31,6 +31,15 @@ class PlanError(ShimError):
     """The source cannot be mapped onto the target without guessing or losing data."""
 
 
+class NoPlan(PlanError):
+    """ckptshim has no plan that makes this checkpoint fit this target (names, shapes or dtypes
+    that no rule mends). The load is the framework's to carry out or refuse: a hook that meets
+    this error runs the framework's own call untouched, and where that call raises, this error's
+    text goes onto the framework's exception as a note (see :func:`ckptshim.hooks.seam.step_aside`).
+    Raised as such only where no framework call stands behind (``ckptshim plan``, ``convert``).
+    """
+
+
 class AmbiguousNameError(PlanError):
     """Names that could each be the one wanted: two keys that mean one name once wrapper
     components are removed (or claim one layer), or one key whose exact name and whose name

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ckptshim.errors import PlanError
+from ckptshim.errors import NoPlan
 from ckptshim.inventory import Inventory, KeyPath, join_key
 from ckptshim.ops import Cast, DropIfDerived, Op
 
@@ -115,7 +115,8 @@ class Plan:
 
     def require_complete(self, sep: str = ".", *, allow_missing: bool = False,
                          allow_unexpected: bool = False) -> None:
-        """Raise a :class:`PlanError` listing what does not match, with the nearest candidates."""
+        """Raise :class:`~ckptshim.errors.NoPlan` listing what does not match, with the nearest
+        candidates (a hook turns it into a note on the framework's own error)."""
         lines: list[str] = []
         shapes = [m for m in self.mismatched if not m.of_dtype]
         dtypes = [m for m in self.mismatched if m.of_dtype]
@@ -145,7 +146,7 @@ class Plan:
             return
         more = [] if all(len(group) <= MAX_LISTED for group in (self.missing, self.unexpected, shapes, dtypes)) \
             else [f"(lists cut at {MAX_LISTED}; `ckptshim plan` shows every key)"]
-        raise PlanError("\n".join(
+        raise NoPlan("\n".join(
             [f"checkpoint {self.source.source or '(source)'} does not fit target "
              f"{self.target.source or '(target)'}:"] + lines + more + advice))
 
