@@ -40,6 +40,21 @@ class NoPlan(PlanError):
     """
 
 
+#: How a diagnosis note begins, so that a reader of the traceback knows whose words follow.
+NOTE_PREFIX = "ckptshim: "
+
+
+def add_diagnosis(error: BaseException, diagnosis: object) -> None:
+    """Put what ckptshim knows about a failed load onto the framework's own exception (PEP 678),
+    once: the exception itself, its type and its text stay the framework's.
+
+    Defined here, below every layer, because the framework's error is met where its own code runs
+    inside ckptshim's (a DCP planner wrapping the caller's) as well as at a hook's seam."""
+    note = f"{NOTE_PREFIX}{diagnosis}"
+    if note not in getattr(error, "__notes__", ()):
+        error.add_note(note)
+
+
 class AmbiguousNameError(PlanError):
     """Names that could each be the one wanted: two keys that mean one name once wrapper
     components are removed (or claim one layer), or one key whose exact name and whose name

@@ -23,8 +23,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn
 
-from ckptshim.errors import InternalError, NoPlan, ShimError
+from ckptshim.errors import NOTE_PREFIX, InternalError, NoPlan, ShimError, add_diagnosis
 from ckptshim.log import logger
+
+#: ``add_diagnosis`` and ``NOTE_PREFIX`` live in :mod:`ckptshim.errors` (a DCP planner inside the
+#: execute layer adds notes too); hooks take them from here, beside :func:`step_aside`.
+__all__ = ["NOTE_PREFIX", "Patches", "Seam", "add_diagnosis", "bind", "framework_call", "guarded",
+           "internal_error", "step_aside"]
 
 
 @dataclass(frozen=True)
@@ -105,18 +110,6 @@ def framework_call(call: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as error:
             raise FrameworkRaised(error) from None
     return run
-
-
-#: How a diagnosis note begins, so that a reader of the traceback knows whose words follow.
-NOTE_PREFIX = "ckptshim: "
-
-
-def add_diagnosis(error: BaseException, diagnosis: object) -> None:
-    """Put what ckptshim knows about a failed load onto the framework's own exception (PEP 678),
-    once: the exception itself, its type and its text stay the framework's."""
-    note = f"{NOTE_PREFIX}{diagnosis}"
-    if note not in getattr(error, "__notes__", ()):
-        error.add_note(note)
 
 
 def step_aside(original: Callable[[], Any], diagnosis: object) -> Any:

@@ -5,10 +5,12 @@ the same model (``torch.compile``'s ``_orig_mod.``, DDP's ``module.``, activatio
 checkpointing's ``_checkpoint_wrapped_module.``, at any depth), from an older version of its
 code (buffers that became non-persistent or persistent), with layers stacked the other way, or
 under names the model's framework renames on load, loads as if it had been saved from this
-model -- or fails, before anything is written, with an error that names the keys. How is
-:func:`ckptshim.loading.torch.prepare_module_load`'s business; only calls that need help are
-planned: when the state dict's keys, shapes and dtypes already are the module's, the original
-runs at once.
+model. How is :func:`ckptshim.loading.torch.prepare_module_load`'s business; only calls that
+need help are planned: when the state dict's keys, shapes and dtypes already are the module's,
+the original runs at once. Where ckptshim has no plan that makes the state dict fit (a shape that
+differs, a key no rule accounts for in a strict load, a non-tensor value torch refuses), torch's
+own call runs untouched -- its error, its partial writes, its return value -- with what ckptshim
+found added to torch's error as a note (:func:`ckptshim.hooks.seam.step_aside`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from ckptshim.hooks.seam import Patches, Seam, bind, guarded
+from ckptshim.hooks.seam import Patches, Seam, bind, framework_call, guarded
 from ckptshim.loading import torch as loading
 from ckptshim.log import logger
 
@@ -51,6 +53,10 @@ def _load_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
     if layout.unsupported is not None:
         logger.debug("%s: %s; leaving the load to torch", SEAM.call, layout.unsupported)
         return native()
-    load = guarded(SEAM, lambda: loading.prepare_module_load(
-        wrapped, native, instance, layout, call["state_dict"], call["strict"], call["assign"]), lambda: native)
-    return load()
+
+    def shimmed() -> Any:
+        load = loading.prepare_module_load(framework_call(wrapped), framework_call(native), instance, layout,
+                                           call["state_dict"], call["strict"], call["assign"])
+        return load()
+
+    return guarded(SEAM, shimmed, native)

@@ -40,13 +40,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckptshim.errors import PlanError
+from ckptshim.errors import NoPlan
 from ckptshim.execute.derived import mismatch
 from ckptshim.execute.destinations import values_of
 from ckptshim.execute.torch import prepare
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, split_key
 from ckptshim.loading.report import report_load
 from ckptshim.log import logger
+from ckptshim.ops import Drop, DropIfDerived, Synthesize, Tie
 from ckptshim.planner import plan as make_plan
 from ckptshim.rules import TargetFacts
 from ckptshim.rules.buffers import derivable_rule
@@ -210,6 +211,14 @@ def fits(state_dict: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> 
         for key, value in state_dict.items())
 
 
+#: What a non-strict load leaves to torch, as torch would treat it had the checkpoint been saved
+#: from this module: a tied twin (its value is the key it shares storage with), a buffer the
+#: module keeps (synthesized), a key not loaded (dropped). None changes a value torch leaves,
+#: and torch lists each among the missing or unexpected keys -- which callers rely on:
+#: ``safetensors.torch.load_model`` checks the missing keys against the model's shared tensors.
+TORCH_REPORTS = frozenset({Tie.kind, Synthesize.kind, Drop.kind, DropIfDerived.kind})
+
+
 def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any], module: nn.Module,
                         layout: ModuleLayout, state_dict: Mapping[str, Any], strict: bool,
                         assign: bool) -> Callable[[], Any]:
@@ -240,10 +249,13 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
                        allow_missing=not strict, allow_unexpected=not strict,
                        recomputed=recomputed_buffers(layout))
     plan = plan.undropped(prepared.unexpected)
-    if not strict and not plan.counts():
-        return native  # every tensor keeps its name: torch's own non-strict load is this plan
+    if not strict:
+        plan = plan.left_undone(TORCH_REPORTS)
+        if not plan.counts():
+            return native  # every tensor keeps its name: torch's own non-strict load is this plan
+    missing = frozenset(plan.missing)
     rewritten: OrderedDict[str, Any] = OrderedDict(
-        (join_key(key), value) for key, value in prepared.values.items())
+        (join_key(key), value) for key, value in prepared.values.items() if key not in missing)
     # what the plan leaves unused goes to torch as it is, which reports it as it would alone
     rewritten.update((key, state_dict[key]) for key in [*map(join_key, plan.unexpected), *others])
     metadata = getattr(state_dict, "_metadata", None)
@@ -260,20 +272,20 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
 
 def _require_tensors_where_torch_does(others: list[str], state_dict: Mapping[str, Any],
                                       layout: ModuleLayout, strict: bool) -> None:
-    """Refuse, before anything is written, the non-tensor entries torch would refuse after writing
-    the rest: any of them in a strict load (torch calls it unexpected), and one under a name the
+    """The non-tensor entries torch refuses make a load ckptshim has no plan for
+    (:class:`~ckptshim.errors.NoPlan`: torch's own call then raises its own error, with this as
+    a note): any of them in a strict load (torch calls it unexpected), and one under a name the
     module loads a tensor into (torch cannot copy it). A non-strict load passes the others on to
     torch, which lists them among the unexpected keys, as it does without ckptshim."""
     refused = [key for key in others if strict or key in layout.tensors]
     if refused:
         key = refused[0]
-        raise PlanError(
+        raise NoPlan(
             f"state_dict[{key!r}] is a {type(state_dict[key]).__name__}, not a tensor; "
             + (f"the module loads a tensor into {key!r}. Put a tensor there, or remove the entry."
                if key in layout.tensors else
-               "a strict load_state_dict loads tensors only (torch would call it an unexpected "
-               "key). Remove it from the state dict, or load with strict=False: torch then lists "
-               "it among the unexpected keys."))
+               "a strict load_state_dict loads tensors only. Remove it from the state dict, or load "
+               "with strict=False: torch then lists it among the unexpected keys."))
 
 
 def _remap_metadata(metadata: Mapping[str, Any], module_paths: list[str]) -> OrderedDict:
