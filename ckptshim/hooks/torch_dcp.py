@@ -34,7 +34,6 @@ from torch.distributed.checkpoint import CheckpointException
 from ckptshim.errors import ShimError
 from ckptshim.hooks.post_import import when_imported
 from ckptshim.hooks.seam import Patches, Seam, bind, framework_call, guarded, internal_error
-from ckptshim.loading import dcp as dcp_loading, torch_state_dict
 from ckptshim.log import logger
 
 SEAM = Seam("torch-dcp", "torch.distributed.checkpoint.load", falls_back=False)
@@ -111,6 +110,8 @@ def _load(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict)
     call = bind(wrapped, args, kwargs)
     if call is None:
         return native()  # a bad call: DCP reports it
+    from ckptshim.loading import dcp as dcp_loading  # by the first load: see hooks/torch_module.py
+
     checkpoint_id, reader = call.get("checkpoint_id"), call["storage_reader"]
     where = checkpoint_id if checkpoint_id is not None else getattr(reader, "path", None)
     if dcp_loading.remote(checkpoint_id, reader):
@@ -149,6 +150,8 @@ def _set_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
     call = bind(wrapped, args, kwargs)
     if call is None or not isinstance(call["model"], nn.Module) or not isinstance(call["model_state_dict"], Mapping):
         return wrapped(*args, **kwargs)
+    from ckptshim.loading import torch_state_dict  # by the first load: see hooks/torch_module.py
+
     strict = getattr(call.get("options"), "strict", True)  # StateDictOptions(), torch's default, is strict
     torch_call = framework_call(wrapped)
 

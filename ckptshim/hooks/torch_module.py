@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 from ckptshim.hooks.seam import Patches, Seam, bind, framework_call, guarded
-from ckptshim.loading import torch as loading
+from ckptshim.loading.torch_layout import fits, module_layout
 from ckptshim.log import logger
 
 SEAM = Seam("torch", "torch.nn.Module.load_state_dict", falls_back=True)
@@ -47,16 +47,20 @@ def _load_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
     call = bind(wrapped, args, kwargs)
     if call is None or not isinstance(instance, nn.Module) or not isinstance(call["state_dict"], Mapping):
         return native()  # a bad call (torch reports it), or nothing ckptshim can plan
-    layout = loading.module_layout(instance)
-    if loading.fits(call["state_dict"], layout.tensors):
+    layout = module_layout(instance)
+    if fits(call["state_dict"], layout.tensors):
         return native()
     if layout.unsupported is not None:
         logger.debug("%s: %s; leaving the load to torch", SEAM.call, layout.unsupported)
         return native()
 
     def shimmed() -> Any:
-        load = loading.prepare_module_load(framework_call(wrapped), framework_call(native), instance, layout,
-                                           call["state_dict"], call["strict"], call["assign"])
+        # the planner, rules and executors, imported by the first load that needs them: a
+        # process whose loads already fit (every torchrun worker of most jobs) never pays for them
+        from ckptshim.loading.torch import prepare_module_load
+
+        load = prepare_module_load(framework_call(wrapped), framework_call(native), instance, layout,
+                                   call["state_dict"], call["strict"], call["assign"])
         return load()
 
     return guarded(SEAM, shimmed, native)

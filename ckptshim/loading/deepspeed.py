@@ -37,7 +37,8 @@ from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key, split_key
 from ckptshim.loading.report import report_load
-from ckptshim.loading.torch import module_facts, module_layout, recomputed_buffers, tensor_inventory
+from ckptshim.loading.torch import module_facts, recomputed_buffers, tensor_inventory
+from ckptshim.loading.torch_layout import module_layout
 from ckptshim.log import logger
 from ckptshim.planner import plan as make_plan
 from ckptshim.rules import TargetFacts

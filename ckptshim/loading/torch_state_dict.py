@@ -28,9 +28,9 @@ from torch import nn
 from ckptshim.execute.torch import Prepared, prepare as prepare_writes
 from ckptshim.inventory import Inventory, KeyPath, join_key, split_key
 from ckptshim.loading.report import report_load
+from ckptshim.loading.torch import TORCH_REPORTS, module_facts, recomputed_buffers, tensor_inventory, tied_groups
+from ckptshim.loading.torch_layout import ModuleLayout, module_layout
 from ckptshim.log import logger
-from ckptshim.loading.torch import (TORCH_REPORTS, ModuleLayout, module_facts, module_layout, recomputed_buffers,
-                                    tensor_inventory, tied_groups)
 from ckptshim.ops import Rename
 from ckptshim.planner import Plan
 from ckptshim.planner import plan as make_plan
