@@ -141,8 +141,9 @@ class KeyMapping:
     target: FlatKeys
 
 
-#: ``(metadata, state_dict, allow_missing) -> KeyMapping``: the loading layer's decision.
-Prepare = Callable[[Metadata, dict[str, Any], bool], KeyMapping]
+#: ``(metadata, state_dict, allow_missing) -> KeyMapping``: the loading layer's decision
+#: (``None``: nothing to map).
+Prepare = Callable[[Metadata, dict[str, Any], bool], "KeyMapping | None"]
 
 
 def _insert(values: Offsets, axis: int, value: int) -> Offsets:
@@ -394,7 +395,7 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
             except NoPlan as no_plan:
                 self.no_plan = no_plan
             else:
-                if not keeps_stored_names(mapping):
+                if mapping is not None and not keeps_stored_names(mapping):
                     metadata, self._links = virtual_metadata(metadata, mapping)
         self._base.set_up_planner(state_dict, metadata, is_coordinator)
 

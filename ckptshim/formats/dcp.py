@@ -286,6 +286,9 @@ def load_metadata(file: Path, array_bytes: int = 0) -> DcpMetadata:
                 f"({type(error).__name__}: {str(error)[:200]}). Re-save the checkpoint with dcp.save.") from None
 
 
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
 def to_torch(records: Any, where: str) -> Any:
     """The objects ``pickle.load`` would have built from a ``.metadata`` whose records passed the
     allow-list: DCP's own dataclasses (given their state as pickle gives it -- through the class's
@@ -298,6 +301,8 @@ def to_torch(records: Any, where: str) -> Any:
     built: dict[int, Any] = {}
 
     def build(value: Any) -> Any:
+        if type(value) in _PLAIN:  # most leaves: names, numbers
+            return value
         known = built.get(id(value))
         if known is not None:
             return known
@@ -336,8 +341,8 @@ def to_torch(records: Any, where: str) -> Any:
             made.extend(build(item) for item in value)
             return made
         if isinstance(value, (tuple, set, frozenset)):
-            return type(value)(build(item) for item in value)
-        if value is None or isinstance(value, (str, bytes, bytearray, int, float, complex)):
+            return type(value)([build(item) for item in value])
+        if isinstance(value, (bytes, bytearray, complex)):
             return value
         raise TypeError(f"a {type(value).__name__}, which DCP metadata does not hold")
 

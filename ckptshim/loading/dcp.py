@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
@@ -103,9 +103,11 @@ def load_planner(inner: LoadPlanner | None, location: Any = None) -> RemappingLo
 
 
 def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missing: bool,
-                    location: Any = None) -> KeyMapping:
+                    location: Any = None) -> KeyMapping | None:
     """Plan the checkpoint's keys onto the state dict's and check the plan (nothing is read);
-    :class:`~ckptshim.errors.NoPlan` where no plan makes them fit (DCP's own planner decides).
+    ``None`` where every key the state dict asks for is stored under that name, shape and dtype
+    (DCP's own planner plans on the stored metadata), :class:`~ckptshim.errors.NoPlan` where no
+    plan makes them fit (DCP's own planner decides).
 
     DCP reads only what the state dict asks for and checks no value while planning, so a
     checkpoint key named like a derivable buffer is not dropped as one: like any key the state
@@ -117,6 +119,8 @@ def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missin
         location = getattr(metadata.storage_meta, "checkpoint_id", None)
     where = str(location or "DCP checkpoint")
     flat, target_paths = flatten_state_dict(state_dict)
+    if _stored_as_asked(metadata, flat):
+        return None
     source, target, note = _sides(metadata, flat, target_paths, where)
     tensors = {entry.key: flat[entry.location] for entry in target.inventory.values()
                if entry.key not in target.objects}
@@ -129,6 +133,21 @@ def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missin
     if note:
         logger.info("%s: %s", HOOK, note)
     return KeyMapping(plan, source, target)
+
+
+def _stored_as_asked(metadata: Metadata, flat: Mapping[str, Any]) -> bool:
+    """Whether each flat key of the state dict is stored under that name, as a tensor of its size
+    and dtype or, for any other value, as an object: there is nothing to map."""
+    stored = metadata.state_dict_metadata
+    for fqn, value in flat.items():
+        md = stored.get(fqn)
+        if isinstance(value, torch.Tensor):
+            if not (isinstance(md, TensorStorageMetadata) and md.size == value.size()
+                    and md.properties.dtype == value.dtype):
+                return False
+        elif not isinstance(md, BytesStorageMetadata):
+            return False
+    return True
 
 
 def _app_levels(paths: Mapping[str, tuple]) -> set[str]:
