@@ -3,11 +3,15 @@
 ``.metadata`` is a pickle of DCP's metadata dataclasses (a ``FileSystemWriter`` with
 ``use_collectives=False`` writes one per rank instead, ``__<rank>.metadata``, each describing what
 that rank saved; such a folder reads as the union of them, which is what DCP's reader finds).
-It is read by :mod:`ckptshim.formats.safe_pickle` with an allow-list that knows only those
-classes, ``torch.Size``, torch dtypes and layouts, a few containers and path types -- each built
-here as inert data, so neither torch nor any code from the checkpoint runs -- and refuses every
-other global by name. Any folder DCP's own reader would unpickle metadata from is recognised
-here first, so a ``dcp.load`` hook never hands one to it. The default ``FileSystemWriter`` stores each
+It is read by :mod:`ckptshim.formats.safe_pickle` with an allow-list taken from torch at run
+time: every dataclass and enum ``torch.distributed.checkpoint`` defines in its metadata, planner
+and file-system modules (:func:`dcp_types`; Megatron-Core keeps DCP's own ``SavePlan``s in
+``Metadata.all_local_plans``), plus what ``torch.load(weights_only=True)`` allows (``torch.Size``,
+dtypes, layouts, containers) and path types -- each built here as inert data, so no code from the
+checkpoint runs -- and refuses every other global by name. :func:`to_torch` then builds, for
+``dcp.load``, the objects ``pickle.load`` would have, running only DCP's and torch's own code on
+plain data. Any folder DCP's own reader would unpickle metadata from is recognised here first,
+so a ``dcp.load`` hook never hands one to it unread. The default ``FileSystemWriter`` stores each
 chunk (a whole tensor, or one rank's block of it) as a complete ``torch.save`` archive at
 ``(relative_path, offset, length)`` inside a ``__<rank>_<n>.distcp`` file; those archives are
 parsed with :mod:`ckptshim.formats.torch_pickle` only when their bytes are wanted. Reads go
@@ -459,19 +463,25 @@ class ChunkLayout:
 
 def read_layout(raw: BinaryIO, file: Path, stored: Stored, chunk: Chunk, dtype: str, where: str) -> ChunkLayout:
     """Parse the ``torch.save`` archive of one chunk (a few hundred bytes of headers) and check
-    that it holds what ``.metadata`` promised."""
+    that it holds what ``.metadata`` promised. A chunk in a form ckptshim does not read itself --
+    written through DCP's stream extensions, or an archive that is not one plain tensor -- is an
+    ``UnknownFormatError`` (``dcp.load`` hands such chunks to DCP's own reader); a damaged one,
+    a ``CorruptCheckpointError``."""
     if stored.transforms:
         raise UnknownFormatError(
             f"{where} was written through DCP stream extensions ({', '.join(stored.transforms)}), "
-            "which ckptshim does not decode. Load it with the hook off "
-            "(CKPTSHIM_DISABLE_HOOKS=torch-dcp) or re-save it without extensions.")
+            "which ckptshim does not decode itself (dcp.load reads it through DCP's own reader). "
+            "Re-save it without extensions to inspect or convert it.")
     archive = read_archive(Window(raw, stored.offset, stored.length), where)
     ref = archive.tree
-    if archive.problems or not isinstance(ref, TensorRef):
+    if archive.problems:
         raise CorruptCheckpointError(
-            f"{where}: expected one tensor's torch.save archive, found "
-            f"{'; '.join(archive.problems) or type(ref).__name__}. The file is damaged or was not "
-            "written by DCP's FileSystemWriter with its default torch.save serialization.")
+            f"{where}: expected one tensor's torch.save archive, found {'; '.join(archive.problems)}. "
+            "The file is damaged or was not written by DCP's FileSystemWriter.")
+    if not isinstance(ref, TensorRef):
+        raise UnknownFormatError(
+            f"{where}: holds a {type(ref).__name__}, not one plain tensor, which ckptshim does not "
+            "read itself (dcp.load reads it through DCP's own reader).")
     if ref.shape != chunk.sizes or dtype_name(ref.storage.dtype) != dtype:
         raise CorruptCheckpointError(
             f"{where}: .metadata declares {dtype}{list(chunk.sizes)} but the file holds "
