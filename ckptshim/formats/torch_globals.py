@@ -7,7 +7,7 @@ torch's ``weights_only`` unpickler allows a set of globals it computes itself (`
 ``torch.serialization.add_safe_globals``, the ``safe_globals`` context manager, and the
 libraries that register their own classes when imported (torchao its float8 tensor subclass and
 its configuration tuples). :class:`Globals` takes both from torch at the moment of the read, so
-the decision is torch's own, never a list written here (:func:`torch_allow_list`; reading a
+the decision is torch's own, never a list written here (:func:`allowed_globals`; reading a
 torch pickle therefore imports torch, and without torch installed it is refused as unreadable). A
 global in a module torch blocks (``os``, ``sys``, ``posix``, ``nt``) is refused even when
 registered, as torch refuses it.

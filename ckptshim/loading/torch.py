@@ -13,7 +13,11 @@ keys are the ones the module accepts: renamed sources under their target names, 
 views for unstacked layers, the module's own tensor for synthesized buffers, drops left out --
 and, in a non-strict load, whatever the plan leaves unused (unexpected keys, non-tensor
 values) as given, so that torch reports them as it would without ckptshim. A non-strict load
-the plan does not change at all goes to torch untouched. Executing the plan ourselves would
+also leaves to torch what changes no value (:data:`TORCH_REPORTS`: tied twins, kept buffers,
+dropped keys), which torch then lists as missing or unexpected as it would had the checkpoint
+been saved from the module; one the plan does not otherwise change goes to torch untouched.
+Where no plan makes the state dict fit, :class:`~ckptshim.errors.NoPlan` is raised before
+anything is written, and the hook runs torch's own call. Executing the plan ourselves would
 bypass what modules do in their loading code -- ``_load_from_state_dict`` overrides, load pre-/post-hooks (the checkpoint wrapper re-adds its
 prefix in one), version upgrades keyed by ``state_dict._metadata`` (carried over to the new
 names), ``assign=True`` and swap semantics -- and torch's own ``_IncompatibleKeys``. What a dict
@@ -26,7 +30,9 @@ Modules ckptshim cannot see through are left to torch: lazy parameters, ``_extra
 FSDP1 (flat parameters whose shapes are not the checkpoint's). And when a strict load does not
 fit but a module transforms its own state dict on load (a load hook or
 ``_load_from_state_dict`` override, e.g. BatchNorm filling in ``num_batches_tracked`` for old
-checkpoints), torch decides, with its own error if it fails.
+checkpoints), torch decides, with its own error if it fails. What a module's ``load_state_dict``
+accepts, and whether a state dict already fits, is :mod:`ckptshim.loading.torch_layout`'s
+(all an idle hook needs).
 """
 
 from __future__ import annotations
