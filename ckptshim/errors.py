@@ -31,6 +31,30 @@ class PlanError(ShimError):
     """The source cannot be mapped onto the target without guessing or losing data."""
 
 
+class NoPlan(PlanError):
+    """ckptshim has no plan that makes this checkpoint fit this target (names, shapes or dtypes
+    that no rule mends). The load is the framework's to carry out or refuse: a hook that meets
+    this error runs the framework's own call untouched, and where that call raises, this error's
+    text goes onto the framework's exception as a note (see :func:`ckptshim.hooks.seam.step_aside`).
+    Raised as such only where no framework call stands behind (``ckptshim plan``, ``convert``).
+    """
+
+
+#: How a diagnosis note begins, so that a reader of the traceback knows whose words follow.
+NOTE_PREFIX = "ckptshim: "
+
+
+def add_diagnosis(error: BaseException, diagnosis: object) -> None:
+    """Put what ckptshim knows about a failed load onto the framework's own exception (PEP 678),
+    once: the exception itself, its type and its text stay the framework's.
+
+    Defined here, below every layer, because the framework's error is met where its own code runs
+    inside ckptshim's (a DCP planner wrapping the caller's) as well as at a hook's seam."""
+    note = f"{NOTE_PREFIX}{diagnosis}"
+    if note not in getattr(error, "__notes__", ()):
+        error.add_note(note)
+
+
 class AmbiguousNameError(PlanError):
     """Names that could each be the one wanted: two keys that mean one name once wrapper
     components are removed (or claim one layer), or one key whose exact name and whose name

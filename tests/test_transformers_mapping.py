@@ -34,6 +34,7 @@ from ckptshim.rules import DEFAULT_RULES
 from ckptshim.rules.profiles.transformers_mapping import ConversionLayout, Conversions
 from support.fixtures import FIXTURES, array_sha256, expected_arrays, writable_copy
 from support.markers import QUIET
+from support.native import diagnosis, natively, raised, same_error
 from support.processes import environment, worker
 
 pytestmark = QUIET
@@ -264,12 +265,13 @@ def test_save_model_keeps_the_other_name_of_the_tied_pair():
 
 
 def test_an_untied_model_still_needs_its_head():
-    model = fresh("llama_tied", tie_word_embeddings=False)
+    """No twin to fill it from: torch's own "missing key", its writes, ckptshim's note."""
+    model, native_model = fresh("llama_tied", tie_word_embeddings=False), fresh("llama_tied", tie_word_embeddings=False)
     assert model.lm_head.weight is not model.model.embed_tokens.weight
-    before = fingerprint(model)
-    with pytest.raises(PlanError, match=r"lm_head\.weight"):
-        model.load_state_dict(read("llama_tied"))
-    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+    error = same_error(raised(lambda: model.load_state_dict(read("llama_tied"))),
+                       raised(lambda: natively(lambda: native_model.load_state_dict(read("llama_tied")))))
+    assert 'Missing key(s) in state_dict: "lm_head.weight"' in str(error) and "lm_head.weight" in diagnosis(error)
+    assert all(torch.equal(native_model.state_dict()[key], value) for key, value in model.state_dict().items())
 
 
 class TiedLM(nn.Module):
@@ -283,13 +285,56 @@ class TiedLM(nn.Module):
 
 def test_names_alone_never_tie():
     """A plain module: the parameter shared by two names is filled from the one the checkpoint
-    has; two parameters of the same shape that are not shared stay a refusal."""
+    has; two parameters of the same shape that are not shared stay torch's "missing key"."""
     checkpoint = {"embed.weight": torch.randn(16, 8)}
     tied = TiedLM(tied=True)
     tied.load_state_dict(checkpoint)
     assert torch.equal(tied.head.weight, checkpoint["embed.weight"])
-    with pytest.raises(PlanError, match=r"head\.weight"):
-        TiedLM(tied=False).load_state_dict(checkpoint)
+    untied = TiedLM(tied=False)
+    error = same_error(raised(lambda: untied.load_state_dict(checkpoint)),
+                       raised(lambda: natively(lambda: TiedLM(tied=False).load_state_dict(checkpoint))))
+    assert "head.weight (nearest in checkpoint: embed.weight)" in diagnosis(error)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_non_strict_load_keeps_torchs_missing_keys_for_a_tied_twin(strict):
+    """Where torch loads on its own (non-strict), its result stands: the twin the checkpoint lacks
+    is listed missing, as torch lists it, and holds the loaded value through its storage. Where
+    torch refuses (strict), ckptshim fills it from its twin and says so."""
+    checkpoint = {"embed.weight": torch.randn(16, 8)}
+    model, native_model = TiedLM(tied=True), TiedLM(tied=True)
+    native_model.load_state_dict(model.state_dict())
+    if strict:
+        assert "head.weight" in str(raised(lambda: natively(lambda: native_model.load_state_dict(checkpoint))))
+        result = model.load_state_dict(checkpoint)
+        assert result.missing_keys == [] and result.unexpected_keys == []
+    else:
+        result = model.load_state_dict(checkpoint, strict=False)
+        assert result == natively(lambda: native_model.load_state_dict(checkpoint, strict=False))
+        assert result.missing_keys == ["head.weight"]
+    assert torch.equal(model.head.weight, checkpoint["embed.weight"]) and model.head.weight is model.embed.weight
+
+
+@pytest.mark.parametrize("name", ["tied", "llama_tied"])
+def test_safetensors_load_model_of_tied_weights_is_torchs(tmp_path, name):
+    """``safetensors.torch.load_model`` loads non-strictly and checks the missing keys against the
+    model's shared tensors (it raises where a shared name is not reported missing): with ckptshim
+    it loads as without it."""
+    from safetensors.torch import load_model, save_model
+
+    if name == "tied":
+        torch.manual_seed(3)
+        source, path = TiedLM(tied=True), tmp_path / "tied.safetensors"
+        save_model(source, path)
+        make = lambda: TiedLM(tied=True)  # noqa: E731
+    else:
+        source, path, make = None, weights("llama_tied", "save_model"), lambda: fresh("llama_tied")
+    model, native_model = make(), make()
+    native = natively(lambda: load_model(native_model, path))
+    assert load_model(model, path) == native
+    assert all(torch.equal(value, native_model.state_dict()[key]) for key, value in model.state_dict().items())
+    if source is not None:
+        assert torch.equal(model.embed.weight, source.embed.weight)
 
 
 def test_assign_keeps_the_pair_tied():

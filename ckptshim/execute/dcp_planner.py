@@ -18,7 +18,9 @@ tensor bytes.
 
 Which plan to run is the loading layer's decision (:mod:`ckptshim.loading.dcp`), passed in as a
 function; this module only executes it. It runs the op kinds in :data:`VIRTUAL` and refuses any
-other before DCP plans a read.
+other before DCP plans a read. Where the loading layer has no plan (:class:`~ckptshim.errors.NoPlan`)
+or its plan changes nothing, the wrapped planner plans on the stored metadata itself, exactly as
+without ckptshim -- its errors are DCP's own, with ckptshim's diagnosis added as a note.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
-from ckptshim.errors import InternalError
+from ckptshim.errors import InternalError, NoPlan, add_diagnosis
 from ckptshim.execute.dcp_storage import Refusal
 from ckptshim.inventory import Inventory, KeyPath
 from ckptshim.ops import (
@@ -139,8 +141,9 @@ class KeyMapping:
     target: FlatKeys
 
 
-#: ``(metadata, state_dict, allow_missing) -> KeyMapping``: the loading layer's decision.
-Prepare = Callable[[Metadata, dict[str, Any], bool], KeyMapping]
+#: ``(metadata, state_dict, allow_missing) -> KeyMapping``: the loading layer's decision
+#: (``None``: nothing to map).
+Prepare = Callable[[Metadata, dict[str, Any], bool], "KeyMapping | None"]
 
 
 def _insert(values: Offsets, axis: int, value: int) -> Offsets:
@@ -340,6 +343,14 @@ def virtual_metadata(metadata: Metadata, mapping: KeyMapping) -> tuple[Metadata,
     return dataclasses.replace(metadata, state_dict_metadata=built.virtual), built.links
 
 
+def keeps_stored_names(mapping: KeyMapping) -> bool:
+    """Whether every key the state dict asks for is read under its stored name and layout (a cast
+    is DCP's own ``copy_``): the wrapped planner then plans on the stored metadata itself."""
+    return all(op.kind == Cast.kind or op.kind == Drop.kind
+               or (op.kind == Rename.kind and mapping.source.fqn(op.source) == mapping.target.fqn(op.target))
+               for op in mapping.plan.ops)
+
+
 def _translate(item: ReadItem, link: _Link) -> ReadItem | None:
     """The read of the stored chunk that fills what ``item`` asks of the virtual one."""
     if not link.reads:
@@ -369,6 +380,9 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
         self._links: dict[tuple[str, Any], _Link] = {}
         self._virtual_items: dict[ReadItem, tuple[ReadItem, _Link]] = {}
         self._resolved: dict[ReadItem, torch.Tensor] = {}
+        #: why the checkpoint does not fit, where ckptshim has no plan: the wrapped planner then
+        #: plans on the stored metadata, as without ckptshim, and this rides on its error as a note
+        self.no_plan: NoPlan | None = None
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
                        is_coordinator: bool = False) -> None:
@@ -376,11 +390,22 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
         if isinstance(storage_data, Refusal):  # the storage reader refused the checkpoint
             raise storage_data.error
         if metadata is not None and state_dict:
-            metadata, self._links = virtual_metadata(metadata, self._prepare(metadata, state_dict, self._allow_missing))
+            try:
+                mapping = self._prepare(metadata, state_dict, self._allow_missing)
+            except NoPlan as no_plan:
+                self.no_plan = no_plan
+            else:
+                if mapping is not None and not keeps_stored_names(mapping):
+                    metadata, self._links = virtual_metadata(metadata, mapping)
         self._base.set_up_planner(state_dict, metadata, is_coordinator)
 
     def create_local_plan(self) -> LoadPlan:
-        plan = self._base.create_local_plan()
+        try:
+            plan = self._base.create_local_plan()
+        except Exception as error:  # the wrapped planner's own refusal, as without ckptshim
+            if self.no_plan is not None:
+                add_diagnosis(error, self.no_plan)
+            raise
         items = []
         for item in plan.items:
             offsets = None if item.storage_index.offset is None else tuple(item.storage_index.offset)

@@ -1,15 +1,20 @@
 """DCP storage readers over ckptshim's formats: DCP directories, and checkpoints DCP cannot read.
 
-:class:`DcpReader` replaces DCP's ``FileSystemReader``. It reads ``.metadata`` through
-ckptshim's allow-listed unpickler (never ``pickle.load``), checks every file, chunk header and
-stored Python object a load needs before the first byte is written (objects must pass torch's
-``weights_only`` unpickler: DCP's default planner would unpickle them without limits), and
-reads each stored chunk once: straight into the destination with one ``pread`` when the block
-is contiguous on both sides and the destination is host memory, else once into a buffer from
-which every destination that needs a slice of it is filled (device memory through the bounded
-staging buffer). A destination's bytes are those of the plain tensor behind it -- a DTensor's
-shard, a float8 training weight's high-precision tensor (:mod:`ckptshim.execute.destinations`).
-(The stock reader deserialises a whole chunk again for every read item that touches it.)
+:class:`DcpReader` is DCP's own ``FileSystemReader`` with two of its parts replaced. It reads
+``.metadata`` through ckptshim's allow-listed unpickler (never ``pickle.load``) and hands DCP
+the very objects ``pickle.load`` would have built; it checks every file, chunk header and stored
+Python object a load needs before the first byte is written (objects must pass torch's
+``weights_only`` unpickler: DCP's default planner would unpickle them without limits); and it
+reads each stored chunk that it reads exactly as torch would (a plain ``torch.save`` archive of
+one tensor) once: straight into the destination with one ``pread`` when the block is contiguous
+on both sides and the destination is host memory, else once into a buffer from which every
+destination that needs a slice of it is filled (device memory through the bounded staging
+buffer). A destination's bytes are those of the plain tensor behind it -- a DTensor's shard, a
+float8 training weight's high-precision tensor (:mod:`ckptshim.execute.destinations`). (The
+stock reader deserialises a whole chunk again for every read item that touches it.) Every other
+chunk -- written through DCP's stream extensions (``ZStandard``, a custom transform), or a tensor
+type ckptshim does not read -- is read by ``FileSystemReader.read_data`` itself: torch's reader
+stays the reference for data.
 
 :class:`FormatReader` lets ``dcp.load`` read a ``torch.save`` file, a safetensors file or a
 Hugging Face directory, each tensor being one chunk; each read goes straight into its
@@ -24,6 +29,7 @@ as it is, so the caller's ``CheckpointException`` holds ckptshim's own error on 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -44,12 +50,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ckptshim import progress
-from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError
+from ckptshim.errors import CorruptCheckpointError, ShimError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.execute import destinations
 from ckptshim.execute.torch import as_tensor
 from ckptshim.formats import dcp
@@ -102,67 +109,51 @@ def _block(item: ReadItem) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
 
 
-class _Reader(StorageReader):
-    """What both readers share: a path, a load id, and DCP's reader protocol plumbing."""
+class DcpReader(FileSystemReader):
+    """DCP's own ``FileSystemReader``, with two of its parts ckptshim's (see the module docstring):
+    ``read_metadata`` reads the metadata through ckptshim's allow-list (never ``pickle.load``),
+    and every chunk ckptshim reads exactly as torch would -- a plain ``torch.save`` archive of
+    one tensor, without stream transforms -- is read by ckptshim, checked before the first write
+    and straight into its destination. Everything else (chunks written through DCP's stream
+    extensions such as ``ZStandard`` or a custom transform, tensor types ckptshim does not read)
+    goes to ``FileSystemReader.read_data`` itself, with the caller's extension registry.
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__()
-        self.path = Path(path)
-        self.load_id = str(uuid.uuid4())
+    Like torch's, it reads ``.metadata``, or the rank's own ``__<rank>.metadata`` when DCP asks
+    for it (a checkpoint saved without collectives), and a metadata file that is not there fails
+    with torch's own ``OSError`` (DCP then tries the rank's file)."""
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id:
-            self.path = Path(checkpoint_id)
-        self.load_id = str(uuid.uuid4())
-
-    @property
-    def checkpoint_id(self) -> Path:
-        return self.path
-
-    def _storage_meta(self) -> StorageMeta:
-        return StorageMeta(checkpoint_id=str(self.path), load_id=self.load_id)
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-
-class DcpReader(_Reader):
-    """Reads DCP directories written by ``FileSystemWriter`` (see the module docstring)."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike, _extension_registry: Any = None) -> None:
+        super().__init__(path, _extension_registry)
         self._checkpoint: dcp.DcpCheckpoint | None = None
         self._layouts: dict[MetadataIndex, dcp.ChunkLayout] = {}
         self._objects: dict[MetadataIndex, bytes] = {}
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return dcp.sniff(Path(checkpoint_id))
+        self._by_torch: set[MetadataIndex] = set()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
-        self._checkpoint, self._layouts, self._objects = None, {}, {}
+        self._checkpoint, self._layouts, self._objects, self._by_torch = None, {}, {}, set()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = dcp.METADATA_FILE if rank is None else f"__{rank}{dcp.METADATA_FILE}"
+        with open(Path(self.path) / name, "rb"):  # torch's own error when it is not there
+            pass
         try:
-            self._checkpoint = dcp.open_checkpoint(self.path)
+            self._checkpoint = dcp.open_checkpoint(Path(self.path))
             if self._checkpoint.problems:
                 raise CorruptCheckpointError(f"{self.path}: the checkpoint's metadata contradicts itself:\n  "
                                              + "\n  ".join(self._checkpoint.problems)
                                              + "\nRe-save the checkpoint; ckptshim will not load part of a tensor.")
+            part = self._checkpoint.parts.get(name)
+            if part is None:  # .metadata appeared beside rank files after they were listed
+                raise CorruptCheckpointError(f"{self.path / name}: changed while it was being read; load it again.")
+            metadata = dcp.to_torch(part.records, str(self.path / name))
         except ShimError as error:
             return _refused(error)
-        found = self._checkpoint.metadata
-        tensors = {fqn: _tensor_md(meta.dtype, meta.size, ((c.offsets, c.sizes) for c in meta.chunks))
-                   for fqn, meta in found.tensors.items()}
-        objects = {fqn: BytesStorageMetadata() for fqn in found.objects}
-        return Metadata(state_dict_metadata={**tensors, **objects}, planner_data=dict(found.planner_data),
-                        storage_data={MetadataIndex(fqn, offsets): stored
-                                      for (fqn, offsets), stored in found.storage.items()},
-                        storage_meta=self._storage_meta(), version=found.version)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Check every file, chunk header and object this rank will read, before any rank writes."""
@@ -174,8 +165,9 @@ class DcpReader(_Reader):
         return self._checkpoint.stored(index.fqn, None if index.offset is None else tuple(index.offset))
 
     def _check_all(self, items: Iterable[ReadItem]) -> None:
-        """Files present and long enough, chunk archives as ``.metadata`` says, objects safe to
-        unpickle (kept for :meth:`read_data`); whatever is wrong raises here."""
+        """Files present and long enough, chunk archives as ``.metadata`` says (or left to torch's
+        reader: see the class docstring), objects safe to unpickle (kept for :meth:`read_data`);
+        whatever is wrong raises here."""
         assert self._checkpoint is not None, "read_metadata runs first"
         by_file: dict[str, list[ReadItem]] = {}
         for item in items:
@@ -186,24 +178,47 @@ class DcpReader(_Reader):
             if problem is not None:
                 raise CorruptCheckpointError(
                     f"{self.path}: {problem}. Restore the file (or re-copy the checkpoint) before loading it.")
-            path = self.path / name
+            path = Path(self.path) / name
             with open(path, "rb", buffering=0) as raw:
                 for item in file_items:
                     index = item.storage_index
-                    if index in self._layouts or index in self._objects:
+                    if index in self._layouts or index in self._objects or index in self._by_torch:
                         continue
                     where = f"{path}: {index.fqn!r}"
+                    stored = self._stored(item)
                     if item.type == LoadItemType.BYTE_IO:
-                        self._objects[index] = _safe_object(raw, self._stored(item), where)
+                        self._objects[index] = _safe_object(self._object_bytes(raw, item, stored, where), where)
                         continue
                     meta = self._checkpoint.metadata.tensors[index.fqn]
                     chunk = meta.chunk_at[tuple(index.offset)]
-                    self._layouts[index] = dcp.read_layout(raw, path, self._stored(item), chunk, meta.dtype,
-                                                           f"{where} chunk {list(chunk.offsets)}")
+                    if stored.transforms:
+                        self._by_torch.add(index)
+                        continue
+                    try:
+                        self._layouts[index] = dcp.read_layout(raw, path, stored, chunk, meta.dtype,
+                                                               f"{where} chunk {list(chunk.offsets)}")
+                    except UnknownFormatError:  # a form torch reads and ckptshim does not
+                        self._by_torch.add(index)
+
+    def _object_bytes(self, raw, item: ReadItem, stored: dcp.Stored, where: str) -> bytes:
+        """A stored object's bytes, decoded by the caller's stream extensions (torch's own
+        machinery) where it was written through them; never more than :data:`OBJECT_LIMIT`."""
+        if not stored.transforms:
+            data = bytearray(stored.length)
+            dcp.read_exact(raw, memoryview(data), stored.offset, where)
+            return bytes(data)
+        stream = self.transforms.transform_load_stream(item, stored.transforms,
+                                                       dcp.Window(raw, stored.offset, stored.length))
+        data = stream.read(OBJECT_LIMIT + 1)
+        if len(data) > OBJECT_LIMIT:
+            raise CorruptCheckpointError(f"{where}: the stored object decodes to more than {OBJECT_LIMIT} "
+                                         "bytes; ckptshim will not hold it. The file is damaged or hostile.")
+        return data
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         self._check_all(plan.items)
-        tensor_items = [item for item in plan.items if item.type != LoadItemType.BYTE_IO]
+        tensor_items = [item for item in plan.items
+                        if item.type != LoadItemType.BYTE_IO and item.storage_index not in self._by_torch]
         by_chunk: dict[MetadataIndex, list[tuple[ReadItem, torch.Tensor]]] = {}
         for item, destination in _resolve(planner, tensor_items):
             by_chunk.setdefault(item.storage_index, []).append((item, destination))
@@ -222,17 +237,23 @@ class DcpReader(_Reader):
         for index in order:
             for item, destination in by_chunk[index]:
                 planner.commit_tensor(item, destination)
+        by_torch = [item for item in plan.items if item.storage_index in self._by_torch]
+        if by_torch:
+            super().read_data(dataclasses.replace(plan, items=by_torch), planner).wait()
         return _done()
 
 
-def _safe_object(raw, stored: dcp.Stored, where: str) -> bytes:
+#: The most bytes a stored Python object may decode to through a stream extension (a small
+#: value: optimizer hyper-parameters, a step count); more is refused before it is held.
+OBJECT_LIMIT = 256 << 20
+
+
+def _safe_object(data: bytes, where: str) -> bytes:
     """A stored Python object's bytes, once torch's ``weights_only`` unpickler accepts them.
 
     DCP's default planner unpickles objects with ``weights_only=False``; ckptshim hands on only
     objects that unpickle without running code from the checkpoint.
     """
-    data = bytearray(stored.length)
-    dcp.read_exact(raw, memoryview(data), stored.offset, where)
     try:
         torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError as error:
@@ -246,7 +267,7 @@ def _safe_object(raw, stored: dcp.Stored, where: str) -> bytes:
     except Exception as error:
         raise CorruptCheckpointError(f"{where}: the stored object does not load "
                                      f"({type(error).__name__}: {error}); the file is damaged.") from None
-    return bytes(data)
+    return data
 
 
 def _span(layout: dcp.ChunkLayout, item: ReadItem) -> tuple[int, int, bool]:
@@ -314,7 +335,7 @@ def _raw_view(destination: torch.Tensor, entry: Entry) -> np.ndarray | None:
     return tensor.numpy()
 
 
-class FormatReader(_Reader):
+class FormatReader(StorageReader):
     """``dcp.load`` from a ``torch.save`` file, a safetensors file or a Hugging Face directory:
     each tensor is one chunk. Every entry a rank reads is located first (a view of a memory map,
     its byte range checked against the file), then each read item's block is read by the format
@@ -324,12 +345,29 @@ class FormatReader(_Reader):
     torch's ``copy_``), so no page of the map is held."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
+        super().__init__()
+        self.path = Path(path)
+        self.load_id = str(uuid.uuid4())
         self._checkpoint: Checkpoint | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+
+    @property
+    def checkpoint_id(self) -> Path:
+        return self.path
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return Path(checkpoint_id).exists()
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         try:  # an incomplete checkpoint is refused before planning: a missing shard, not its keys
@@ -342,7 +380,7 @@ class FormatReader(_Reader):
             state_dict_metadata={join_key(e.key): _tensor_md(e.dtype, e.shape, [((0,) * len(e.shape), e.shape)])
                                  for e in entries},
             storage_data={MetadataIndex(join_key(e.key), (0,) * len(e.shape)): e for e in entries},
-            storage_meta=self._storage_meta())
+            storage_meta=StorageMeta(checkpoint_id=str(self.path), load_id=self.load_id))
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

@@ -19,8 +19,8 @@ Callers that hand the values to the framework's own loader (the ``load_state_dic
 The ops it runs are the kinds in :data:`HANDLERS`; a plan with any other kind is refused before
 anything is fetched. A ``DropIfDerived`` source is fetched and dropped only when its value is
 what its rule derives (:func:`ckptshim.execute.derived.mismatch`); otherwise it is an unexpected
-key, like any other the target has no place for: refused by a strict load, listed in
-:attr:`Prepared.unexpected` by a non-strict one.
+key, like any other the target has no place for: a strict load has no plan then
+(:class:`~ckptshim.errors.NoPlan`), a non-strict one lists it in :attr:`Prepared.unexpected`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptshim.errors import PlanError
+from ckptshim.errors import NoPlan, PlanError
 from ckptshim.execute.derived import REBUILDABLE, mismatch, not_equal
 from ckptshim.execute.destinations import is_dtensor, values_of, write
 from ckptshim.inventory import Entry, KeyPath, dtype_name, join_key
@@ -267,11 +267,11 @@ class _Preparer:
         if not self.allow_unexpected:
             what = "the target's own non-persistent buffer" if op.rule == NOT_PERSISTENT \
                 else f"the derivable buffer {op.rule!r}"
-            raise PlanError(
+            raise NoPlan(
                 f"checkpoint key {join_key(op.source)!r} is named like {what}, which the target "
                 f"computes itself, but its value is {problem}: it is not that buffer, and the "
-                "target has no place for it (torch alone calls it an unexpected key). Load into a "
-                "model that has a place for it, or with strict=False to leave it out.")
+                "target has no place for it. Load into a model that has a place for it, or with "
+                "strict=False to leave it out.")
         self.prepared.unexpected.append(op.source)
 
     def _buffer_named(self, source: KeyPath) -> list[torch.Tensor]:

@@ -3,11 +3,15 @@
 ``.metadata`` is a pickle of DCP's metadata dataclasses (a ``FileSystemWriter`` with
 ``use_collectives=False`` writes one per rank instead, ``__<rank>.metadata``, each describing what
 that rank saved; such a folder reads as the union of them, which is what DCP's reader finds).
-It is read by :mod:`ckptshim.formats.safe_pickle` with an allow-list that knows only those
-classes, ``torch.Size``, torch dtypes and layouts, a few containers and path types -- each built
-here as inert data, so neither torch nor any code from the checkpoint runs -- and refuses every
-other global by name. Any folder DCP's own reader would unpickle metadata from is recognised
-here first, so a ``dcp.load`` hook never hands one to it. The default ``FileSystemWriter`` stores each
+It is read by :mod:`ckptshim.formats.safe_pickle` with an allow-list taken from torch at run
+time: every dataclass and enum ``torch.distributed.checkpoint`` defines in its metadata, planner
+and file-system modules (:func:`dcp_types`; Megatron-Core keeps DCP's own ``SavePlan``s in
+``Metadata.all_local_plans``), plus what ``torch.load(weights_only=True)`` allows (``torch.Size``,
+dtypes, layouts, containers) and path types -- each built here as inert data, so no code from the
+checkpoint runs -- and refuses every other global by name. :func:`to_torch` then builds, for
+``dcp.load``, the objects ``pickle.load`` would have, running only DCP's and torch's own code on
+plain data. Any folder DCP's own reader would unpickle metadata from is recognised here first,
+so a ``dcp.load`` hook never hands one to it unread. The default ``FileSystemWriter`` stores each
 chunk (a whole tensor, or one rank's block of it) as a complete ``torch.save`` archive at
 ``(relative_path, offset, length)`` inside a ``__<rank>_<n>.distcp`` file; those archives are
 parsed with :mod:`ckptshim.formats.torch_pickle` only when their bytes are wanted. Reads go
@@ -17,6 +21,9 @@ through ``pread`` into buffers the caller owns, so every byte is read once and o
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
+import importlib
 import io
 import math
 import os
@@ -33,82 +40,122 @@ from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCh
 from ckptshim.formats import safe_pickle
 from ckptshim.formats.base import (Budget, Checkpoint, Piece, file_info, reader, reading, refuse_links_leaving,
                                    storage_dtype)
-from ckptshim.formats.torch_globals import TensorRef, torch_dtype
+from ckptshim.formats.torch_globals import ExtraGlobals, Globals, Layout, Size, TensorRef, dtype_of, members
 from ckptshim.formats.torch_pickle import read_archive, tensor_view
-from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, dtype_name, split_key
+from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
 
 NAME = "torch-dcp"
 METADATA_FILE = ".metadata"
 #: What ``FileSystemWriter(use_collectives=False)`` writes instead: one metadata file per rank.
 RANK_METADATA = re.compile(r"__(\d+)\.metadata")
 
-_DCP = "torch.distributed.checkpoint.metadata"
-_SHARD = "torch.distributed._shard.sharded_tensor.metadata"  # TensorProperties before torch 2.2
+#: The modules whose dataclasses and enums DCP pickles into ``.metadata``: its metadata classes,
+#: its planner's (Megatron-Core keeps each rank's ``SavePlan`` in ``Metadata.all_local_plans``),
+#: the file system writer's storage records, and the sharded-tensor ``TensorProperties`` that
+#: DCP wrote before torch 2.2. Which classes those are is read off torch at run time.
+DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+               "torch.distributed.checkpoint.filesystem", "torch.distributed._shard.sharded_tensor.metadata")
 
 
-class _Record:
-    """An allow-listed DCP metadata object kept as inert data: its pickled state, nothing run."""
+class Record:
+    """One of DCP's own dataclass objects, kept as inert data: its type (``kind``, the real class,
+    never called) and its pickled state, nothing run."""
 
+    kind: type
     state: Any = None
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
 
-#: The dataclasses DCP pickles into ``.metadata`` (torch 2.0 to 2.13), rebuilt as records.
-_RECORD_TYPES: dict[tuple[str, str], type[_Record]] = {
-    (module, name): type(name, (_Record,), {"__module__": __name__})
-    for module, name in (
-        (_DCP, "Metadata"), (_DCP, "TensorStorageMetadata"), (_DCP, "BytesStorageMetadata"),
-        (_DCP, "ChunkStorageMetadata"), (_DCP, "TensorProperties"), (_DCP, "MetadataIndex"),
-        (_DCP, "StorageMeta"), (_SHARD, "TensorProperties"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    )
-}
+@dataclass(frozen=True)
+class Member:
+    """One of DCP's own enum members, as its type and value (checked to be one of its members)."""
+
+    kind: type
+    value: Any
 
 
-def _path(*parts: str) -> str:
-    return str(PurePath(*parts))
+class PathText(str):
+    """A ``pathlib`` path a ``.metadata`` holds (``StorageMeta.checkpoint_id``), as its text."""
+
+    __slots__ = ()
 
 
-def _members(kind: type) -> Any:
-    """``set``/``frozenset`` of an iterable, whose members must hash in constant time."""
-    def build(items: Sequence = ()) -> Any:
-        if not all(map(safe_pickle.key_hashes_cheaply, items)):
-            raise safe_pickle.Refused(f"a {kind.__name__} of members that are not names or numbers")
-        return kind(items)
-    return build
+def _path(*parts: str) -> PathText:
+    if not all(type(part) is str for part in parts):
+        raise safe_pickle.Refused("a pathlib path of other than strings")
+    return PathText(PurePath(*parts))
 
 
-#: Callables the pickle may apply (REDUCE), each replaced by an inert equivalent.
-_CALLS: dict[tuple[str, str], Any] = {
-    ("torch", "Size"): lambda dims=(): _ints(dims),
-    ("torch.serialization", "_get_layout"): str,
-    (_DCP, "_MEM_FORMAT_ENCODING"): int,
-    (_SHARD, "MEM_FORMAT_ENCODING"): int,
-    ("collections", "OrderedDict"): dict,
-    ("builtins", "set"): _members(set),
-    ("builtins", "frozenset"): _members(frozenset),
+def _enum(kind: type) -> Any:
+    """What pickle calls to rebuild a member of the enum ``kind``: ``kind(value)``, by value only."""
+    values = {member.value for member in kind}
+
+    def member(value: Any) -> Member:
+        if not safe_pickle.key_hashes_cheaply(value) or value not in values:
+            raise safe_pickle.Refused(f"{kind.__qualname__}({type(value).__name__}), which is none of its members")
+        return Member(kind, value)
+    return member
+
+
+@functools.cache
+def dcp_types() -> Mapping[tuple[str, str], Any]:
+    """Every dataclass and enum ``torch.distributed.checkpoint`` defines in :data:`DCP_MODULES`,
+    by ``(module, qualname)`` as a pickle names it, each as the stand-in the unpickler builds:
+    a :class:`Record` subclass for a dataclass, a checked constructor for an enum. Read off torch
+    at run time; reading DCP metadata therefore imports torch (without torch it is refused)."""
+    found: dict[tuple[str, str], Any] = {}
+    for module_name in DCP_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            if module_name.startswith("torch.distributed.checkpoint"):
+                raise UnknownFormatError(
+                    "reading DCP metadata needs torch: ckptshim allows the classes "
+                    f"torch.distributed.checkpoint defines, and asks torch which those are ({error}). "
+                    "Install torch (pip install torch).") from None
+            continue  # a module a later torch dropped
+        for value in vars(module).values():
+            if not (isinstance(value, type) and value.__module__ == module_name):
+                continue
+            key = (module_name, value.__qualname__)
+            if issubclass(value, enum.Enum):
+                found[key] = _enum(value)
+            elif dataclasses.is_dataclass(value):
+                found[key] = type(value.__name__, (Record,), {"__module__": __name__, "kind": value})
+    return found
+
+
+#: Globals a ``.metadata`` may name beyond DCP's own classes and torch's ``weights_only``
+#: allow-list: the path types ``StorageMeta.checkpoint_id`` may hold, and ``frozenset`` (which
+#: a protocol 2 pickle names as a global; ``set`` is on torch's list).
+_PLAIN_EXTRA: ExtraGlobals = {
+    ("builtins", "frozenset"): members(frozenset),
     **{("pathlib", name): _path for name in ("Path", "PosixPath", "WindowsPath", "PurePath",
                                               "PurePosixPath", "PureWindowsPath")},
 }
 
 
 def _find_class(where: str) -> Any:
-    """``find_class`` for ``.metadata``: DCP's records, the inert calls above, dtype names."""
+    """``find_class`` for ``.metadata``: DCP's own dataclasses and enums (:func:`dcp_types`), then
+    what ``torch.load(weights_only=True)`` allows (sizes, dtypes, layouts, containers), and paths."""
+    records = dcp_types()
+    torch_globals = Globals(where, _PLAIN_EXTRA)
+
     def find_class(module: str, name: str) -> Any:
-        found = _RECORD_TYPES.get((module, name)) or _CALLS.get((module, name))
+        found = records.get((module, name))
         if found is not None:
             return found
-        dtype = torch_dtype(name, where) if module == "torch" else None  # torch.float32 -> "float32"
-        if dtype is not None:
-            return dtype
-        raise UnsafeCheckpointError(
-            f"{where} needs {module}.{name} to unpickle, but DCP metadata holds only "
-            "torch.distributed.checkpoint's metadata classes, sizes and dtypes, so ckptshim refuses "
-            "to run it: the file was not written by torch.distributed.checkpoint or was altered "
-            "afterwards. Re-save the checkpoint with dcp.save; if you trust this file, load it "
-            "with the hook off (CKPTSHIM_DISABLE_HOOKS=torch-dcp).")
+        try:
+            return torch_globals.find_class(module, name)
+        except UnsafeCheckpointError:
+            raise UnsafeCheckpointError(
+                f"{where} needs {module}.{name} to unpickle, which is neither a dataclass or enum "
+                "of torch.distributed.checkpoint nor a global torch.load(weights_only=True) allows, "
+                "so ckptshim refuses to run it: the file was not written by torch.distributed.checkpoint "
+                "alone, or was altered afterwards. If you trust this file, load it with the hook off "
+                "(CKPTSHIM_DISABLE_HOOKS=torch-dcp).") from None
     return find_class
 
 
@@ -162,10 +209,13 @@ class DcpMetadata:
     storage: Mapping[StorageKey, Stored]
     planner_data: Mapping[str, tuple]
     version: str | None
+    #: the unpickled records of one metadata file, which :func:`to_torch` builds DCP's own objects
+    #: from (``None`` for the union of several ranks' files)
+    records: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def _state(record: Any, kind: str) -> Any:
-    if not isinstance(record, _Record) or type(record).__name__ != kind:
+    if not isinstance(record, Record) or record.kind.__name__ != kind:
         raise TypeError(f"expected {kind}, found {type(record).__name__}")
     return record.state
 
@@ -178,19 +228,18 @@ def _ints(values: Any) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _tensor_meta(record: _Record) -> TensorMeta:
+def _tensor_meta(record: Record) -> TensorMeta:
     state = _state(record, "TensorStorageMetadata")
     properties = _state(state["properties"], "TensorProperties")
-    dtype = properties[0] if isinstance(properties, tuple) else properties["dtype"]
-    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:  # a torch.<dtype> global's name
-        raise TypeError(f"dtype {dtype if isinstance(dtype, str) else type(dtype).__name__!r:.60} "
-                        "is not a torch dtype")
+    dtype = dtype_of(properties[0] if isinstance(properties, tuple) else properties["dtype"])
+    if dtype is None:
+        raise TypeError("the dtype is not a torch dtype")
     chunks = tuple(Chunk(_ints(c["offsets"]), _ints(c["sizes"]))
                    for c in (_state(chunk, "ChunkStorageMetadata") for chunk in state["chunks"]))
     return TensorMeta(dtype, _ints(state["size"]), chunks)
 
 
-def _stored(record: _Record) -> Stored:
+def _stored(record: Record) -> Stored:
     state = _state(record, "_StorageInfo")
     file = str(state["relative_path"])
     if PurePath(file).name != file or file in ("", ".", ".."):
@@ -206,7 +255,7 @@ def parse_metadata(root: Any) -> DcpMetadata:
     tensors: dict[str, TensorMeta] = {}
     objects: set[str] = set()
     for fqn, record in state["state_dict_metadata"].items():
-        if isinstance(record, _Record) and type(record).__name__ == "BytesStorageMetadata":
+        if isinstance(record, Record) and record.kind.__name__ == "BytesStorageMetadata":
             objects.add(str(fqn))
         else:
             tensors[str(fqn)] = _tensor_meta(record)
@@ -219,7 +268,7 @@ def parse_metadata(root: Any) -> DcpMetadata:
     if not isinstance(planner_data, Mapping):
         raise TypeError("planner_data is not a mapping")
     return DcpMetadata(tensors, frozenset(objects), storage,
-                       {str(k): tuple(v) for k, v in planner_data.items()}, state.get("version"))
+                       {str(k): tuple(v) for k, v in planner_data.items()}, state.get("version"), root)
 
 
 def load_metadata(file: Path, array_bytes: int = 0) -> DcpMetadata:
@@ -239,6 +288,74 @@ def load_metadata(file: Path, array_bytes: int = 0) -> DcpMetadata:
             raise CorruptCheckpointError(
                 f"{file}: does not hold DCP metadata as torch.distributed.checkpoint writes it "
                 f"({type(error).__name__}: {str(error)[:200]}). Re-save the checkpoint with dcp.save.") from None
+
+
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
+def to_torch(records: Any, where: str) -> Any:
+    """The objects ``pickle.load`` would have built from a ``.metadata`` whose records passed the
+    allow-list: DCP's own dataclasses (given their state as pickle gives it -- through the class's
+    own ``__setstate__``, as ``TensorProperties`` has, else into its ``__dict__``, extra attributes
+    such as Megatron-Core's ``all_local_plans`` included) and enum members, ``torch.Size``, dtypes,
+    layouts and paths. Only DCP's and torch's own code runs, on plain data; each object is built
+    once, however often the pickle refers to it."""
+    import torch
+
+    built: dict[int, Any] = {}
+
+    def build(value: Any) -> Any:
+        if type(value) in _PLAIN:  # most leaves: names, numbers
+            return value
+        known = built.get(id(value))
+        if known is not None:
+            return known
+        if isinstance(value, Record):
+            kind = value.kind
+            made = built[id(value)] = kind.__new__(kind)
+            state = build(value.state)
+            setstate = getattr(kind, "__setstate__", None)
+            if setstate is not None:
+                setstate(made, state)
+            else:
+                attributes, slots = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
+                for part in (attributes, slots):
+                    if part is not None and not (isinstance(part, dict) and all(type(k) is str for k in part)):
+                        raise TypeError(f"{kind.__name__} given a {type(part).__name__} as its state")
+                made.__dict__.update(attributes or {})
+                made.__dict__.update(slots or {})
+            return made
+        if isinstance(value, Member):
+            return value.kind(value.value)
+        if isinstance(value, Size):
+            return torch.Size(value)
+        if isinstance(value, Layout):
+            return getattr(torch, value.removeprefix("torch."))
+        if isinstance(value, PathText):
+            return Path(value)
+        dtype = dtype_of(value)
+        if dtype is not None:
+            return getattr(torch, dtype)
+        if isinstance(value, dict):
+            made = built[id(value)] = {}
+            made.update((build(k), build(v)) for k, v in value.items())
+            return made
+        if isinstance(value, list):
+            made = built[id(value)] = []
+            made.extend(build(item) for item in value)
+            return made
+        if isinstance(value, (tuple, set, frozenset)):
+            return type(value)([build(item) for item in value])
+        if isinstance(value, (bytes, bytearray, complex)):
+            return value
+        raise TypeError(f"a {type(value).__name__}, which DCP metadata does not hold")
+
+    try:
+        return build(records)
+    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError, RecursionError) as error:
+        raise CorruptCheckpointError(
+            f"{where}: does not hold DCP metadata as torch.distributed.checkpoint writes it "
+            f"({type(error).__name__}: {str(error)[:200]}). Re-save the checkpoint with dcp.save.") from None
 
 
 def metadata_files(path: Path) -> list[Path]:
@@ -298,7 +415,7 @@ def read_exact(raw: BinaryIO, buffer: memoryview, offset: int, where: str) -> No
         done += got
 
 
-class _Window(io.RawIOBase):
+class Window(io.RawIOBase):
     """A read-only, seekable view of ``length`` bytes of ``raw`` from ``start`` (one archive)."""
 
     def __init__(self, raw: BinaryIO, start: int, length: int) -> None:
@@ -346,19 +463,25 @@ class ChunkLayout:
 
 def read_layout(raw: BinaryIO, file: Path, stored: Stored, chunk: Chunk, dtype: str, where: str) -> ChunkLayout:
     """Parse the ``torch.save`` archive of one chunk (a few hundred bytes of headers) and check
-    that it holds what ``.metadata`` promised."""
+    that it holds what ``.metadata`` promised. A chunk in a form ckptshim does not read itself --
+    written through DCP's stream extensions, or an archive that is not one plain tensor -- is an
+    ``UnknownFormatError`` (``dcp.load`` hands such chunks to DCP's own reader); a damaged one,
+    a ``CorruptCheckpointError``."""
     if stored.transforms:
         raise UnknownFormatError(
             f"{where} was written through DCP stream extensions ({', '.join(stored.transforms)}), "
-            "which ckptshim does not decode. Load it with the hook off "
-            "(CKPTSHIM_DISABLE_HOOKS=torch-dcp) or re-save it without extensions.")
-    archive = read_archive(_Window(raw, stored.offset, stored.length), where)
+            "which ckptshim does not decode itself (dcp.load reads it through DCP's own reader). "
+            "Re-save it without extensions to inspect or convert it.")
+    archive = read_archive(Window(raw, stored.offset, stored.length), where)
     ref = archive.tree
-    if archive.problems or not isinstance(ref, TensorRef):
+    if archive.problems:
         raise CorruptCheckpointError(
-            f"{where}: expected one tensor's torch.save archive, found "
-            f"{'; '.join(archive.problems) or type(ref).__name__}. The file is damaged or was not "
-            "written by DCP's FileSystemWriter with its default torch.save serialization.")
+            f"{where}: expected one tensor's torch.save archive, found {'; '.join(archive.problems)}. "
+            "The file is damaged or was not written by DCP's FileSystemWriter.")
+    if not isinstance(ref, TensorRef):
+        raise UnknownFormatError(
+            f"{where}: holds a {type(ref).__name__}, not one plain tensor, which ckptshim does not "
+            "read itself (dcp.load reads it through DCP's own reader).")
     if ref.shape != chunk.sizes or dtype_name(ref.storage.dtype) != dtype:
         raise CorruptCheckpointError(
             f"{where}: .metadata declares {dtype}{list(chunk.sizes)} but the file holds "
@@ -393,10 +516,12 @@ class DcpCheckpoint(Checkpoint):
     Python values) are listed as ``uint8`` arrays of their stored length."""
 
     def __init__(self, path: Path, metadata: DcpMetadata, inventory: Inventory, files, problems,
-                 unreadable: frozenset[str] = frozenset()) -> None:
+                 unreadable: frozenset[str] = frozenset(), parts: Mapping[str, DcpMetadata] | None = None) -> None:
         version = f"dcp {metadata.version}" if metadata.version else "dcp (before 1.0.0)"
         super().__init__(path, NAME, version, inventory, tuple(files), tuple(problems))
         self.metadata = metadata
+        #: each metadata file read, by name: ``.metadata``, or every rank's ``__<rank>.metadata``
+        self.parts = dict(parts) if parts is not None else {METADATA_FILE: metadata}
         self._unreadable = unreadable
 
     def stored(self, fqn: str, offsets: tuple[int, ...] | None) -> Stored:
@@ -535,4 +660,5 @@ def open_checkpoint(path: Path) -> DcpCheckpoint:
              for name, size in sorted(needed.items())]
     problems = _problems(metadata)
     shown = [f"{label}: {fqn}: {problem}" for fqn, found in problems.items() for problem in found]
-    return DcpCheckpoint(path, metadata, Inventory(entries, str(path)), files, shown, frozenset(problems))
+    return DcpCheckpoint(path, metadata, Inventory(entries, str(path)), files, shown, frozenset(problems),
+                         {source.name: part for source, part in zip(sources, parts)})

@@ -86,14 +86,6 @@ def _scalar(dtype: _NumpyDtype, raw: bytes = b"") -> Any:
     return np.frombuffer(raw, dtype=dtype.numpy())[0].item() if isinstance(raw, bytes) else None
 
 
-def _encode(text: str, encoding: str = "utf-8") -> bytes:
-    """``_codecs.encode``, which numpy pickles use to carry bytes as latin-1 text."""
-    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise CorruptCheckpointError(f"_codecs.encode({type(text).__name__}, {encoding!r}) is not "
-                                     "how numpy pickles bytes; refusing the file")
-    return text.encode("latin1")
-
-
 class Namespace(dict):
     """``argparse.Namespace`` (Megatron/DeepSpeed ``args``) as a plain dict of its attributes."""
 
@@ -108,7 +100,6 @@ MP_RANK_GLOBALS: torch_globals.ExtraGlobals = {
     ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
     ("numpy.core.multiarray", "scalar"): _scalar,
     ("numpy._core.multiarray", "scalar"): _scalar,
-    ("_codecs", "encode"): _encode,
     ("argparse", "Namespace"): Namespace,
 }
 

@@ -1,15 +1,23 @@
 """The globals a ``torch.save`` pickle may name -- exactly those ``torch.load(weights_only=True)``
 allows in this process -- and the inert stand-in ckptshim builds for each.
 
-torch's ``weights_only`` unpickler allows a fixed set of globals (``OrderedDict``, the tensor
-rebuild functions, storage types, dtypes, ``torch.device``, ``torch.Tensor``...) plus whatever
-the process has put in torch's safe-globals registry: ``torch.serialization.add_safe_globals``,
-the ``safe_globals`` context manager, and the libraries that register their own classes when
-imported (torchao its float8 tensor subclass and its configuration tuples). :class:`Globals`
-decides the same way, reading the registry at the moment of the read -- and only if torch is
-already imported: a process that never imported torch has registered nothing. A global in a
-module torch blocks (``os``, ``sys``, ``posix``, ``nt``) is refused even when registered, as
-torch refuses it.
+torch's ``weights_only`` unpickler allows a set of globals it computes itself (``OrderedDict``,
+``torch.Size``, the tensor rebuild functions, storage types, dtypes, ``torch.device``,
+``torch.Tensor``...) plus whatever the process has put in torch's safe-globals registry:
+``torch.serialization.add_safe_globals``, the ``safe_globals`` context manager, and the
+libraries that register their own classes when imported (torchao its float8 tensor subclass and
+its configuration tuples). :class:`Globals` takes both from torch at the moment of the read, so
+the decision is torch's own, never a list written here (:func:`allowed_globals`; reading a
+torch pickle therefore imports torch, and without torch installed it is refused as unreadable). A
+global in a module torch blocks (``os``, ``sys``, ``posix``, ``nt``) is refused even when
+registered, as torch refuses it.
+
+What ckptshim builds for an allowed global follows from what torch allows it as: a dtype, a
+storage type, a tensor type, a quantization scheme; the few globals a state dict uses beyond
+those -- containers, ``torch.Size``, ``torch.device``, layouts, the tensor rebuild functions --
+each have their own builder (:data:`BUILDERS`). An allowed global ckptshim has no builder for
+(sparse, quantized, nested or meta tensors, a dtype it has no name for) is refused as a form it
+does not read (``UnknownFormatError``), never as unsafe.
 
 What it hands the unpickler is never the real global, so nothing from the checkpoint runs --
 not even the code of a class the process trusts:
@@ -34,8 +42,10 @@ read later, by the caller) and nothing of the wrapper but its type's name, check
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,35 +55,10 @@ from ckptshim.formats.base import storage_dtype
 from ckptshim.inventory import DTYPE_SIZES
 from ckptshim.rules.subclasses import WRAPPED_VALUES, values_attribute
 
-_STORAGE_DTYPES = {
-    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
-    "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
-    "Float8_e4m3fnStorage": "float8_e4m3fn", "Float8_e5m2Storage": "float8_e5m2",
-}
-
-#: torch dtypes (torch 2.13) that ckptshim has no name for: refused as unreadable, not as unsafe.
-_UNREAD_DTYPES = frozenset(
-    {"bit", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "chalf", "complex32",
-     "float4_e2m1fn_x2", "float8_e8m0fnu", "qint32", "qint8", "quint2x4", "quint4x2", "quint8"}
-    | {f"{kind}{bits}" for kind in ("int", "uint") for bits in range(1, 8)})
-
-#: Modules torch's weights_only unpickler never takes a global from, registered or not.
-_BLOCKED_MODULES = frozenset({"sys", "os", "posix", "nt"})
-
-
-def torch_dtype(name: str, where: str) -> str | None:
-    """ckptshim's name for the dtype a pickle's ``torch.<name>`` global names; ``None`` if torch
-    has no dtype of that name. A dtype torch has and ckptshim does not read is refused, naming it."""
-    if name in DTYPE_SIZES:
-        return name
-    if name in _UNREAD_DTYPES:
-        raise UnknownFormatError(
-            f"{where} describes tensors of dtype torch.{name}, which ckptshim does not read yet. "
-            "Load it without ckptshim: torch.load(..., weights_only=True) for a torch.save file, "
-            "dcp.load with the hook off (CKPTSHIM_DISABLE_HOOKS=torch-dcp) for a DCP checkpoint.")
-    return None
+def dtype_of(value: Any) -> str | None:
+    """ckptshim's name for the dtype a ``torch.<dtype>`` global built (see :class:`Globals`), or
+    ``None`` when ``value`` is not one."""
+    return value.name if isinstance(value, _Dtype) else None
 
 
 # -- the records a pickle becomes -----------------------------------------------------------------
@@ -113,10 +98,10 @@ class TensorRef:
 
 
 class _StorageType:
-    """``torch.<T>Storage``, the type named in a storage record."""
+    """``torch.<T>Storage``, the type named in a storage record, by the dtype torch gives it."""
 
-    def __init__(self, name: str) -> None:
-        self.dtype = _STORAGE_DTYPES[name]
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
 
 
 class Storage:
@@ -174,6 +159,36 @@ class _Dtype:
     name: str
 
 
+class Size(tuple):
+    """``torch.Size(dims)``: a tuple of integers >= 0, kept as its own type so that whoever turns
+    the records back into torch objects (DCP's metadata) knows it was a ``torch.Size``."""
+
+    __slots__ = ()
+
+
+class Layout(str):
+    """``torch.serialization._get_layout(name)``: a layout by its name (``"torch.strided"``)."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A global torch allows whose values ckptshim cannot read from the pickle (a sparse, quantized,
+    nested or meta tensor's rebuild function, a dtype ckptshim has no name for): naming it in a
+    pickle is refused as an unknown form, not as unsafe."""
+
+    name: str
+    kind: str
+
+    def error(self, where: str) -> UnknownFormatError:
+        return UnknownFormatError(
+            f"{where} holds {self.kind} {self.name}, which torch.load(weights_only=True) allows but "
+            "ckptshim does not read yet. Load it without ckptshim: torch.load(..., weights_only=True) "
+            "for a torch.save file, dcp.load with the hook off (CKPTSHIM_DISABLE_HOOKS=torch-dcp) "
+            "for a DCP checkpoint.")
+
+
 class _Inert:
     """A value torch allows and ckptshim never uses -- a device, a layout, an instance of a
     registered class that is not a tensor: built from any arguments (a registered class's own
@@ -226,6 +241,27 @@ def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> Tensor:
     return Tensor(TensorRef(storage.ref, storage_offset, size, stride))
 
 
+def _rebuild_tensor_v3(storage, storage_offset, size, stride, _requires_grad=False, _hooks=None, dtype=None,
+                       *_ignored) -> Tensor:
+    """A tensor record of a dtype torch stores in an untyped storage (``uint16``, ``float8``...):
+    the storage's bytes seen as ``dtype``, which must divide them exactly. The first record of a
+    storage decides its type, as for :func:`_rebuild_tensor`; a storage read as two dtypes is
+    refused as a form ckptshim does not read."""
+    tensor = _rebuild_tensor(storage, storage_offset, size, stride)
+    if type(dtype) is not _Dtype:
+        raise safe_pickle.Refused(f"_rebuild_tensor_v3 with a {type(dtype).__name__} as its dtype")
+    ref = tensor.ref.storage
+    if ref.dtype == dtype.name:
+        return tensor
+    itemsize = storage_dtype(dtype.name).itemsize
+    if ref.dtype != "uint8" or ref.numel % itemsize:
+        raise UnknownFormatError(f"a {dtype.name} tensor on a storage of {ref.numel} {ref.dtype} elements, "
+                                 "which ckptshim does not read (one storage seen as two dtypes)")
+    typed = StorageRef(ref.key, dtype.name, ref.numel // itemsize)
+    storage.ref = typed  # later records of this storage see it typed, as the first one decided
+    return Tensor(dataclasses.replace(tensor.ref, storage=typed))
+
+
 def _rebuild_parameter(data, *_ignored):
     return data
 
@@ -248,11 +284,62 @@ def _device(kind, index=None) -> _Inert:
     return _Inert()
 
 
-def _layout(name) -> _Inert:
+def _layout(name) -> Layout:
     """``torch.serialization._get_layout(name)``: a layout by its name (``"torch.strided"``)."""
     if type(name) is not str or not name.startswith("torch."):
         raise safe_pickle.Refused(f"torch.serialization._get_layout of a {type(name).__name__}")
-    return _Inert()
+    return Layout(name)
+
+
+def _size(dims: Any = ()) -> Size:
+    """``torch.Size(dims)``, as ``torch.Size.__reduce__`` writes it: one tuple of integers >= 0."""
+    if type(dims) is not tuple or not _all_ints(dims, 0):
+        raise safe_pickle.Refused(f"torch.Size of a {type(dims).__name__} that is not a tuple of integers >= 0")
+    return Size(dims)
+
+
+def members(kind: type) -> Callable[..., Any]:
+    """``set``/``frozenset`` of an iterable (protocol 2 pickles them so), whose members must hash
+    in constant time."""
+    def build(items: Sequence = ()) -> Any:
+        if type(items) is not list or not all(map(safe_pickle.key_hashes_cheaply, items)):
+            raise safe_pickle.Refused(f"a {kind.__name__} of other than a list of names or numbers")
+        return kind(items)
+    return build
+
+
+def _counter(counts: Any = None) -> dict:
+    """``collections.Counter`` (protocol 2 pickles one as ``Counter({key: count})``): a dict."""
+    if counts is None:
+        return {}
+    if type(counts) is not dict:
+        raise safe_pickle.Refused(f"a Counter of a {type(counts).__name__}, not a dictionary")
+    return dict(counts)
+
+
+def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
+    """``complex(real, imag)`` of two numbers (as pickle writes a complex value)."""
+    if not all(type(part) in (int, float) for part in (real, imag)):
+        raise safe_pickle.Refused("complex() of other than two numbers")
+    return complex(real, imag)
+
+
+def _bytearray(data: Any = b"", *encoding: str) -> bytearray:
+    """``bytearray`` of bytes, or of text and its encoding (never of a length, which would
+    allocate it: pickle never writes that)."""
+    if type(data) is str and encoding in (("latin1",), ("latin-1",)):
+        return bytearray(data.encode("latin1"))
+    if type(data) is not bytes or encoding:
+        raise safe_pickle.Refused(f"bytearray of a {type(data).__name__}, not of bytes")
+    return bytearray(data)
+
+
+def encode(text: Any, encoding: str = "utf-8") -> bytes:
+    """``_codecs.encode(text, "latin1")``: how protocol 2 pickles carry bytes (torch.save's, numpy's)."""
+    if type(text) is not str or encoding not in ("latin1", "latin-1"):
+        raise safe_pickle.Refused(f"_codecs.encode({type(text).__name__}, {encoding!r}), which is not how "
+                                  "a pickle carries bytes")
+    return text.encode("latin1")
 
 
 def _is_int(value: object) -> bool:
@@ -289,22 +376,84 @@ def _attributes(state: Any) -> dict[str, Any]:
     return attributes
 
 
-_TENSOR_REBUILDS = (_rebuild_tensor, _rebuild_parameter, _rebuild_wrapper_subclass)
+_TENSOR_REBUILDS = (_rebuild_tensor, _rebuild_tensor_v3, _rebuild_parameter, _rebuild_wrapper_subclass)
 _PLAIN_TYPES = {name: _TensorType(name, plain=True) for name in ("torch.Tensor", "torch.nn.parameter.Parameter")}
 
 
-#: The globals of torch's own allow-list that state dicts use, by ``module.name`` -> stand-in.
-_ALLOWED: Mapping[str, Any] = {
+#: What ckptshim builds for the globals of torch's allow-list that a state dict uses beyond dtypes,
+#: storage and tensor types (by torch's name for each): whether each is allowed is torch's call.
+BUILDERS: Mapping[str, Any] = {
     "collections.OrderedDict": _StateDict,
+    "collections.Counter": _counter,
+    "builtins.set": members(set),
+    "builtins.complex": _complex,
+    "builtins.bytearray": _bytearray,
+    "_codecs.encode": encode,
+    "torch.Size": _size,
     "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
+    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
     "torch._utils._rebuild_parameter": _rebuild_parameter,
     "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
     "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
     "torch.device": _device,
     "torch.serialization._get_layout": _layout,
     **_PLAIN_TYPES,
-    **{f"torch.{name}": _StorageType(name) for name in _STORAGE_DTYPES},
 }
+#: Built by :meth:`Globals.rebuild_from_type`, which needs the archive's own state.
+_REBUILD_FROM_TYPE = "torch._tensor._rebuild_from_type_v2"
+
+
+def _torch() -> Any:
+    """torch, for its allow-list; a pickle ckptshim cannot check against it is not read."""
+    try:
+        import torch._weights_only_unpickler  # noqa: F401 - the module whose decisions ckptshim takes
+    except ImportError as error:
+        raise UnknownFormatError(
+            "reading a torch pickle needs torch: ckptshim allows exactly the globals "
+            "torch.load(weights_only=True) allows, and asks torch which those are "
+            f"({type(error).__name__}: {error}). Install torch (pip install torch).") from None
+    return sys.modules["torch"]
+
+
+@functools.cache
+def _allowed_stand_ins() -> Mapping[str, Any]:
+    """torch's own ``weights_only`` allow-list (computed by torch, once per process), each global
+    by torch's name for it, as the stand-in ckptshim builds in its place."""
+    torch = _torch()
+    return {name: BUILDERS.get(name) or _by_kind(torch, name, value)
+            for name, value in torch._weights_only_unpickler._get_allowed_globals().items()}
+
+
+def allowed_globals(where: str) -> Mapping[str, Any]:
+    """torch's allow-list as stand-ins (see :func:`_allowed_stand_ins`); ``where`` names the file
+    whose read needs it, should torch be missing."""
+    try:
+        return _allowed_stand_ins()
+    except UnknownFormatError as error:
+        raise UnknownFormatError(f"{where}: {error}") from None
+
+
+def _by_kind(torch: Any, name: str, value: Any) -> Any:
+    """The stand-in for a global torch allows as a dtype, storage type, tensor type or
+    quantization scheme; anything else torch allows (sparse, quantized, nested, meta tensors'
+    rebuild functions) ckptshim does not read."""
+    if isinstance(value, torch.dtype):
+        dtype = name.removeprefix("torch.")
+        return _Dtype(dtype) if dtype in DTYPE_SIZES else Unreadable(name, "dtype")
+    if isinstance(value, torch.serialization.StorageType) or value is torch.UntypedStorage:
+        dtype = str(value.dtype if value is not torch.UntypedStorage else torch.uint8).removeprefix("torch.")
+        return _StorageType(dtype) if dtype in DTYPE_SIZES else Unreadable(name, "storage type")
+    if value in torch._tensor_classes:
+        return _TensorType(name, plain=False)
+    if isinstance(value, torch.qscheme):
+        return _Inert
+    return Unreadable(name, "the global")
+
+
+def blocked_modules() -> frozenset[str]:
+    """The modules torch's weights_only unpickler never takes a global from, registered or not."""
+    return frozenset(getattr(_torch()._weights_only_unpickler, "_blocklisted_modules", ("sys", "os", "posix", "nt")))
+
 
 #: Extra globals a caller allows for one read: ``(module, name)`` -> the inert stand-in to
 #: build instead (a function or class that makes plain data, never the real global).
@@ -325,16 +474,14 @@ class Globals:
 
     def find_class(self, module: str, name: str) -> Any:
         full = f"{module}.{name}"  # as torch matches globals: by the joined name
-        found = _ALLOWED.get(full) or self.extra.get(full)
+        found = allowed_globals(self.where).get(full) or self.extra.get(full)
+        if full == _REBUILD_FROM_TYPE and found is not None:
+            return self.rebuild_from_type
+        if isinstance(found, Unreadable):
+            raise found.error(self.where)
         if found is not None:
             return found
-        if full == "torch._tensor._rebuild_from_type_v2":
-            return self.rebuild_from_type
-        if module == "torch":
-            dtype = torch_dtype(name, self.where)
-            if dtype is not None:
-                return _Dtype(dtype)
-        found = self._registered_globals().get(full) if module not in _BLOCKED_MODULES else None
+        found = self._registered_globals().get(full) if module not in blocked_modules() else None
         if found is None:
             raise UnsafeCheckpointError(_unsafe_message(self.where, full))
         return found

@@ -1,11 +1,18 @@
-"""Shared plumbing for hook modules: patch a function, and keep a bug from breaking a load.
+"""Shared plumbing for hook modules: patch a function, step aside, and keep a bug from breaking a load.
 
-A hook's shimmed path either succeeds, raises a :class:`~ckptshim.errors.ShimError` (a
-refusal, which is final), or hits an unexpected exception (a bug in ckptshim). What a bug leads
-to depends on the seam (:class:`Seam`): where the framework's own call cannot run code from the
-checkpoint (``load_state_dict`` of tensors, Orbax, Flax and T5X restores) it runs instead, with
-a warning; where it can (DCP's and DeepSpeed's loaders unpickle without limits), the bug is
-raised as an :class:`~ckptshim.errors.InternalError` naming the switch that turns the hook off.
+A hook's shimmed path ends in one of four ways:
+
+- it succeeds: ckptshim carried out a load the framework could not;
+- it has no plan (:class:`~ckptshim.errors.NoPlan`): the framework's own call runs untouched
+  (:func:`step_aside`), and if that raises, ckptshim's diagnosis rides on the framework's own
+  exception as a note -- never in its place;
+- it refuses (any other :class:`~ckptshim.errors.ShimError`: unsafe, corrupt, ambiguous input
+  ckptshim vouched for), which is final;
+- it hits an unexpected exception (a bug in ckptshim). What that leads to depends on the seam
+  (:class:`Seam`): where the framework's own call cannot run code from the checkpoint
+  (``load_state_dict`` of tensors, Orbax, Flax and T5X restores) it runs instead, with a
+  warning; where it can (DCP's and DeepSpeed's loaders unpickle without limits), the bug is
+  raised as an :class:`~ckptshim.errors.InternalError` naming the switch that turns the hook off.
 """
 
 from __future__ import annotations
@@ -13,10 +20,16 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, NoReturn
 
-from ckptshim.errors import InternalError, ShimError
+from ckptshim.errors import NOTE_PREFIX, InternalError, NoPlan, ShimError, add_diagnosis
 from ckptshim.log import logger
+
+#: ``add_diagnosis`` and ``NOTE_PREFIX`` live in :mod:`ckptshim.errors` (a DCP planner inside the
+#: execute layer adds notes too); hooks take them from here, beside :func:`step_aside`.
+__all__ = ["NOTE_PREFIX", "Patches", "Seam", "add_diagnosis", "bind", "framework_call", "guarded",
+           "internal_error", "step_aside"]
 
 
 @dataclass(frozen=True)
@@ -99,25 +112,44 @@ def framework_call(call: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def guarded(seam: Seam, shimmed: Callable[[], Any], original: Callable[[], Any], where: object = None) -> Any:
-    """Run ``shimmed()``; a ShimError propagates, and so does what the framework's own loader
-    raised inside it (:func:`framework_call`). Any other exception is a bug in ckptshim: the seam
-    either falls back to ``original()`` or raises :func:`internal_error` (``where`` names the
-    checkpoint)."""
+def step_aside(original: Callable[[], Any], diagnosis: object) -> Any:
+    """Run the framework's own call for a load ckptshim has no plan for, as without ckptshim:
+    its return value stands; what it raises is raised unchanged, with ``diagnosis`` as a note."""
     try:
-        try:
-            return shimmed()
-        except (ShimError, FrameworkRaised):
-            raise
-        except Exception as error:
-            if not seam.falls_back:
-                raise internal_error(seam, error, where) from error
-            logger.warning("internal error in the %s hook; falling back to the framework's own "
-                           "loader. Please report this with the traceback below.", seam.call, exc_info=True)
-            return original()
+        return original()
+    except BaseException as error:
+        add_diagnosis(error, diagnosis)
+        raise
+
+
+def guarded(seam: Seam, shimmed: Callable[[], Any], original: Callable[[], Any], where: object = None) -> Any:
+    """Run ``shimmed()``. Where ckptshim has no plan (:class:`~ckptshim.errors.NoPlan`), the
+    framework's ``original()`` runs instead (:func:`step_aside`); another ShimError propagates,
+    and so does what the framework's own loader raised inside ``shimmed`` (:func:`framework_call`).
+    Any other exception is a bug in ckptshim: the seam either falls back to ``original()`` or
+    raises :func:`internal_error` (``where`` names the checkpoint).
+
+    The framework's own exceptions are raised outside every ``except`` clause, so they carry no
+    ckptshim exception as their context: the traceback a user sees is the framework's."""
+    try:
+        return shimmed()
+    except NoPlan as no_plan:
+        then = partial(step_aside, original, no_plan)
+    except ShimError:
+        raise
     except FrameworkRaised as raised:
-        error = raised.error
-    raise error  # outside the except clause: the framework's error as it was, no context added
+        then = partial(_raise, raised.error)
+    except Exception as bug:
+        if not seam.falls_back:
+            raise internal_error(seam, bug, where) from bug
+        logger.warning("internal error in the %s hook; falling back to the framework's own "
+                       "loader. Please report this with the traceback below.", seam.call, exc_info=True)
+        then = original
+    return then()
+
+
+def _raise(error: BaseException) -> NoReturn:
+    raise error
 
 
 def internal_error(seam: Seam, error: BaseException, where: object = None) -> InternalError:

@@ -2,9 +2,12 @@
 
 ``dcp.load`` (every public alias: ``torch.distributed.checkpoint.load``, ``state_dict_loader.load``
 and the deprecated ``load_state_dict``) runs DCP's own load with two parts swapped, both chosen
-by :mod:`ckptshim.loading.dcp`: the storage reader (ckptshim's, for local checkpoints it
-recognises) and the planner (ckptshim's key mapping around the caller's planner or DCP's
-default). Everything runs inside DCP's collective steps, so a refusal on any rank reaches every
+by :mod:`ckptshim.loading.dcp`: the storage reader (for a DCP folder, DCP's own
+``FileSystemReader`` with its metadata read safely; for a format DCP cannot read, ckptshim's) and
+the planner (ckptshim's key mapping around the caller's planner or DCP's default, which plans on
+the stored metadata itself wherever ckptshim has no plan or nothing to change: DCP's own errors,
+with ckptshim's diagnosis as a note). A checkpoint in object storage (``s3://``, ``gs://``) is
+DCP's alone. Everything runs inside DCP's collective steps, so a refusal on any rank reaches every
 rank as DCP's ``CheckpointException`` (holding ckptshim's error) instead of hanging the others,
 and it is raised while planning, before any tensor is written. A bug inside ckptshim -- an
 exception that is not a ``ShimError`` and was raised in ckptshim's code -- is raised as an
@@ -30,8 +33,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from ckptshim.errors import ShimError
 from ckptshim.hooks.post_import import when_imported
-from ckptshim.hooks.seam import Patches, Seam, bind, guarded, internal_error
-from ckptshim.loading import dcp as dcp_loading, torch_state_dict
+from ckptshim.hooks.seam import Patches, Seam, bind, framework_call, guarded, internal_error
 from ckptshim.log import logger
 
 SEAM = Seam("torch-dcp", "torch.distributed.checkpoint.load", falls_back=False)
@@ -108,12 +110,19 @@ def _load(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict)
     call = bind(wrapped, args, kwargs)
     if call is None:
         return native()  # a bad call: DCP reports it
+    from ckptshim.loading import dcp as dcp_loading  # by the first load: see hooks/torch_module.py
+
     checkpoint_id, reader = call.get("checkpoint_id"), call["storage_reader"]
     where = checkpoint_id if checkpoint_id is not None else getattr(reader, "path", None)
+    if dcp_loading.remote(checkpoint_id, reader):
+        logger.debug("%s: %s is read by DCP's own reader from object storage; leaving the load to DCP",
+                     SEAM.call, where)
+        return native()
 
     def shimmed() -> Any:
-        swapped = dict(call, storage_reader=dcp_loading.storage_reader(checkpoint_id, reader),
-                       planner=dcp_loading.load_planner(call["planner"]))
+        storage_reader = dcp_loading.storage_reader(checkpoint_id, reader)
+        swapped = dict(call, storage_reader=storage_reader,
+                       planner=dcp_loading.load_planner(call["planner"], getattr(storage_reader, "path", where)))
         return wrapped(swapped.pop("state_dict"), **swapped)
 
     try:
@@ -141,15 +150,20 @@ def _set_state_dict(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
     call = bind(wrapped, args, kwargs)
     if call is None or not isinstance(call["model"], nn.Module) or not isinstance(call["model_state_dict"], Mapping):
         return wrapped(*args, **kwargs)
+    from ckptshim.loading import torch_state_dict  # by the first load: see hooks/torch_module.py
+
     strict = getattr(call.get("options"), "strict", True)  # StateDictOptions(), torch's default, is strict
-    rekeyed = guarded(SETTERS_SEAM,
-                      lambda: torch_state_dict.prepare(call["model"], call["model_state_dict"], strict),
-                      lambda: None)
-    if rekeyed is None:
-        return wrapped(*args, **kwargs)
-    rekeyed.writes.write_assembled()
-    call["model_state_dict"] = rekeyed.state_dict
-    if "optim_state_dict" in call:
-        call["optim_state_dict"] = torch_state_dict.renamed_optimizer(rekeyed.plan, call["optim_state_dict"])
-    model, *positional = (call.pop(name) for name in ("model", "optimizers") if name in call)
-    return wrapped(model, *positional, **call)
+    torch_call = framework_call(wrapped)
+
+    def shimmed() -> Any:
+        rekeyed = torch_state_dict.prepare(call["model"], call["model_state_dict"], strict)
+        if rekeyed is None:
+            return torch_call(*args, **kwargs)
+        rekeyed.writes.write_assembled()
+        call["model_state_dict"] = rekeyed.state_dict
+        if "optim_state_dict" in call:
+            call["optim_state_dict"] = torch_state_dict.renamed_optimizer(rekeyed.plan, call["optim_state_dict"])
+        model, *positional = (call.pop(name) for name in ("model", "optimizers") if name in call)
+        return torch_call(model, *positional, **call)
+
+    return guarded(SETTERS_SEAM, shimmed, lambda: wrapped(*args, **kwargs))

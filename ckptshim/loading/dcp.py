@@ -18,16 +18,17 @@ The DCP hook swaps two parts of DCP's own load (see :mod:`ckptshim.hooks.torch_d
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ckptshim.errors import PlanError, UnknownFormatError, UnsafeCheckpointError
+from ckptshim.errors import PlanError, UnknownFormatError
 from ckptshim.execute.dcp_planner import FlatKeys, KeyMapping, RemappingLoadPlanner
 from ckptshim.execute.dcp_storage import DcpReader, FormatReader
 from ckptshim.formats import dcp
@@ -48,9 +49,11 @@ def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageRe
     """ckptshim's reader for a local checkpoint it knows; else the caller's (``None``: DCP's).
 
     A reader the caller built themselves (anything but DCP's plain ``FileSystemReader``) is theirs
-    and runs untouched, as a ``torch.load(weights_only=False)`` they wrote would. A checkpoint
-    named by URL is read locally for ``file://``; any other scheme is refused, since DCP would
-    pick its ``FsspecReader``, which unpickles ``.metadata`` from it without limits.
+    and runs untouched, as a ``torch.load(weights_only=False)`` they wrote would. A DCP folder is
+    read by :class:`~ckptshim.execute.dcp_storage.DcpReader` -- DCP's own reader with the
+    metadata read safely -- with the extension registry of the caller's ``FileSystemReader``, if
+    they passed one (their custom stream transforms). A checkpoint named by a ``file://`` URL is
+    read locally; other URLs never get here (:func:`remote`).
     """
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -66,41 +69,58 @@ def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageRe
     except UnknownFormatError:  # a file DCP cannot read either: FormatReader explains; a folder: DCP's
         return FormatReader(location) if Path(location).is_file() else given
     if fmt is dcp:
-        return DcpReader(location)
+        return DcpReader(location, given.transforms.extension_registry if given is not None else None)
     logger.info("%s: %s is a %s checkpoint, which DCP cannot read; ckptshim reads it", HOOK, location, fmt.NAME)
     return FormatReader(location)
 
 
-def _local_path(url: str) -> str:
-    """The local path a ``file://`` URL names; any other scheme is refused."""
+def remote(checkpoint_id: Any, given: StorageReader | None) -> bool:
+    """Whether DCP itself would read this checkpoint from object storage (a URL other than
+    ``file://``, through its ``FsspecReader``): ckptshim does not read those yet, so the load is
+    DCP's own, as without ckptshim."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if given is not None and type(given) is not FileSystemReader:
+        return False  # the caller's own reader (an FsspecReader they built included) is theirs
+    location = str(checkpoint_id if checkpoint_id is not None else getattr(given, "path", ""))
+    return "://" in location and _local_path(location) is None
+
+
+def _local_path(url: str) -> str | None:
+    """The local path a ``file://`` URL names; ``None`` for any other."""
     from urllib.parse import unquote, urlsplit
 
     parts = urlsplit(url)
     if parts.scheme == "file" and parts.netloc in ("", "localhost"):
         return unquote(parts.path)
-    raise UnsafeCheckpointError(
-        f"dcp.load of {url}: ckptshim reads local checkpoints only, and DCP's own reader for "
-        f"{parts.scheme}:// would unpickle its .metadata without limits. Copy the checkpoint to a "
-        "local folder and load that, or, if you trust it, load it with the hook off "
-        "(CKPTSHIM_DISABLE_HOOKS=torch-dcp).")
+    return None
 
 
-def load_planner(inner: LoadPlanner | None) -> RemappingLoadPlanner:
-    """The planner ``dcp.load`` runs: ckptshim's key mapping in front of ``inner`` (or DCP's default)."""
-    return RemappingLoadPlanner(inner, prepare_mapping)
+def load_planner(inner: LoadPlanner | None, location: Any = None) -> RemappingLoadPlanner:
+    """The planner ``dcp.load`` runs: ckptshim's key mapping in front of ``inner`` (or DCP's
+    default), for the checkpoint at ``location`` (a local path, where known)."""
+    return RemappingLoadPlanner(inner, partial(prepare_mapping, location=location))
 
 
-def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missing: bool) -> KeyMapping:
-    """Plan the checkpoint's keys onto the state dict's and check the plan (nothing is read).
+def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missing: bool,
+                    location: Any = None) -> KeyMapping | None:
+    """Plan the checkpoint's keys onto the state dict's and check the plan (nothing is read);
+    ``None`` where every key the state dict asks for is stored under that name, shape and dtype
+    (DCP's own planner plans on the stored metadata), :class:`~ckptshim.errors.NoPlan` where no
+    plan makes them fit (DCP's own planner decides).
 
     DCP reads only what the state dict asks for and checks no value while planning, so a
     checkpoint key named like a derivable buffer is not dropped as one: like any key the state
     dict has no place for, it is unexpected, and left unread. Where no module is passed, the
-    checkpoint's own ``config.json`` names the transformers model whose conversion mapping applies.
+    checkpoint's own ``config.json`` (beside it at ``location``; the metadata's ``checkpoint_id``
+    is where it was saved) names the transformers model whose conversion mapping applies.
     """
-    location = getattr(metadata.storage_meta, "checkpoint_id", None)
+    if location is None:
+        location = getattr(metadata.storage_meta, "checkpoint_id", None)
     where = str(location or "DCP checkpoint")
     flat, target_paths = flatten_state_dict(state_dict)
+    if _stored_as_asked(metadata, flat):
+        return None
     source, target, note = _sides(metadata, flat, target_paths, where)
     tensors = {entry.key: flat[entry.location] for entry in target.inventory.values()
                if entry.key not in target.objects}
@@ -113,6 +133,21 @@ def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missin
     if note:
         logger.info("%s: %s", HOOK, note)
     return KeyMapping(plan, source, target)
+
+
+def _stored_as_asked(metadata: Metadata, flat: Mapping[str, Any]) -> bool:
+    """Whether each flat key of the state dict is stored under that name, as a tensor of its size
+    and dtype or, for any other value, as an object: there is nothing to map."""
+    stored = metadata.state_dict_metadata
+    for fqn, value in flat.items():
+        md = stored.get(fqn)
+        if isinstance(value, torch.Tensor):
+            if not (isinstance(md, TensorStorageMetadata) and md.size == value.size()
+                    and md.properties.dtype == value.dtype):
+                return False
+        elif not isinstance(md, BytesStorageMetadata):
+            return False
+    return True
 
 
 def _app_levels(paths: Mapping[str, tuple]) -> set[str]:

@@ -30,14 +30,15 @@ import torch
 from torch import nn
 
 from ckptshim import config
-from ckptshim.errors import PlanError, UnknownFormatError
+from ckptshim.errors import NoPlan, PlanError, UnknownFormatError
 from ckptshim.execute.torch import as_tensor, prepare
 from ckptshim.formats import deepspeed_pipeline, tensor_parallel
 from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key, split_key
 from ckptshim.loading.report import report_load
-from ckptshim.loading.torch import module_facts, module_layout, recomputed_buffers, tensor_inventory
+from ckptshim.loading.torch import module_facts, recomputed_buffers, tensor_inventory
+from ckptshim.loading.torch_layout import module_layout
 from ckptshim.log import logger
 from ckptshim.planner import plan as make_plan
 from ckptshim.rules import TargetFacts
@@ -60,8 +61,13 @@ def load_stage(module: Any, load_dir: Path, strict: bool, native: Callable[[], A
         return native()
     try:
         if not is_neox(source) or _native_fits(source, layers, degree):
-            return _native_once_read(source, native)
-        states = layer_state_dicts(source, layers, rank, degree, strict)
+            _read_layer_files(source)
+            return native()
+        try:
+            states = layer_state_dicts(source, layers, rank, degree, strict)
+        except NoPlan:  # the hook then runs DeepSpeed's own load, which unpickles the layer files
+            _read_layer_files(source)
+            raise
     finally:
         source.close()
     for index, layer in layers.items():
@@ -70,14 +76,13 @@ def load_stage(module: Any, load_dir: Path, strict: bool, native: Callable[[], A
     return None
 
 
-def _native_once_read(source: Checkpoint, native: Callable[[], Any]) -> Any:
-    """DeepSpeed's own load -- which unpickles every ``layer_*model_states.pt`` in the folder with
-    ``torch.load(weights_only=False)`` -- only once ckptshim has read each of those files through
-    its allow-listed unpickler (refusing any that needs more), whatever format the folder was
+def _read_layer_files(source: Checkpoint) -> None:
+    """Before DeepSpeed's own load -- which unpickles every ``layer_*model_states.pt`` in the
+    folder with ``torch.load(weights_only=False)`` -- read each of those files through ckptshim's
+    allow-listed unpickler (refusing any that needs more), whatever format the folder was
     recognised as first (a Hugging Face folder may hold layer files too)."""
     if not isinstance(source, deepspeed_pipeline.DeepSpeedPipelineCheckpoint) and deepspeed_pipeline.sniff(source.path):
         deepspeed_pipeline.open_checkpoint(source.path).close()
-    return native()
 
 
 def is_neox(source: Checkpoint) -> bool:

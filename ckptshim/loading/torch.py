@@ -1,8 +1,8 @@
 """Loading into torch modules and state dicts: the target side, its rules, and module loads.
 
 Every torch load -- ``load_state_dict``, ``set_model_state_dict``, ``dcp.load``, a DeepSpeed
-stage -- builds its target here: :func:`module_layout` reads what a module's
-``load_state_dict`` accepts off the live module tree, :func:`tensor_inventory` turns named
+stage -- builds its target here: :func:`~ckptshim.loading.torch_layout.module_layout` reads what
+a module's ``load_state_dict`` accepts off the live module tree, :func:`tensor_inventory` turns named
 tensors into an inventory, and :func:`module_facts` / :func:`state_dict_facts` say what the
 target knows beyond names and shapes (non-persistent buffers, derivable buffers, tied weights,
 transformers' conversion mapping) for :func:`ckptshim.rules.profiles.rules_for`.
@@ -13,7 +13,11 @@ keys are the ones the module accepts: renamed sources under their target names, 
 views for unstacked layers, the module's own tensor for synthesized buffers, drops left out --
 and, in a non-strict load, whatever the plan leaves unused (unexpected keys, non-tensor
 values) as given, so that torch reports them as it would without ckptshim. A non-strict load
-the plan does not change at all goes to torch untouched. Executing the plan ourselves would
+also leaves to torch what changes no value (:data:`TORCH_REPORTS`: tied twins, kept buffers,
+dropped keys), which torch then lists as missing or unexpected as it would had the checkpoint
+been saved from the module; one the plan does not otherwise change goes to torch untouched.
+Where no plan makes the state dict fit, :class:`~ckptshim.errors.NoPlan` is raised before
+anything is written, and the hook runs torch's own call. Executing the plan ourselves would
 bypass what modules do in their loading code -- ``_load_from_state_dict`` overrides, load pre-/post-hooks (the checkpoint wrapper re-adds its
 prefix in one), version upgrades keyed by ``state_dict._metadata`` (carried over to the new
 names), ``assign=True`` and swap semantics -- and torch's own ``_IncompatibleKeys``. What a dict
@@ -26,117 +30,35 @@ Modules ckptshim cannot see through are left to torch: lazy parameters, ``_extra
 FSDP1 (flat parameters whose shapes are not the checkpoint's). And when a strict load does not
 fit but a module transforms its own state dict on load (a load hook or
 ``_load_from_state_dict`` override, e.g. BatchNorm filling in ``num_batches_tracked`` for old
-checkpoints), torch decides, with its own error if it fails.
+checkpoints), torch decides, with its own error if it fails. What a module's ``load_state_dict``
+accepts, and whether a state dict already fits, is :mod:`ckptshim.loading.torch_layout`'s
+(all an idle hook needs).
 """
 
 from __future__ import annotations
 
-import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ckptshim.errors import PlanError
+from ckptshim.errors import NoPlan
 from ckptshim.execute.derived import mismatch
 from ckptshim.execute.destinations import values_of
 from ckptshim.execute.torch import prepare
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, split_key
 from ckptshim.loading.report import report_load
+from ckptshim.loading.torch_layout import ModuleLayout
 from ckptshim.log import logger
+from ckptshim.ops import Drop, DropIfDerived, Synthesize, Tie
 from ckptshim.planner import plan as make_plan
 from ckptshim.rules import TargetFacts
 from ckptshim.rules.buffers import derivable_rule
 from ckptshim.rules.prefixes import WRAPPER_SEGMENTS, strip_wrappers
 from ckptshim.rules.profiles import rules_for
 from ckptshim.rules.profiles.transformers_mapping import from_module
-
-#: A wrapper hop that the wrapper's own state-dict hooks remove on save and put back on load
-#: (``CheckpointWrapper``), so the names the module accepts do not contain it -- below an
-#: activation-checkpoint wrapper only: a plain submodule may have the same name.
-TRANSPARENT_HOP = "_checkpoint_wrapped_module"
-#: FSDP1's hop: below it parameters are flat shards, which no checkpoint names or shapes match.
-FSDP_HOP = "_fsdp_wrapped_module"
-
-_BASE_LOAD = nn.Module._load_from_state_dict
-_BASE_SET_EXTRA_STATE = nn.Module.set_extra_state
-
-
-@dataclass
-class ModuleLayout:
-    """What a module's ``load_state_dict`` accepts, read off the live module tree."""
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # accepted key -> tensor
-    buffers: list[str] = field(default_factory=list)                # persistent buffer keys
-    non_persistent: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> buffer
-    module_paths: list[str] = field(default_factory=list)           # torch's metadata keys
-    own_load_logic: bool = False
-    unsupported: str | None = None                                  # why ckptshim stays out
-
-
-def module_layout(root: nn.Module) -> ModuleLayout:
-    """Walk the modules as torch's loader does (every path, shared modules included).
-
-    Keys are the ones the module accepts: internal names minus transparent hops. ``module_paths``
-    keep the internal names, which is what torch looks ``state_dict._metadata`` up by.
-    """
-    layout = ModuleLayout()
-    stack: list[tuple[str, str, nn.Module]] = [("", "", root)]
-    while stack:
-        path, accepted, module = stack.pop()
-        layout.module_paths.append(path)
-        children = module._modules
-        if FSDP_HOP in children:
-            layout.unsupported = "FSDP1 modules hold flat parameters"
-        if type(module).set_extra_state is not _BASE_SET_EXTRA_STATE:
-            layout.unsupported = f"{type(module).__name__} keeps _extra_state"
-        if any(nn.parameter.is_lazy(t) for t in (*module._parameters.values(), *module._buffers.values())):
-            layout.unsupported = "lazy modules have no shapes yet"
-        transparent = TRANSPARENT_HOP in children and _is_activation_wrapper(module)
-        if transparent and _holds_a_plain_hop(children[TRANSPARENT_HOP]):
-            layout.unsupported = ("a submodule named like the activation-checkpoint wrapper's own hop, "
-                                  "whose keys the wrapper's state-dict hooks rename too")
-        if not transparent and (
-                type(module)._load_from_state_dict is not _BASE_LOAD
-                or module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks):
-            layout.own_load_logic = True
-        for name, param in module._parameters.items():
-            if param is not None:
-                layout.tensors[accepted + name] = param
-        for name, buffer in module._buffers.items():
-            if buffer is None:
-                continue
-            if name in module._non_persistent_buffers_set:
-                layout.non_persistent[accepted + name] = buffer
-            else:
-                layout.tensors[accepted + name] = buffer
-                layout.buffers.append(accepted + name)
-        for name, child in reversed(children.items()):
-            if child is not None:
-                hop = None if transparent and name == TRANSPARENT_HOP else name
-                stack.append((f"{path}{'.' if path else ''}{name}",
-                              accepted + (f"{hop}." if hop else ""), child))
-    return layout
-
-
-def _is_activation_wrapper(module: nn.Module) -> bool:
-    """Whether ``module`` is torch's activation-checkpoint (or offload) wrapper, whose state-dict
-    hooks hide its ``_checkpoint_wrapped_module`` hop. Such a wrapper exists only once its module
-    is imported; a process that never did is not made to (as :func:`~ckptshim.execute.destinations.is_dtensor`)."""
-    wrappers = sys.modules.get("torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
-    return wrappers is not None and isinstance(module, wrappers.ActivationWrapper)
-
-
-def _holds_a_plain_hop(wrapped: nn.Module | None) -> bool:
-    """Whether the module an activation-checkpoint wrapper wraps has a submodule of its own named
-    ``_checkpoint_wrapped_module``: the wrapper's hooks add and remove that prefix on every key,
-    so torch renames (and, on load, can overwrite) that submodule's keys as well."""
-    inner = None if wrapped is None else wrapped._modules.get(TRANSPARENT_HOP)
-    return inner is not None and not _is_activation_wrapper(wrapped)
-
 
 def tensor_inventory(items: Iterable[tuple[str, torch.Tensor]], source: str, prefix: KeyPath = ()) -> Inventory:
     """The inventory of named tensors (dotted names split into key paths, under ``prefix``).
@@ -201,13 +123,12 @@ def _identity(tensor: torch.Tensor) -> object:
             local.stride(), local.dtype)
 
 
-def fits(state_dict: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> bool:
-    """Same keys, shapes and dtypes: torch loads it as is (and, shapes agreeing, cannot half-load
-    it). A dtype difference is planned, so that the cast is reported -- and refused when it
-    narrows under ``CKPTSHIM_STRICT``."""
-    return state_dict.keys() == tensors.keys() and all(
-        getattr(value, "shape", None) == tensors[key].shape and getattr(value, "dtype", None) == tensors[key].dtype
-        for key, value in state_dict.items())
+#: What a non-strict load leaves to torch, as torch would treat it had the checkpoint been saved
+#: from this module: a tied twin (its value is the key it shares storage with), a buffer the
+#: module keeps (synthesized), a key not loaded (dropped). None changes a value torch leaves,
+#: and torch lists each among the missing or unexpected keys -- which callers rely on:
+#: ``safetensors.torch.load_model`` checks the missing keys against the model's shared tensors.
+TORCH_REPORTS = frozenset({Tie.kind, Synthesize.kind, Drop.kind, DropIfDerived.kind})
 
 
 def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any], module: nn.Module,
@@ -240,10 +161,13 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
                        allow_missing=not strict, allow_unexpected=not strict,
                        recomputed=recomputed_buffers(layout))
     plan = plan.undropped(prepared.unexpected)
-    if not strict and not plan.counts():
-        return native  # every tensor keeps its name: torch's own non-strict load is this plan
+    if not strict:
+        plan = plan.left_undone(TORCH_REPORTS)
+        if not plan.counts():
+            return native  # every tensor keeps its name: torch's own non-strict load is this plan
+    missing = frozenset(plan.missing)
     rewritten: OrderedDict[str, Any] = OrderedDict(
-        (join_key(key), value) for key, value in prepared.values.items())
+        (join_key(key), value) for key, value in prepared.values.items() if key not in missing)
     # what the plan leaves unused goes to torch as it is, which reports it as it would alone
     rewritten.update((key, state_dict[key]) for key in [*map(join_key, plan.unexpected), *others])
     metadata = getattr(state_dict, "_metadata", None)
@@ -260,20 +184,20 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
 
 def _require_tensors_where_torch_does(others: list[str], state_dict: Mapping[str, Any],
                                       layout: ModuleLayout, strict: bool) -> None:
-    """Refuse, before anything is written, the non-tensor entries torch would refuse after writing
-    the rest: any of them in a strict load (torch calls it unexpected), and one under a name the
+    """The non-tensor entries torch refuses make a load ckptshim has no plan for
+    (:class:`~ckptshim.errors.NoPlan`: torch's own call then raises its own error, with this as
+    a note): any of them in a strict load (torch calls it unexpected), and one under a name the
     module loads a tensor into (torch cannot copy it). A non-strict load passes the others on to
     torch, which lists them among the unexpected keys, as it does without ckptshim."""
     refused = [key for key in others if strict or key in layout.tensors]
     if refused:
         key = refused[0]
-        raise PlanError(
+        raise NoPlan(
             f"state_dict[{key!r}] is a {type(state_dict[key]).__name__}, not a tensor; "
             + (f"the module loads a tensor into {key!r}. Put a tensor there, or remove the entry."
                if key in layout.tensors else
-               "a strict load_state_dict loads tensors only (torch would call it an unexpected "
-               "key). Remove it from the state dict, or load with strict=False: torch then lists "
-               "it among the unexpected keys."))
+               "a strict load_state_dict loads tensors only. Remove it from the state dict, or load "
+               "with strict=False: torch then lists it among the unexpected keys."))
 
 
 def _remap_metadata(metadata: Mapping[str, Any], module_paths: list[str]) -> OrderedDict:

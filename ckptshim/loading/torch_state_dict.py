@@ -10,8 +10,9 @@ values, and assembled targets (stacked layers, fused experts) the model's own te
 source by source through views (no second copy) by
 :meth:`~ckptshim.execute.torch.Prepared.write_assembled` -- all checked by the torch executor
 before anything is written. Optimizer state follows renamed keys (:func:`renamed_optimizer`).
-A strict load that does not fit is refused before anything is written; a non-strict one leaves
-missing and unexpected keys for torch to report.
+A strict load that does not fit is torch's to refuse (:class:`~ckptshim.errors.NoPlan`: the
+hook runs torch's own call, with ckptshim's diagnosis as a note on its error); a non-strict one
+leaves missing and unexpected keys -- tied twins and kept buffers included -- for torch to report.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from torch import nn
 from ckptshim.execute.torch import Prepared, prepare as prepare_writes
 from ckptshim.inventory import Inventory, KeyPath, join_key, split_key
 from ckptshim.loading.report import report_load
+from ckptshim.loading.torch import TORCH_REPORTS, module_facts, recomputed_buffers, tensor_inventory, tied_groups
+from ckptshim.loading.torch_layout import ModuleLayout, module_layout
 from ckptshim.log import logger
-from ckptshim.loading.torch import (ModuleLayout, module_facts, module_layout, recomputed_buffers, tensor_inventory,
-                                    tied_groups)
 from ckptshim.ops import Rename
 from ckptshim.planner import Plan
 from ckptshim.planner import plan as make_plan
@@ -52,10 +53,10 @@ def prepare(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True
     """Plan and check the whole load (nothing is written); ``None`` when nothing needs doing, or
     when the load is torch's to decide.
 
-    ``strict`` is the caller's ``StateDictOptions.strict``: a strict load that does not fit is
-    refused here, before anything is written (torch's own check would come after the stacked
-    writes), unless the model completes its own state dict on load (a load hook or
-    ``_load_from_state_dict`` override), which torch then decides; a non-strict one leaves
+    ``strict`` is the caller's ``StateDictOptions.strict``: a strict load that does not fit raises
+    :class:`~ckptshim.errors.NoPlan` here, before anything is written (the hook then runs torch's
+    own call), unless the model completes its own state dict on load (a load hook or
+    ``_load_from_state_dict`` override): torch then decides (``None``). A non-strict one leaves
     missing and unexpected keys for torch to report.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -84,9 +85,14 @@ def prepare(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True
                             allow_missing=not strict, allow_unexpected=not strict,
                             recomputed=recomputed_buffers(layout))
     plan = plan.undropped(writes.unexpected)  # left for torch to report (a non-strict load)
+    if not strict:
+        plan = plan.left_undone(TORCH_REPORTS)
+        if not plan.counts():
+            return None
     used = {join_key(key) for op in plan.ops for key in op.sources}
+    missing = frozenset(plan.missing)
     rekeyed = {key: value for key, value in state_dict.items() if key not in used}
-    rekeyed.update((join_key(key), value) for key, value in writes.values.items())
+    rekeyed.update((join_key(key), value) for key, value in writes.values.items() if key not in missing)
     report_load(f"set_model_state_dict({type(model).__name__})", plan)
     return Rekeyed(plan, rekeyed, writes)
 

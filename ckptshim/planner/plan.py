@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ckptshim.errors import PlanError
+from ckptshim.errors import NoPlan, PlanError
 from ckptshim.inventory import Inventory, KeyPath, join_key
 from ckptshim.ops import Cast, DropIfDerived, Op
 
@@ -90,11 +90,24 @@ class Plan:
     def undropped(self, keys: Collection[KeyPath]) -> Plan:
         """This plan with the ``DropIfDerived`` of ``keys`` undone, those keys unexpected instead:
         the plan as an executor ran it, having found their values not what their rules derive."""
-        if not keys:
+        return self._undoing(lambda op: op.kind == DropIfDerived.kind and op.source in keys)
+
+    def left_undone(self, kinds: Collection[str]) -> Plan:
+        """This plan without its ops of ``kinds``: what they would give a value is missing, what
+        they would drop unexpected. A framework's non-strict load reports those itself, as it
+        would had the checkpoint been saved from the target (see the ``load_state_dict`` hook)."""
+        return self._undoing(lambda op: op.kind in kinds)
+
+    def _undoing(self, undone: Callable[[Op], bool]) -> Plan:
+        gone = [op for op in self.ops if undone(op)]
+        if not gone:
             return self
-        ops = tuple(op for op in self.ops if not (op.kind == DropIfDerived.kind and op.source in keys))
-        kept = tuple(key for key in self.source if key in keys)
-        return dataclasses.replace(self, ops=ops, unexpected=self.unexpected + kept, _producers=None)
+        sources = {key for op in gone for key in op.sources}
+        targets = {key for op in gone if op.produces for key in op.targets}
+        return dataclasses.replace(
+            self, ops=tuple(op for op in self.ops if not undone(op)), _producers=None,
+            missing=self.missing + tuple(key for key in self.target if key in targets),
+            unexpected=self.unexpected + tuple(key for key in self.source if key in sources))
 
     def casts(self) -> dict[KeyPath, Cast]:
         return {op.target: op for op in self.ops if op.kind == Cast.kind}
@@ -115,7 +128,10 @@ class Plan:
 
     def require_complete(self, sep: str = ".", *, allow_missing: bool = False,
                          allow_unexpected: bool = False) -> None:
-        """Raise a :class:`PlanError` listing what does not match, with the nearest candidates."""
+        """Raise :class:`~ckptshim.errors.NoPlan` listing what does not match, with the nearest
+        candidates (a hook turns it into a note on the framework's own error) -- or, where
+        ``CKPTSHIM_STRICT`` forbids a cast, a :class:`~ckptshim.errors.PlanError`: a refusal the
+        user asked for, of a load the framework would carry out with the cast."""
         lines: list[str] = []
         shapes = [m for m in self.mismatched if not m.of_dtype]
         dtypes = [m for m in self.mismatched if m.of_dtype]
@@ -134,7 +150,12 @@ class Plan:
         if self.unexpected and not allow_unexpected:
             lines.append(f"{len(self.unexpected)} checkpoint key(s) the target has no place for:")
             lines += [f"  {join_key(key, sep)}" for key in self.unexpected[:MAX_LISTED]]
-        advice = ["Fix the names (or add a rule), or load non-strictly to accept the difference."] if lines else []
+        advice = []
+        if shapes:
+            advice.append("A key whose shape differs loads in no mode, strict or not: build the target with "
+                          "the checkpoint's configuration, or leave that key out.")
+        if (self.missing and not allow_missing) or (self.unexpected and not allow_unexpected):
+            advice.append("Fix the names (or add a rule), or load non-strictly to accept the difference.")
         if dtypes:
             lines.append(f"{len(dtypes)} key(s) match by name and shape but not by dtype, and the "
                          "cast is not allowed (CKPTSHIM_STRICT=1 refuses every narrowing cast):")
@@ -145,7 +166,10 @@ class Plan:
             return
         more = [] if all(len(group) <= MAX_LISTED for group in (self.missing, self.unexpected, shapes, dtypes)) \
             else [f"(lists cut at {MAX_LISTED}; `ckptshim plan` shows every key)"]
-        raise PlanError("\n".join(
+        # a cast CKPTSHIM_STRICT forbids is the user's own refusal, made where the framework would
+        # cast silently; the rest is the framework's to load or refuse
+        refusal = PlanError if dtypes else NoPlan
+        raise refusal("\n".join(
             [f"checkpoint {self.source.source or '(source)'} does not fit target "
              f"{self.target.source or '(target)'}:"] + lines + more + advice))
 

@@ -12,8 +12,15 @@ native"):
   readings): loading by exact names, as the framework does, is then right or wrong by luck,
   and no name tells which.
 - **the framework raises**: ckptshim loads (its plan says why, and every value it writes is the
-  checkpoint's), or raises a ``ShimError`` with the destination unchanged, or -- where it leaves
-  the call to the framework -- raises the very same error, leaving what the framework leaves.
+  checkpoint's), or raises a ``ShimError`` with the destination unchanged, or -- where it has no
+  plan and steps aside -- the framework's call raises its very own error (type and text; for
+  DCP, each rank's), leaving what the framework leaves, with ckptshim's diagnosis at most added
+  as a note. ckptshim's "no plan" itself (``NoPlan``) never reaches the caller.
+- **the return value**: where ckptshim said nothing, it is the framework's; where it loaded more,
+  a non-strict ``load_state_dict``'s ``_IncompatibleKeys`` list no key the framework does not,
+  and every tied twin (one tensor under two names) the framework reports missing stays missing:
+  its value is its twin's through one storage, and callers (``safetensors.torch.load_model``)
+  rely on the list.
 
 ``truth`` is what the checkpoint holds for each destination key, known independently of
 ckptshim (the file read by its own library, a fixture's manifest hash, a generated module's own
@@ -33,7 +40,7 @@ from typing import Any
 import numpy as np
 
 import ckptshim
-from ckptshim.errors import AmbiguousNameError, ShimError
+from ckptshim.errors import NOTE_PREFIX, AmbiguousNameError, NoPlan, ShimError
 
 #: ``compared``: loads judged; ``clean``: those that kept every promise; then one count per verdict.
 TALLY: Counter[str] = Counter()
@@ -79,6 +86,7 @@ class Outcome:
     values: dict[str, Print] = field(default_factory=dict)      # destination/result values after
     destination: dict[str, Print] = field(default_factory=dict)  # the caller's own values after
     said: list[str] = field(default_factory=list)               # ckptshim's INFO lines
+    shared: frozenset[str] = frozenset()                        # keys whose value is another key's too (tied)
 
 
 @dataclass(frozen=True)
@@ -134,8 +142,10 @@ def prints(values: Mapping[str, Any]) -> dict[str, Print]:
 def run(load: Load, shimmed: bool) -> tuple[dict[str, Print], Outcome]:
     """Run ``load`` once on a fresh destination; the destination's values before, and the outcome."""
     destination = load.fresh()
-    before = prints(load.destination_values(destination))
-    outcome = Outcome()
+    own = load.destination_values(destination)
+    before = prints(own)
+    by_object: Counter[int] = Counter(map(id, own.values()))
+    outcome = Outcome(shared=frozenset(key for key, value in own.items() if by_object[id(value)] > 1))
     if not shimmed:
         ckptshim.uninstall()
     try:
@@ -154,6 +164,24 @@ def run(load: Load, shimmed: bool) -> tuple[dict[str, Print], Outcome]:
     if outcome.error is None:
         outcome.values = prints(load.loaded_values(destination, outcome.result))
     return before, outcome
+
+
+def raised_as(error: BaseException) -> tuple:
+    """An error as its caller can tell it: its type and text -- for DCP's ``CheckpointException``,
+    each rank's own error's type and text (its text prints the frames each passed through, and a
+    frame of ckptshim's planner wrapping the framework's own is no change the caller sees). Notes
+    are not part of it: ckptshim adds its diagnosis there."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        return type(error), tuple(sorted((str(rank), type(e).__name__, str(e)) for rank, (e, _) in failures.items()))
+    return type(error), str(error)
+
+
+def noted(error: BaseException) -> bool:
+    """Whether ckptshim put its diagnosis on the framework's error (or on a rank's)."""
+    failures = getattr(error, "failures", None) or {}
+    return any(note.startswith(NOTE_PREFIX) for e in [error, *(e for e, _ in failures.values())]
+               for note in getattr(e, "__notes__", ()))
 
 
 def refusal(error: BaseException | None) -> ShimError | None:
@@ -181,12 +209,13 @@ def compare(load: Load) -> str:
 def _judge(load: Load, before: dict[str, Print], native: Outcome, shim: Outcome) -> str:
     name = load.name
     if shim.error is not None:
+        assert not isinstance(refusal(shim.error), NoPlan), \
+            f"{name}: ckptshim's 'no plan' reached the caller instead of the framework's own call: {shim.error}"
         if refusal(shim.error) is None:  # left to the framework: the very same failure
-            assert native.error is not None and type(shim.error) is type(native.error) \
-                and str(shim.error) == str(native.error), \
-                f"{name}: ckptshim raised {shim.error!r}, not a ShimError (the framework: {native.error!r})"
+            assert native.error is not None and raised_as(shim.error) == raised_as(native.error), \
+                f"{name}: ckptshim raised {shim.error!r}, not the framework's own error (the framework: {native.error!r})"
             assert shim.destination == native.destination, f"{name}: left to the framework, but wrote otherwise"
-            return "left to the framework, identically"
+            return "left to the framework, identically" + (", with ckptshim's note" if noted(shim.error) else "")
         assert shim.destination == before, f"{name}: ckptshim refused ({shim.error}) but changed the destination"
         if native.error is None:
             if isinstance(refusal(shim.error), AmbiguousNameError):
@@ -213,6 +242,10 @@ def _judge(load: Load, before: dict[str, Print], native: Outcome, shim: Outcome)
             f"{name}: ckptshim reports missing keys the framework does not ({shim.result})"
         assert set(shim.result.unexpected_keys) <= set(native.result.unexpected_keys), \
             f"{name}: ckptshim reports unexpected keys the framework does not ({shim.result})"
+        twins = [key for key in native.result.missing_keys if key in shim.shared]
+        assert set(twins) <= set(shim.result.missing_keys), \
+            f"{name}: the framework reports the tied twins {twins[:5]} missing (they hold their twin's " \
+            f"value through one storage), ckptshim does not ({shim.result})"
     return "loaded more than the framework, with a plan"
 
 

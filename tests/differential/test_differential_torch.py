@@ -302,3 +302,72 @@ def test_float8_checkpoints(float8_saved, destination, strict):
     compare(dcp_load(f"{name} (torch.save)", model_state(fresh), float8_saved["torch_save"], strict, truth))
     compare(module_load(f"{name} (torch.save)", fresh, read, strict, truth))
     compare(setter_load(f"{name} (torch.save)", fresh, read, strict, truth))
+
+
+# -- loads ckptshim has no plan for, and tied twins: the framework's own errors and return values ---------
+
+
+class TiedLM(nn.Module):
+    """An embedding and an output head that share one parameter (``tie_word_embeddings``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def tied_fresh() -> nn.Module:
+    torch.manual_seed(31)
+    return TiedLM()
+
+
+@pytest.mark.parametrize("strict", STRICT)
+@pytest.mark.parametrize("kept", ["embed.weight", "head.weight"])
+def test_tied_twin_the_checkpoint_lacks(tmp_path, strict, kept):
+    """``safetensors.torch.save_model`` keeps one name of a tied pair: torch alone refuses the
+    strict load and lists the other name missing in the non-strict one; ckptshim fills it in the
+    first (a plan it logs) and leaves torch's list as it is in the second."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(32)
+    path = tmp_path / "tied.safetensors"
+    save_file({kept: torch.randn(16, 8)}, path)
+    truth = prints({name: load_file(path)[kept] for name in ("embed.weight", "head.weight")})
+    compare(module_load(f"tied, {kept} kept", tied_fresh, lambda: load_file(path), strict, truth))
+    compare(setter_load(f"tied, {kept} kept", tied_fresh, lambda: load_file(path), strict, truth))
+
+
+@pytest.mark.parametrize("strict", STRICT)
+def test_state_dicts_no_plan_mends(strict):
+    """A shape that differs, a value that is not a tensor, a key no rule accounts for: torch's own
+    call and error, with ckptshim's diagnosis at most as a note."""
+    import numpy as np
+
+    truth = tiny_truth()
+    narrow = lambda: {**tiny_checkpoint(), "layers.1.fc1.weight": torch.zeros(128, 63)}  # noqa: E731
+    array = lambda: {**tiny_checkpoint(), "ln_f.bias": np.zeros(64, np.float32)}  # noqa: E731
+    extra = lambda: {**tiny_checkpoint(), "note": "trained for 3 epochs"}  # noqa: E731
+    for what, state in (("narrow fc1", narrow), ("ndarray bias", array), ("a str", extra)):
+        compare(module_load(f"tiny with {what}", tiny_fresh(), state, strict, truth))
+        compare(setter_load(f"tiny with {what}", tiny_fresh(), state, strict, truth))
+
+
+@pytest.fixture(scope="module")
+def compressed(tmp_path_factory) -> Path:
+    """The tiny model saved by ``dcp.save`` through DCP's ``ZStandard`` stream extension."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    folder = tmp_path_factory.mktemp("zstd") / "dcp"
+    dcp.save({"model": tiny_checkpoint()}, storage_writer=FileSystemWriter(folder, _extensions=[ZStandard()]))
+    return folder
+
+
+@pytest.mark.parametrize("strict", STRICT)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_dcp_stream_extension(compressed, strict, compiled):
+    truth = nested_truth(tiny_truth("_orig_mod." if compiled else ""), "model")
+    compare(dcp_load(f"ZStandard dcp (compiled={compiled})", model_state(tiny_fresh(compiled), "model"),
+                     compressed, strict, truth))

@@ -177,3 +177,23 @@ def test_deepspeed_layer_file_that_trips_the_parser_does_not_fall_back(tmp_path)
     assert not marker.exists(), "the checkpoint ran code through DeepSpeed's own loader"
     assert "values" in outcomes[0].get("error", ""), outcomes[0]
     assert "layer_02-extra-model_states.pt" in outcomes[1].get("error", ""), outcomes[1]
+
+
+def test_deepspeed_step_aside_reads_the_layer_files_first(tmp_path):
+    """A Hugging Face folder ckptshim has no plan for (a key the layers need is not in it) is
+    DeepSpeed's own load -- which unpickles every ``layer_*model_states.pt`` beside it without
+    limits. ckptshim reads those first: one holding a stored ``os.mkdir`` is refused, unrun."""
+    from safetensors.torch import load_file, save_file
+
+    marker = tmp_path / "PWNED"
+    folder = copy_fixture("neox_deepspeed/pp1_mp1/hf", tmp_path, "hf_lacking_a_key")
+    weights = load_file(folder / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.endswith("final_layer_norm.weight")},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    layer = torch.load(FIXTURES / "neox_deepspeed/pp1_mp1/checkpoint/global_step0/layer_02-model_00-model_states.pt",
+                       weights_only=True)
+    torch.save({**layer, "extra": Mkdir(marker)}, folder / "layer_02-model_00-model_states.pt")
+
+    (outcome,) = _run_deepspeed(tmp_path, [folder])
+    assert not marker.exists(), "the checkpoint ran code through DeepSpeed's own loader"
+    assert "layer_02-model_00-model_states.pt" in outcome.get("error", ""), outcome

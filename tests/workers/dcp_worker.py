@@ -161,12 +161,26 @@ def case_tampered_metadata(mesh, out: Path) -> None:
 
 
 def case_shape_mismatch(mesh, out: Path) -> None:
-    def wider(seed, mesh):
-        model = fsdp2(seed, mesh)
-        model.lm_head.weight = torch.nn.Parameter(torch.zeros(300, 64))
-        return model
-
-    _expect_refusal(FIXTURE / "dcp_plain", mesh, build_model=wider)
+    """No plan mends a shape: on every rank, DCP's own planner decides on the stored metadata --
+    its own "missing key" (the compiled names are not stored), with ckptshim's diagnosis of the
+    shape as a note -- and nothing is written."""
+    model = torch.compile(fsdp2(13, mesh))
+    model._orig_mod.lm_head.weight = torch.nn.Parameter(torch.zeros(300, 64))
+    state_dict = model.state_dict()
+    before = {k: (v.to_local() if isinstance(v, DTensor) else v).clone() for k, v in state_dict.items()}
+    try:
+        dcp.load({"model": state_dict}, checkpoint_id=FIXTURE / "dcp_plain")
+    except CheckpointException as error:
+        failures = [exc for exc, _ in error.failures.values()]
+        assert len(failures) == dist.get_world_size(), error
+        for exc in failures:
+            assert type(exc) is RuntimeError and str(exc).startswith("Missing key in checkpoint state_dict"), exc
+            assert any("lm_head.weight: target shape (300, 64)" in note for note in exc.__notes__), exc.__notes__
+    else:
+        raise AssertionError("the load did not fail")
+    for key, value in state_dict.items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        assert torch.equal(local, before[key]), f"{key} changed although the load failed"
 
 
 CASES = [case_fsdp2_compiled, case_tensor_parallel_compiled, case_save_two_ranks,
