@@ -17,13 +17,17 @@ from typing import Any
 
 from ckptshim.formats import flax_msgpack
 from ckptshim.loading import agreement, jax as jax_loading
+from ckptshim.loading.paths import local_path
 
 
 def legacy_file(ckpt_dir: str | os.PathLike, step: Any, prefix: str) -> Path | None:
-    """The legacy msgpack file ``restore_checkpoint`` would read, as Flax picks it; else ``None``."""
+    """The legacy msgpack file ``restore_checkpoint`` would read, as Flax picks it; else ``None``
+    (a URL among them: Flax reads it through its own file systems)."""
     from flax.training import checkpoints
 
-    path = Path(ckpt_dir)
+    path = local_path(ckpt_dir)
+    if path is None:
+        return None
     if step is not None:
         path = path / f"{prefix}{step}"
     elif path.is_dir():
