@@ -17,6 +17,7 @@ import pytest
 
 from ckptshim.errors import ShimError
 from support.fixtures import FIXTURES, copy_fixture
+from support.native import diagnosis
 from support.trees import assert_same, flat, nest, scanned_expected
 
 LAYERS = 3
@@ -101,17 +102,21 @@ def test_maxtext_items_restored_without_args(fixtures):
 
 
 def test_an_item_name_no_item_stands_for_is_orbaxs_error_with_what_is_there(tmp_path):
-    """Two array items could be the ``state`` asked for: ckptshim has no plan, Orbax's own
-    KeyError stands, and ckptshim's note lists the items."""
+    """Two train-state items could be the ``state`` asked for, and no name but those stands for
+    another: ckptshim has no plan, Orbax's own KeyError stands, and ckptshim's note lists the
+    items."""
     step = copy_fixture("maxtext_runs", tmp_path) / "tiny_unscanned" / "checkpoints" / "1"
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-    (step / "other").mkdir()
-    (step / "other" / "_METADATA").write_text((step / "items" / "_METADATA").read_text())
-    with pytest.raises(KeyError, match=r'Item "state" was not found in the checkpoint') as raised:
-        checkpointer.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-    assert not isinstance(raised.value, ShimError)
-    assert any(re.match(r"ckptshim: the restore asks for item 'state', but checkpoint step .* holds 'items', "
-                        r"'other' and 2 of them could be it", note) for note in raised.value.__notes__)
+    for other in ("default", "params"):
+        (step / other).mkdir()
+        (step / other / "_METADATA").write_text((step / "items" / "_METADATA").read_text())
+    for asked, holds in (("state", "'default', 'items', 'params' and 2 of them could be it"),
+                         ("model", "'default', 'items', 'params'. Name the item")):
+        with pytest.raises(KeyError, match=f'Item "{asked}" was not found in the checkpoint') as raised:
+            checkpointer.restore(step, args=ocp.args.Composite(**{asked: ocp.args.StandardRestore()}))
+        assert not isinstance(raised.value, ShimError)
+        assert re.match(f"the restore asks for item '{asked}', but checkpoint step .* holds {holds}",
+                        diagnosis(raised.value)), diagnosis(raised.value)
 
 
 def test_async_checkpointer_and_legacy_item_keyword(fixtures, values):

@@ -18,7 +18,7 @@ import ckptshim
 from ckptshim.errors import ShimError
 from ckptshim.loading import jax as jax_loading
 from support.fixtures import copy_fixture
-from support.notes import diagnosis
+from support.native import diagnosis
 from support.trees import assert_same, flat, scanned_expected, unscanned_expected
 
 LAYERS = 3

@@ -18,7 +18,7 @@ from ckptshim.api import inspect
 from ckptshim.errors import ShimError
 from ckptshim.inventory import flatten, unflatten
 from support.fixtures import array_sha256, copy_fixture, expected_arrays
-from support.notes import diagnosis
+from support.native import diagnosis
 from support.processes import run_device_worker
 
 PAX = "paxml_runs/TinySpmdRepeat"

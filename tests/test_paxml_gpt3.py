@@ -28,7 +28,7 @@ from ckptshim.planner import plan
 from ckptshim.rules.profiles import rules_for
 from support.plans import inverse
 from support.fixtures import copy_fixture
-from support.notes import diagnosis
+from support.native import diagnosis
 from test_paxml import PAX, STEP, native
 from test_plan_properties import execute, same_bits
 

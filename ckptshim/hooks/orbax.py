@@ -138,22 +138,27 @@ def _restore_every_item(step_dir, where: str, native, orbax_all) -> Any:
     """A composite restore without args (every item of the step): Orbax's own. Where Orbax
     fails -- it finds no handler registered or recorded for an item, as for MaxText's ``items``
     or a step written before Orbax recorded handlers -- ckptshim restores the array items as
-    stored; if it cannot either, Orbax's error stands, with ckptshim's reason as a note."""
+    stored, and Orbax the others; if that fails too, Orbax's first error stands, with the reason
+    as a note."""
     import orbax.checkpoint as ocp
+    from orbax.checkpoint._src.handlers.composite_checkpoint_handler import RESERVED_ITEM_NAMES
 
     try:
         return orbax_all()
     except FrameworkRaised as raised:
-        if not isinstance(raised.error, (KeyError, ValueError)):
+        arrays = set(loading.items_on_disk(step_dir))
+        if not isinstance(raised.error, (KeyError, ValueError)) or not arrays:
             raise
-        names = loading.items_on_disk(step_dir)
-        if not names:
-            raise
+        every = {child.name: loading.Request("standard") if child.name in arrays else None
+                 for child in sorted(step_dir.iterdir()) if child.is_dir() and child.name not in RESERVED_ITEM_NAMES}
         try:
-            done = loading.restore_items(step_dir, dict.fromkeys(names, loading.Request("standard")), where,
-                                         native, force=True)
-        except (ShimError, FrameworkRaised) as failed:
-            add_diagnosis(raised.error, failed.error if isinstance(failed, FrameworkRaised) else failed)
+            done = loading.restore_items(step_dir, every, where, native, force=True)
+        except FrameworkRaised as failed:
+            add_diagnosis(raised.error, f"ckptshim reads item(s) {', '.join(sorted(arrays))} as stored, but "
+                          f"Orbax cannot restore the other items ({type(failed.error).__name__}: {failed.error})")
+            raise raised from None
+        except ShimError as failed:
+            add_diagnosis(raised.error, failed)
             raise raised from None
         logger.info("%s: Orbax could not restore it without args (%s); ckptshim restored the items as stored",
                     where, raised.error)

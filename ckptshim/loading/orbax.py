@@ -75,8 +75,8 @@ def restore_items(step_dir: Path, requested: Mapping[str, Request | None], where
     """Restore the named items of ``step_dir``, or ``None`` when Orbax can do it all itself.
 
     ``requested`` maps item names to their requests (``None``: args ckptshim leaves to Orbax).
-    Names the step lacks are matched to the one array item the step holds that nobody else asked
-    for (``state`` vs ``default`` vs ``items``). Items that are not array trees (JSON metadata,
+    Train-state names the step lacks are matched to its one train-state item nobody else asked
+    for (``state`` vs ``default`` vs ``items``: :func:`match_items`). Items that are not array trees (JSON metadata,
     ...) and requests ckptshim does not understand are restored by ``native(names)``. ``force``:
     restore the array items here even where Orbax could (used after Orbax failed to).
     """
@@ -94,36 +94,41 @@ def restore_items(step_dir: Path, requested: Mapping[str, Request | None], where
             planned.decision = SHIM if shim else NATIVE
         if planned.decision == NATIVE:
             return None
-        results = {name: item.run() for name, item in prepared.items()}
-    rest = [name for name in requested if name not in results]
-    if rest:
-        results.update(native(rest))
-    return results
+        rest = [name for name in requested if name not in prepared]  # Orbax's first: JSON items fail fast
+        results = dict(native(rest)) if rest else {}
+        results.update((name, item.run()) for name, item in prepared.items())
+    return {name: results[name] for name in requested}
+
+
+#: Item names that each mean "the train state" in a layout ckptshim knows: a single-item
+#: manager's ``default``, ``state`` (T5X, MaxText before 2024), ``items`` (MaxText today).
+STATE_ITEMS = frozenset({"default", "state", "items"})
 
 
 def match_items(step_dir: Path, requested: Iterable[str]) -> dict[str, Path]:
     """Requested item name -> array item folder on disk (only for names that have one).
 
-    A name the step lacks stands for the one array item of the step that no other name asks
-    for; where there is no such item, ckptshim has no plan (:class:`~ckptshim.errors.NoPlan`).
+    A train-state name the step lacks (:data:`STATE_ITEMS`) stands for the one train-state item
+    of the step that no other name asks for. Any other name the step lacks, or a train-state
+    name no one item stands for, leaves ckptshim without a plan (:class:`~ckptshim.errors.NoPlan`):
+    that is the caller's item to name, and Orbax's to refuse.
     """
     on_disk = array_items(step_dir)
-    spare = [name for name in on_disk if name not in requested]
+    spare = [name for name in on_disk if name not in requested and name in STATE_ITEMS]
     out: dict[str, Path] = {}
     for name in requested:
         if name in on_disk:
             out[name] = on_disk[name]
         elif (step_dir / name).exists():
             continue  # an item Orbax keeps in its own format (JSON metadata, ...)
-        elif len(spare) == 1:
+        elif name in STATE_ITEMS and len(spare) == 1:
             out[name] = on_disk[spare.pop()]
         else:
+            could = f" and {len(spare)} of them could be it" if name in STATE_ITEMS and spare else ""
             raise NoPlan(
                 f"the restore asks for item {name!r}, but checkpoint step {step_dir} holds "
-                f"{', '.join(repr(n) for n in on_disk) or 'no array items'}"
-                + (f" and {len(spare)} of them could be it" if spare else "")
-                + f". Name the item the checkpoint uses (e.g. args=ocp.args.Composite("
-                f"{next(iter(on_disk), 'state')}=...)).")
+                f"{', '.join(repr(n) for n in on_disk) or 'no array items'}{could}. Name the item "
+                f"the checkpoint uses (e.g. args=ocp.args.Composite({next(iter(on_disk), 'state')}=...)).")
     return out
 
 
