@@ -149,6 +149,44 @@ def test_old_orbax_folders(fixtures):
     compare(restore("orbax 0.2.3 checkpoint_manager: CheckpointManager.restore", old_orbax_tree, manager, truth))
 
 
+# -- targets no rule fits: the framework's own outcome ------------------------------------------------
+
+
+#: What the framework does with a load ckptshim has no plan for: it is compared as it is.
+THE_FRAMEWORKS = ("identical", "left to the framework, identically")
+
+
+def unfit(tree: Any, how: str) -> Any:
+    """``tree`` with one change no rule mends: a leaf's shape (in a sharding, so that Orbax checks
+    it), a leaf the checkpoint lacks, or a leaf skipped with ``ocp.PLACEHOLDER``."""
+    tree = jax.tree_util.tree_map(lambda x: x, tree)  # a copy of the containers
+    node = tree
+    while isinstance(node, dict) and not isinstance(next(iter(node.values())), jax.ShapeDtypeStruct):
+        node = next(iter(node.values()))
+    name, leaf = next((k, v) for k, v in node.items() if isinstance(v, jax.ShapeDtypeStruct) and v.ndim)
+    if how == "shape":
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        node[name] = jax.ShapeDtypeStruct((leaf.shape[0] + 1, *leaf.shape[1:]), leaf.dtype, sharding=device)
+    elif how == "extra leaf":
+        node[f"{name}_extra"] = leaf
+    else:
+        node[name] = ocp.PLACEHOLDER
+    return tree
+
+
+@pytest.mark.parametrize("how", ["shape", "extra leaf", "placeholder"])
+@pytest.mark.parametrize("folder, item", [(ORBAX_NEW, "standard_checkpointer_unscanned"), (ORBAX_OLD, "pytree_checkpointer"),
+                                          ("maxtext_runs", "tiny_scanned/checkpoints/1/items")])
+def test_targets_no_rule_fits_are_the_frameworks_to_restore_or_refuse(fixtures, folder, item, how):
+    """Whatever Orbax does with them -- restore, refuse with its own error -- it does with
+    ckptshim too, type, text and values (ckptshim's reading rides on the error as a note)."""
+    path = fixtures / folder / item
+    tree = old_orbax_tree() if folder == ORBAX_OLD else abstract(stored(path))
+    truth = hashes(ORBAX_OLD) if folder == ORBAX_OLD else {}
+    for load in orbax_calls(f"{item} ({how})", path, lambda: unfit(tree, how), truth):
+        assert compare(load) in THE_FRAMEWORKS, load.name
+
+
 # -- MaxText runs --------------------------------------------------------------------------------------
 
 
@@ -179,6 +217,11 @@ def test_flax_restore_checkpoint(fixtures, folder, step):
     target = lambda: jax.tree_util.tree_map(np.zeros_like, as_stored)  # noqa: E731
     compare(restore(f"flax {folder} step {step}: restore_checkpoint", target, call, truth,
                     key=lambda tree: flat(serialization.to_state_dict(tree))))
+    # Flax restores what the file holds whatever the target's shapes: no plan of ckptshim's stands in
+    smaller = lambda: jax.tree_util.tree_map(lambda x: np.zeros((1,) * np.ndim(x), np.asarray(x).dtype),  # noqa: E731
+                                             as_stored)
+    assert compare(restore(f"flax {folder} step {step}: restore_checkpoint into a smaller target", smaller,
+                           call, truth, key=lambda tree: flat(serialization.to_state_dict(tree)))) == "identical"
 
 
 # -- T5X (the stand-in t5x.checkpoints) and PaxML --------------------------------------------------------
