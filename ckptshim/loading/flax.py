@@ -4,7 +4,8 @@ For an Orbax-backed checkpoint Flax calls an Orbax checkpointer, which the Orbax
 covers. A legacy msgpack file whose state dict does not match the target's
 (``serialization.to_state_dict``) -- scanned vs unscanned layers, Linen vs NNX names -- is
 restored here into the target's layout and shardings and handed to
-``serialization.from_state_dict`` as Flax does; one that matches is left to Flax.
+``serialization.from_state_dict`` as Flax does; one that matches is left to Flax, and so is one
+no rule makes fit (Flax then restores what the file holds, whatever the target's shapes).
 """
 
 from __future__ import annotations

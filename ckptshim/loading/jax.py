@@ -2,9 +2,11 @@
 
 The Orbax, Flax and T5X loads share this: :func:`open_item` picks the format that reads what a
 restore call names; :func:`prepare` refuses an incomplete checkpoint, plans its inventory
-against the caller's tree, and refuses what does not fit -- all before a tensor byte is read.
-The caller then asks :func:`native_fits` whether the framework's own restore would do the
-same, and only if not runs :meth:`Prepared.run` (the JAX executor).
+against the caller's tree, and -- where no plan makes it fit, or the tree asks for what
+ckptshim does not do (placeholders, padding restore args) -- raises
+:class:`~ckptshim.errors.NoPlan`, which leaves the call to the framework; all before a tensor
+byte is read. The caller then asks :func:`native_fits` whether the framework's own restore
+would do the same, and only if not runs :meth:`Prepared.run` (the JAX executor).
 
 Rules for JAX trees: Linen/NNX spellings are aliases; trees laid out like MaxText's decoder get
 its scan axes; rng state may be kept from the target by the opt-in MaxText rule. Checkpoint
