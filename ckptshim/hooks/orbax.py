@@ -197,7 +197,7 @@ def _shim_manager(wrapped, instance, args, kwargs) -> Any:
     orbax = framework_call(wrapped)
     call = bind(wrapped, args, kwargs)
     if (call is None or call["args"] is None or call["items"] is not None or call["restore_kwargs"] is not None
-            or instance._default_item.get() is not None):
+            or _settled_kind(instance) is not None):
         return orbax(*args, **kwargs)  # Orbax's manager takes the call; its checkpointer's restores are hooked
     step, step_dir = _step_of(instance, call)
     if step_dir is None:
@@ -218,6 +218,14 @@ def _shim_manager(wrapped, instance, args, kwargs) -> Any:
     except FrameworkRaised as failed:  # the renamed restore failed too: Orbax's answer to the call stands
         raise NoPlan(f"{where}: {rename.explain()}, which failed: "
                      f"{type(failed.error).__name__}: {failed.error}") from None
+
+
+def _settled_kind(instance) -> bool | None:
+    """Whether the manager has settled on one unnamed item (``True``), named items (``False``), or
+    not yet (``None``): told by ``item_names``/handlers, by a save, or by a restore's step folder.
+    (A plain attribute before Orbax 0.11.7 made it a thread-safe holder.)"""
+    kind = instance._default_item
+    return kind.get() if hasattr(kind, "get") else kind
 
 
 def _step_of(instance, call: dict[str, Any]) -> tuple[int | None, Any]:
