@@ -163,6 +163,12 @@ def test_wrong_args_for_a_manager_are_refused_as_orbax_refuses_them(tmp_path):
         native, shimmed = without_and_with(lambda: manager.restore(0, args=composite))
         assert same_failure(native, shimmed) == ""
 
+    def fresh():  # a manager that learns its kind from the step: 'params' is no train-state name
+        with ocp.CheckpointManager(tmp_path / "single") as manager:
+            return manager.restore(0, args=composite)
+    native, shimmed = without_and_with(fresh)
+    assert "the restore names 'params', which ckptshim does not take for it" in same_failure(native, shimmed)
+
 
 def test_a_step_with_two_items_takes_no_single_item_args(tmp_path):
     """A fresh manager learns from the step that it holds named items; with two array items, no

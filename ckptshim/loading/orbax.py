@@ -76,9 +76,10 @@ def restore_items(step_dir: Path, requested: Mapping[str, Request | None], where
 
     ``requested`` maps item names to their requests (``None``: args ckptshim leaves to Orbax).
     Train-state names the step lacks are matched to its one train-state item nobody else asked
-    for (``state`` vs ``default`` vs ``items``: :func:`match_items`). Items that are not array trees (JSON metadata,
-    ...) and requests ckptshim does not understand are restored by ``native(names)``. ``force``:
-    restore the array items here even where Orbax could (used after Orbax failed to).
+    for (``state`` vs ``default`` vs ``items``: :func:`match_items`). Items that are not array
+    trees (JSON metadata, ...) and requests ckptshim does not understand are restored by
+    ``native(names)``, first. ``force``: restore the array items here even where Orbax could
+    (used after Orbax failed to).
     """
     with ExitStack() as stack:
         with agreement.agreeing(where, "planning") as planned:
@@ -183,15 +184,17 @@ def manager_rename(step_dir: Path, single: bool, asked: list[str]) -> ItemRename
 
     Orbax decides from the step (a ``default`` folder means one unnamed item) and refuses args
     of the other kind. ``None`` where Orbax's manager takes the args as they are; else the rename
-    that makes them the step's kind: single-item args read the step's one array item, and
-    composite args that name one item read a single-item step's. With no such item, ckptshim has
-    no plan (:class:`~ckptshim.errors.NoPlan`), and Orbax's refusal stands.
+    that makes them the step's kind, between train-state names (:data:`STATE_ITEMS`): single-item
+    args read the step's one train-state item, and composite args that name one train-state item
+    read a single-item step's. Otherwise ckptshim has no plan (:class:`~ckptshim.errors.NoPlan`),
+    and Orbax's refusal stands.
     """
     if single == (step_dir / DEFAULT_ITEM).exists():
         return None
     if not single:
-        if len(asked) != 1:
+        if len(asked) != 1 or asked[0] not in STATE_ITEMS:
             raise NoPlan(f"checkpoint step {step_dir} holds one unnamed item ({DEFAULT_ITEM!r}), and the "
-                         f"restore names {len(asked)} items ({', '.join(map(repr, asked))})")
+                         f"restore names {', '.join(map(repr, asked))}, which ckptshim does not take for it "
+                         f"(it stands in for one of {', '.join(map(repr, sorted(STATE_ITEMS)))})")
         return ItemRename(asked[0], DEFAULT_ITEM)
     return ItemRename(DEFAULT_ITEM, match_items(step_dir, [DEFAULT_ITEM])[DEFAULT_ITEM].name)
