@@ -19,9 +19,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-import ckptshim
 from compare_loads import Load, compare, prints
 from support.fixtures import copy_fixture, expected_arrays
+from support.native import natively
 from support.trees import flat
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
@@ -43,15 +43,6 @@ def fixtures(tmp_path_factory) -> Path:
 def hashes(folder: str, prefix: str = "", key: Callable[[str], str] = lambda k: k) -> dict[str, str]:
     """The manifest's sha256 of each array whose key starts with ``prefix``, keyed as restored."""
     return {key(k[len(prefix):]): item["sha256"] for k, item in expected_arrays(folder).items() if k.startswith(prefix)}
-
-
-def natively(restore: Callable[[], Any]) -> Any:
-    """``restore()`` with every ckptshim hook off."""
-    ckptshim.uninstall()
-    try:
-        return restore()
-    finally:
-        ckptshim.install()
 
 
 def abstract(tree: Any) -> Any:
