@@ -26,10 +26,13 @@ buffer; dropped again after): the restore's read throughput (bytes on disk over 
 fraction of the raw read's (this machine's disk swings by 2x from minute to minute).
 Targets: shimmed/native time <= 1.1; shimmed peak <= 1.1x the restored bytes (1.05x with
 ``--gib``); cold, shimmed throughput >= 0.9 of raw. Every case's arrays are hashed layer by
-layer (layout-independently) and must agree.
+layer (layout-independently) and must agree. On a busy machine per-process times swing by 2x;
+``--paired N`` also alternates native and idle N rounds each in one process (the hooks toggled
+with ``ckptshim.uninstall()``/``install()``), and times the idle hook's decision alone (what it
+adds to Orbax's restore): target 1 + decision/native <= 1.02.
 
 Run: ``python bench/bench_orbax_restore.py [--layers 64 | --gib N|half] [--rounds 3] [--cases ...]
-[--cold] [--dir /tmp/...]``. The default cases are native, shimmed and idle; with ``--gib``,
+[--paired N] [--cold] [--dir /tmp/...]``. The default cases are native, shimmed and idle; with ``--gib``,
 shimmed, native_unscanned and native_refused (native of the scanned checkpoint peaks near 2x
 the restored bytes, more than half the machine's memory can hold). Orbax's save needs about 2x
 the arrays' bytes of memory, so the largest checkpoint it can write is about a quarter of the
@@ -122,6 +125,64 @@ def _layer_hashes(restored: dict, layers: int, scanned: bool) -> list[str]:
     return hashes
 
 
+def _target(layers: int, scanned: bool) -> dict:
+    """The abstract target: jax arrays on the first device, layers stacked on axis 1 or not."""
+    import jax
+    import numpy as np
+
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if scanned:
+        tree = {"layers": {"mlp": {"wi": (EMB, layers, MLP), "wo": (MLP, layers, EMB)}, "norm": {"scale": (EMB, layers)}}}
+    else:
+        tree = {f"layers_{i}": {"mlp": {"wi": (EMB, MLP), "wo": (MLP, EMB)}, "norm": {"scale": (EMB,)}}
+                for i in range(layers)}
+    return {"params": {"decoder": jax.tree_util.tree_map(
+        lambda shape: jax.ShapeDtypeStruct(shape, np.float32, sharding=device), tree,
+        is_leaf=lambda x: isinstance(x, tuple))}}
+
+
+def _paired(root: Path, layers: int, rounds: int) -> dict:
+    """``native`` and ``idle`` alternated in this one process (the hooks off for ``native`` with
+    ``ckptshim.uninstall()``), page cache warm, after one restore not counted: the median of the
+    per-round idle/native ratios. And what the idle hook adds, timed alone: its decision (open
+    the item's metadata, plan against the target, see that Orbax restores it), as a fraction of
+    native's median time -- the part of the ratio a shared machine's noise cannot hide."""
+    import ckptshim
+    import jax
+    import orbax.checkpoint as ocp
+
+    from ckptshim.hooks.orbax import request_of
+    from ckptshim.loading import orbax as loading
+
+    target = _target(layers, scanned=True)
+
+    def restore() -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(ocp.StandardCheckpointer().restore(root / "scanned", target))
+        return time.perf_counter() - start
+
+    ckptshim.uninstall()
+    restore()  # compiles and warms what every later restore reuses
+    times: dict[str, list[float]] = {"native": [], "idle": []}
+    for round_ in range(rounds):
+        for case in ("native", "idle") if round_ % 2 == 0 else ("idle", "native"):
+            (ckptshim.uninstall if case == "native" else ckptshim.install)()
+            times[case].append(restore())
+    ckptshim.install()
+    request = request_of(ocp.args.StandardRestore(target))
+    decisions = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        loading.restore_item(root / "scanned", request, "bench", lambda: None)
+        decisions.append(time.perf_counter() - start)
+    native = statistics.median(times["native"])
+    return {"rounds": rounds, "native_seconds": round(native, 3),
+            "idle_seconds": round(statistics.median(times["idle"]), 3),
+            "idle_over_native": round(statistics.median(i / n for i, n in zip(times["idle"], times["native"])), 3),
+            "decision_seconds": round(statistics.median(decisions), 4),
+            "decision_over_native": round(statistics.median(decisions) / native, 4)}
+
+
 def _measure(root: Path, case: str, layers: int, cold: bool) -> dict:
     """One restore in this (fresh) process: time, peak RSS over baseline, hashes."""
     if case.startswith("native"):
@@ -131,17 +192,8 @@ def _measure(root: Path, case: str, layers: int, cold: bool) -> dict:
     import numpy as np
     import orbax.checkpoint as ocp
 
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     scanned = case != "native_unscanned"
-    if scanned:
-        shapes = {"mlp": {"wi": (EMB, layers, MLP), "wo": (MLP, layers, EMB)}, "norm": {"scale": (EMB, layers)}}
-        tree = {"layers": shapes}
-    else:
-        tree = {f"layers_{i}": {"mlp": {"wi": (EMB, MLP), "wo": (MLP, EMB)}, "norm": {"scale": (EMB,)}}
-                for i in range(layers)}
-    target = {"params": {"decoder": jax.tree_util.tree_map(
-        lambda shape: jax.ShapeDtypeStruct(shape, np.float32, sharding=device), tree,
-        is_leaf=lambda x: isinstance(x, tuple))}}
+    target = _target(layers, scanned)
     source = root / ("scanned" if case in SCANNED_CASES else "unscanned")
     raw = None
     if cold:
@@ -188,13 +240,17 @@ def main() -> int:
                         "with --gib: shimmed native_unscanned native_refused")
     parser.add_argument("--cold", action="store_true", help="drop the checkpoints' pages before every case")
     parser.add_argument("--dir", type=Path, default=None, help="where to write the checkpoints")
+    parser.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                        help="also time native and idle alternated in one process, ROUNDS rounds")
     parser.add_argument("--measure", nargs=2, metavar=("DIR", "CASE"), help=argparse.SUPPRESS)
     parser.add_argument("--write", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--scanned", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     layers = _layers(args)
     if args.measure:
-        print(json.dumps(_measure(Path(args.measure[0]), args.measure[1], layers, args.cold)))
+        measure = _measure(Path(args.measure[0]), args.measure[1], layers, args.cold) if args.measure[1] != "paired" \
+            else _paired(Path(args.measure[0]), layers, args.paired)
+        print(json.dumps(measure))
         return 0
     if args.write:
         _write(Path(args.write), layers, args.scanned)
@@ -205,7 +261,8 @@ def main() -> int:
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         write = [sys.executable, __file__, "--write", tmp, "--layers", str(layers)]
         start = time.perf_counter()
-        subprocess.run(write + (["--scanned"] if set(cases) & set(SCANNED_CASES) else []), check=True, env=env)
+        subprocess.run(write + (["--scanned"] if set(cases) & set(SCANNED_CASES) or args.paired else []),
+                       check=True, env=env)
         written = time.perf_counter() - start
         stored = sum(f.stat().st_size for f in (Path(tmp) / "unscanned").rglob("*") if f.is_file())
         print(f"{layers} layers, {layers * LAYER_BYTES / 2**30:.2f} GiB of arrays, unscanned checkpoint "
@@ -220,6 +277,11 @@ def main() -> int:
                                      check=True, env=env, capture_output=True, text=True).stdout
                 runs[case].append(json.loads(out.strip().splitlines()[-1]) | {"load": load})
                 print(f"  {case}: {runs[case][-1]['seconds']:.2f} s (load average {load:.2f})", flush=True)
+        if args.paired:
+            load = os.getloadavg()[0]
+            out = subprocess.run([sys.executable, __file__, "--measure", tmp, "paired", "--layers", str(layers),
+                                  "--paired", str(args.paired)], check=True, env=env, capture_output=True, text=True)
+            paired = json.loads(out.stdout.strip().splitlines()[-1]) | {"load": load}
     hashes = {json.dumps(run["hashes"]) for case in cases for run in runs[case] if "hashes" in run}
     assert len(hashes) == 1, "the cases restored different values"
     restored = layers * LAYER_BYTES
@@ -244,6 +306,9 @@ def main() -> int:
         passed &= report["shimmed_over_native_time"] <= 1.1
     if "native" in cases and "idle" in cases:
         report["idle_over_native_time"] = round(report["idle"]["seconds"] / report["native"]["seconds"], 3)
+    if args.paired:
+        report["paired"] = paired
+        passed &= 1 + paired["decision_over_native"] <= 1.02
     if args.cold:
         for case in cases:
             pairs = [(run["raw"][0], run["raw"][1], run["seconds"]) for run in runs[case] if run.get("raw")]

@@ -71,9 +71,14 @@ def test_only_process_0_shows_a_progress_bar(launch):
     assert [result["shows_progress"] for result in launch] == [True] + [False] * (PROCESSES - 1)
 
 
-def test_refusal_from_metadata_is_the_same_on_every_process(launch):
+def test_a_restore_no_plan_fits_is_orbaxs_alike_on_every_process(launch):
+    """Every process decides "no plan" from the same metadata and they agree on it; each then
+    runs Orbax's own restore, which refuses it (not ckptshim), with the same note everywhere."""
     runs = [result["case_refused_from_metadata"] for result in launch]
-    assert len({run["message"] for run in runs}) == 1 and "layers" in runs[0]["message"]
+    assert not any(run["shim_error"] for run in runs), runs[0]
+    assert len({(run["message"], tuple(run["notes"])) for run in runs}) == 1
+    assert "tree structures do not match" in runs[0]["message"]
+    assert any(note.startswith("ckptshim: ") and "layers" in note for note in runs[0]["notes"]), runs[0]["notes"]
 
 
 def test_a_read_failing_on_one_process_fails_every_process_quickly(launch):

@@ -8,13 +8,16 @@ from that file with numpy, independent of any checkpoint reader.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from ckptshim.errors import PlanError
+from ckptshim.errors import ShimError
 from support.fixtures import FIXTURES, copy_fixture
+from support.native import diagnosis
 from support.trees import assert_same, flat, nest, scanned_expected
 
 LAYERS = 3
@@ -98,13 +101,22 @@ def test_maxtext_items_restored_without_args(fixtures):
     assert_same(flat(restored["items"]), {k: np.asarray(v) for k, v in flat(as_data).items()})
 
 
-def test_unknown_item_name_is_refused_listing_what_is_there(tmp_path):
+def test_an_item_name_no_item_stands_for_is_orbaxs_error_with_what_is_there(tmp_path):
+    """Two train-state items could be the ``state`` asked for, and no name but those stands for
+    another: ckptshim has no plan, Orbax's own KeyError stands, and ckptshim's note lists the
+    items."""
     step = copy_fixture("maxtext_runs", tmp_path) / "tiny_unscanned" / "checkpoints" / "1"
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-    (step / "other").mkdir()
-    (step / "other" / "_METADATA").write_text((step / "items" / "_METADATA").read_text())
-    with pytest.raises(PlanError, match=r"asks for item 'state', but checkpoint step .* holds 'items', 'other'"):
-        checkpointer.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    for other in ("default", "params"):
+        (step / other).mkdir()
+        (step / other / "_METADATA").write_text((step / "items" / "_METADATA").read_text())
+    for asked, holds in (("state", "'default', 'items', 'params' and 2 of them could be it"),
+                         ("model", "'default', 'items', 'params'. Name the item")):
+        with pytest.raises(KeyError, match=f'Item "{asked}" was not found in the checkpoint') as raised:
+            checkpointer.restore(step, args=ocp.args.Composite(**{asked: ocp.args.StandardRestore()}))
+        assert not isinstance(raised.value, ShimError)
+        assert re.search(f"the restore asks for item '{asked}', but checkpoint step .* holds {holds}",
+                         diagnosis(raised.value)), diagnosis(raised.value)
 
 
 def test_async_checkpointer_and_legacy_item_keyword(fixtures, values):

@@ -11,8 +11,11 @@ match exactly. Each array-like leaf becomes a :class:`TargetLeaf` that says what
   and wrapped again with the target's key implementation.
 
 Orbax ``RestoreArgs``/``ArrayRestoreArgs`` given alongside the target override dtype, sharding
-(or mesh and mesh axes) and restore type, as they do for Orbax. Other leaves (strings,
-placeholders) are not targets and come back unchanged.
+(or mesh and mesh axes) and restore type, as they do for Orbax; restore args that ask for more
+(``global_shape`` padding or truncating, ``strict=False``, another type handler, sharding
+metadata) are listed in :attr:`TargetTree.unsupported`. Other leaves (strings,
+``ocp.PLACEHOLDER``, objects) are no targets (:attr:`TargetTree.others`) and come back
+unchanged. The loading layer leaves a caller's tree with either to the framework.
 """
 
 from __future__ import annotations
@@ -65,10 +68,20 @@ class TargetTree:
         self._keys = [tuple(key_name(p) for p in path) for path, _ in paths]
         self._leaves = [leaf for _, leaf in paths]
         self.targets: dict[KeyPath, TargetLeaf] = {}
+        #: Leaves that are no array or number, put back as they are (:meth:`rebuild`).
+        self.others: dict[KeyPath, Any] = {}
+        #: Restore args ckptshim cannot honour, one line per leaf.
+        self.unsupported: list[str] = []
         for key, leaf in zip(self._keys, self._leaves):
-            target = _target_leaf(key, leaf, overrides.get(key))
-            if target is not None:
-                self.targets[key] = target
+            override = overrides.get(key)
+            target = _target_leaf(key, leaf, override)
+            if target is None:
+                self.others[key] = leaf
+                continue
+            why = None if override is None else _unsupported_args(override, leaf)
+            if why is not None:
+                self.unsupported.append(f"{'/'.join(key)}: restore args {why}")
+            self.targets[key] = target
 
     def inventory(self, source: str) -> Inventory:
         return Inventory((Entry(t.key, t.shape, dtype_name(t.dtype)) for t in self.targets.values()), source)
@@ -89,6 +102,30 @@ def _overrides(restore_args: Any) -> dict[KeyPath, Any]:
 
     return {tuple(key_name(p) for p in path): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(restore_args)[0]}
+
+
+def _unsupported_args(override: Any, leaf: Any) -> str | None:
+    """Why ckptshim cannot do what one leaf's ``RestoreArgs`` ask for; ``None`` where it can:
+    a dtype, a restore type of ``np.ndarray``, ``jax.Array`` or the leaf's own type, a
+    ``jax.sharding.Sharding`` (or mesh and mesh axes), a ``global_shape`` that is the leaf's --
+    what ``ocp.checkpoint_utils.construct_restore_args`` writes for a target."""
+    import jax
+    from orbax.checkpoint import type_handlers
+
+    if type(override) not in (type_handlers.RestoreArgs, type_handlers.ArrayRestoreArgs):
+        return f"of type {type(override).__name__}"
+    restore_type = override.restore_type
+    if not (restore_type in (None, np.ndarray, type(leaf))
+            or isinstance(restore_type, type) and issubclass(restore_type, jax.Array)):
+        return f"restore_type={getattr(restore_type, '__name__', restore_type)}"
+    if isinstance(override, type_handlers.ArrayRestoreArgs):
+        if override.global_shape is not None and tuple(override.global_shape) != tuple(np.shape(leaf)):
+            return f"global_shape={tuple(override.global_shape)} (the target's is {tuple(np.shape(leaf))})"
+        if not override.strict:
+            return "strict=False"
+        if override.sharding is not None and not isinstance(override.sharding, jax.sharding.Sharding):
+            return f"sharding {type(override.sharding).__name__}"
+    return None
 
 
 def _target_leaf(key: KeyPath, leaf: Any, override: Any) -> TargetLeaf | None:

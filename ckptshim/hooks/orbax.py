@@ -1,25 +1,38 @@
-"""Orbax restore seams: ``Checkpointer.restore`` and ``CheckpointManager.restore``.
+"""Orbax restore seams: ``Checkpointer._restore`` (``restore`` for a file) and ``CheckpointManager.restore``.
 
-``StandardCheckpointer``, ``PyTreeCheckpointer`` and ``AsyncCheckpointer`` all restore through
-``Checkpointer.restore`` (the first two via ``super()``), so patching it once covers them without
-intercepting one call twice; ``CheckpointManager.restore`` is patched for what it decides before
-reaching its checkpointer (which step folder, which item names, single or composite result).
+Every Orbax checkpointer (``Checkpointer``, ``AsyncCheckpointer``, ``StandardCheckpointer``,
+``PyTreeCheckpointer``) restores through ``Checkpointer.restore``, which first does what Orbax
+itself checks -- the path exists (``FileNotFoundError``), the step is finalized ("Found
+incomplete checkpoint"), the legacy ``item=``/``restore_args=`` keywords make valid args -- and
+only then calls ``self._restore(directory, args=...)``. The hook sits there, after Orbax's own
+refusals: what it sees is a restore Orbax is about to carry out, with the args Orbax built.
+Orbax refuses every file there (a checkpoint is a folder to it), so ``restore`` itself is
+patched for one case: a file ckptshim reads, such as a ``model.safetensors``.
+
+``CheckpointManager.restore`` is patched for the one thing decided before its checkpointer runs
+that ckptshim mends: a manager that has not settled on single or composite items reads that from
+the step (a ``default`` folder means one unnamed item), and refuses args of the other kind. Where
+the step holds one item under another name (``state``, MaxText's ``items``) or the caller names
+one item of a single-item step, the hook renames the item in the args and Orbax's manager runs
+with them. Everything else -- step choice, args validation, side effects -- is Orbax's; the
+items its checkpointer restores come through the first seam.
 
 The hook reads the call's args into :class:`~ckptshim.loading.orbax.Request`\\ s and leaves every
-decision to :mod:`ckptshim.loading.orbax`. Calls it does not understand (other handlers,
-``transforms``, ``StandardRestore(strict=False)``, the deprecated ``items=`` manager API) go to
-Orbax unchanged.
+decision to :mod:`ckptshim.loading.orbax`. Args it does not understand (other handlers,
+``transforms``, ``StandardRestore(strict=False)``) go to Orbax unchanged, and so does a URL
+(``gs://...``), which Orbax reads through its own file systems.
 """
 
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
+from ckptshim.errors import NoPlan, ShimError, add_diagnosis
 from ckptshim.hooks.seam import FrameworkRaised, Patches, Seam, bind, framework_call, guarded
 from ckptshim.loading import orbax as loading
+from ckptshim.loading.paths import local_path
 from ckptshim.log import logger
 
 SEAM = Seam("orbax", "orbax", falls_back=True)
@@ -32,8 +45,9 @@ def install() -> None:
         return
     import orbax.checkpoint as ocp
 
-    _patches.wrap(ocp.Checkpointer, "restore", _checkpointer_restore)
-    _patches.wrap(ocp.CheckpointManager, "restore", _manager_restore)
+    _patches.wrap(ocp.Checkpointer, "restore", _file_patch)
+    _patches.wrap(ocp.Checkpointer, "_restore", _restore_patch)
+    _patches.wrap(ocp.CheckpointManager, "restore", _manager_patch)
 
 
 def uninstall() -> None:
@@ -51,20 +65,21 @@ def original():
         _inside.active = previous
 
 
-@framework_call
-def _passthrough(wrapped, args, kwargs) -> Any:
-    """Orbax's own restore, with nested restores passing straight through (what it raises is
-    the caller's error: see :func:`~ckptshim.hooks.seam.framework_call`)."""
+def _orbax_own(wrapped, args, kwargs) -> Any:
+    """Orbax's own restore, with nested restores passing straight through."""
     with original():
         return wrapped(*args, **kwargs)
 
 
+#: :func:`_orbax_own` inside a shimmed path: what it raises is the caller's error (see
+#: :func:`~ckptshim.hooks.seam.framework_call`).
+_passthrough = framework_call(_orbax_own)
+
+
 def request_of(args: Any) -> loading.Request | None:
-    """The request behind ``StandardRestore``/``PyTreeRestore``/no args; ``None`` for others."""
+    """The request behind ``StandardRestore``/``PyTreeRestore``; ``None`` for others."""
     import orbax.checkpoint as ocp
 
-    if args is None:
-        return loading.Request("standard")
     if isinstance(args, ocp.args.StandardRestore):
         if not args.strict:
             return None  # Orbax pads and truncates mismatched shapes then; ckptshim never does
@@ -80,93 +95,159 @@ def _requests(items: dict[str, Any]) -> dict[str, loading.Request | None]:
     return {name: request_of(args) for name, args in items.items()}
 
 
-# -- Checkpointer.restore -----------------------------------------------------------------------
+def _patch(shim):
+    """The wrapper for one seam: ``shim(wrapped, instance, args, kwargs)`` under
+    :func:`~ckptshim.hooks.seam.guarded`, Orbax's own call where it steps aside (or inside a
+    restore ckptshim handed to Orbax)."""
+    def patched(wrapped, instance, args, kwargs):
+        if getattr(_inside, "active", False):
+            return wrapped(*args, **kwargs)
+        return guarded(SEAM, lambda: shim(wrapped, instance, args, kwargs), lambda: _orbax_own(wrapped, args, kwargs))
+    return patched
 
 
-def _checkpointer_restore(wrapped, instance, args, kwargs):
-    if getattr(_inside, "active", False):
-        return wrapped(*args, **kwargs)
-    return guarded(SEAM, lambda: _shim_checkpointer(wrapped, instance, args, kwargs),
-                   lambda: _passthrough(wrapped, args, kwargs))
+# -- Checkpointer._restore ----------------------------------------------------------------------
 
 
-def _shim_checkpointer(wrapped, instance, args, kwargs) -> Any:
+def _shim_restore(wrapped, instance, args, kwargs) -> Any:
+    import orbax.checkpoint as ocp
+
+    call = bind(wrapped, args, kwargs)
+    directory = None if call is None else local_path(call["directory"])
+    if directory is None:  # a URL: Orbax reads it through its own file systems
+        return _passthrough(wrapped, args, kwargs)
+    ckpt_args = call["args"]
+    where = f"orbax {type(instance).__name__}.restore({directory})"
+    if not isinstance(ckpt_args, ocp.args.Composite):
+        return loading.restore_item(directory, request_of(ckpt_args), where,
+                                    lambda: _passthrough(wrapped, args, kwargs))
+    requested = dict(ckpt_args.items())
+
+    @framework_call
+    def native(names: list[str]) -> dict[str, Any]:
+        with original():
+            return wrapped(call["directory"], args=ocp.args.Composite(**{n: requested.get(n) for n in names}))
+
+    if not requested:
+        return _restore_every_item(directory, where, native, lambda: _passthrough(wrapped, args, kwargs))
+    done = loading.restore_items(directory, _requests(requested), where, native)
+    return _passthrough(wrapped, args, kwargs) if done is None else ocp.args.Composite(**done)
+
+
+def _restore_every_item(step_dir, where: str, native, orbax_all) -> Any:
+    """A composite restore without args (every item of the step): Orbax's own. Where Orbax
+    fails -- it finds no handler registered or recorded for an item, as for MaxText's ``items``
+    or a step written before Orbax recorded handlers -- ckptshim restores the array items as
+    stored, and Orbax the others; if that fails too, Orbax's first error stands, with the reason
+    as a note."""
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint._src.handlers.composite_checkpoint_handler import RESERVED_ITEM_NAMES
+
+    try:
+        return orbax_all()
+    except FrameworkRaised as raised:
+        arrays = set(loading.items_on_disk(step_dir))
+        if not isinstance(raised.error, (KeyError, ValueError)) or not arrays:
+            raise
+        every = {child.name: loading.Request("standard") if child.name in arrays else None
+                 for child in sorted(step_dir.iterdir()) if child.is_dir() and child.name not in RESERVED_ITEM_NAMES}
+        try:
+            done = loading.restore_items(step_dir, every, where, native, force=True)
+        except FrameworkRaised as failed:
+            add_diagnosis(raised.error, f"ckptshim reads item(s) {', '.join(sorted(arrays))} as stored, but "
+                          f"Orbax cannot restore the other items ({type(failed.error).__name__}: {failed.error})")
+            raise raised from None
+        except ShimError as failed:
+            add_diagnosis(raised.error, failed)
+            raise raised from None
+        logger.info("%s: Orbax could not restore it without args (%s); ckptshim restored the items as stored",
+                    where, raised.error)
+    return ocp.args.Composite(**done)
+
+
+# -- Checkpointer.restore of a file ---------------------------------------------------------------
+
+
+def _shim_file(wrapped, instance, args, kwargs) -> Any:
+    """Orbax restores folders only: it refuses a file as an incomplete checkpoint before reading
+    it. A file in a format ckptshim reads (a ``model.safetensors``, say) is ckptshim's to restore;
+    any other path goes on to Orbax's restore, and through it to :func:`_shim_restore`."""
     import orbax.checkpoint as ocp
     from orbax.checkpoint._src.checkpointers.checkpointer import construct_checkpoint_args
 
     call = bind(wrapped, args, kwargs)
-    if call is None:
-        return _passthrough(wrapped, args, kwargs)
-    directory = call["directory"]
-    # Orbax's own translation of the legacy ``item=``/``restore_args=`` keywords into args objects
-    ckpt_args = construct_checkpoint_args(instance._handler, False, *call["args"], **call["kwargs"])
-    where = f"orbax {type(instance).__name__}.restore({directory})"
-    if isinstance(ckpt_args, ocp.args.Composite):
-        requested = dict(ckpt_args.items())
-
-        @framework_call
-        def native(names: list[str]) -> dict[str, Any]:
-            with original():
-                return wrapped(directory, args=ocp.args.Composite(**{n: requested[n] for n in names}))
-
-        done = loading.restore_items(Path(directory), _requests(requested), where, native)
-        return _passthrough(wrapped, args, kwargs) if done is None else ocp.args.Composite(**done)
-    return loading.restore_item(Path(directory), request_of(ckpt_args), where,
+    path = None if call is None else local_path(call["directory"])
+    if path is None or not path.is_file():
+        return framework_call(wrapped)(*args, **kwargs)
+    try:  # Orbax's own translation of the legacy ``item=``/``restore_args=`` keywords into args
+        ckpt_args = construct_checkpoint_args(instance._handler, False, *call["args"], **call["kwargs"])
+    except Exception:  # noqa: BLE001 - args Orbax cannot read: its restore answers the call
+        ckpt_args = None
+    request = None if isinstance(ckpt_args, ocp.args.Composite) else request_of(ckpt_args)
+    return loading.restore_item(path, request, f"orbax {type(instance).__name__}.restore({path})",
                                 lambda: _passthrough(wrapped, args, kwargs))
 
 
 # -- CheckpointManager.restore --------------------------------------------------------------------
 
 
-def _manager_restore(wrapped, instance, args, kwargs):
-    if getattr(_inside, "active", False):
-        return wrapped(*args, **kwargs)
-    return guarded(SEAM, lambda: _shim_manager(wrapped, instance, args, kwargs),
-                   lambda: _passthrough(wrapped, args, kwargs))
-
-
 def _shim_manager(wrapped, instance, args, kwargs) -> Any:
+    import orbax.checkpoint as ocp
+
+    orbax = framework_call(wrapped)
+    call = bind(wrapped, args, kwargs)
+    if (call is None or call["args"] is None or call["items"] is not None or call["restore_kwargs"] is not None
+            or _settled_kind(instance) is not None):
+        return orbax(*args, **kwargs)  # Orbax's manager takes the call; its checkpointer's restores are hooked
+    step, step_dir = _step_of(instance, call)
+    if step_dir is None:
+        return orbax(*args, **kwargs)
+    ckpt_args = call["args"]
+    single = not isinstance(ckpt_args, ocp.args.Composite)
+    rename = loading.manager_rename(step_dir, single, [] if single else list(ckpt_args.keys()))
+    if rename is None:
+        return orbax(*args, **kwargs)
+    where = f"orbax CheckpointManager.restore(step {step} of {step_dir.parent})"
+    logger.info("%s: %s", where, rename.explain())
+    try:
+        if single:
+            return orbax(step, directory=call["directory"],
+                         args=ocp.args.Composite(**{rename.stored: ckpt_args}))[rename.stored]
+        return ocp.args.Composite(**{rename.asked: orbax(step, directory=call["directory"],
+                                                         args=ckpt_args[rename.asked])})
+    except FrameworkRaised as failed:  # the renamed restore failed too: Orbax's answer to the call stands
+        raise NoPlan(f"{where}: {rename.explain()}, which failed: "
+                     f"{type(failed.error).__name__}: {failed.error}") from None
+
+
+def _settled_kind(instance) -> bool | None:
+    """Whether the manager has settled on one unnamed item (``True``), named items (``False``), or
+    not yet (``None``): told by ``item_names``/handlers, by a save, or by a restore's step folder.
+    (A plain attribute before Orbax 0.11.7 made it a thread-safe holder.)"""
+    kind = instance._default_item
+    return kind.get() if hasattr(kind, "get") else kind
+
+
+def _step_of(instance, call: dict[str, Any]) -> tuple[int | None, Any]:
+    """The step the manager restores and its local folder, as Orbax picks them; ``(step, None)``
+    where there is none, or it is no local folder (Orbax then answers the call itself)."""
     import orbax.checkpoint as ocp
     from etils import epath
 
-    call = bind(wrapped, args, kwargs)
-    if call is None or call["items"] is not None or call["restore_kwargs"] is not None:
-        return _passthrough(wrapped, args, kwargs)  # a bad call, or the deprecated items= API
-    root = Path(call["directory"] or instance.directory)
-    step = call["step"] if call["step"] is not None else loading.latest_step(root)
-    if step is None:
-        return _passthrough(wrapped, args, kwargs)
-    step_dir = Path(instance._get_read_step_directory(step, epath.Path(root)))
-    ckpt_args = call["args"]
-    if isinstance(ckpt_args, ocp.args.Composite):
-        requested, single = dict(ckpt_args.items()), False
-    elif ckpt_args is not None:
-        requested, single = {"default": ckpt_args}, True
-    else:  # as Orbax decides between a single-item and a composite manager
-        mode = instance._default_item.get()
-        single = (step_dir / "default").exists() if mode is None else mode
-        requested = {"default": None} if single else dict.fromkeys(loading.items_on_disk(step_dir))
-    where = f"orbax CheckpointManager.restore(step {step} of {root})"
+    root = call["directory"] or instance.directory
+    if local_path(root) is None:
+        return None, None
+    step = call["step"]
+    try:
+        if step is None:
+            step = instance.latest_step() if call["directory"] is None else \
+                max(ocp.utils.checkpoint_steps(root), default=None)
+        step_dir = None if step is None else local_path(instance._get_read_step_directory(step, epath.Path(root)))
+    except Exception:  # noqa: BLE001 - what Orbax's own lookup raises, its restore raises to the caller
+        return step, None
+    return step, step_dir if step_dir is not None and step_dir.is_dir() else None
 
-    @framework_call
-    def native(names: list[str]) -> dict[str, Any]:
-        with original():
-            if single:
-                return {"default": wrapped(step, directory=call["directory"], args=requested["default"])}
-            return wrapped(step, directory=call["directory"],
-                           args=ocp.args.Composite(**{n: requested[n] for n in names}))
 
-    done = loading.restore_items(step_dir, _requests(requested), where, native)
-    if done is None:
-        if ckpt_args is not None:
-            return _passthrough(wrapped, args, kwargs)
-        try:  # with no args, Orbax needs a handler registered for each item it finds
-            return _passthrough(wrapped, args, kwargs)
-        except FrameworkRaised as raised:
-            if not isinstance(raised.error, (ValueError, KeyError)):
-                raise
-            error = raised.error
-            logger.info("%s: Orbax could not restore it without args (%s); ckptshim restores the "
-                        "items as stored", where, error)
-            done = loading.restore_items(step_dir, _requests(requested), where, native, force=True)
-    return done["default"] if single else ocp.args.Composite(**done)
+_file_patch = _patch(_shim_file)
+_restore_patch = _patch(_shim_restore)
+_manager_patch = _patch(_shim_manager)

@@ -23,13 +23,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn
 
-from ckptshim.errors import NOTE_PREFIX, InternalError, NoPlan, ShimError, add_diagnosis
+from ckptshim.errors import InternalError, NoPlan, ShimError, add_diagnosis
 from ckptshim.log import logger
 
-#: ``add_diagnosis`` and ``NOTE_PREFIX`` live in :mod:`ckptshim.errors` (a DCP planner inside the
-#: execute layer adds notes too); hooks take them from here, beside :func:`step_aside`.
-__all__ = ["NOTE_PREFIX", "Patches", "Seam", "add_diagnosis", "bind", "framework_call", "guarded",
-           "internal_error", "step_aside"]
+__all__ = ["Patches", "Seam", "bind", "framework_call", "guarded", "internal_error", "step_aside"]
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ What metadata cannot foresee ends a load on one process alone: a chunk that only
 read is damaged, its local disk lacks a file, or a bug. The others would return and then wait
 forever in their next collective (or in Orbax's own barriers, had they chosen Orbax's restore).
 So at two points of each load -- once it is planned (what each process decided: ckptshim's
-restore, the framework's own, or a refusal) and once ckptshim's reads are done -- every process
+restore, the framework's own -- because it reads the load itself or because ckptshim has no
+plan for it -- or a refusal) and once ckptshim's reads are done -- every process
 posts its outcome in jax's distributed key-value store and reads every other's, within
 ``CKPTSHIM_AGREEMENT_TIMEOUT`` seconds: a failure anywhere is raised everywhere, naming the
 process and its reason; a process that never reports is named too. With one process nothing
@@ -30,13 +31,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptshim import config
-from ckptshim.errors import InternalError, PeerError, ShimError
+from ckptshim.errors import InternalError, NoPlan, PeerError, ShimError
 
 #: Rounds this process has posted, per load and stage. SPMD programs load in the same order on
 #: every process, so (load, stage, number) names the same round everywhere; keeping a count per
 #: load means one load a process skipped (a hook turned off there) cannot shift the others.
 _ROUNDS: dict[tuple[str, str], Iterator[int]] = {}
 _FAILED = "failed: "
+#: The decision posted where ckptshim has no plan (:class:`~ckptshim.errors.NoPlan`).
+NO_PLAN = "no plan: the framework's own call"
 
 
 @dataclass
@@ -75,6 +78,10 @@ def agreeing(where: str, stage: str) -> Iterator[Outcome]:
     me = jax.process_index()
     try:
         yield outcome
+    except NoPlan:  # a decision like any other: every process leaves the load to the framework
+        client.key_value_set(f"{key}/{me}", NO_PLAN)
+        _require_same(client, key, me, jax.process_count(), NO_PLAN, where, stage)
+        raise
     except ShimError as error:
         client.key_value_set(f"{key}/{me}", f"{_FAILED}{type(error).__name__}: {error}")
         raise

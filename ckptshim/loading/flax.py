@@ -4,7 +4,8 @@ For an Orbax-backed checkpoint Flax calls an Orbax checkpointer, which the Orbax
 covers. A legacy msgpack file whose state dict does not match the target's
 (``serialization.to_state_dict``) -- scanned vs unscanned layers, Linen vs NNX names -- is
 restored here into the target's layout and shardings and handed to
-``serialization.from_state_dict`` as Flax does; one that matches is left to Flax.
+``serialization.from_state_dict`` as Flax does; one that matches is left to Flax, and so is one
+no rule makes fit (Flax then restores what the file holds, whatever the target's shapes).
 """
 
 from __future__ import annotations
@@ -17,13 +18,17 @@ from typing import Any
 
 from ckptshim.formats import flax_msgpack
 from ckptshim.loading import agreement, jax as jax_loading
+from ckptshim.loading.paths import local_path
 
 
 def legacy_file(ckpt_dir: str | os.PathLike, step: Any, prefix: str) -> Path | None:
-    """The legacy msgpack file ``restore_checkpoint`` would read, as Flax picks it; else ``None``."""
+    """The legacy msgpack file ``restore_checkpoint`` would read, as Flax picks it; else ``None``
+    (a URL among them: Flax reads it through its own file systems)."""
     from flax.training import checkpoints
 
-    path = Path(ckpt_dir)
+    path = local_path(ckpt_dir)
+    if path is None:
+        return None
     if step is not None:
         path = path / f"{prefix}{step}"
     elif path.is_dir():

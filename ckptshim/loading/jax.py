@@ -2,9 +2,11 @@
 
 The Orbax, Flax and T5X loads share this: :func:`open_item` picks the format that reads what a
 restore call names; :func:`prepare` refuses an incomplete checkpoint, plans its inventory
-against the caller's tree, and refuses what does not fit -- all before a tensor byte is read.
-The caller then asks :func:`native_fits` whether the framework's own restore would do the
-same, and only if not runs :meth:`Prepared.run` (the JAX executor).
+against the caller's tree, and -- where no plan makes it fit, or the tree asks for what
+ckptshim does not do (placeholders, padding restore args) -- raises
+:class:`~ckptshim.errors.NoPlan`, which leaves the call to the framework; all before a tensor
+byte is read. The caller then asks :func:`native_fits` whether the framework's own restore
+would do the same, and only if not runs :meth:`Prepared.run` (the JAX executor).
 
 Rules for JAX trees: Linen/NNX spellings are aliases; trees laid out like MaxText's decoder get
 its scan axes; rng state may be kept from the target by the opt-in MaxText rule. Checkpoint
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptshim import config, progress
-from ckptshim.errors import PlanError, UnknownFormatError
+from ckptshim.errors import NoPlan, PlanError, UnknownFormatError
 from ckptshim.execute import jax as executor
 from ckptshim.execute.jax_tree import TargetTree
 from ckptshim.formats.base import Checkpoint
@@ -80,6 +82,7 @@ def prepare(checkpoint: Checkpoint, tree: Any, where: str, restore_args: Any = N
     """
     checkpoint.require_complete()
     target = TargetTree(as_stored(checkpoint) if tree is None else tree, restore_args)
+    _require_understood(target, where, own_tree=tree is not None)
     _require_divisible(target, where)
     target_inv = target.inventory(f"given to {where}")
     config = model_config(checkpoint.path) if checkpoint.format in HF_FORMATS else None
@@ -90,23 +93,37 @@ def prepare(checkpoint: Checkpoint, tree: Any, where: str, restore_args: Any = N
         _report_unmapped(plan)
     for op in plan.ops:
         if op.kind == Synthesize.kind and not target.targets[op.target].concrete:
-            raise PlanError(
+            raise NoPlan(
                 f"{join_key(op.target, SEP)}: the checkpoint cannot provide it and the rule "
                 f"{op.rule!r} keeps the target's own value, but the target gives only a shape "
                 "(jax.ShapeDtypeStruct). Pass concrete arrays for it (an initialised state).")
     return Prepared(checkpoint, target, plan, where)
 
 
+def _require_understood(target: TargetTree, where: str, *, own_tree: bool) -> None:
+    """Leave to the framework a restore that asks for what ckptshim does not do: restore args
+    that pad, truncate or pick another type handler, and (in the caller's own tree) leaves that
+    are no array or number -- ``ocp.PLACEHOLDER`` (skip this leaf), a string, an object."""
+    asks = list(target.unsupported)
+    if own_tree:
+        asks += [f"{join_key(key, SEP)}: {'ocp.PLACEHOLDER' if leaf is Ellipsis else type(leaf).__name__}"
+                 for key, leaf in target.others.items()]
+    if asks:
+        listed = "; ".join(asks[:5]) + ("; ..." if len(asks) > 5 else "")
+        raise NoPlan(f"{where} asks for what ckptshim leaves to the framework ({listed}); "
+                     "ckptshim did not plan this restore")
+
+
 def _require_divisible(target: TargetTree, where: str) -> None:
-    """Refuse, before reading, a target sharding that does not divide its array's shape (JAX would
-    raise its own error half-way through the restore, and the hook would take that for a bug)."""
+    """Leave to the framework a target sharding that does not divide its array's shape: JAX
+    raises its own error for it, with ckptshim's reading as a note."""
     for leaf in target.targets.values():
         if leaf.kind != "jax":
             continue
         try:
             leaf.sharding.shard_shape(leaf.shape)
         except ValueError as error:  # jax's IndivisibleError
-            raise PlanError(
+            raise NoPlan(
                 f"{join_key(leaf.key, SEP)} given to {where}: its sharding cannot split shape "
                 f"{leaf.shape} evenly ({error}). Shard that array only along axes the mesh axis "
                 "size divides (None in the PartitionSpec for the others).") from None
@@ -175,7 +192,7 @@ def _require_fit(plan: Plan, rules: Rules) -> None:
     gaps = _layer_gaps(plan, rules)
     if gaps:
         rng = any(maxtext.is_rng_state(m.target) for m in plan.mismatched)
-        raise PlanError("\n".join(
+        raise NoPlan("\n".join(
             [f"checkpoint {plan.source.source} does not fit target {plan.target.source}: "
              "the two stack different numbers of layers:"] + [f"  {line}" for line in gaps]
             + (["MaxText keeps NNX rng state for layer 0 only when layers are not scanned. To "

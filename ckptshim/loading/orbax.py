@@ -2,10 +2,12 @@
 
 The Orbax hook reads its caller's arguments into :class:`Request`\\ s (one per item) and asks
 this module what to do. An item whose layout today's Orbax reads with the caller's args, and
-whose keys match the target one to one, is left to Orbax (``native``); anything else -- layers
-stacked differently, Linen vs NNX names, item ``state`` vs ``default``, pre-``_METADATA``
-layouts, legacy Flax, T5X and PaxML layouts -- is restored by :mod:`ckptshim.loading.jax`, or
-refused before a byte is read.
+whose keys match the target one to one, is left to Orbax (``native``); so is an item ckptshim
+has no plan for (names or shapes no rule mends, args it does not understand: the hook then runs
+Orbax's own call, with ckptshim's reading as a note on what Orbax raises). Anything else --
+layers stacked differently, Linen vs NNX names, item ``state`` vs ``default``,
+pre-``_METADATA`` layouts, legacy Flax, T5X and PaxML layouts -- is restored by
+:mod:`ckptshim.loading.jax`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptshim.errors import PlanError, ShimError
+from ckptshim.errors import NoPlan, ShimError
 from ckptshim.formats import orbax_manager
 from ckptshim.formats.detect import detect
 from ckptshim.loading import agreement, jax as jax_loading
@@ -73,10 +75,11 @@ def restore_items(step_dir: Path, requested: Mapping[str, Request | None], where
     """Restore the named items of ``step_dir``, or ``None`` when Orbax can do it all itself.
 
     ``requested`` maps item names to their requests (``None``: args ckptshim leaves to Orbax).
-    Names the step lacks are matched to the one array item the step holds that nobody else asked
-    for (``state`` vs ``default`` vs ``items``). Items that are not array trees (JSON metadata,
-    ...) and requests ckptshim does not understand are restored by ``native(names)``. ``force``:
-    restore the array items here even where Orbax could (used after Orbax failed to).
+    Train-state names the step lacks are matched to its one train-state item nobody else asked
+    for (``state`` vs ``default`` vs ``items``: :func:`match_items`). Items that are not array
+    trees (JSON metadata, ...) and requests ckptshim does not understand are restored by
+    ``native(names)``, first. ``force``: restore the array items here even where Orbax could
+    (used after Orbax failed to).
     """
     with ExitStack() as stack:
         with agreement.agreeing(where, "planning") as planned:
@@ -92,42 +95,59 @@ def restore_items(step_dir: Path, requested: Mapping[str, Request | None], where
             planned.decision = SHIM if shim else NATIVE
         if planned.decision == NATIVE:
             return None
-        results = {name: item.run() for name, item in prepared.items()}
-    rest = [name for name in requested if name not in results]
-    if rest:
-        results.update(native(rest))
-    return results
+        rest = [name for name in requested if name not in prepared]  # Orbax's first: JSON items fail fast
+        results = dict(native(rest)) if rest else {}
+        results.update((name, item.run()) for name, item in prepared.items())
+    return {name: results[name] for name in requested}
+
+
+#: Item names that each mean "the train state" in a layout ckptshim knows: a single-item
+#: manager's ``default``, ``state`` (T5X, MaxText before 2024), ``items`` (MaxText today).
+STATE_ITEMS = frozenset({"default", "state", "items"})
 
 
 def match_items(step_dir: Path, requested: Iterable[str]) -> dict[str, Path]:
-    """Requested item name -> array item folder on disk (only for names that have one)."""
-    on_disk = orbax_manager.items(step_dir)
-    spare = [name for name in on_disk if name not in requested]
+    """Requested item name -> array item folder on disk (only for names that have one).
+
+    A train-state name the step lacks (:data:`STATE_ITEMS`) stands for the one train-state item
+    of the step that no other name asks for. Any other name the step lacks, or a train-state
+    name no one item stands for, leaves ckptshim without a plan (:class:`~ckptshim.errors.NoPlan`):
+    that is the caller's item to name, and Orbax's to refuse.
+    """
+    on_disk = array_items(step_dir)
+    spare = [name for name in on_disk if name not in requested and name in STATE_ITEMS]
     out: dict[str, Path] = {}
     for name in requested:
         if name in on_disk:
             out[name] = on_disk[name]
         elif (step_dir / name).exists():
-            if _foreign_array_item(step_dir / name):
-                out[name] = step_dir / name
-            continue  # else an item Orbax keeps in its own format (JSON metadata, ...)
-        elif len(spare) == 1:
+            continue  # an item Orbax keeps in its own format (JSON metadata, ...)
+        elif name in STATE_ITEMS and len(spare) == 1:
             out[name] = on_disk[spare.pop()]
         else:
-            raise PlanError(
-                f"the target asks for item {name!r}, but checkpoint step {step_dir} holds "
-                f"{', '.join(repr(n) for n in on_disk) or 'no array items'}"
-                + (f" and {len(spare)} of them could be it" if spare else "")
-                + f". Name the item the checkpoint uses (e.g. args=ocp.args.Composite("
-                f"{next(iter(on_disk), 'state')}=...)).")
+            could = f" and {len(spare)} of them could be it" if name in STATE_ITEMS and spare else ""
+            raise NoPlan(
+                f"the restore asks for item {name!r}, but checkpoint step {step_dir} holds "
+                f"{', '.join(repr(n) for n in on_disk) or 'no array items'}{could}. Name the item "
+                f"the checkpoint uses (e.g. args=ocp.args.Composite({next(iter(on_disk), 'state')}=...)).")
     return out
+
+
+def array_items(step_dir: Path) -> dict[str, Path]:
+    """Item name -> folder, for the items of a step folder that hold arrays ckptshim reads: Orbax
+    PyTree items, and folders in a format a JAX restore takes (a Hugging Face folder standing in
+    for MaxText's ``items``)."""
+    found = dict(orbax_manager.items(step_dir))
+    if step_dir.is_dir():
+        found.update((child.name, child) for child in sorted(step_dir.iterdir())
+                     if child.name not in found and child.is_dir() and _foreign_array_item(child))
+    return found
 
 
 def _foreign_array_item(path: Path) -> bool:
     """Whether the item folder ``path`` holds arrays in a format a JAX restore takes that is not
-    an Orbax item (a Hugging Face folder standing in for MaxText's ``items``, say). Anything
-    ckptshim cannot recognise -- or refuses to look into -- stays Orbax's to restore, as without
-    ckptshim."""
+    an Orbax item. Anything ckptshim cannot recognise -- or refuses to look into -- stays
+    Orbax's to restore, as without ckptshim."""
     try:
         detect(path, "jax")
     except ShimError:
@@ -135,11 +155,46 @@ def _foreign_array_item(path: Path) -> bool:
     return True
 
 
-def latest_step(root: Path) -> int | None:
-    """The newest step under a ``CheckpointManager`` root, as Orbax would pick it."""
-    return max(orbax_manager.steps(root), default=None)
-
-
 def items_on_disk(step_dir: Path) -> list[str]:
     """The array items a step folder holds (what a restore without args reads)."""
-    return list(orbax_manager.items(step_dir))
+    return list(array_items(step_dir))
+
+
+#: The item a single-item ``CheckpointManager`` saves (Orbax's ``DEFAULT_ITEM_NAME``).
+DEFAULT_ITEM = "default"
+
+
+@dataclass(frozen=True)
+class ItemRename:
+    """One item that a manager restore's args and its step name differently: ``asked`` in the
+    args (``default`` for single-item args), ``stored`` in the step."""
+
+    asked: str
+    stored: str
+
+    def explain(self) -> str:
+        if self.stored == DEFAULT_ITEM:
+            return f"the step holds one unnamed item ({DEFAULT_ITEM!r}), restored as item {self.asked!r}"
+        return f"the step holds item {self.stored!r}, restored for the single-item args"
+
+
+def manager_rename(step_dir: Path, single: bool, asked: list[str]) -> ItemRename | None:
+    """How a ``CheckpointManager`` that has not settled on single or composite items restores
+    ``step_dir`` with single-item (``single``) or composite args naming ``asked``.
+
+    Orbax decides from the step (a ``default`` folder means one unnamed item) and refuses args
+    of the other kind. ``None`` where Orbax's manager takes the args as they are; else the rename
+    that makes them the step's kind, between train-state names (:data:`STATE_ITEMS`): single-item
+    args read the step's one train-state item, and composite args that name one train-state item
+    read a single-item step's. Otherwise ckptshim has no plan (:class:`~ckptshim.errors.NoPlan`),
+    and Orbax's refusal stands.
+    """
+    if single == (step_dir / DEFAULT_ITEM).exists():
+        return None
+    if not single:
+        if len(asked) != 1 or asked[0] not in STATE_ITEMS:
+            raise NoPlan(f"checkpoint step {step_dir} holds one unnamed item ({DEFAULT_ITEM!r}), and the "
+                         f"restore names {', '.join(map(repr, asked))}, which ckptshim does not take for it "
+                         f"(it stands in for one of {', '.join(map(repr, sorted(STATE_ITEMS)))})")
+        return ItemRename(asked[0], DEFAULT_ITEM)
+    return ItemRename(DEFAULT_ITEM, match_items(step_dir, [DEFAULT_ITEM])[DEFAULT_ITEM].name)

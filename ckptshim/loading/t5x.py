@@ -31,15 +31,16 @@ from ckptshim.formats import t5x as t5x_format
 from ckptshim.formats.base import Checkpoint, numpy_dtype
 from ckptshim.inventory import flatten, unflatten
 from ckptshim.loading import agreement, jax as jax_loading
+from ckptshim.loading.paths import local_path
 from ckptshim.loading.report import report_read_as_stored
 
 
 def orbax_era_step(path: Any, step: int | None = None) -> Path | None:
     """The Orbax-era step folder a T5X call names (model dir + step, step dir, ``state/`` item or
-    its aggregate file); ``None`` for anything else, which T5X handles itself."""
-    if path is None or str(path).startswith(("gs://", "s3://")):
+    its aggregate file); ``None`` for anything else (a URL among them), which T5X handles itself."""
+    path = None if path is None else local_path(path)
+    if path is None:
         return None
-    path = Path(path)
     if path.is_dir() and step is not None:
         path = path / f"checkpoint_{step}"
     candidates = [path, path.parent, path.parent.parent]
@@ -142,8 +143,8 @@ def restore(instance: Any, call: dict[str, Any], native: Callable[[], Any]) -> A
 
     path = call["path"]
     if path is None:
-        path = Path(instance.checkpoints_dir)
-        if call["step"] is not None:
+        path = local_path(instance.checkpoints_dir)
+        if path is not None and call["step"] is not None:
             path = path / f"checkpoint_{call['step']}"
     step_dir = orbax_era_step(path)
     if step_dir is None:

@@ -3,7 +3,9 @@
 Each case copies one checkpoint, builds the load (and its destination) from the intact copy,
 damages the copy, and loads it. The assertion is the same for all: a ``ShimError`` (or DCP's
 ``CheckpointException`` carrying one from every rank) whose message names the damaged file and
-the problem; the destination's bytes unchanged; no file created, changed or removed anywhere
+the problem (for a shape the metadata declares, which makes it another checkpoint than the
+target's rather than a corrupt one, it may be the framework's own error with ckptshim's note
+saying it, where no plan fits); the destination's bytes unchanged; no file created, changed or removed anywhere
 under the test's folder (the copy, a folder outside it, the working directory); and an answer
 within ``BOUND`` seconds. ``test_intact_copy_loads`` runs every load on the undamaged copy, so a
 case cannot pass because its load was broken to begin with.
@@ -22,7 +24,9 @@ import pytest
 
 from fault_damage import KINDS, PWNED
 from fault_loaders import LOADERS, Load, digest, refusal
+from ckptshim.errors import ShimError
 from support.fixtures import FIXTURES, writable_copy
+from support.native import diagnosis
 from fault_table import BY_NAME, COMPLETE, FORMATS, LISTING, OPEN
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
@@ -124,8 +128,14 @@ def test_fault(case: Case, tmp_path, monkeypatch, request):
         load.call()
     elapsed = time.monotonic() - start
     error = refusal(info.value)
-    assert error is not None, f"not a refusal: {type(info.value).__name__}: {info.value}"
-    message = str(error)
+    if error is None and case.damage == "wrong_shape" and not isinstance(info.value, ShimError):
+        # metadata that declares another shape describes a well-formed array of that shape: no
+        # plan fits the target, so the framework's own call runs, and its error carries ckptshim's
+        # reading as a note, which must say it as a refusal would
+        message = diagnosis(info.value)
+    else:
+        assert error is not None, f"not a refusal: {type(info.value).__name__}: {info.value}"
+        message = str(error)
     assert named in message, f"{named!r} is not named in: {message}"
     assert re.search(PROBLEM[case.damage], message, re.IGNORECASE), f"the problem is not said: {message}"
     assert elapsed < BOUND, f"took {elapsed:.1f} s"

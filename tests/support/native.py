@@ -8,6 +8,7 @@ added as a note (PEP 678). These helpers run a call both ways and compare what c
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ckptshim
@@ -56,3 +57,35 @@ def same_error(shimmed: BaseException, native: BaseException) -> BaseException:
         f"with ckptshim: {type(ours).__name__}: {ours}\nwithout: {type(theirs).__name__}: {theirs}")
     assert type(shimmed) is type(native)
     return ours
+
+
+@dataclass
+class Outcome:
+    """What one call did: its return value, or what it raised."""
+
+    result: Any = None
+    error: BaseException | None = None
+
+
+def outcome(call: Callable[[], Any]) -> Outcome:
+    try:
+        return Outcome(result=call())
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # noqa: BLE001 - every outcome is compared
+        return Outcome(error=error)
+
+
+def without_and_with(call: Callable[[], Any]) -> tuple[Outcome, Outcome]:
+    """``call()`` with every hook off (the framework alone), then with ckptshim's hooks on."""
+    return natively(lambda: outcome(call)), outcome(call)
+
+
+def same_failure(native: Outcome, shimmed: Outcome) -> str:
+    """Assert that the call failed with ckptshim as it fails without it (:func:`same_error`), and
+    return ckptshim's notes on the failure ('' when it added none)."""
+    assert native.error is not None, f"the framework alone returned {native.result!r}"
+    assert shimmed.error is not None, f"with ckptshim the call returned {shimmed.result!r}, natively {native.error!r}"
+    same_error(shimmed.error, native.error)
+    assert diagnosis(native.error) == ""
+    return diagnosis(shimmed.error)

@@ -76,8 +76,9 @@ def main(state_dir: Path) -> None:
     try:
         ocp.StandardCheckpointer().restore(state_dir, unflatten(bad))
         report["indivisible"] = "restored"
-    except Exception as error:  # what kind of error, and whether it names the key
+    except Exception as error:  # what kind of error, and whether ckptshim's note names the key
         report["indivisible"] = f"{type(error).__name__}: {error}"
+        report["indivisible_notes"] = list(getattr(error, "__notes__", []))
     print(json.dumps(report))
 
 

@@ -1,0 +1,30 @@
+"""Which locations ckptshim reads itself: local paths. A URL is the framework's to read.
+
+Frameworks open ``gs://bucket/ckpt`` or ``s3://...`` through their own file systems (Orbax and
+Flax through ``etils.epath``, T5X through ``tf.io.gfile``). ``pathlib.Path`` would collapse such a
+URL into the local path ``gs:/bucket/ckpt``, which names something else entirely; so a location
+with a scheme is never turned into a path here, and a hook that meets one steps aside.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+#: ``scheme://`` at the start of a location (RFC 3986 scheme syntax).
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def local_path(location: Any) -> Path | None:
+    """``location`` (a string or path object, ``etils.epath`` paths included) as a local
+    :class:`~pathlib.Path`; ``None`` for a URL of any scheme, or for something that names no
+    path at all."""
+    try:
+        text = os.fspath(location)
+    except TypeError:
+        return None
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    return None if _URL.match(text) else Path(text)
