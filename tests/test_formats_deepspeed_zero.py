@@ -264,3 +264,22 @@ def test_zero_globals_are_allowed_in_zero_files_only(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(2), "stage": ZeroStageEnum.weights}, tmp_path / "plain.pt")
     with pytest.raises(UnsafeCheckpointError, match="ZeroStageEnum"):
         torch_pickle.open_checkpoint(tmp_path / "plain.pt")
+
+
+def test_two_files_for_one_rank_are_named(tmp_path: Path) -> None:
+    root = _copy("ws2/zero1_bf16", tmp_path)
+    shutil.copy(root / TAG / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                root / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    problems = open_checkpoint(root).all_problems()
+    assert any("mix bf16_zero_pp_rank_* and zero_pp_rank_*" in p for p in problems), problems
+    assert any("bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt and zero_pp_rank_0_mp_rank_00_optim_states.pt "
+               "all hold data-parallel rank 0" in p for p in problems), problems
+
+
+def test_latest_naming_a_folder_outside_is_not_followed(tmp_path: Path) -> None:
+    root = _copy("ws2/zero2_fp32", tmp_path)
+    (root / "latest").write_text("../elsewhere")
+    shutil.copytree(root / TAG, tmp_path / "elsewhere")
+    assert not deepspeed_zero.sniff(root)
+    with pytest.raises(CorruptCheckpointError, match="not a folder inside"):
+        open_checkpoint(root)

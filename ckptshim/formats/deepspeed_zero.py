@@ -125,17 +125,17 @@ MODEL_STATE_GLOBALS: torch_globals.ExtraGlobals = {**deepspeed_pipeline.MP_RANK_
 
 # -- recognising the folder ------------------------------------------------------------------------
 
-def _partition_files(folder: Path) -> dict[int, Path]:
-    """dp rank -> optimizer partition file, when ``folder`` is a ZeRO tag folder this module reads
-    (partitions of one model-parallel rank, no pipeline layer files); else empty."""
-    found: dict[int, Path] = {}
+def _partition_files(folder: Path) -> dict[int, list[Path]]:
+    """dp rank -> its optimizer partition file(s), when ``folder`` is a ZeRO tag folder this
+    module reads (partitions of one model-parallel rank, no pipeline layer files); else empty."""
+    found: dict[int, list[Path]] = {}
     model_ranks: set[int] = set()
-    for child in folder.iterdir():
+    for child in sorted(folder.iterdir()):
         if _LAYER_FILE.fullmatch(child.name):
             return {}
         match = _OPTIM_FILE.fullmatch(child.name)
         if match is not None:
-            found[int(match[2])] = child
+            found.setdefault(int(match[2]), []).append(child)
             model_ranks.add(int(match[3]))
     return found if model_ranks == {0} else {}
 
@@ -155,8 +155,8 @@ def tag_folder(path: Path) -> Path | None:
     except (OSError, UnicodeDecodeError):
         return None
     step = path / tag
-    if not tag or "/" in tag or tag in (".", "..") or not step.is_dir():
-        return None
+    if not tag or "/" in tag or not step.is_dir() or step.resolve().parent != path.resolve():
+        return None  # the pipeline reader's checks say what is wrong with it
     return step if _partition_files(step) else None
 
 
@@ -439,11 +439,14 @@ def _list_missing(step: Path, found: Mapping[int, Any], pattern: str, layout: _L
 def _optimizer_partitions(step: Path, layout: _Layout) -> None:
     """Read every rank's optimizer partition file; name the missing, unreadable and surplus ones."""
     partitions = _partition_files(step)
-    prefixes = {_OPTIM_FILE.fullmatch(file.name)[1] or "" for file in partitions.values()}
+    prefixes = {_OPTIM_FILE.fullmatch(file.name)[1] or "" for files in partitions.values() for file in files}
     if len(prefixes) > 1:
         layout.problems.append("the optimizer partitions mix bf16_zero_pp_rank_* and zero_pp_rank_* names: "
                                "files of two runs share this folder")
-    for rank, file in sorted(partitions.items()):
+    for rank, (file, *others) in sorted(partitions.items()):
+        if others:
+            layout.problems.append(f"{file.name} and {', '.join(o.name for o in others)} all hold data-parallel "
+                                   f"rank {rank}: files of two runs share this folder")
         if rank >= layout.world:
             layout.problems.append(f"{file.name}: data-parallel rank {rank}, but the checkpoint was written by "
                                    f"{layout.world} ranks (dp_world_size); a file of another run?")
