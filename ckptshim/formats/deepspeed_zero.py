@@ -60,6 +60,7 @@ import numpy as np
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import deepspeed_pipeline, safe_pickle, torch_globals, torch_pickle
 from ckptshim.formats.base import Checkpoint, FileInfo, Piece, file_info, reader, refuse_links_leaving
+from ckptshim.formats.kvstore import regular_size
 from ckptshim.formats.torch_globals import TensorRef
 from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
 
@@ -346,6 +347,8 @@ class _Archive:
 
 
 def _read(file: Path, step: Path, extra: torch_globals.ExtraGlobals, writer: str) -> _Archive:
+    if regular_size(file) is None:  # a pipe would block the read; a folder is no archive
+        raise CorruptCheckpointError(f"{file}: not a regular file; DeepSpeed writes a torch.save archive there")
     try:
         with open(file, "rb") as raw:
             archive = torch_pickle.read_archive(raw, str(file), extra)
@@ -361,6 +364,10 @@ def _read(file: Path, step: Path, extra: torch_globals.ExtraGlobals, writer: str
             for leaf in torch_pickle.flat_tree(archive.tree, str(file)).values()
             if isinstance(leaf, TensorRef) and leaf.storage.key in archive.offsets]
     return _Archive(archive.tree, part, file_info(file, max(ends, default=None), root=step, writer=writer))
+
+
+#: More data-parallel ranks than any run has had: a larger ``dp_world_size`` is a damaged file.
+MAX_WORLD = 1 << 20
 
 
 @reader
@@ -395,10 +402,6 @@ def open_checkpoint(path: Path) -> ZeroCheckpoint:
     return ZeroCheckpoint(path, version, entries, layout.files, layout.problems, layout)
 
 
-#: More data-parallel ranks than any run has had: a larger ``dp_world_size`` is a damaged file.
-MAX_WORLD = 1 << 20
-
-
 def _model_states(step: Path, layout: _Layout) -> tuple[dict[int, _Archive], bool]:
     """dp rank -> model states (ZeRO-3: one file per rank; ZeRO-1/2: dp rank 0's ``mp_rank_00``),
     and whether they are ZeRO-3's. ZeRO-3 needs one readable file (every rank's has the shapes)."""
@@ -419,7 +422,10 @@ def _model_states(step: Path, layout: _Layout) -> tuple[dict[int, _Archive], boo
             layout.files.append(file_info(file, root=step, writer=f"rank {rank}"))
             continue
         layout.parts.append(models[rank].part)
-        layout.files.append(models[rank].info)
+        layout.files.append(replace(models[rank].info, notes=(
+            "module: empty placeholders for the parameters (and the buffers)" if zero3 else
+            "module: the training-dtype copies of the weights, not read: the inventory holds the "
+            "fp32 masters from the optimizer partitions",)))
     if not models:
         raise CorruptCheckpointError(
             f"{step}: no readable model states ({_MODEL_FILE}, or zero_pp_rank_<d>_mp_rank_00_model_states.pt "
