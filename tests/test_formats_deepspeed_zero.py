@@ -65,6 +65,19 @@ def test_masters_and_adam_moments_are_the_engines(variant: str) -> None:
     assert {float(rank.step.storage.numel) for rank in checkpoint.ranks.values()} == {1.0}  # a 0-d tensor
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_engine_module_is_the_masters_rounded_as_torch_rounds(variant: str) -> None:
+    """The engine's own (16-bit under bf16) module weights are the masters cast by torch's ``.to()``:
+    what a 16-bit destination gets from the masters."""
+    checkpoint = open_checkpoint(ZERO / variant)
+    for name in checkpoint.slots:
+        module = REFERENCE[f"{variant}/module/{name}"]
+        master = torch.from_numpy(np.array(checkpoint.read(checkpoint.inventory[tuple(name.split("."))])))
+        cast = master.to(getattr(torch, module["dtype"]))
+        assert array_sha256((cast.view(torch.uint16) if cast.dtype == torch.bfloat16 else cast).numpy()) == \
+            module["sha256"], name
+
+
 def test_tied_frozen_and_buffers_as_deepspeed_gives_them() -> None:
     checkpoint = open_checkpoint(ZERO / "ws3" / "zero3_bf16")
     inventory = checkpoint.inventory
