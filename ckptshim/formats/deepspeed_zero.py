@@ -529,9 +529,9 @@ def _entries(step: Path, models: dict[int, _Archive], layout: _Layout) -> list[E
     first = models[min(models)]
     module = first.tree.get("module") if isinstance(first.tree.get("module"), dict) else {}
     entries: list[Entry] = []
-    for name in first.tree.get("buffer_names") or ():
-        ref = module.get(name)
-        if isinstance(ref, TensorRef):
+    buffers = set(first.tree.get("buffer_names") or ())
+    for name, ref in module.items():  # in the module's order, as zero_to_fp32 takes them
+        if name in buffers and isinstance(ref, TensorRef):
             layout.whole[name] = [(first.part, ref)]
             floating = ref.storage.dtype.startswith(("float", "bfloat"))
             entries.append(Entry(split_key(name), ref.shape, "float32" if floating else ref.storage.dtype,
@@ -545,6 +545,10 @@ def _entries(step: Path, models: dict[int, _Archive], layout: _Layout) -> list[E
     if not isinstance(groups, list):
         raise CorruptCheckpointError(f"{step}: the model states hold no param_shapes; not a ZeRO checkpoint")
     groups = [_shapes(group, "param_shapes", step) for group in groups]
+    names = [name for group in groups for name in group]
+    if len(set(names)) != len(names):
+        raise CorruptCheckpointError(f"{step}: param_shapes names a parameter in more than one group; "
+                                     "DeepSpeed saves each once")
     if layout.stage == 3:
         _place_zero3(groups, layout)
     else:
