@@ -153,12 +153,12 @@ def tag_folder(path: Path) -> Path | None:
         return None
     try:
         tag = latest.read_bytes().decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError):
+        step = path / tag
+        if not tag or "/" in tag or not step.is_dir() or step.resolve().parent != path.resolve():
+            return None  # the pipeline reader's checks say what is wrong with it
+        return step if _partition_files(step) else None
+    except (OSError, UnicodeDecodeError):  # unreadable, not text, a name too long for any folder
         return None
-    step = path / tag
-    if not tag or "/" in tag or not step.is_dir() or step.resolve().parent != path.resolve():
-        return None  # the pipeline reader's checks say what is wrong with it
-    return step if _partition_files(step) else None
 
 
 def sniff(path: Path) -> bool:
