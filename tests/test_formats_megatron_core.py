@@ -173,9 +173,10 @@ def test_short_chunk_is_named(tmp_path: Path) -> None:
 def test_compressed_arrays_are_not_guessed_at(tmp_path: Path) -> None:
     root = _copy("zarr/tp1_pp1", tmp_path)
     meta = json.loads((root / QKV / ".zarray").read_text())
-    (root / QKV / ".zarray").write_text(json.dumps({**meta, "compressor": {"id": "zstd", "level": 1}}))
-    with pytest.raises(UnknownFormatError, match="uncompressed C-order"):
-        open_checkpoint(root)
+    for change in ({"compressor": {"id": "zstd", "level": 1}}, {"order": "F"}, {"dtype": ">f4"}):
+        (root / QKV / ".zarray").write_text(json.dumps({**meta, **change}))
+        with pytest.raises(UnknownFormatError, match="uncompressed little-endian C-order"):
+            open_checkpoint(root)
 
 
 def test_sharded_objects_are_bytes_never_unpickled(tmp_path: Path) -> None:

@@ -109,6 +109,8 @@ class MegatronZarrCheckpoint(Checkpoint):
     def read(self, entry: Entry) -> np.ndarray:
         where = entry.location
         if isinstance(where, str):  # a sharded object: the file's bytes
+            if regular_size(self.path / where) != entry.shape[0]:
+                raise CorruptCheckpointError(f"{self.path / where}: changed since the checkpoint was opened")
             return np.fromfile(self.path / where, dtype=np.uint8)
         meta = where.meta
         out = np.empty(meta.shape, storage_dtype(meta.dtype))
@@ -164,11 +166,14 @@ def _array(folder: Path, array_bytes: int) -> _Array:
         raise CorruptCheckpointError(f"{where}: not valid JSON ({error}). Re-copy the checkpoint.") from None
     if not isinstance(meta, dict) or meta.get("zarr_format") != 2:
         raise CorruptCheckpointError(f"{where}: not zarr v2 array metadata, which Megatron-Core's zarr backend writes")
-    if meta.get("compressor") is not None or meta.get("filters") or meta.get("order", "C") != "C":
+    dtype = meta.get("dtype")
+    if (meta.get("compressor") is not None or meta.get("filters") or meta.get("order", "C") != "C"
+            or not (dtype == "bfloat16" or (isinstance(dtype, str) and dtype[:1] in "<|"))):
         raise UnknownFormatError(
             f"{where}: compressor {json.dumps(meta.get('compressor'))[:80]}, filters "
-            f"{json.dumps(meta.get('filters'))[:80]}, order {meta.get('order')!r:.10}; Megatron-Core writes "
-            "uncompressed C-order chunks, which is all ckptshim reads in this layout.")
+            f"{json.dumps(meta.get('filters'))[:80]}, order {meta.get('order')!r:.10}, dtype {dtype!r:.20}; "
+            "Megatron-Core writes uncompressed little-endian C-order chunks, which is all ckptshim reads "
+            "in this layout.")
     return _Array(folder.name, zarr.parse(raw, str(where)))
 
 
