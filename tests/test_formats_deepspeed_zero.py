@@ -307,3 +307,18 @@ def test_rank_file_that_is_not_a_regular_file_is_named_and_not_opened(tmp_path: 
     os.mkfifo(file)  # opening it would block
     problems = open_checkpoint(root).all_problems()
     assert any("zero_pp_rank_1_mp_rank_00_optim_states.pt: not a regular file" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("variant", ["ws2/zero2_fp32", "ws3/zero3_fp32"])
+def test_dcp_load_of_the_save_dir_gets_the_masters(variant: str) -> None:
+    """A torch format like any other: ``dcp.load`` of the save dir into the plain model's state
+    dict (DCP alone fails: no .metadata) fills every tensor with DeepSpeed's own fp32 state dict."""
+    import torch.distributed.checkpoint as dcp
+
+    import ckptshim  # noqa: F401  (attaches the hooks)
+    from support.fixtures import fixture_module
+
+    state = fixture_module("deepspeed_zero/produce.py").build_model().state_dict()
+    dcp.load(state, checkpoint_id=str(ZERO / variant))
+    for name, tensor in state.items():
+        assert array_sha256(tensor.numpy()) == REFERENCE[f"{variant}/fp32/{name}"]["sha256"], name
