@@ -13,12 +13,14 @@ from pathlib import Path
 from types import ModuleType
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
-from ckptshim.formats import dcp, deepspeed_pipeline, flax_msgpack, hf_dir, orbax, orbax_manager, paxml, paxml_flax, safetensors, t5x, torch_pickle
+from ckptshim.formats import dcp, deepspeed_pipeline, deepspeed_zero, flax_msgpack, hf_dir, megatron_core, orbax, orbax_manager, paxml, paxml_flax, safetensors, t5x, torch_pickle
 from ckptshim.formats.base import Checkpoint, reading
 
 #: Most specific first: a directory format before the single files it may contain; PaxML's and
-#: T5X's msgpack aggregates before Orbax's, for which they would otherwise pass.
-FORMATS: tuple[ModuleType, ...] = (hf_dir, dcp, deepspeed_pipeline, paxml_flax, t5x, paxml, orbax, orbax_manager, safetensors, torch_pickle,
+#: T5X's msgpack aggregates before Orbax's, for which they would otherwise pass; DeepSpeed ZeRO's
+#: optimizer partitions before the pipeline reader, which would otherwise read a ZeRO folder's
+#: ``mp_rank_00_model_states.pt`` (its 16-bit module) and miss the fp32 masters.
+FORMATS: tuple[ModuleType, ...] = (hf_dir, dcp, megatron_core, deepspeed_zero, deepspeed_pipeline, paxml_flax, t5x, paxml, orbax, orbax_manager, safetensors, torch_pickle,
                                     flax_msgpack)
 #: The backends whose load calls name a checkpoint (see each format's ``READERS``).
 BACKENDS = ("torch", "jax")

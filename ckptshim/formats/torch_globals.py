@@ -483,7 +483,7 @@ class Globals:
             return found
         found = self._registered_globals().get(full) if module not in blocked_modules() else None
         if found is None:
-            raise UnsafeCheckpointError(_unsafe_message(self.where, full))
+            raise UnsafeCheckpointError(_unsafe_message(self.where, full, self.extra))
         return found
 
     def _registered_globals(self) -> dict[str, Any]:
@@ -562,14 +562,14 @@ def _stand_in(name: str, value: Any) -> Any:
     return _Inert
 
 
-def _unsafe_message(where: str, first: str) -> str:
+def _unsafe_message(where: str, first: str, allowed: Mapping[str, Any]) -> str:
     """Why a file naming the global ``first`` (and, as torch can list them, any other it does
-    not allow) is refused, and what to do about it."""
+    not allow and this read's ``allowed`` extras do not either) is refused, and what to do."""
     names = [first]
     try:  # torch, when installed, can list every unsafe global at once
         import torch.serialization
 
-        names = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(where))) or names
+        names = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(where)) - set(allowed)) or names
     except Exception:  # torch missing or the file unreadable by it: the first global is enough
         pass
     return (f"{where} needs {', '.join(names)} to unpickle, which torch.load(weights_only=True) "

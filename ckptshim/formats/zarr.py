@@ -107,19 +107,20 @@ class ZarrArray:
                                for i, c, n in zip(starts, self.chunks, self.shape)) + "]"
 
     def folder_files(self, folder: Path, present: Collection[str], key: str, required: bool,
-                     root: Path) -> tuple[list[FileInfo], int]:
+                     root: Path, *, raw: bool = False) -> tuple[list[FileInfo], int]:
         """The chunk files of an array stored as a folder of its own (per-leaf Orbax, PaxML,
-        T5X), for the completeness report: each one ``present`` (its size), and -- when
-        ``required`` (see :func:`chunk_keys_required`) -- each missing one, with the block of
-        array ``key`` it would hold. At most :data:`LISTED_MISSING` missing files are listed;
+        T5X, Megatron-Core), for the completeness report: each one ``present`` (its size), and --
+        when ``required`` (see :func:`chunk_keys_required`) -- each missing one, with the block of
+        array ``key`` it would hold. ``raw``: the chunks are stored uncompressed, so each must be
+        exactly :attr:`chunk_bytes` long. At most :data:`LISTED_MISSING` missing files are listed;
         the count of the others is returned (damaged metadata can declare any number)."""
-        writer = f"{folder.name}/"
-        files = [file_info(folder / name, root=root, writer=writer, pieces=(Piece(key, self.chunk_region(name)),))
+        writer, size = f"{folder.name}/", self.chunk_bytes if raw else None
+        files = [file_info(folder / name, size, root=root, writer=writer, pieces=(Piece(key, self.chunk_region(name)),))
                  for name in sorted(present) if self.is_chunk_key(name)]
         if not required:
             return files, 0
         missing, first = self.missing_chunks(present, LISTED_MISSING)
-        files += [FileInfo(f"{folder.relative_to(root)}/{name}", None, writer=writer,
+        files += [FileInfo(f"{folder.relative_to(root)}/{name}", None, size, writer=writer,
                            pieces=(Piece(key, self.chunk_region(name)),)) for name in first]
         return files, missing - len(first)
 

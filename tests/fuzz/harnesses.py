@@ -159,6 +159,8 @@ def _write_paxml_flax(root: Path) -> None:
 
 _DS = "neox_deepspeed/pp1_mp1/checkpoint"
 _PAX = "paxml_runs/TinySpmdRepeat/checkpoints/checkpoint_00000000"
+_ZERO = "deepspeed_zero/ws3/zero2_bf16"
+_MEGATRON_ZARR = "megatron_core/zarr/tp2_pp1"
 
 HARNESSES: tuple[Harness, ...] = (
     Harness("torch_pickle", "formats/torch_pickle.py: read_archive (safe_pickle, torch_globals), tensor_view",
@@ -182,6 +184,15 @@ HARNESSES: tuple[Harness, ...] = (
             _DS, "global_step0/layer_05-model_00-model_states.pt", examples=180),
     Harness("deepspeed_latest", "formats/deepspeed_pipeline.py: step_directory (latest tag)",
             _DS, "latest", examples=300),
+    Harness("deepspeed_zero_optim", "formats/deepspeed_zero.py: ZERO_GLOBALS stand-ins, ZeRO-1/2 partitions",
+            _ZERO, "global_step2/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", examples=180),
+    Harness("deepspeed_zero_model", "formats/deepspeed_zero.py: model states, ZeRO-3 pieces and frozen fragments",
+            "deepspeed_zero/ws2/zero3_fp32", "global_step2/zero_pp_rank_0_mp_rank_00_model_states.pt",
+            examples=180),
+    Harness("megatron_zarray", "formats/megatron_core.py: _array (.zarray of a raw-chunk array), reads",
+            _MEGATRON_ZARR, "decoder.layers.self_attention.linear_qkv.weight/.zarray", examples=180),
+    Harness("megatron_config", "formats/megatron_core.py: config (metadata.json)",
+            _MEGATRON_ZARR, "metadata.json", examples=120),
     Harness("flax_msgpack", "formats/msgpack_tree.py: read_tree (Flax legacy file)",
             "flax_0.6.11_legacy_msgpack/legacy_msgpack/checkpoint_1", examples=300),
     Harness("orbax_aggregate", "formats/msgpack_tree.py + orbax.py (legacy aggregate)",

@@ -1,0 +1,188 @@
+"""Megatron-Core ``dist_checkpointing`` folders: which backend wrote them, and the zarr backend's reader.
+
+Every ``dist_checkpointing.save`` writes ``metadata.json`` (``{"sharded_backend": "torch_dist" |
+"zarr", "sharded_backend_version": 1, "common_backend": "torch", ...}``) and ``common.pt`` (the
+state dict's non-sharded values: ``iteration``, ``args``...) beside the sharded part:
+
+- ``torch_dist`` (the default since Megatron-Core 0.7): a DCP checkpoint (``.metadata``,
+  ``__<rank>_<n>.distcp``), read by :mod:`ckptshim.formats.dcp`; :func:`config` says it is
+  Megatron-Core's, so that a load can pick the Megatron-Core profile;
+- ``zarr`` (Megatron-Core <= 0.12, removed in 0.16): one zarr-v2 array folder per sharded tensor
+  key, uncompressed, chunked by the shards that wrote it; each ``ShardedObject`` (a module's
+  ``_extra_state``) a ``torch.save`` file ``<key>/shard_<offset>_<shape>.pt``. Read here.
+
+Keys are Megatron-Core's checkpoint keys, the same under both backends: transformer layers
+stacked on a new axis 0 under one key without the layer index
+(``decoder.layers.self_attention.linear_qkv.weight`` ``[L, 3h, h]``, axis 0 the global layer
+index across pipeline stages); with the local (non-Transformer-Engine) spec the layer norms
+under their TE-fused names (``input_layernorm.weight`` as
+``self_attention.linear_qkv.layer_norm_weight``, ``pre_mlp_layernorm.*`` as
+``mlp.linear_fc1.layer_norm_*``). A ``ShardedObject`` is listed as DCP lists one: its key
+``<key>/shard_<offset>_<shape>`` as a ``uint8`` array of its stored bytes (never unpickled here).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
+from ckptshim.formats import dcp, zarr
+from ckptshim.formats.kvstore import regular_size
+from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, reader,
+                                   refuse_links_leaving, storage_dtype, strict_json)
+from ckptshim.inventory import Entry, Inventory, split_key
+
+NAME = "megatron-core-zarr"
+CONFIG_FILE = "metadata.json"
+COMMON_FILE = "common.pt"
+#: ``metadata.json`` is a few hundred bytes; a larger one is not Megatron-Core's.
+MAX_CONFIG_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Config:
+    """``metadata.json``: the backends (and their versions) that wrote the folder."""
+
+    sharded_backend: str
+    sharded_backend_version: int
+    common_backend: str
+    common_backend_version: int
+
+
+def config(path: Path) -> Config | None:
+    """The folder's ``metadata.json`` if it is Megatron-Core's (``sharded_backend`` named);
+    ``None`` for any other folder, or one whose ``metadata.json`` is not a small regular file
+    of JSON (never read otherwise: a FIFO there would block)."""
+    where = Path(path) / CONFIG_FILE
+    try:
+        if not where.is_file() or where.stat().st_size > MAX_CONFIG_BYTES:
+            return None
+        meta = strict_json(where.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or not isinstance(meta.get("sharded_backend"), str):
+        return None
+    version = meta.get("sharded_backend_version", 1)
+    common_version = meta.get("common_backend_version", 1)
+    return Config(meta["sharded_backend"], version if type(version) is int else 1,
+                  str(meta.get("common_backend", "torch")), common_version if type(common_version) is int else 1)
+
+
+def is_torch_dist(path: Path) -> bool:
+    """A DCP folder written by Megatron-Core's ``torch_dist`` backend (read by :mod:`dcp`)."""
+    found = config(path)
+    return found is not None and found.sharded_backend == "torch_dist" and dcp.sniff(Path(path))
+
+
+def is_zarr(path: Path) -> bool:
+    """A folder written by Megatron-Core's ``zarr`` backend: its ``metadata.json`` says so and it
+    holds at least one zarr-v2 array folder."""
+    found = config(path)
+    return (found is not None and found.sharded_backend == "zarr"
+            and any((child / ".zarray").is_file() for child in Path(path).iterdir()))
+
+
+sniff = is_zarr
+READERS = {"torch": is_zarr}
+
+
+@dataclass(frozen=True)
+class _Array:
+    """A sharded tensor's zarr folder: its metadata, read from raw chunk files."""
+
+    folder: str
+    meta: zarr.ZarrArray
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.meta.chunk_bytes
+
+
+class MegatronZarrCheckpoint(Checkpoint):
+    """A Megatron-Core zarr-backend folder. Tensor entries' locations are :class:`_Array`; a
+    ``ShardedObject``'s is its ``.pt`` file's name, read as bytes."""
+
+    def read(self, entry: Entry) -> np.ndarray:
+        where = entry.location
+        if isinstance(where, str):  # a sharded object: the file's bytes
+            if regular_size(self.path / where) != entry.shape[0]:
+                raise CorruptCheckpointError(f"{self.path / where}: changed since the checkpoint was opened")
+            return np.fromfile(self.path / where, dtype=np.uint8)
+        meta = where.meta
+        out = np.empty(meta.shape, storage_dtype(meta.dtype))
+        for key in meta.chunk_keys():
+            starts = [int(i) * c for i, c in zip(key.split(meta.separator), meta.chunks)] if meta.shape else []
+            region = tuple(slice(s, min(s + c, n)) for s, c, n in zip(starts, meta.chunks, meta.shape))
+            file = self.path / where.folder / key
+            size = regular_size(file)
+            if size != where.chunk_bytes:
+                raise CorruptCheckpointError(f"{file}: {'not a regular file' if size is None else f'{size} bytes'}, "
+                                             f"but a chunk of {where.folder} is {where.chunk_bytes} bytes; "
+                                             "the chunk is missing or damaged. Re-copy it.")
+            raw = np.memmap(file, dtype=storage_dtype(meta.dtype), mode="r")
+            chunk = raw.reshape(meta.chunks) if meta.shape else raw.reshape(())
+            out[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
+        return out
+
+
+@reader
+def open_checkpoint(path: Path) -> MegatronZarrCheckpoint:
+    found = config(path)
+    if found is None or found.sharded_backend != "zarr":
+        raise CorruptCheckpointError(f"{path}: no {CONFIG_FILE} naming the zarr sharded backend; not a "
+                                     "Megatron-Core zarr checkpoint")
+    refuse_links_leaving(path)
+    array_bytes = folder_bytes(path)
+    entries: list[Entry] = []
+    files: list[FileInfo] = [file_info(path / CONFIG_FILE, root=path), file_info(path / COMMON_FILE, root=path)]
+    problems: list[str] = []
+    for folder in sorted(child for child in path.iterdir() if child.is_dir()):
+        if (folder / ".zarray").is_file():
+            array = _array(folder, array_bytes)
+            entries.append(Entry(split_key(folder.name), array.meta.shape, array.meta.dtype, array))
+            present = {child.name for child in folder.iterdir() if child.name != ".zarray"}
+            files += _chunk_files(folder, array, present, path, problems)
+        for obj in sorted(folder.glob("shard_*.pt")):
+            if obj.is_file():
+                name = f"{folder.name}/{obj.stem}"
+                entries.append(Entry(split_key(name), (obj.stat().st_size,), "uint8", f"{folder.name}/{obj.name}"))
+                files.append(file_info(obj, root=path, writer=f"{folder.name}/", pieces=(Piece(name, "object"),)))
+    version = f"Megatron-Core dist_checkpointing zarr v{found.sharded_backend_version}"
+    return MegatronZarrCheckpoint(path, NAME, version, Inventory(entries, str(path)), tuple(files), tuple(problems))
+
+
+def _array(folder: Path, array_bytes: int) -> _Array:
+    """A zarr folder's ``.zarray``, refused unless it is what Megatron-Core writes: C order, no
+    compressor, no filters (raw chunks, each exactly one chunk's bytes)."""
+    where = folder / ".zarray"
+    raw = where.read_bytes()
+    try:
+        meta = strict_json(raw, array_bytes)
+    except ValueError as error:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({error}). Re-copy the checkpoint.") from None
+    if not isinstance(meta, dict) or meta.get("zarr_format") != 2:
+        raise CorruptCheckpointError(f"{where}: not zarr v2 array metadata, which Megatron-Core's zarr backend writes")
+    dtype = meta.get("dtype")
+    if (meta.get("compressor") is not None or meta.get("filters") or meta.get("order", "C") != "C"
+            or not (dtype == "bfloat16" or (isinstance(dtype, str) and dtype[:1] in "<|"))):
+        raise UnknownFormatError(
+            f"{where}: compressor {json.dumps(meta.get('compressor'))[:80]}, filters "
+            f"{json.dumps(meta.get('filters'))[:80]}, order {meta.get('order')!r:.10}, dtype {dtype!r:.20}; "
+            "Megatron-Core writes uncompressed little-endian C-order chunks, which is all ckptshim reads "
+            "in this layout.")
+    return _Array(folder.name, zarr.parse(raw, str(where)))
+
+
+def _chunk_files(folder: Path, array: _Array, present: set[str], root: Path, problems: list[str]) -> list[FileInfo]:
+    """Every chunk the array needs (Megatron-Core writes them all: no fill value), each exactly
+    one chunk's bytes; a missing, short or long one is a completeness problem naming its block."""
+    files, unlisted = array.meta.folder_files(folder, present, folder.name, True, root, raw=True)
+    if unlisted:
+        problems.append(f"{folder.name}: {unlisted} more chunk file(s) missing")
+    problems += [f"{info.path}: {info.size} bytes, more than the {array.chunk_bytes} of one chunk"
+                 for info in files if info.size is not None and info.size > array.chunk_bytes]
+    return files
