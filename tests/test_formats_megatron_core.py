@@ -89,9 +89,6 @@ def test_zarr_and_torch_dist_list_the_same_tensors() -> None:
     assert MANIFEST["stored"]["torch_dist/tp1_pp1"][QKV] == {"shape": [4, 36, 12], "dtype": "float32"}
 
 
-@pytest.mark.xfail(raises=UnsafeCheckpointError, strict=True,
-                   reason="Megatron-Core stores DCP's own SavePlan/WriteItem in Metadata.all_local_plans; "
-                          "the DCP metadata allow-list learns DCP's dataclasses in issue 22")
 @pytest.mark.parametrize("variant", TORCH_DIST)
 def test_torch_dist_reads_as_megatron_loads_it(variant: str) -> None:
     checkpoint = open_checkpoint(MEGATRON / variant)
@@ -99,9 +96,6 @@ def test_torch_dist_reads_as_megatron_loads_it(variant: str) -> None:
     _check_against_megatrons_own_load(checkpoint, variant)
 
 
-@pytest.mark.xfail(raises=AssertionError, strict=True,
-                   reason="ckptshim inspect refuses Megatron-Core's .metadata (DCP SavePlan in "
-                          "all_local_plans) until issue 22's DCP allow-list lands")
 def test_inspect_torch_dist(capsys) -> None:
     code = main(["inspect", str(MEGATRON / "torch_dist" / "tp2_pp2")])
     captured = capsys.readouterr()

@@ -33,7 +33,8 @@ name with its partner's value. Reads assemble a parameter from the ranks' partit
 bit; :meth:`ZeroCheckpoint.read_optimizer_state` does the same for the Adam moments.
 
 DeepSpeed pickles its own objects into these files (``ZeroStageEnum``, ``LossScaler``,
-``fragment_address``, ``torch.Size``). For these files only they are allowed, each built as
+``fragment_address``; and ``torch.Size``, which torch's own allow-list admits). For these files
+only they are allowed, each built as
 inert data by :data:`ZERO_GLOBALS` (model-state files also allow :mod:`deepspeed_pipeline`'s
 ``mp_rank`` globals: numpy RNG state and ``argparse.Namespace`` that Megatron-DeepSpeed and
 GPT-NeoX add); any other global is refused, naming it. DeepSpeed is never imported.
@@ -84,13 +85,6 @@ def _zero_stage(value: Any) -> int:
     return value
 
 
-def _size(dims: Any = ()) -> tuple[int, ...]:
-    """``torch.Size(dims)``: a tuple of sizes."""
-    if type(dims) is not tuple or not all(type(n) is int and n >= 0 for n in dims):
-        raise safe_pickle.Refused(f"torch.Size of a {type(dims).__name__} that is not a tuple of sizes")
-    return dims
-
-
 class _Record(dict):
     """A DeepSpeed object pickled as its attributes (``LossScaler``, ``fragment_address``): a plain
     dict of them, built by ``NEWOBJ`` without arguments and given its state by ``BUILD``."""
@@ -111,14 +105,13 @@ class _Record(dict):
 
 
 #: The globals DeepSpeed's ZeRO optimizer states name, each built as inert data (for these
-#: files only; see the module docstring). ``torch.Size`` is allowed by
-#: ``torch.load(weights_only=True)`` too; DeepSpeed pickles ``param_shapes`` with it.
+#: files only; see the module docstring). ``param_shapes`` holds ``torch.Size`` values, which
+#: torch's own allow-list admits everywhere (:class:`~ckptshim.formats.torch_globals.Size`).
 ZERO_GLOBALS: torch_globals.ExtraGlobals = {
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"): _zero_stage,
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): _Record,
     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): _Record,
     ("deepspeed.utils.tensor_fragment", "fragment_address"): _Record,
-    ("torch", "Size"): _size,
 }
 #: Model-state files: ZeRO's globals and those of an engine's ``mp_rank`` file.
 MODEL_STATE_GLOBALS: torch_globals.ExtraGlobals = {**deepspeed_pipeline.MP_RANK_GLOBALS, **ZERO_GLOBALS}
@@ -518,7 +511,7 @@ def _is_flat(value: Any) -> bool:
 
 
 def _shapes(value: Any, what: str, step: Path) -> dict[str, tuple[int, ...]]:
-    if not isinstance(value, dict) or not all(type(k) is str and type(v) is tuple for k, v in value.items()):
+    if not isinstance(value, dict) or not all(type(k) is str and isinstance(v, torch_globals.Size) for k, v in value.items()):
         raise CorruptCheckpointError(f"{step}: {what} is not a mapping of parameter names to shapes")
     return value
 
