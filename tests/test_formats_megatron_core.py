@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from ckptshim.cli import main
-from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
+from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import dcp, megatron_core
 from ckptshim.formats.detect import detect, open_checkpoint
 from ckptshim.inventory import join_key

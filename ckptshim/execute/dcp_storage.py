@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,

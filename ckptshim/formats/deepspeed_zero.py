@@ -63,7 +63,7 @@ from ckptshim.formats import deepspeed_pipeline, safe_pickle, torch_globals, tor
 from ckptshim.formats.base import Checkpoint, FileInfo, Piece, file_info, reader, refuse_links_leaving
 from ckptshim.formats.kvstore import regular_size
 from ckptshim.formats.torch_globals import TensorRef
-from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
+from ckptshim.inventory import Entry, Inventory, split_key
 
 NAME = "deepspeed-zero"
 _OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt")
