@@ -194,8 +194,9 @@ def _report_unmapped(plan: Plan) -> None:
     if not lost:
         return
     names = ", ".join(join_key(key, SEP) for key in lost)
-    message = (f"{plan.source.source}: PaxML model variable(s) {names} have no place in MaxText's GPT-3 "
-               f"model, so the restored model computes without them (see {docs_page('paxml-gpt3')})")
+    message = (f"{plan.source.source}: {len(lost)} PaxML model variable(s) have no place in MaxText's "
+               f"GPT-3 model, so the restored model computes without them: {names} "
+               f"(see {docs_page('paxml-gpt3')})")
     if config.strict():
         raise PlanError(message + "; CKPTSHIM_STRICT=1 refuses the restore. Restore into a model that "
                         "has them, or unset CKPTSHIM_STRICT to accept the difference.")
