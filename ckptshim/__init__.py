@@ -12,6 +12,10 @@ from __future__ import annotations
 from ckptshim.errors import ShimError
 from ckptshim.hooks.registry import install, uninstall
 
+TYPE_CHECKING = False  # type checkers take it as True (importing typing would cost ~4 ms)
+if TYPE_CHECKING:  # what type checkers and the API docs see; at run time, loaded on first use
+    from ckptshim.api import convert, inspect, plan
+
 __all__ = ["ShimError", "convert", "inspect", "install", "plan", "uninstall", "__version__"]
 __version__: str  # read on first use (see __getattr__)
 

@@ -43,7 +43,7 @@ class AmbiguousNameError(PlanError):
 
 class PeerError(ShimError):
     """Another process of a multi-process load refused or failed it (or never reported back);
-    raised on every process, so that none goes on alone (see :mod:`ckptshim.loading.agreement`)."""
+    raised on every process, so that none goes on alone (see ``ckptshim.loading.agreement``)."""
 
 
 class InternalError(ShimError):
