@@ -14,7 +14,7 @@ DEMO_STAMP := $(DEMO_VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	@echo "Installing ckptshim and everything its tests use into $(VENV): torch 2.13.0 (CPU), jax,"
 	@echo "flax, orbax-checkpoint, transformers, DeepSpeed (built from its sdist), Lightning, torchao,"
-	@echo "pytest, mkdocs-material, playwright. About 6 minutes the first time, less from pip's cache."
+	@echo "pytest, mkdocs-material, playwright. About 5 to 8 minutes the first time (from pip's cache)."
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c constraints.txt --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 $(DEMO_STAMP): pyproject.toml constraints.txt
 	@echo "Installing what the demo needs into $(DEMO_VENV): torch 2.13.0 (CPU), jax, flax,"
-	@echo "orbax-checkpoint, tensorstore, transformers, safetensors. About 3 minutes the first time"
-	@echo "(less from pip's cache); later runs start at once."
+	@echo "orbax-checkpoint, tensorstore, transformers, safetensors. About 3 to 5 minutes the first time"
+	@echo "(from pip's cache); later runs start at once."
 	$(PYTHON) -m venv $(DEMO_VENV)
 	$(DEMO_VENV)/bin/python -m pip install --quiet -c constraints.txt --upgrade pip
 	$(DEMO_VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[demo]'

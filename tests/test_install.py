@@ -56,6 +56,11 @@ def test_plan_like_a_module_in_the_current_folder_with_the_console_script(tmp_pa
     assert first_line(absent) == (f"ckptshim: --like not_here:build: no module 'not_here' in the current "
                                   f"folder ({tmp_path}) or on PYTHONPATH; run from the folder that holds "
                                   "it or add that folder to PYTHONPATH")
+    (tmp_path / "broken_models.py").write_text("from os import no_such_name\n")
+    broken = here.run([here.script(), "plan", checkpoint, "--like", "broken_models:build"], cwd=tmp_path)
+    assert broken.returncode == 1  # the module is there: what it imports is not
+    assert first_line(broken).startswith("ckptshim: --like broken_models:build: importing broken_models "
+                                         "failed: cannot import name 'no_such_name' from 'os'"), broken.stderr
 
 
 # -- a venv with ckptshim alone ------------------------------------------------------------------

@@ -65,6 +65,8 @@ def _import(spec: str, module_name: str) -> ModuleType:
                             "it or add that folder to PYTHONPATH") from None
         raise extras.missing(error, f"--like {spec}") or LikeError(
             f"--like {spec}: importing {module_name} failed: {error}") from error
+    except ImportError as error:  # e.g. a name its own imports ask for that is not there
+        raise LikeError(f"--like {spec}: importing {module_name} failed: {error}") from error
 
 
 def _is_array(leaf: Any) -> bool:
