@@ -10,7 +10,10 @@ import argparse
 import json
 import sys
 
-from ckptshim.errors import ShimError
+import ckptshim
+
+from ckptshim import extras
+from ckptshim.errors import DOCS_URL, ShimError
 from ckptshim.inventory import size_text
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
@@ -111,6 +114,7 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=1))
         return EXIT_OK
+    print(f"ckptshim {info['ckptshim']['version']} ({info['ckptshim']['location']})")
     print(f"Python {info['python']} ({info['executable']})")
     print("frameworks:")
     for name, version in info["versions"].items():
@@ -140,47 +144,117 @@ def _disable_venv(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+#: Said under every command's help: where the rest is.
+EPILOG = (f"exit codes: 0 ok, 1 a problem was found (the message says what), 2 a usage error; "
+          f"`run` exits with the command's own status. Documentation: {DOCS_URL}")
+CHECKPOINT = ("a file or folder in any format ckptshim reads: a torch.save file, a safetensors file, "
+              "a Hugging Face model folder, a torch.distributed.checkpoint (DCP) folder, an Orbax "
+              "checkpoint (item, step folder or CheckpointManager root), Flax msgpack, T5X, PaxML, "
+              "a DeepSpeed/GPT-NeoX pipeline folder")
+LIKE = ("another checkpoint (any format SOURCE may be), or MODULE:FUNCTION: a function importable "
+        "from the current folder or PYTHONPATH that takes no arguments and returns a torch "
+        "nn.Module, a state dict, or a JAX tree (jax.ShapeDtypeStruct leaves, e.g. from "
+        "jax.eval_shape, are enough)")
+
+
+def _command(commands, name: str, summary: str, description: str, **kwargs) -> argparse.ArgumentParser:
+    return commands.add_parser(name, help=summary, description=f"{summary}. {description}",
+                               epilog=EPILOG, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckptshim", description=__doc__.splitlines()[0].replace("``", ""),
-                                     epilog="exit codes: 0 ok, 1 a problem was found, 2 a usage error "
-                                            "(run: the command's own). Docs: docs/cli.md")
-    commands = parser.add_subparsers(dest="command", required=True)
-    inspect = commands.add_parser("inspect", help="describe a checkpoint from its metadata")
-    inspect.add_argument("path")
-    inspect.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser = argparse.ArgumentParser(
+        prog="ckptshim", epilog=EPILOG,
+        description="Load old and foreign deep-learning checkpoints into today's PyTorch and JAX "
+                    "code. `import ckptshim` in your script turns the hooks on; this command "
+                    "inspects, plans and converts checkpoints, and runs unedited scripts with the "
+                    "hooks. `ckptshim COMMAND --help` describes each command.")
+    parser.add_argument("--version", action="version",
+                        version=f"ckptshim {ckptshim.__version__} (Python {sys.version.split()[0]}, {sys.executable})",
+                        help="print ckptshim's version (and the Python it runs in) and exit")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     help="what to do (`ckptshim COMMAND --help` for its arguments):")
+
+    inspect = _command(commands, "inspect", "describe a checkpoint from its metadata",
+                       "Prints its format and version, every array (key, dtype, shape, bytes), the "
+                       "files it consists of and whether it is complete. No tensor bytes are read. "
+                       "Exit 1 when the checkpoint is incomplete.")
+    inspect.add_argument("path", metavar="CHECKPOINT", help=f"the checkpoint: {CHECKPOINT}")
+    inspect.add_argument("--json", action="store_true",
+                         help="print one JSON object (path, format, version, entries, total_bytes, "
+                              "files, complete, problems) instead of the table")
     inspect.set_defaults(run=_inspect)
-    plan = commands.add_parser("plan", help="dry run: how SOURCE would load into the layout of --like")
-    plan.add_argument("source")
-    plan.add_argument("--like", required=True,
-                      help="a checkpoint whose layout is the target, or module:function returning "
-                           "a model, a state dict or an abstract tree")
-    plan.add_argument("--json", action="store_true")
-    plan.add_argument("--sep", default=".", choices=[".", "/"], help="key separator to print")
+
+    plan = _command(commands, "plan", "dry run: how SOURCE would load into the layout of --like",
+                    "Prints what would be renamed, stacked, split, synthesized or dropped, with "
+                    "layer ranges compressed; reads no tensor bytes. Exit 1 when the plan leaves "
+                    "something the target needs without a value.")
+    plan.add_argument("source", metavar="SOURCE", help=f"the checkpoint to load: {CHECKPOINT}")
+    plan.add_argument("--like", required=True, metavar="TARGET", help=f"the layout to load into: {LIKE}")
+    plan.add_argument("--json", action="store_true",
+                      help="print one JSON object (summary, complete, lines, missing, unexpected, "
+                           "mismatched) instead of the text")
+    plan.add_argument("--sep", default=".", choices=[".", "/"],
+                      help="join key components with this when printing: '.' as torch names "
+                           "tensors (default), '/' as JAX tree paths")
     plan.set_defaults(run=_plan)
-    convert = commands.add_parser("convert", help="write SOURCE in another format (atomically)")
-    convert.add_argument("source")
-    convert.add_argument("destination")
-    convert.add_argument("--to", required=True, choices=["safetensors", "dcp", "orbax"])
-    convert.add_argument("--like", help="map the arrays onto this checkpoint's layout first")
-    convert.add_argument("--force", action="store_true", help="replace DESTINATION if it exists")
-    convert.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+
+    convert = _command(commands, "convert", "write SOURCE in another format, atomically",
+                       "The arrays are copied bit for bit (never cast), one at a time, into a "
+                       "temporary folder beside DESTINATION that is renamed into place when "
+                       "complete; SOURCE is only read.")
+    convert.add_argument("source", metavar="SOURCE", help=f"the checkpoint to read: {CHECKPOINT}")
+    convert.add_argument("destination", metavar="DESTINATION",
+                         help="where to write: a folder (or, for --to safetensors, a file ending "
+                              "in .safetensors); it must not exist unless --force")
+    convert.add_argument("--to", required=True, choices=["safetensors", "dcp", "orbax"],
+                         help="output format: safetensors (one file), dcp (written by torch's own "
+                              "writer; needs torch) or orbax (written by Orbax's own handler, as "
+                              "StandardCheckpointer.save does; needs jax and orbax-checkpoint)")
+    convert.add_argument("--like", metavar="TARGET",
+                         help=f"map the arrays onto this layout first, with the plan `plan` shows: {LIKE}")
+    convert.add_argument("--force", action="store_true",
+                         help="replace DESTINATION if it exists (only once the new one is complete)")
+    convert.add_argument("--no-progress", action="store_true",
+                         help="never show the progress bar (it is shown only when stderr is a terminal)")
     convert.set_defaults(run=_convert)
-    run = commands.add_parser("run", help="run a command with the hooks in every Python process it starts",
-                              usage="ckptshim run [--disable-hooks NAMES] [--strict] [--log LEVEL] -- COMMAND ...")
-    run.add_argument("--disable-hooks", metavar="NAMES", help="comma-separated hooks to leave off")
-    run.add_argument("--strict", action="store_true", help="every guess is an error (CKPTSHIM_STRICT=1)")
-    run.add_argument("--log", choices=["info", "debug"], help="print each load's summary or plan")
-    run.add_argument("command_line", nargs=argparse.REMAINDER, metavar="COMMAND")
+
+    run = _command(commands, "run", "run a command with the hooks in every Python process it starts",
+                   "Puts a bootstrap sitecustomize first on PYTHONPATH so that the command and every "
+                   "Python it starts (torchrun workers included) import ckptshim; the command "
+                   "itself is unedited.",
+                   usage="ckptshim run [--disable-hooks NAMES] [--strict] [--log {info,debug}] -- COMMAND ...")
+    run.add_argument("--disable-hooks", metavar="NAMES",
+                     help="comma-separated hooks to leave off (CKPTSHIM_DISABLE_HOOKS); "
+                          "`ckptshim doctor` lists them")
+    run.add_argument("--strict", action="store_true",
+                     help="every guess is an error (CKPTSHIM_STRICT=1)")
+    run.add_argument("--log", choices=["info", "debug"],
+                     help="print each load's one-line summary (info) or its whole plan (debug) on "
+                          "stderr (CKPTSHIM_LOG)")
+    run.add_argument("command_line", nargs=argparse.REMAINDER, metavar="COMMAND",
+                     help="the command to run and its arguments, after `--`, e.g. "
+                          "`-- torchrun --nproc_per_node=8 train.py`")
     run.set_defaults(run=_run)
-    doctor = commands.add_parser("doctor", help="framework versions and what each hook does here")
-    doctor.add_argument("--json", action="store_true")
+
+    doctor = _command(commands, "doctor", "ckptshim's and the frameworks' versions, and what each hook does here",
+                      "Versions come from package metadata (nothing is imported); each hook is "
+                      "ready, active, gated (version outside its range), absent, disabled or "
+                      "failed, with the reason. Always exits 0.")
+    doctor.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     doctor.set_defaults(run=_doctor)
-    for name, func, text in (("enable-venv", _enable_venv, "make every Python of this venv import ckptshim"),
-                             ("disable-venv", _disable_venv, "undo enable-venv")):
-        sub = commands.add_parser(name, help=text)
-        sub.add_argument("--site-packages", metavar="DIR", help="where to write (default: this Python's)")
+
+    for name, func, text, description in (
+            ("enable-venv", _enable_venv, "make every Python of this virtual environment import ckptshim",
+             "Writes ckptshim.pth into site-packages; Python runs its import line at every start-up."),
+            ("disable-venv", _disable_venv, "undo enable-venv",
+             "Removes the ckptshim.pth that enable-venv wrote (never one written by someone else).")):
+        sub = _command(commands, name, text, description)
+        sub.add_argument("--site-packages", metavar="DIR",
+                         help="the site-packages folder to write in (default: this Python's)")
         if name == "enable-venv":
-            sub.add_argument("--force", action="store_true", help="allow a Python outside a venv")
+            sub.add_argument("--force", action="store_true",
+                             help="write it even for a Python that is not a virtual environment's")
         sub.set_defaults(run=func)
     return parser
 
@@ -195,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except ShimError as error:
         print(f"ckptshim: {error}", file=sys.stderr)
+        return EXIT_PROBLEM
+    except ModuleNotFoundError as error:  # a framework the command needs, found missing on the way
+        needs_extra = extras.missing(error, f"ckptshim {args.command}")
+        if needs_extra is None:
+            raise
+        print(f"ckptshim: {needs_extra}", file=sys.stderr)
         return EXIT_PROBLEM
     except BrokenPipeError:  # `ckptshim inspect ... | head`: the reader left, which is fine
         sys.stderr.close()

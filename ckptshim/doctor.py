@@ -1,4 +1,5 @@
-"""``ckptshim doctor``: what this environment has, and what each hook will do in it and why.
+"""``ckptshim doctor``: what this environment has (ckptshim's own version first), and what each
+hook will do in it and why.
 
 Nothing here imports a framework: versions come from the installed distributions' metadata
 (``importlib.metadata``), and each hook's fate is worked out the way the registry decides it
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from ckptshim import config
 from ckptshim.hooks import registry
@@ -72,8 +74,11 @@ def report() -> dict:
     """Everything ``doctor`` prints, JSON-ready."""
     from ckptshim.venv import pth_file
 
+    import ckptshim
+
     pth = pth_file()
     return {
+        "ckptshim": {"version": ckptshim.__version__, "location": str(Path(ckptshim.__file__).parent)},
         "python": sys.version.split()[0],
         "executable": sys.executable,
         "versions": versions(),

@@ -67,7 +67,7 @@ class AmbiguousNameError(PlanError):
 
 class PeerError(ShimError):
     """Another process of a multi-process load refused or failed it (or never reported back);
-    raised on every process, so that none goes on alone (see :mod:`ckptshim.loading.agreement`)."""
+    raised on every process, so that none goes on alone (see ``ckptshim.loading.agreement``)."""
 
 
 class InternalError(ShimError):
@@ -78,3 +78,13 @@ class InternalError(ShimError):
     deliberately, and the original exception is its ``__cause__``.
     """
 
+
+
+#: The documentation site (pyproject.toml's ``Documentation`` URL): errors and help point here,
+#: never at the repository's ``docs/`` folder, which a pip install does not have.
+DOCS_URL = "https://ckptshim.readthedocs.io/en/latest/"
+
+
+def docs_page(page: str, section: str = "") -> str:
+    """The address of a page of the documentation site (``docs/<page>.md`` in the repository)."""
+    return f"{DOCS_URL}{page}/" + (f"#{section}" if section else "")

@@ -281,8 +281,9 @@ def main() -> int:
                 continue
             summaries = [line for line in lines if not line.startswith("WARNING: ")]
             print(f"    with ckptshim:    {'; '.join(summaries) or 'loaded, nothing to change'}")
-            for warning in sorted(set(lines) - set(summaries)):
-                print(f"      {textwrap.shorten(warning, 200)}")
+            for warning in sorted(set(lines) - set(summaries)):  # whole: it names what was left out
+                print(textwrap.fill(warning, 110, initial_indent=" " * 6, subsequent_indent=" " * 8,
+                                    break_on_hyphens=False, break_long_words=False))
     print(f"\n{len(STORIES) - failures} of {len(STORIES)} stories load with ckptshim.")
     return 1 if failures else 0
 

@@ -4,7 +4,7 @@ private name taken across modules.
 From the top: surfaces (the package, ``api``, ``cli``, ``conversion``, ``launcher``, ...),
 ``hooks``, ``loading``, ``execute``, ``formats``, ``planner``, ``rules``, the op protocol
 (``ops``, ``keytext``), ``inventory``, and the utilities everything may use (``errors``,
-``config``, ``log``). A module may import its own layer or any layer below, never one above;
+``config``, ``log``, ``progress``, ``extras``). A module may import its own layer or any layer below, never one above;
 imports made inside functions count too (they run all the same).
 """
 
@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ckptshim.rules",),
     ("ckptshim.ops", "ckptshim.keytext"),
     ("ckptshim.inventory",),
-    ("ckptshim.errors", "ckptshim.config", "ckptshim.log", "ckptshim.progress"),
+    ("ckptshim.errors", "ckptshim.config", "ckptshim.log", "ckptshim.progress", "ckptshim.extras"),
 )
 
 

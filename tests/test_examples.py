@@ -49,3 +49,56 @@ def test_example_runs(script: Path) -> None:
         check_demo(result.stdout)
     for line in MUST_PRINT.get(script.name, ()):
         assert line in out, (line, out)
+
+
+def _installs(distribution: str, extras: frozenset[str] = frozenset(), seen: set[str] | None = None) -> set[str]:
+    """``distribution`` with ``extras`` and everything that pulls in, by installed metadata."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen = set() if seen is None else seen
+    name = canonicalize_name(distribution)
+    if (name, extras) in seen:
+        return set()
+    seen.add((name, extras))
+    found = {name}
+    try:
+        requirements = [Requirement(text) for text in requires(distribution) or []]
+    except PackageNotFoundError:  # an optional dependency of a dependency, not installed here
+        return found
+    for requirement in requirements:
+        wanted = requirement.marker is None or any(
+            requirement.marker.evaluate({"extra": extra}) for extra in extras or {""})
+        if wanted:
+            found |= _installs(requirement.name, frozenset(requirement.extras), seen)
+    return found
+
+
+def test_the_demo_extra_holds_what_the_demo_imports():
+    """`make demo` installs ckptshim[demo] alone into its own venv: every framework the demo (and
+    the example modules and legacy script it runs) imports must come with that extra."""
+    import ast
+    from importlib.metadata import packages_distributions
+
+    from packaging.utils import canonicalize_name
+
+    here = Path(__file__).parent.parent / "examples"
+    scripts = [here / "demo.py", here / "paxml_to_maxtext.py", here / "legacy_scripts" / "train_legacy.py"]
+    local = {path.stem for path in here.glob("*.py")} | {"ckptshim"}
+    imported = set()
+    for script in scripts:
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.partition(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                imported.add(node.module.partition(".")[0])
+    third_party = sorted(imported - set(sys.stdlib_module_names) - local - {"__future__"})
+    providers = packages_distributions()
+    installed = _installs("ckptshim", frozenset({"demo"}))
+    assert {"torch", "jax", "orbax-checkpoint", "transformers"} <= installed
+    assert "torchao" not in installed and "deepspeed" not in installed  # what made the demo noisy
+    missing = [module for module in third_party
+               if not {canonicalize_name(d) for d in providers.get(module, [])} & installed]
+    assert third_party and not missing, missing

@@ -1,5 +1,6 @@
-"""What a long hooked load shows: one tqdm bar over the bytes it reads, on a terminal only, and
-its one summary line, once.
+"""What a long hooked load shows: one tqdm bar per load over the bytes it reads (an Orbax restore,
+a ``dcp.load`` of a DCP folder or of a format only ckptshim reads), on a terminal only, on rank 0
+only under torchrun, and its one summary line, once.
 
 A bar needs stderr to be a terminal, so these loads run in a child process whose stderr is a
 pseudo-terminal (as ``test_convert.py``'s bar does); the fixtures are small, so
@@ -13,6 +14,7 @@ import sys
 
 import pytest
 
+from ckptshim.api import inspect
 from support.fixtures import copy_fixture
 from support import processes
 from support.processes import environment
@@ -56,11 +58,24 @@ def runs(tmp_path_factory):
     return [str(root / name / "checkpoints" / "1" / "items") for name in ("tiny_unscanned", "tiny_scanned")]
 
 
+def bars(shown: str, description: str) -> list[str]:
+    """Each bar as the terminal is left showing it: tqdm redraws a bar's line after ``\r`` and
+    ends it with a newline when the bar closes, so one line per bar, its last drawing."""
+    return [line.split("\r")[-1] for line in shown.split("\n") if description in line]
+
+
+def in_bytes(total: int) -> str:
+    """How a bar over ``total`` bytes ends: ``396k/396k`` (KiB, as ``from_pretrained``'s bars)."""
+    from tqdm import tqdm
+
+    size = tqdm.format_sizeof(total, divisor=1024)
+    return f"{size}/{size} ["
+
+
 def test_a_restore_over_the_threshold_shows_one_bar_to_its_end(runs):
     shown = on_a_terminal(RESTORE, *runs, CKPTSHIM_PROGRESS_MIN_BYTES="1")
-    assert shown.count("ckptshim: restoring") >= 1 and "100%|" in shown, shown
-    bars = {line.split("|")[0].split(":")[-1] for line in shown.split("\r") if "ckptshim: restoring" in line}
-    assert "100%" in {b.strip() for b in bars}
+    (bar,) = bars(shown, "ckptshim: restoring")  # the native restore of the scanned run shows none
+    assert "100%|" in bar, shown
 
 
 @pytest.mark.parametrize("env", [{}, {"CKPTSHIM_PROGRESS_MIN_BYTES": "1", "CKPTSHIM_PROGRESS": "0"}],
@@ -78,10 +93,43 @@ def test_no_bar_when_stderr_is_not_a_terminal(runs):
     assert result.returncode == 0 and "restored" in result.stderr and "%|" not in result.stderr, result.stderr
 
 
-def test_a_dcp_load_through_ckptshim_shows_a_bar(tmp_path):
-    shown = on_a_terminal(DCP_LOAD, str(copy_fixture("torch_dcp_single/dcp_plain", tmp_path)),
-                          CKPTSHIM_PROGRESS_MIN_BYTES="1")
-    assert "ckptshim: dcp.load" in shown and "100%|" in shown and "loaded" in shown, shown
+def test_a_dcp_load_through_ckptshim_shows_one_bar_over_its_bytes(tmp_path):
+    checkpoint = copy_fixture("torch_dcp_single/dcp_plain", tmp_path)
+    shown = on_a_terminal(DCP_LOAD, str(checkpoint), CKPTSHIM_PROGRESS_MIN_BYTES="1")
+    (bar,) = bars(shown, "ckptshim: dcp.load")
+    assert "100%|" in bar and in_bytes(inspect(checkpoint).inventory.total_bytes) in bar, shown
+    assert "loaded" in shown
+
+
+FOREIGN_DCP_LOAD = """
+import sys
+import torch, torch.distributed.checkpoint as dcp
+import ckptshim
+from ckptshim.api import inspect
+state = {".".join(k): torch.empty(e.shape, dtype=getattr(torch, e.dtype)) for k, e in inspect(sys.argv[1]).inventory.items()}
+dcp.load(state, checkpoint_id=sys.argv[1])
+print("loaded", file=sys.stderr, flush=True)
+"""
+
+
+def test_a_dcp_load_of_a_safetensors_file_shows_one_bar_over_its_bytes(tmp_path):
+    """The other storage reader: a format DCP cannot read, read by ckptshim."""
+    weights = copy_fixture("hf_gptneox_tf4.30.2/safetensors/model.safetensors", tmp_path)
+    shown = on_a_terminal(FOREIGN_DCP_LOAD, str(weights), CKPTSHIM_PROGRESS_MIN_BYTES="1")
+    (bar,) = bars(shown, "ckptshim: dcp.load")
+    assert "100%|" in bar and in_bytes(inspect(weights).inventory.total_bytes) in bar, shown
+
+
+def test_under_torchrun_only_rank_0_shows_its_bar(tmp_path):
+    """Two ranks each read the whole checkpoint, both on one terminal: one bar, rank 0's."""
+    checkpoint = copy_fixture("torch_dcp_single/dcp_plain", tmp_path)
+    env = {**{k: v for k, v in environment().items() if not k.startswith("CKPTSHIM_")},
+           "CKPTSHIM_PROGRESS_MIN_BYTES": "1", "OMP_NUM_THREADS": "1"}
+    shown = processes.on_a_terminal(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                     processes.worker("progress_dcp_worker.py"), str(checkpoint)], env, timeout=240)
+    assert "loaded on rank 0" in shown and "loaded on rank 1" in shown, shown
+    (bar,) = bars(shown, "ckptshim: dcp.load")
+    assert "100%|" in bar and in_bytes(inspect(checkpoint).inventory.total_bytes) in bar, shown
 
 
 def test_the_summary_line_is_printed_once_when_the_application_logs_too(runs):

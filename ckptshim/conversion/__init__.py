@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from ckptshim import extras
 from ckptshim.conversion.atomic import atomic_destination
 from ckptshim.conversion.progress import tracking
 from ckptshim.errors import ShimError
@@ -25,7 +26,8 @@ from ckptshim.loading.files import plan_onto
 from ckptshim.planner import Plan
 
 #: Output format -> module ``ckptshim.conversion.<format>_writer`` with
-#: ``write(arrays, folder, destination_name, progress) -> None``.
+#: ``write(arrays, folder, destination_name, progress) -> None`` and ``NEEDS``, the modules it
+#: imports to write (checked before anything is opened: a missing one names its extra).
 WRITERS = ("safetensors", "dcp", "orbax")
 
 
@@ -53,6 +55,7 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
     from importlib import import_module
 
     writer = import_module(f"ckptshim.conversion.{to}_writer")
+    extras.require(writer.NEEDS, f"convert --to {to}")
     checkpoint = open_checkpoint(source)
     try:
         checkpoint.require_complete()

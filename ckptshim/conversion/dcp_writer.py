@@ -17,6 +17,9 @@ from ckptshim.execute.arrays import PlannedArrays
 from ckptshim.conversion.progress import Progress
 from ckptshim.inventory import Entry, join_key
 
+#: What writing needs beyond ckptshim's own dependencies (see ckptshim.conversion.WRITERS).
+NEEDS: tuple[str, ...] = ("torch",)
+
 
 def _reporting_planner(entries: dict[str, Entry], progress: Progress):
     from torch.distributed.checkpoint import DefaultSavePlanner

@@ -25,6 +25,9 @@ from ckptshim.conversion.progress import Progress
 from ckptshim.formats.base import numpy_dtype
 from ckptshim.inventory import Entry, unflatten
 
+#: What writing needs beyond ckptshim's own dependencies (see ckptshim.conversion.WRITERS).
+NEEDS: tuple[str, ...] = ("jax", "orbax.checkpoint", "tensorstore")
+
 
 def _counting_registry(written: dict[int, Entry], progress: Progress):
     """A type-handler registry whose numpy handler writes without copying and reports each array.

@@ -18,6 +18,9 @@ from ckptshim.conversion.progress import Progress
 from ckptshim.formats.base import storage_dtype
 from ckptshim.inventory import join_key
 
+#: What writing needs beyond ckptshim's own dependencies (see ckptshim.conversion.WRITERS).
+NEEDS: tuple[str, ...] = ()
+
 #: ckptshim dtype name -> safetensors header spelling.
 SAFETENSORS_DTYPES = {
     "bool": "BOOL", "int8": "I8", "uint8": "U8", "int16": "I16", "uint16": "U16", "int32": "I32",

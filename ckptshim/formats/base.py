@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ckptshim import extras
 from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory
 
@@ -68,8 +69,14 @@ def reading(where: object, what: str = "reading it") -> Iterator[None]:
         raise unreadable(where, what, error) from error
 
 
-def unreadable(where: object, what: str, error: BaseException) -> CorruptCheckpointError:
-    """The error :func:`reading` raises for ``error``, an exception out of a parser."""
+def unreadable(where: object, what: str, error: BaseException) -> ShimError:
+    """The error :func:`reading` raises for ``error``, an exception out of a parser: a
+    :class:`~ckptshim.extras.MissingExtraError` where the parser needs a framework that is not
+    installed (tensorstore, ml_dtypes), else a :class:`CorruptCheckpointError`."""
+    if isinstance(error, ModuleNotFoundError):
+        needs_extra = extras.missing(error, f"{where}: {what}")
+        if needs_extra is not None:
+            return needs_extra
     return CorruptCheckpointError(
         f"{where}: {what} failed ({type(error).__name__}: {str(error)[:300]}); the checkpoint is "
         "corrupt, incomplete or not what its format says. Re-copy it from the original; if it "

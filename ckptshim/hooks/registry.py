@@ -18,6 +18,10 @@ import sys
 from ckptshim import config
 from ckptshim.hooks.post_import import when_imported
 
+TYPE_CHECKING = False  # type checkers take it as True; importing typing would cost ~4 ms
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
 
 class HookSpec:
     """One seam: the module whose import triggers it, where its code lives, what it supports.
@@ -55,8 +59,19 @@ _installed: dict[str, object] = {}
 _states: dict[str, str] = {}
 
 
-def install(names=None, specs: tuple[HookSpec, ...] | None = None) -> None:
-    """Attach the named hooks (default: all not disabled by the environment), lazily."""
+def install(names: Iterable[str] | None = None, specs: tuple[HookSpec, ...] | None = None) -> None:
+    """Attach the named hooks, each when its framework is imported (at once if it already is).
+
+    ``import ckptshim`` calls this with no arguments; call it again after [`uninstall`][ckptshim.uninstall].
+    Imports no framework itself. Hooks switched off by ``CKPTSHIM_DISABLE`` or
+    ``CKPTSHIM_DISABLE_HOOKS`` stay off; a hook whose framework version is outside its supported
+    range is not attached (``ckptshim doctor`` says why). Idempotent.
+
+    Args:
+        names: Hook names to attach (``"torch"``, ``"torch-dcp"``, ``"orbax"``, ``"flax"``,
+            ``"t5x"``, ``"deepspeed"``); ``None`` for all.
+        specs: The hooks to choose from (tests give their own; by default every hook ckptshim has).
+    """
     specs = HOOKS if specs is None else specs
     if config.disabled():
         for spec in specs:
@@ -84,8 +99,14 @@ def install(names=None, specs: tuple[HookSpec, ...] | None = None) -> None:
             _attach(spec)
 
 
-def uninstall(names=None) -> None:
-    """Detach the named hooks (default: all); the frameworks' functions are restored."""
+def uninstall(names: Iterable[str] | None = None) -> None:
+    """Detach the named hooks; the frameworks' own functions are put back as they were.
+
+    A hook not yet attached (its framework not imported) will not attach later. Idempotent.
+
+    Args:
+        names: Hook names to detach (as for [`install`][ckptshim.install]); ``None`` for all.
+    """
     with _lock:
         for name in list(_wanted if names is None else names):
             _wanted.discard(name)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptshim import config, progress
-from ckptshim.errors import NoPlan, PlanError, UnknownFormatError
+from ckptshim.errors import NoPlan, PlanError, UnknownFormatError, docs_page
 from ckptshim.execute import jax as executor
 from ckptshim.execute.jax_tree import TargetTree
 from ckptshim.formats.base import Checkpoint
@@ -211,8 +211,9 @@ def _report_unmapped(plan: Plan) -> None:
     if not lost:
         return
     names = ", ".join(join_key(key, SEP) for key in lost)
-    message = (f"{plan.source.source}: PaxML model variable(s) {names} have no place in MaxText's GPT-3 "
-               "model, so the restored model computes without them (see docs/paxml-gpt3.md)")
+    message = (f"{plan.source.source}: {len(lost)} PaxML model variable(s) have no place in MaxText's "
+               f"GPT-3 model, so the restored model computes without them: {names} "
+               f"(see {docs_page('paxml-gpt3')})")
     if config.strict():
         raise PlanError(message + "; CKPTSHIM_STRICT=1 refuses the restore. Restore into a model that "
                         "has them, or unset CKPTSHIM_STRICT to accept the difference.")

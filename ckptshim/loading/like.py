@@ -3,16 +3,23 @@
 The function is called with no arguments and may return a torch ``nn.Module`` (its
 ``state_dict()`` is the target), a (nested) dict of tensors or arrays, or a JAX tree with
 ``jax.ShapeDtypeStruct`` leaves (an abstract state, as ``jax.eval_shape`` gives): only shapes
-and dtypes are used, so an abstract tree costs no memory.
+and dtypes are used, so an abstract tree costs no memory. The module is looked for in the current
+folder first, then on ``sys.path`` (``PYTHONPATH``), from ``python -m ckptshim`` and from the
+``ckptshim`` command alike.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+from ckptshim import extras
 from ckptshim.errors import ShimError
 from ckptshim.inventory import Entry, Inventory, dtype_name, flatten
 
@@ -28,21 +35,54 @@ def is_callable_spec(like: str | Path) -> bool:
     return bool(_SPEC.match(str(like))) and not Path(like).exists()
 
 
+@contextlib.contextmanager
+def _current_folder_importable() -> Iterator[None]:
+    """The current folder first on ``sys.path`` while the user's module is imported and called,
+    as ``python -m`` would have it (the ``ckptshim`` console script's ``sys.path`` starts with the
+    script's own folder instead); as it was afterwards."""
+    folder = os.getcwd()
+    added = folder not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        if added and folder in sys.path:
+            sys.path.remove(folder)
+
+
+def _import(spec: str, module_name: str) -> ModuleType:
+    """The user's module; its own failures to import what it needs say so (and, for a framework,
+    which extra installs it) rather than that the module itself was not found."""
+    from importlib import import_module
+
+    try:
+        return import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name and (module_name + ".").startswith(error.name + "."):
+            raise LikeError(f"--like {spec}: no module {error.name!r} in the current folder "
+                            f"({os.getcwd()}) or on PYTHONPATH; run from the folder that holds "
+                            "it or add that folder to PYTHONPATH") from None
+        raise extras.missing(error, f"--like {spec}") or LikeError(
+            f"--like {spec}: importing {module_name} failed: {error}") from error
+    except ImportError as error:  # e.g. a name its own imports ask for that is not there
+        raise LikeError(f"--like {spec}: importing {module_name} failed: {error}") from error
+
+
 def _is_array(leaf: Any) -> bool:
     return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
 
 
 def target_inventory(spec: str) -> tuple[Inventory, str]:
     """The inventory the function's result describes, and its key separator ("." torch, "/" JAX)."""
-    from importlib import import_module
-
     module_name, function_name = spec.split(":")
-    try:
-        function = getattr(import_module(module_name), function_name)
-    except (ImportError, AttributeError) as error:
-        raise LikeError(f"--like {spec}: cannot import it ({error}); run from the folder that "
-                        "holds the module or put it on PYTHONPATH") from None
-    result = function()
+    with _current_folder_importable():
+        function = getattr(_import(spec, module_name), function_name, None)
+        if not callable(function):
+            raise LikeError(f"--like {spec}: module {module_name} has no function {function_name!r}; "
+                            "name one that takes no arguments and returns a model, a state dict "
+                            "or an abstract tree")
+        result = function()
     if callable(getattr(result, "state_dict", None)):  # a torch nn.Module
         result = result.state_dict()
     flat = flatten(result, is_leaf=_is_array)

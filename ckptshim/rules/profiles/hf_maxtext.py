@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptshim.errors import PlanError
+from ckptshim.errors import PlanError, docs_page
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key, split_key
 from ckptshim.ops import Op, Rename, Reshape, Scale, Stack, Transpose, axis_groups, float32, rsqrt_float32
 from ckptshim.rules import Paired, Rules
@@ -138,7 +138,7 @@ class HfMaxTextLayout:
         rows = FAMILIES.get(model_type)
         if rows is None:
             raise PlanError(f"{self.origin}: model_type {model_type!r} has no MaxText profile in ckptshim "
-                            f"(it has {', '.join(sorted(FAMILIES))}); see docs/maxtext.md.")
+                            f"(it has {', '.join(sorted(FAMILIES))}); see {docs_page('maxtext')}.")
         dims = Dims.of(self.config, self.origin)
         ops, missing = _pair(hf, mt, rows, dims, rules.strict)
         if self.reverse:
