@@ -83,6 +83,10 @@ class ObjectStore:
             answer.read()
         return f"{self.scheme}://{name}"
 
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
     def alive(self) -> bool:
         return self._process.poll() is None
 
