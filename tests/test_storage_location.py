@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import urllib.parse
 from dataclasses import dataclass
 from collections.abc import Callable
 from pathlib import Path
@@ -254,6 +255,17 @@ def test_many_ranges_in_bounded_parallel_pieces(place, monkeypatch):
     assert [b.tobytes() for b in buffers] == [blobs[n][s:s + n_] for n, s, n_ in wanted]
     if place.root.is_remote:
         assert batches and max(batches) <= 4 and sum(batches) == 2 * sum(-(-n_ // 1000) for _, _, n_ in wanted)
+
+
+def test_a_stored_name_that_would_leave_the_prefix_is_refused(s3_server):
+    """A bucket may hold ``ckpt/x/../../secret``; an HTTP client would fetch ``secret`` for it."""
+    import urllib.request
+
+    root = Location.of(s3_server.new_bucket()) / "ckpt"
+    upload = f"{s3_server.endpoint}/{root.bucket}/ckpt/x/%2E%2E/%2E%2E/secret"
+    urllib.request.urlopen(urllib.request.Request(upload, data=b"s", method="PUT"), timeout=30).read()
+    with pytest.raises(UnsafeCheckpointError, match=r"ckpt/x/\.\./\.\./secret lies outside the checkpoint"):
+        root.list(recursive=True)
 
 
 def test_ranges_must_fit_their_buffers(place):

@@ -238,7 +238,7 @@ class Location:
     def exists(self) -> bool:
         try:
             self.stat()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return False
         return True
 

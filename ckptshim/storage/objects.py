@@ -14,12 +14,11 @@ ask the server for at most one entry more than their limit.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ckptshim.storage.location import ByteRange, Location, ObjectInfo
-from ckptshim.storage.problems import too_many, truncated
+from ckptshim.storage.problems import outside, too_many, truncated
 
 #: Byte ranges in flight at once, per call.
 MAX_PARALLEL_READS = 16
@@ -30,9 +29,9 @@ PIECE_BYTES = 8 * 2**20
 CLIENTS = {"s3": ("s3", "s3fs"), "gs": ("gcs", "gcsfs")}
 
 
-@functools.cache
 def filesystem(scheme: str) -> Any:
-    """The fsspec filesystem for ``scheme``: the shared instance torch and Orbax get too."""
+    """The fsspec filesystem for ``scheme``: the shared instance torch and Orbax get too (fsspec
+    caches it, and makes a new one in a forked child, whose event loop the parent's cannot be)."""
     protocol, package = CLIENTS[scheme]
     try:
         import fsspec
@@ -67,7 +66,12 @@ class FsspecObjects:
             if not name.startswith(prefix) or name == prefix.rstrip("/"):
                 continue  # the folder itself, or a marker object of it
             kind = "directory" if info.get("type") == "directory" else "file"
-            found.append(ObjectInfo(location / name[len(prefix):], int(info.get("size") or 0), kind))
+            try:
+                child = location / name[len(prefix):]
+            except ValueError:
+                raise outside(f"{location.scheme}://{name}", location, "a name with '.', '..' or an empty part, "
+                              "which HTTP clients rewrite into another object's") from None
+            found.append(ObjectInfo(child, int(info.get("size") or 0), kind))
         if len(found) > limit:
             raise too_many(location, limit)
         if not found and location.key:  # object stores hold no empty folders
@@ -125,6 +129,7 @@ def _bounded_listing(fs: Any, scheme: str, path: str, most: int, recursive: bool
     if scheme == "s3":
         listed = sync(fs.loop, fs._lsdir, path, refresh=True, max_items=most, delimiter=delimiter)
     else:
+        fs.invalidate_cache(path)  # gcsfs answers from a cached one-level listing, even for a recursive one
         try:
             listed = sync(fs.loop, fs._list_objects, path, max_results=most, delimiter=delimiter)
         except FileNotFoundError:
