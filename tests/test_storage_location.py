@@ -214,6 +214,7 @@ def test_byte_ranges_are_exact(place):
     where.read_into(256, out)
     assert out.tobytes() == DATA[256:384]
     assert where.read_bytes(limit=len(DATA)) == DATA
+    assert where.head(8) == DATA[:8] and where.head(10**6) == DATA
 
 
 @pytest.mark.parametrize("start, length", [(len(DATA) - 5, 6), (len(DATA), 1), (len(DATA) + 100, 10)])

@@ -43,7 +43,7 @@ class UnsupportedLocation(ValueError):
 
 @dataclass(frozen=True)
 class Location:
-    """A local path (``scheme == ""``, ``key`` the path as given) or an object or prefix in a
+    """A local path (``scheme == ""``, ``key`` the path as pathlib spells it) or an object or prefix in a
     bucket (``scheme`` ``"s3"``/``"gs"``/``"gcs"`` as written, ``key`` without leading or
     trailing ``/``). Build one with :meth:`of`."""
 
@@ -64,10 +64,10 @@ class Location:
         if match is None:
             if not text:
                 raise ValueError("an empty location names nothing; give the checkpoint's path or URL")
-            return cls("", "", text)
+            return cls("", "", str(Path(text)))
         scheme, rest = match.group(1).lower(), match.group(2)
         if scheme == "file":
-            return cls("", "", rest)
+            return cls("", "", str(Path(rest)))
         if scheme not in REMOTE_SCHEMES:
             raise UnsupportedLocation(
                 f"{text}: ckptshim reads local paths and {', '.join(f'{s}://' for s in REMOTE_SCHEMES)} "
@@ -271,6 +271,11 @@ class Location:
     def read_into(self, start: int, buffer: Any) -> None:
         """Fill ``buffer`` (anything writable that exposes bytes) from offset ``start``."""
         read_ranges([ByteRange(self, start, memoryview(buffer).nbytes)], [buffer])
+
+    def head(self, count: int) -> bytes:
+        """At most the first ``count`` bytes (fewer from a smaller file): for recognising a
+        format by its magic bytes."""
+        return self.read(0, min(count, self.stat().size))
 
     def read_bytes(self, limit: int) -> bytes:
         """The whole file, refused (before any byte is read) when it is larger than ``limit``:
