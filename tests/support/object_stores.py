@@ -11,7 +11,8 @@ handling off the test process's GIL.
 server (docs/object-storage.md lists the same settings). The servers are session-scoped fixtures
 in ``tests/conftest.py``; each test takes a fresh bucket from them.
 
-Run as ``python -m support.object_stores s3|gs`` (``tests/`` on ``sys.path``) to start one by hand.
+Run as ``python -m support.object_stores s3|gs`` (``tests/`` on ``sys.path``) to start one by hand;
+``start(scheme)`` works outside pytest too (a benchmark's servers).
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import pytest
 
 from support.processes import environment
 
@@ -143,6 +142,8 @@ def serving(scheme: str) -> Iterator[ObjectStore]:
     """A session fixture's body: the server for ``scheme`` with this process's clients pointed at
     it (its ``client_env`` set, and fsspec's configuration re-read from the environment, since
     fsspec reads ``FSSPEC_*`` once, when it is first imported); everything undone afterwards."""
+    import pytest
+
     store = start(scheme)
     try:
         with pytest.MonkeyPatch.context() as patch:
