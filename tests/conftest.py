@@ -13,6 +13,10 @@ import pytest
 from support import object_stores
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# gcsfs reads this once, on import, and Lightning imports gcsfs when pytest collects its tests: set
+# here, before any fixture runs, or gcsfs probes every bucket of the local GCS server over gRPC
+# with TLS for about a minute (and an Orbax save to gs:// times out meanwhile).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 @pytest.fixture(scope="module")

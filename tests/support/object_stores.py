@@ -144,6 +144,7 @@ def serving(scheme: str) -> Iterator[ObjectStore]:
     fsspec reads ``FSSPEC_*`` once, when it is first imported); everything undone afterwards."""
     import pytest
 
+    _require_plain_gcsfs()
     store = start(scheme)
     try:
         with pytest.MonkeyPatch.context() as patch:
@@ -156,6 +157,16 @@ def serving(scheme: str) -> Iterator[ObjectStore]:
             yield store
     finally:
         store.stop()
+
+
+def _require_plain_gcsfs() -> None:
+    """Fail at once, not after minutes of gRPC probes, where gcsfs was imported before
+    ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` was set (it reads it on import)."""
+    gcsfs = sys.modules.get("gcsfs")
+    if gcsfs is not None and gcsfs.GCSFileSystem.__module__ != "gcsfs.core":
+        raise RuntimeError("gcsfs was imported with its hierarchical-namespace probe on; set "
+                           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false before anything imports it "
+                           "(tests/conftest.py does, at import)")
 
 
 # -- the child process -------------------------------------------------------------------------
