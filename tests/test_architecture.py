@@ -2,7 +2,8 @@
 private name taken across modules.
 
 From the top: surfaces (the package, ``api``, ``cli``, ``conversion``, ``launcher``, ...),
-``hooks``, ``loading``, ``execute``, ``formats``, ``planner``, ``rules``, the op protocol
+``hooks``, ``loading``, ``execute``, ``formats``, ``storage`` (where a checkpoint's bytes are,
+local or remote), ``planner``, ``rules``, the op protocol
 (``ops``, ``keytext``), ``inventory``, and the utilities everything may use (``errors``,
 ``config``, ``log``, ``progress``, ``extras``). A module may import its own layer or any layer below, never one above;
 imports made inside functions count too (they run all the same).
@@ -27,6 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ckptshim.loading",),
     ("ckptshim.execute",),
     ("ckptshim.formats",),
+    ("ckptshim.storage",),
     ("ckptshim.planner",),
     ("ckptshim.rules",),
     ("ckptshim.ops", "ckptshim.keytext"),

@@ -1,0 +1,376 @@
+"""Where a checkpoint's bytes are: a local path or an object-store URL, as one value.
+
+``pathlib`` turns ``gs://bucket/ckpt`` into ``gs:/bucket/ckpt``, a relative local path; a
+:class:`Location` keeps a URL a URL. It joins, names and finds parents the way its kind does
+(object keys are never normalised), tells whether a location lies inside a checkpoint (and
+refuses one that leaves it, locally by real path, remotely by bucket and prefix), and reads:
+stat, listing with a maximum count, and byte ranges, each checked against the size of what it
+reads. Reads go to a :class:`Store` for the location's scheme (the package registers the local
+file system and the fsspec clients), so this module imports none of them, nor torch or jax.
+
+Arrays in zarr or OCDBT are read by tensorstore itself: :meth:`Location.kvstore_spec` is the
+kvstore spec that reads a location's folder (``file``, ``gcs`` or ``s3``), and
+:meth:`Location.require_kvstore_inside` refuses a spec, written in a checkpoint, that reaches
+outside it. This is the split Orbax itself makes on ``gs://``: arrays through tensorstore, every
+other file through fsspec (``etils.epath``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ckptshim.storage.problems import outside, too_large
+
+#: The object-storage schemes a Location reads, as written -> the store that reads them
+#: (``gcs://`` is fsspec's other spelling of ``gs://``).
+REMOTE_SCHEMES = {"s3": "s3", "gs": "gs", "gcs": "gs"}
+#: What one listing returns at most unless the caller says otherwise: more than any checkpoint
+#: folder ckptshim reads holds (a per-array Orbax checkpoint of a large model has ~100,000).
+DEFAULT_LIST_LIMIT = 1_000_000
+
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(.*)", re.DOTALL)
+
+
+class UnsupportedLocation(ValueError):
+    """A URL ckptshim does not read (``http://``, ``hf://``, ...). Not a refusal of the checkpoint:
+    whoever asked steps aside and lets the framework read it."""
+
+
+@dataclass(frozen=True)
+class Location:
+    """A local path (``scheme == ""``, ``key`` the path as pathlib spells it) or an object or prefix in a
+    bucket (``scheme`` ``"s3"``/``"gs"``/``"gcs"`` as written, ``key`` without leading or
+    trailing ``/``). Build one with :meth:`of`."""
+
+    scheme: str
+    bucket: str
+    key: str
+
+    @classmethod
+    def of(cls, where: str | os.PathLike[str] | Location) -> Location:
+        """The location ``where`` names: a URL (``s3://``, ``gs://``, ``gcs://``, ``file://``) or a
+        local path. Raises :class:`UnsupportedLocation` for any other URL."""
+        if isinstance(where, Location):
+            return where
+        text = os.fspath(where)
+        if not isinstance(text, str):
+            raise TypeError(f"a location is text or a path, not {type(text).__name__}")
+        match = _URL.fullmatch(text) if not isinstance(where, os.PathLike) else None
+        if match is None:
+            if not text:
+                raise ValueError("an empty location names nothing; give the checkpoint's path or URL")
+            return cls("", "", str(Path(text)))
+        scheme, rest = match.group(1).lower(), match.group(2)
+        if scheme == "file":
+            return cls("", "", str(Path(rest)))
+        if scheme not in REMOTE_SCHEMES:
+            raise UnsupportedLocation(
+                f"{text}: ckptshim reads local paths and {', '.join(f'{s}://' for s in REMOTE_SCHEMES)} "
+                f"URLs, not {scheme}://")
+        bucket, _, key = rest.partition("/")
+        if not bucket:
+            raise ValueError(f"{text}: names no bucket; write {scheme}://BUCKET/PATH")
+        return cls(scheme, bucket, key.rstrip("/"))
+
+    # -- names --------------------------------------------------------------------------------
+
+    @property
+    def is_remote(self) -> bool:
+        return bool(self.scheme)
+
+    @property
+    def path(self) -> Path:
+        """The local path (refused for a remote location: nothing local may stand in for it)."""
+        if self.is_remote:
+            raise TypeError(f"{self} is in object storage, not a local path; read it through its Location")
+        return Path(self.key)
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __str__(self) -> str:
+        if not self.is_remote:
+            return self.key
+        return f"{self.scheme}://{self.bucket}/{self.key}" if self.key else f"{self.scheme}://{self.bucket}"
+
+    def __repr__(self) -> str:
+        return f"Location({str(self)!r})"
+
+    def __truediv__(self, part: str) -> Location:
+        """The location of ``part`` (one name, or names joined by ``/``) inside this one.
+
+        Remotely, a part is taken literally, so one that an HTTP client would rewrite (``.``,
+        ``..``, an empty name) or that starts at the root is refused, as is a NUL byte anywhere.
+        """
+        if not isinstance(part, str):
+            raise TypeError(f"join a location with a name (str), not {type(part).__name__}")
+        if not self.is_remote:
+            return Location("", "", str(self.path / part))
+        bad = _bad_names(part)
+        if bad:
+            raise ValueError(f"{self}: cannot join {part!r} ({bad}); object keys are joined name by name")
+        return Location(self.scheme, self.bucket, f"{self.key}/{part}" if self.key else part)
+
+    joinpath = __truediv__
+
+    @property
+    def name(self) -> str:
+        """The last name (``""`` for a bucket itself)."""
+        return self.path.name if not self.is_remote else self.key.rpartition("/")[2]
+
+    @property
+    def parent(self) -> Location:
+        """The folder or prefix this lies in (a bucket is its own parent, as ``/`` is)."""
+        if not self.is_remote:
+            return Location("", "", str(self.path.parent))
+        return Location(self.scheme, self.bucket, self.key.rpartition("/")[0])
+
+    def relative_to(self, root: Location) -> str:
+        """This location's name below ``root``, ``/``-separated; ``ValueError`` when it is not below."""
+        if not self.inside(root):
+            raise ValueError(f"{self} is not inside {root}")
+        if not self.is_remote:
+            return Path(os.path.realpath(self.path)).relative_to(os.path.realpath(root.path)).as_posix()
+        return self._below(root)
+
+    # -- containment --------------------------------------------------------------------------
+
+    def inside(self, root: Location) -> bool:
+        """Whether this is ``root`` or lies below it: locally with ``..`` and links resolved;
+        remotely in the same bucket, below the same prefix, with no name an HTTP client rewrites."""
+        if self.is_remote != root.is_remote:
+            return False
+        if not self.is_remote:
+            mine, theirs = Path(os.path.realpath(self.path)), Path(os.path.realpath(root.path))
+            return mine == theirs or theirs in mine.parents
+        if REMOTE_SCHEMES[self.scheme] != REMOTE_SCHEMES[root.scheme] or self.bucket != root.bucket:
+            return False
+        if root.key and not (self.key == root.key or self.key.startswith(root.key + "/")):
+            return False
+        below = self._below(root)
+        return not below or not _bad_names(below)
+
+    def _below(self, root: Location) -> str:
+        """The remote key below ``root``'s (which it starts with), without the separating ``/``."""
+        return self.key[len(root.key) + 1:] if root.key else self.key
+
+    def child(self, relative: str) -> Location:
+        """The location ``relative`` (as a checkpoint's metadata names a file in it) inside this
+        one; refused with :class:`~ckptshim.errors.UnsafeCheckpointError` when it leaves it
+        (an absolute path, a URL, ``..``, a link out)."""
+        why = ("an absolute name" if relative.startswith("/") else "a URL, not a name" if _URL.fullmatch(relative)
+               else _bad_names(relative) if self.is_remote else "a NUL byte" if "\0" in relative else "")
+        if why:
+            raise outside(f"{self}/{relative}", self, why)
+        found = self / relative
+        if not found.inside(self):
+            raise outside(found, self, "its real path is elsewhere")
+        return found
+
+    def require_inside(self, root: Location) -> None:
+        """Refuse this location when it is not inside ``root``, the checkpoint that names it."""
+        if not self.inside(root):
+            raise outside(self, root, "another bucket or prefix" if self.is_remote else "another folder")
+
+    # -- tensorstore ----------------------------------------------------------------------------
+
+    def kvstore_spec(self, ocdbt: bool = False) -> dict[str, Any]:
+        """The tensorstore kvstore spec of this location as a folder (an OCDBT database in it,
+        with ``ocdbt``). An ``s3`` spec carries the endpoint botocore would use
+        (``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``), which tensorstore reads from no setting
+        of its own; credentials stay tensorstore's own business."""
+        if not self.is_remote:
+            base: dict[str, Any] = {"driver": "file", "path": os.path.realpath(self.path) + "/"}
+        else:
+            driver = "gcs" if REMOTE_SCHEMES[self.scheme] == "gs" else "s3"
+            base = {"driver": driver, "bucket": self.bucket, "path": f"{self.key}/" if self.key else ""}
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            if driver == "s3" and endpoint:
+                base["endpoint"] = endpoint
+        return {"driver": "ocdbt", "base": base} if ocdbt else base
+
+    @classmethod
+    def of_kvstore(cls, spec: str | dict) -> Location:
+        """The folder a tensorstore kvstore spec (a dict or a kvstore URL) reads from: ``file``,
+        ``gcs`` and ``s3``, and the base of an ``ocdbt`` store. Any other driver raises
+        :class:`UnsupportedLocation`."""
+        if isinstance(spec, str):
+            base, *adapters = spec.split("|")
+            if any(not adapter.startswith("ocdbt:") for adapter in adapters):
+                raise UnsupportedLocation(f"kvstore URL {spec!r}: ckptshim reads file, gs and s3 stores, "
+                                          "and OCDBT over them")
+            return cls.of(base)
+        if not isinstance(spec, dict):
+            raise UnsupportedLocation(f"not a tensorstore kvstore spec: {spec!r}")
+        driver, path = spec.get("driver"), spec.get("path", "")
+        if driver == "ocdbt":
+            return cls.of_kvstore(spec.get("base"))
+        if not isinstance(path, str) or "\0" in path:
+            raise UnsupportedLocation(f"kvstore spec {spec!r}: its path is not a name")
+        if driver == "file":
+            return cls.of(path)
+        if driver in ("gcs", "s3") and isinstance(spec.get("bucket"), str) and spec["bucket"]:
+            return Location("gs" if driver == "gcs" else "s3", spec["bucket"], path.strip("/"))
+        raise UnsupportedLocation(f"kvstore spec {spec!r}: ckptshim reads the file, gcs and s3 drivers "
+                                  "(and ocdbt over them)")
+
+    def require_kvstore_inside(self, spec: str | dict) -> Location:
+        """The folder ``spec`` (a kvstore spec read from this checkpoint) names, refused unless it
+        lies inside this location."""
+        try:
+            found = Location.of_kvstore(spec)
+        except (UnsupportedLocation, ValueError) as error:
+            raise outside(repr(spec), self, f"not a store ckptshim reads: {error}") from None
+        found.require_inside(self)
+        return found
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def stat(self) -> ObjectInfo:
+        """Size and kind; ``FileNotFoundError`` when nothing is there."""
+        return store_for(self).stat(self)
+
+    def exists(self) -> bool:
+        try:
+            self.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
+
+    def is_file(self) -> bool:
+        """A regular file, or an object (never a pipe, device or folder)."""
+        try:
+            return self.stat().kind == "file"
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    def is_dir(self) -> bool:
+        """A folder, or a prefix that objects share."""
+        try:
+            return self.stat().kind == "directory"
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    def list(self, limit: int = DEFAULT_LIST_LIMIT, *, recursive: bool = False) -> list[ObjectInfo]:
+        """What lies in this folder or below this prefix (with ``recursive``, at every depth),
+        sorted by name; a :class:`~ckptshim.errors.CorruptCheckpointError` when there are more
+        than ``limit`` entries, which the store stops reading one past the limit."""
+        return store_for(self).list(self, limit, recursive)
+
+    def read(self, start: int, length: int) -> bytes:
+        """Exactly ``length`` bytes from offset ``start``, or an error that says what is short."""
+        buffer = bytearray(length)
+        self.read_into(start, buffer)
+        return bytes(buffer)
+
+    def read_into(self, start: int, buffer: Any) -> None:
+        """Fill ``buffer`` (anything writable that exposes bytes) from offset ``start``."""
+        read_ranges([ByteRange(self, start, memoryview(buffer).nbytes)], [buffer])
+
+    def head(self, count: int) -> bytes:
+        """At most the first ``count`` bytes (fewer from a smaller file): for recognising a
+        format by its magic bytes."""
+        return self.read(0, min(count, self.stat().size))
+
+    def read_bytes(self, limit: int) -> bytes:
+        """The whole file, refused (before any byte is read) when it is larger than ``limit``:
+        for metadata files, whose size no other file vouches for."""
+        size = self.stat().size
+        if size > limit:
+            raise too_large(self, size, limit)
+        return self.read(0, size)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One file or object: where it is, its size in bytes, and its kind: ``"file"`` (a regular
+    file, or an object), ``"directory"`` (a folder, or a prefix objects share) or, locally,
+    what else is there (``"fifo"``, ``"socket"``, ``"device"``), which ckptshim never opens."""
+
+    location: Location
+    size: int
+    kind: str = "file"
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """``length`` bytes of the object at ``location`` from offset ``start``."""
+
+    location: Location
+    start: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.length < 0:
+            raise ValueError(f"{self.location}: byte range {self.start}+{self.length} is negative")
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class Store(Protocol):
+    """The reads a location delegates. Nothing there: ``FileNotFoundError``; something ckptshim
+    will not read: a :class:`~ckptshim.errors.ShimError`; every read fills exactly the bytes
+    asked for or raises."""
+
+    def stat(self, location: Location) -> ObjectInfo: ...
+
+    def list(self, location: Location, limit: int, recursive: bool) -> list[ObjectInfo]: ...
+
+    def read_ranges(self, ranges: Sequence[ByteRange], buffers: Sequence[memoryview]) -> None: ...
+
+
+_STORES: dict[str, Callable[[str], Store]] = {}
+_OPEN: dict[str, Store] = {}
+
+
+def register_store(kind: str, make: Callable[[str], Store]) -> None:
+    """Read locations of ``kind`` (``""`` local, or a store name of :data:`REMOTE_SCHEMES`) with
+    the store ``make(kind)`` builds on first use."""
+    _STORES[kind] = make
+    _OPEN.pop(kind, None)
+
+
+def store_for(location: Location) -> Store:
+    kind = REMOTE_SCHEMES[location.scheme] if location.is_remote else ""
+    store = _OPEN.get(kind)
+    if store is None:
+        store = _OPEN[kind] = _STORES[kind](kind)
+    return store
+
+
+def read_ranges(ranges: Sequence[ByteRange], buffers: Sequence[Any] | None = None) -> list[bytearray] | None:
+    """Read every range, remote ones in parallel (bounded: see :mod:`ckptshim.storage.objects`).
+    With ``buffers`` (one writable buffer per range, of its length) the bytes go straight there
+    and nothing is returned; without, each range's bytes are returned, in order."""
+    views = [memoryview(b).cast("B") for b in buffers] if buffers is not None \
+        else [memoryview(bytearray(r.length)) for r in ranges]
+    if len(views) != len(ranges):
+        raise ValueError(f"{len(ranges)} ranges but {len(views)} buffers")
+    for where, view in zip(ranges, views):
+        if view.nbytes != where.length or view.readonly:
+            raise ValueError(f"{where.location}: a buffer of {view.nbytes} bytes"
+                             f"{' (read-only)' if view.readonly else ''} for a range of {where.length}")
+    by_store: dict[int, tuple[Store, list[int]]] = {}
+    for i, where in enumerate(ranges):
+        store = store_for(where.location)
+        by_store.setdefault(id(store), (store, []))[1].append(i)
+    for store, indices in by_store.values():
+        store.read_ranges([ranges[i] for i in indices], [views[i] for i in indices])
+    return None if buffers is not None else [view.obj for view in views]  # type: ignore[misc]  # the bytearrays
+
+
+def _bad_names(relative: str) -> str:
+    """Why ``relative`` is not a plain ``/``-joined run of names (``""`` when it is)."""
+    if "\0" in relative:
+        return "a NUL byte"
+    for name in relative.split("/"):
+        if name in ("", ".", ".."):
+            return f"a name {name!r}" if name else "an empty name"
+    return ""

@@ -1,0 +1,141 @@
+"""Object storage as a store, through the fsspec clients the frameworks themselves use.
+
+torch's ``FsspecReader``/``FsspecWriter`` and Orbax's paths (``etils.epath``) reach ``s3://``
+and ``gs://`` through fsspec (s3fs, gcsfs); so does ckptshim, with the same filesystem instances
+(``fsspec.filesystem(protocol)``), so credentials, endpoints and retries are whatever the user
+configured for those clients (``AWS_ENDPOINT_URL``, ``STORAGE_EMULATOR_HOST``, ``FSSPEC_*``,
+``~/.aws``, application default credentials). ckptshim handles no credentials.
+
+Reads are byte ranges (``cat_ranges``), at most :data:`MAX_PARALLEL_READS` in flight; a large
+range is split into :data:`PIECE_BYTES` pieces, so a multi-gigabyte tensor is fetched in
+parallel and never held twice. Every read is checked against the size of its object. Listings
+ask the server for at most one entry more than their limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ckptshim.storage.location import ByteRange, Location, ObjectInfo
+from ckptshim.storage.problems import outside, too_many, truncated
+
+#: Byte ranges in flight at once, per call.
+MAX_PARALLEL_READS = 16
+#: The largest single request; bigger ranges are split into pieces of this size.
+PIECE_BYTES = 8 * 2**20
+
+#: fsspec's protocol and the package that provides it, for each scheme a Location accepts.
+CLIENTS = {"s3": ("s3", "s3fs"), "gs": ("gcs", "gcsfs")}
+
+
+def filesystem(scheme: str) -> Any:
+    """The fsspec filesystem for ``scheme``: the shared instance torch and Orbax get too (fsspec
+    caches it, and makes a new one in a forked child, whose event loop the parent's cannot be)."""
+    protocol, package = CLIENTS[scheme]
+    try:
+        import fsspec
+
+        return fsspec.filesystem(protocol)
+    except ImportError as error:
+        raise ModuleNotFoundError(
+            f"reading {scheme}:// locations needs the {package} package (the fsspec client that "
+            f"torch's FsspecReader and Orbax use too): pip install {package}") from error
+
+
+class FsspecObjects:
+    """The :class:`~ckptshim.storage.store.Store` of one object-storage scheme."""
+
+    def __init__(self, scheme: str) -> None:
+        self.scheme = scheme
+
+    @property
+    def fs(self) -> Any:
+        return filesystem(self.scheme)
+
+    def stat(self, location: Location) -> ObjectInfo:
+        info = self.fs.info(_path(location))
+        kind = "directory" if info.get("type") == "directory" else "file"
+        return ObjectInfo(location, int(info.get("size") or 0), kind)
+
+    def list(self, location: Location, limit: int, recursive: bool) -> list[ObjectInfo]:
+        prefix = _path(location).rstrip("/") + "/"
+        found = []
+        for info in _bounded_listing(self.fs, self.scheme, _path(location), limit + 1, recursive):
+            name = info["name"].rstrip("/")
+            if not name.startswith(prefix) or name == prefix.rstrip("/"):
+                continue  # the folder itself, or a marker object of it
+            kind = "directory" if info.get("type") == "directory" else "file"
+            try:
+                child = location / name[len(prefix):]
+            except ValueError:
+                raise outside(f"{location.scheme}://{name}", location, "a name with '.', '..' or an empty part, "
+                              "which HTTP clients rewrite into another object's") from None
+            found.append(ObjectInfo(child, int(info.get("size") or 0), kind))
+        if len(found) > limit:
+            raise too_many(location, limit)
+        if not found and location.key:  # object stores hold no empty folders
+            raise FileNotFoundError(f"{location}: nothing is stored below this prefix")
+        return sorted(found, key=lambda info: info.location.key)
+
+    def read_ranges(self, ranges: Sequence[ByteRange], buffers: Sequence[memoryview]) -> None:
+        for where in ranges:
+            if where.length == 0:  # no request (an empty HTTP range means the whole object)
+                size = self.stat(where.location).size
+                if where.start > size:
+                    raise truncated(where.location, where.start, where.end, size)
+        pieces = [piece for where, buffer in zip(ranges, buffers) for piece in _pieces(where, buffer)]
+        for batch in range(0, len(pieces), MAX_PARALLEL_READS):
+            self._fetch(pieces[batch:batch + MAX_PARALLEL_READS])
+
+    def _fetch(self, pieces: list[tuple[ByteRange, ByteRange, memoryview]]) -> None:
+        """One batch of pieces in parallel; each ``(whole range, piece, where its bytes go)``."""
+        answers = self.fs.cat_ranges([_path(piece.location) for _, piece, _ in pieces],
+                                     [piece.start for _, piece, _ in pieces],
+                                     [piece.end for _, piece, _ in pieces],
+                                     on_error="return", batch_size=MAX_PARALLEL_READS)
+        for (whole, piece, target), answer in zip(pieces, answers):
+            if isinstance(answer, FileNotFoundError | PermissionError):
+                raise answer
+            if isinstance(answer, BaseException) or len(answer) != piece.length:
+                size = self.stat(whole.location).size
+                if whole.end > size:
+                    raise truncated(whole.location, whole.start, whole.end, size)
+                if isinstance(answer, BaseException):
+                    raise answer
+                raise OSError(f"{whole.location}: asked for {piece.length} bytes at {piece.start}, "
+                              f"got {len(answer)} from a {size}-byte object; retry the load")
+            target[:] = answer
+
+
+def _path(location: Location) -> str:
+    """The fsspec path of a location: ``bucket/key``."""
+    return f"{location.bucket}/{location.key}" if location.key else location.bucket
+
+
+def _pieces(where: ByteRange, buffer: memoryview) -> Iterator[tuple[ByteRange, ByteRange, memoryview]]:
+    for start in range(0, where.length, PIECE_BYTES):
+        stop = min(start + PIECE_BYTES, where.length)
+        yield where, ByteRange(where.location, where.start + start, stop - start), buffer[start:stop]
+
+
+def _bounded_listing(fs: Any, scheme: str, path: str, most: int, recursive: bool) -> list[dict]:
+    """At most ``most`` entries under ``path`` (one level, or everything below it), asking the
+    server for no more: s3fs's ``_lsdir(max_items=)``, gcsfs's ``_list_objects(max_results=)``
+    (fsspec's public ``ls``/``find`` take no limit)."""
+    from fsspec.asyn import sync
+
+    delimiter = "" if recursive else "/"
+    if scheme == "s3":
+        listed = sync(fs.loop, fs._lsdir, path, refresh=True, max_items=most, delimiter=delimiter)
+    else:
+        fs.invalidate_cache(path)  # gcsfs answers from a cached one-level listing, even for a recursive one
+        try:
+            listed = sync(fs.loop, fs._list_objects, path, max_results=most, delimiter=delimiter)
+        except FileNotFoundError:
+            listed = []
+        if len(listed) == 1 and listed[0]["name"].rstrip("/") == path and listed[0].get("type") == "file":
+            listed = []  # gcsfs answers an object's own entry when nothing lies below its name
+    if len(listed) >= most:
+        fs.invalidate_cache(path)  # s3fs keeps a one-level listing, cut short here, as if whole
+    return listed[:most]

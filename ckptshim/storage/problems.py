@@ -1,0 +1,48 @@
+"""The errors every store raises alike, each saying what is wrong and what to do next.
+
+Locations are taken as plain objects (only their text is used), so that every module of the
+package can raise these without importing another.
+"""
+
+from __future__ import annotations
+
+from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
+
+
+def truncated(location: object, start: int, end: int, size: int) -> CorruptCheckpointError:
+    """A read of bytes ``start..end`` that runs past the end of an object of ``size`` bytes."""
+    return CorruptCheckpointError(
+        f"{location}: bytes {start}..{end} were asked for, but it holds {size} bytes; it is "
+        "truncated, or the metadata that points into it is wrong. Re-copy the checkpoint from "
+        "the original.")
+
+
+def too_many(location: object, limit: int) -> CorruptCheckpointError:
+    """A listing of more than ``limit`` entries."""
+    return CorruptCheckpointError(
+        f"{location} holds more than {limit:,} entries, more than ckptshim lists in one place; no "
+        "checkpoint format it reads has that many there. Point it at the checkpoint itself, not "
+        "at a folder or prefix that holds many.")
+
+
+def too_large(location: object, size: int, limit: int) -> CorruptCheckpointError:
+    """A whole-file read of a file larger than its kind can be."""
+    return CorruptCheckpointError(
+        f"{location} is {size:,} bytes, more than the {limit:,} ckptshim reads of such a file; it "
+        "is not what its name says, or it was built to exhaust memory.")
+
+
+def not_regular(location: object, kind: str) -> UnsafeCheckpointError:
+    """The refusal of something that is not a regular file (a FIFO, socket, device, folder)."""
+    return UnsafeCheckpointError(
+        f"{location} is a {kind}, not a regular file; ckptshim reads only regular files inside a "
+        "checkpoint (opening a pipe or device can block forever, or read what no checkpoint holds). "
+        "Replace it with the file it stands for.")
+
+
+def outside(location: object, root: object, why: str) -> UnsafeCheckpointError:
+    """The refusal of ``location``, named by the checkpoint at ``root``, which lies outside it."""
+    return UnsafeCheckpointError(
+        f"{location} lies outside the checkpoint {root} ({why}); ckptshim reads only files and "
+        "objects the checkpoint contains, locally below its folder and remotely below its bucket "
+        "and prefix. Fix the metadata that names it, or copy what it names into the checkpoint.")

@@ -1,0 +1,210 @@
+"""Real object-storage servers on 127.0.0.1 for the remote tests: moto's S3 server and the GCS
+emulator of ``support.gcs_emulator``, each in a child process of its own.
+
+Each server binds a free port (port 0), so any number of test processes can run side by side.
+The child prints ``READY <port>`` once it listens and serves until its standard input closes:
+``stop()`` closes it, and so does the kernel when the test process dies in any way, so no server
+outlives the process that started it. A server in its own process also keeps its request
+handling off the test process's GIL.
+
+``ObjectStore.client_env()`` is what a user sets to point the frameworks' own clients at the
+server (docs/object-storage.md lists the same settings). The servers are session-scoped fixtures
+in ``tests/conftest.py``; each test takes a fresh bucket from them.
+
+Run as ``python -m support.object_stores s3|gs`` (``tests/`` on ``sys.path``) to start one by hand;
+``start(scheme)`` works outside pytest too (a benchmark's servers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from support.processes import environment
+
+HOST = "127.0.0.1"
+SCHEMES = ("s3", "gs")
+_START_TIMEOUT_S = 60.0
+_STOP_TIMEOUT_S = 10.0
+
+
+@dataclass
+class ObjectStore:
+    """A running local server for ``scheme`` (``"s3"`` or ``"gs"``) at ``endpoint``."""
+
+    scheme: str
+    endpoint: str
+    _process: subprocess.Popen = field(repr=False)
+    _log: Path = field(repr=False)
+
+    def client_env(self) -> dict[str, str]:
+        """The settings that point the frameworks' clients at this server, no credentials."""
+        if self.scheme == "s3":
+            # botocore (s3fs) and tensorstore's s3 driver
+            return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                    "AWS_REGION": "us-east-1",
+                    # no probe of the EC2 instance-metadata address for credentials
+                    "AWS_EC2_METADATA_DISABLED": "true"}
+        return {
+            # tensorstore's gcs driver (read once per process, on its first GCS request)
+            "TENSORSTORE_GCS_HTTP_URL": self.endpoint,
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "testing",
+            # gcsfs (Orbax's etils paths and torch's fsspec go through it)
+            "STORAGE_EMULATOR_HOST": self.endpoint,
+            "FSSPEC_GCS_TOKEN": "anon",
+            # without it gcsfs probes each bucket over gRPC for hierarchical namespaces (60 s)
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        }
+
+    def new_bucket(self, prefix: str = "ckpt") -> str:
+        """Create a fresh, empty bucket; its URL (``s3://name`` or ``gs://name``)."""
+        name = f"{prefix}-{uuid.uuid4().hex[:16]}"
+        if self.scheme == "s3":
+            request = urllib.request.Request(f"{self.endpoint}/{name}", method="PUT")
+        else:
+            # no soft deletion: a deleted object is gone, as in a bucket created with this policy
+            body = {"name": name, "softDeletePolicy": {"retentionDurationSeconds": "0"}}
+            request = urllib.request.Request(f"{self.endpoint}/storage/v1/b?project=test", method="POST",
+                                             data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            answer.read()
+        return f"{self.scheme}://{name}"
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self._log.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        """Close the server's standard input and wait for it to exit (terminate it if it does not)."""
+        if self._process.stdin and not self._process.stdin.closed:
+            self._process.stdin.close()
+        try:
+            self._process.wait(_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._process.terminate()
+            try:
+                self._process.wait(_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        if self._process.stdout:
+            self._process.stdout.close()
+        self._log.unlink(missing_ok=True)
+
+
+def start(scheme: str) -> ObjectStore:
+    """Start the server for ``scheme`` in a child process; return once it accepts requests."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"no local server for {scheme!r}; there is one for {', '.join(SCHEMES)}")
+    log = Path(tempfile.mkstemp(prefix=f"ckptshim-{scheme}-server-", suffix=".log")[1])
+    with log.open("wb") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "support.object_stores", scheme],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                   env=environment(), start_new_session=True)
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    line = b""
+    while not line.endswith(b"\n") and time.monotonic() < deadline and process.poll() is None:
+        ready, _, _ = select.select([process.stdout], [], [], 0.2)
+        if ready:
+            chunk = os.read(process.stdout.fileno(), 256)
+            if not chunk:
+                break
+            line += chunk
+    store = ObjectStore(scheme, "", process, log)
+    if not line.startswith(b"READY "):
+        tail = log.read_text(errors="replace")[-4000:]
+        store.stop()
+        raise RuntimeError(f"the local {scheme} server did not start within {_START_TIMEOUT_S:.0f} s "
+                           f"(exit code {process.returncode}); its log:\n{tail}")
+    store.endpoint = f"http://{HOST}:{int(line.split()[1])}"
+    return store
+
+
+def serving(scheme: str) -> Iterator[ObjectStore]:
+    """A session fixture's body: the server for ``scheme`` with this process's clients pointed at
+    it (its ``client_env`` set, and fsspec's configuration re-read from the environment, since
+    fsspec reads ``FSSPEC_*`` once, when it is first imported); everything undone afterwards."""
+    import pytest
+
+    _require_plain_gcsfs()
+    store = start(scheme)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in store.client_env().items():
+                patch.setenv(name, value)
+            import fsspec.config
+
+            patch.setattr(fsspec.config, "conf", {k: dict(v) for k, v in fsspec.config.conf.items()})
+            fsspec.config.set_conf_env(fsspec.config.conf)
+            yield store
+    finally:
+        store.stop()
+
+
+def _require_plain_gcsfs() -> None:
+    """Fail at once, not after minutes of gRPC probes, where gcsfs was imported before
+    ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` was set (it reads it on import)."""
+    gcsfs = sys.modules.get("gcsfs")
+    if gcsfs is not None and gcsfs.GCSFileSystem.__module__ != "gcsfs.core":
+        raise RuntimeError("gcsfs was imported with its hierarchical-namespace probe on; set "
+                           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false before anything imports it "
+                           "(tests/conftest.py does, at import)")
+
+
+# -- the child process -------------------------------------------------------------------------
+
+
+def _serve_s3() -> None:
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
+    server = ThreadedMotoServer(ip_address=HOST, port=0, verbose=False)
+    server.start()
+    _announce_and_wait(server.get_host_and_port()[1])
+    server.stop()
+
+
+def _serve_gs() -> None:
+    import threading
+
+    from support.gcs_emulator import serve
+
+    server = serve(HOST, 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    _announce_and_wait(server.server_address[1])
+    server.shutdown()
+    server.server_close()
+
+
+def _announce_and_wait(port: int) -> None:
+    """Tell the parent the port, then serve until standard input closes (the parent stopped us
+    or died)."""
+    sys.stdout.write(f"READY {port}\n")
+    sys.stdout.flush()
+    while sys.stdin.buffer.read(65536):
+        pass
+
+
+if __name__ == "__main__":
+    {"s3": _serve_s3, "gs": _serve_gs}[sys.argv[1]]()
