@@ -94,35 +94,22 @@ def _metadata_pickle(tmp_path: Path, body: bytes) -> Path:
     return folder
 
 
-def test_metadata_memo_index_in_the_billions(tmp_path):
-    """One ``LONG_BINPUT 775000000`` in ``.metadata``: the C unpickler zeroed about 12 GiB."""
-    body = b"}" + b"r" + (775_000_000).to_bytes(4, "little")  # an empty dict, memoised far away
-    folder = _metadata_pickle(tmp_path, body)
-    outcome = confined(f"""
+def _peak_opening(folder: Path):
+    """Open ``folder`` with ckptshim in a confined interpreter (1 GiB): what it lists, and its peak."""
+    return confined(f"""
         from pathlib import Path
         from ckptshim.formats import detect
         checkpoint = detect.open_checkpoint(Path({str(folder)!r}))
         print("OPENED", sorted(".".join(k) for k in checkpoint.inventory))
         """, memory_mb=1024, seconds=60)
-    assert outcome.returncode == 0 and "OPENED ['w']" in outcome.stdout, outcome.stderr[-2000:]
-    assert outcome.peak_rss_mb < 300
 
 
-def test_metadata_exponentially_shared_tuple_in_a_set(tmp_path):
-    """``set([((x, x), (x, x))...])`` 64 levels deep: building the set hashed it forever."""
-    from hostile import get, put
-
-    levels = b"K\x01" + put(10**6) + b"a"  # 1, memoised, appended to the list
-    for level in range(64):  # each level: (previous, previous), memoised, appended
-        levels += get(10**6 + level) + get(10**6 + level) + b"\x86" + put(10**6 + level + 1) + b"a"
-    folder = _metadata_pickle(tmp_path, b"cbuiltins\nset\n(]" + levels + b"tR")
-    outcome = confined(f"""
-        from pathlib import Path
-        from ckptshim.formats import detect
-        try:
-            detect.open_checkpoint(Path({str(folder)!r}))
-        except Exception as error:
-            print("REFUSED", type(error).__name__, str(error)[:300])
-        """, memory_mb=1024, seconds=30)
-    assert not outcome.timed_out, "hashing did not finish"
-    assert "REFUSED CorruptCheckpointError" in outcome.stdout, outcome.stdout + outcome.stderr[-2000:]
+def test_metadata_memo_index_in_the_billions(tmp_path):
+    """One ``LONG_BINPUT 775000000`` in ``.metadata``: the C unpickler zeroed about 12 GiB. Opening
+    it costs what opening the same folder without it costs (torch's import is most of both)."""
+    control = _peak_opening(_folder(tmp_path / "control", [((0, 0), (4, 4))]))
+    body = b"}" + b"r" + (775_000_000).to_bytes(4, "little")  # an empty dict, memoised far away
+    outcome = _peak_opening(_metadata_pickle(tmp_path, body))
+    for run in (control, outcome):
+        assert run.returncode == 0 and "OPENED ['w']" in run.stdout, run.stderr[-2000:]
+    assert outcome.peak_rss_mb < control.peak_rss_mb + 32, (outcome.peak_rss_mb, control.peak_rss_mb)

@@ -22,13 +22,13 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT, RANK=RANK, WORLD_SI
 
 import ckptshim  # noqa: E402,F401
 import ckptshim.loading.deepspeed as shim  # noqa: E402
-import deepspeed  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from deepspeed.pipe import PipelineModule  # noqa: E402
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine  # noqa: E402
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: E402
 
+from support.deepspeed_cpu import init_distributed_on_gloo  # noqa: E402
 from test_neox import NeoXSequential, Stateless, neox_layers  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def _load(job: dict, calls: list) -> dict:
 
 def main() -> None:
     jobs = json.loads(Path(sys.argv[1]).read_text())
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_distributed_on_gloo(verbose=False)
     calls: list = []
     real = shim.layer_state_dicts
     shim.layer_state_dicts = lambda *a, **k: calls.append(1) or real(*a, **k)
