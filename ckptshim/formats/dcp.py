@@ -31,8 +31,8 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats import safe_pickle
-from ckptshim.formats.base import (Budget, Checkpoint, Piece, file_info, reader, reading, refuse_links_leaving,
-                                   storage_dtype)
+from ckptshim.formats.base import (Budget, Checkpoint, Piece, file_info, open_regular, read_regular, reader,
+                                   reading, refuse_links_leaving, storage_dtype)
 from ckptshim.formats.torch_globals import TensorRef, torch_dtype
 from ckptshim.formats.torch_pickle import read_archive, tensor_view
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, dtype_name, split_key
@@ -228,7 +228,7 @@ def load_metadata(file: Path, array_bytes: int = 0) -> DcpMetadata:
     where = str(file)
     with reading(file):
         try:
-            data = file.read_bytes()
+            data = read_regular(file)
         except OSError as error:
             raise CorruptCheckpointError(f"{file}: cannot be read ({error})") from None
         root = safe_pickle.load(data, where, safe_pickle.PICKLE, _find_class(where),
@@ -416,7 +416,7 @@ class DcpCheckpoint(Checkpoint):
         if fqn in self.metadata.objects:
             stored = self.stored(fqn, None)
             out = np.empty(stored.length, np.uint8)
-            with open(self.path / stored.file, "rb") as raw:
+            with open_regular(self.path / stored.file) as raw:
                 read_exact(raw, memoryview(out), stored.offset, str(self.path / stored.file))
             return out
         meta = self.metadata.tensors[fqn]
@@ -424,7 +424,7 @@ class DcpCheckpoint(Checkpoint):
         for chunk in meta.chunks:
             stored = self.stored(fqn, chunk.offsets)
             where = f"{self.path / stored.file}: {fqn!r} chunk {list(chunk.offsets)}"
-            with open(self.path / stored.file, "rb") as raw:
+            with open_regular(self.path / stored.file) as raw:
                 array = read_chunk(raw, read_layout(raw, self.path / stored.file, stored, chunk, meta.dtype, where), where)
             if chunk.sizes == meta.size:
                 return array

@@ -33,7 +33,8 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptshim.formats import tensor_parallel, torch_globals, torch_pickle
-from ckptshim.formats.base import Checkpoint, FileInfo, file_info, reader, refuse_links_leaving
+from ckptshim.formats.base import (Checkpoint, FileInfo, file_info, open_regular, read_regular, reader,
+                                   refuse_links_leaving)
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key
 from ckptshim.rules.profiles import neox
 
@@ -186,7 +187,7 @@ def _is_dir(path: Path) -> bool:
 def _tag(latest: Path) -> str:
     """The step folder name DeepSpeed wrote into ``latest`` (one line of text)."""
     try:
-        return latest.read_bytes().decode("utf-8").strip()
+        return read_regular(latest).decode("utf-8").strip()
     except UnicodeDecodeError as error:
         raise CorruptCheckpointError(
             f"{latest}: not text ({error}); DeepSpeed writes the latest step folder's name there. "
@@ -281,7 +282,7 @@ def _scan_mp_rank(file: Path, rank: int, step: Path, scan: _Scan, weights_elsewh
     ``load_state_dir`` does not read it either. Otherwise the refusal stands.
     """
     try:
-        with open(file, "rb") as raw:
+        with open_regular(file) as raw:
             archive = torch_pickle.read_archive(raw, str(file), MP_RANK_GLOBALS)
     except OSError as error:
         raise CorruptCheckpointError(f"{file}: cannot be read ({error})") from None

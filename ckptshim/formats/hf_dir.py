@@ -19,8 +19,8 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import safetensors, torch_pickle
-from ckptshim.formats.base import (Checkpoint, FileInfo, file_info, reader, refuse_links_leaving, require_inside,
-                                   strict_json)
+from ckptshim.formats.base import (Checkpoint, FileInfo, file_info, read_regular, reader, refuse_links_leaving,
+                                   require_inside, strict_json)
 from ckptshim.inventory import Entry, Inventory
 
 NAME = "hf-dir"
@@ -49,8 +49,7 @@ def model_config(path: Path) -> dict | None:
     if not found.is_file():
         return None
     require_inside(folder, found, _roots(folder))  # a hub-cache snapshot links it into blobs/
-    with open(found, "rb") as raw:
-        data = raw.read(MAX_CONFIG_BYTES + 1)
+    data = read_regular(found, MAX_CONFIG_BYTES + 1)
     try:
         if len(data) > MAX_CONFIG_BYTES:
             raise ValueError(f"over {MAX_CONFIG_BYTES} bytes")
@@ -150,7 +149,7 @@ def open_checkpoint(path: Path) -> HFDirCheckpoint:
         version = chosen
     else:
         try:
-            weight_map = strict_json((path / index_name).read_bytes())["weight_map"]
+            weight_map = strict_json(read_regular(path / index_name))["weight_map"]
             shards = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError) as error:  # UnicodeDecodeError too
             raise CorruptCheckpointError(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from ckptshim.errors import CorruptCheckpointError
+from ckptshim.formats.base import open_regular, regular_size
 
 
 def _ts():
@@ -185,7 +185,7 @@ def references_into(root: Path, index: OcdbtIndex, files: set[str]) -> Iterator[
 def read_reference(root: Path, where: Reference) -> bytes:
     """The bytes of one value stored out of line (OCDBT stores values uncompressed)."""
     try:
-        with open(root / where.file, "rb") as f:
+        with open_regular(root / where.file) as f:
             data = os.pread(f.fileno(), where.length, where.offset)
     except OSError as error:
         raise CorruptCheckpointError(f"{root / where.file}: cannot be read ({error}); run "
@@ -279,11 +279,3 @@ class _Locations:
                 "checkpoint; ckptshim reads only files the checkpoint contains. Re-copy it from the original.")
         return name
 
-
-def regular_size(path: Path) -> int | None:
-    """The size of the regular file at ``path`` (a link followed); ``None`` for anything else."""
-    try:
-        found = os.stat(path)
-    except OSError:
-        return None
-    return found.st_size if stat.S_ISREG(found.st_mode) else None

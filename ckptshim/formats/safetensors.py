@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
-from ckptshim.formats.base import Checkpoint, check_view, file_info, numpy_dtype, reader, storage_dtype, strict_json
+from ckptshim.formats.base import (Checkpoint, check_view, file_info, numpy_dtype, open_regular, reader, storage_dtype,
+                                   strict_json)
 from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
 
 NAME = "safetensors"
@@ -35,7 +36,7 @@ READERS = {"torch": sniff, "jax": sniff}
 def read_header(path: Path) -> tuple[dict, int]:
     """The parsed JSON header and the offset where tensor data starts."""
     size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         raw = f.read(8)
         if len(raw) < 8:
             raise CorruptCheckpointError(f"{path}: {size} bytes is too short for a safetensors header")
@@ -90,7 +91,8 @@ class SafetensorsCheckpoint(Checkpoint):
         file, begin, end = entry.location
         data = self._maps.get(file)
         if data is None:
-            data = self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+            with open_regular(file) as raw:
+                data = self._maps[file] = np.memmap(raw, dtype=np.uint8, mode="r")
         check_view(entry, begin, end, len(data), file)
         return data[begin:end].view(storage_dtype(entry.dtype)).reshape(entry.shape)
 
@@ -136,7 +138,7 @@ class SafetensorsCheckpoint(Checkpoint):
 
 def _pread(file: str, offset: int, target: memoryview, entry: Entry) -> None:
     """Fill ``target`` from ``file`` at ``offset``."""
-    with open(file, "rb", buffering=0) as raw:
+    with open_regular(file, buffering=0) as raw:
         done = 0
         while done < len(target):
             read = os.preadv(raw.fileno(), [target[done:]], offset + done)
