@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError
+from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError, describe
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory
 
 _NO_NUMPY_TYPE = {"bfloat16": "<u2", "float8_e4m3fn": "u1", "float8_e5m2": "u1",
@@ -71,7 +71,7 @@ def reading(where: object, what: str = "reading it") -> Iterator[None]:
 def unreadable(where: object, what: str, error: BaseException) -> CorruptCheckpointError:
     """The error :func:`reading` raises for ``error``, an exception out of a parser."""
     return CorruptCheckpointError(
-        f"{where}: {what} failed ({type(error).__name__}: {str(error)[:300]}); the checkpoint is "
+        f"{where}: {what} failed ({describe(error)}); the checkpoint is "
         "corrupt, incomplete or not what its format says. Re-copy it from the original; if it "
         "is intact, this is a bug in ckptshim: please report it with this message.")
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
-from ckptshim.formats import tensor_parallel, torch_globals, torch_pickle
+from ckptshim.formats import safe_pickle, tensor_parallel, torch_globals, torch_pickle
 from ckptshim.formats.base import (Checkpoint, FileInfo, file_info, open_regular, read_regular, reader,
                                    refuse_links_leaving)
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key
@@ -52,7 +52,9 @@ class _NumpyDtype:
     """``numpy.dtype(name, align, copy)`` as data: the type code and byte order."""
 
     def __init__(self, name: str, *_flags: Any) -> None:
-        self.name, self.byteorder = str(name), "|"
+        if type(name) is not str:  # numpy pickles a dtype by its type code
+            raise safe_pickle.Refused(f"numpy.dtype of a {type(name).__name__}, not a type code")
+        self.name, self.byteorder = name, "|"
 
     def __setstate__(self, state: tuple) -> None:
         self.byteorder = state[1] if len(state) > 1 and isinstance(state[1], str) else "|"
@@ -95,7 +97,7 @@ def _encode(text: str, encoding: str = "utf-8") -> bytes:
     return text.encode("latin1")
 
 
-class Namespace(dict):
+class Namespace(safe_pickle.SafeDict):
     """``argparse.Namespace`` (Megatron/DeepSpeed ``args``) as a plain dict of its attributes."""
 
     def __setstate__(self, state: dict) -> None:
@@ -382,9 +384,11 @@ def _merged_entries(scan: _Scan, degree: int) -> list[Entry]:
 
 
 def _version(step: Path, scan: _Scan, degree: int) -> str:
-    dims = scan.engine.get("checkpoint_parallel_dimensions") or {}
+    """``deepspeed 0.19.8, global_step3, tp=2 pp=2``: from the engine state, only where its
+    values are what DeepSpeed writes (a version string, a degree), never ``str()`` of another."""
+    dims = scan.engine.get("checkpoint_parallel_dimensions")
     pp = dims.get("pp_degree") if isinstance(dims, dict) else None
     ds = scan.engine.get("ds_version")
-    parts = [f"deepspeed {ds}" if ds else "deepspeed", step.name]
-    parts.append(f"tp={degree}" + (f" pp={pp}" if pp else ""))
+    parts = [f"deepspeed {ds[:40]}" if isinstance(ds, str) and ds else "deepspeed", step.name]
+    parts.append(f"tp={degree}" + (f" pp={pp}" if type(pp) is int and pp.bit_length() <= 32 else ""))
     return ", ".join(parts)

@@ -149,8 +149,9 @@ class Tensor:
             "torch.save never writes that")
 
 
-class _StateDict(dict):
-    """``collections.OrderedDict``. ``BUILD`` may give it attributes, as torch.save writes a state
+class _StateDict(safe_pickle.SafeDict):
+    """``collections.OrderedDict`` (built from pairs only as :class:`~ckptshim.formats.safe_pickle.SafeDict`
+    builds a dictionary: keys that hash in constant time). ``BUILD`` may give it attributes, as torch.save writes a state
     dict's ``_metadata``; an attribute that would hide one of the dictionary's own methods
     (``values``, ``items``, ``keys``...) is refused, since the tensors would be read through it."""
 
@@ -416,16 +417,10 @@ def _stand_in(name: str, value: Any) -> Any:
 
 
 def _unsafe_message(where: str, first: str) -> str:
-    """Why a file naming the global ``first`` (and, as torch can list them, any other it does
-    not allow) is refused, and what to do about it."""
-    names = [first]
-    try:  # torch, when installed, can list every unsafe global at once
-        import torch.serialization
-
-        names = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(where))) or names
-    except Exception:  # torch missing or the file unreadable by it: the first global is enough
-        pass
-    return (f"{where} needs {', '.join(names)} to unpickle, which torch.load(weights_only=True) "
+    """Why a file naming the global ``first`` is refused, and what to do about it. Only the
+    first global the pickle names is known: nothing more of a refused file is read (torch's own
+    ``get_unsafe_globals_in_checkpoint`` would parse the hostile file again, with torch)."""
+    return (f"{where} needs {first} to unpickle, which torch.load(weights_only=True) "
             "does not allow in this process and ckptshim will not run. If it is a class you trust, "
             "register it with torch.serialization.add_safe_globals (libraries such as torchao "
             "register their own tensor subclasses when imported: import them first); ckptshim then "
