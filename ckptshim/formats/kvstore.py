@@ -198,7 +198,8 @@ def read_reference(root: Path, where: Reference) -> bytes:
 
 def _walk(root: Path, locations: _Locations, nodes: list[IndexNode]) -> Iterator[tuple[IndexNode, dict | None]]:
     """Each index node of the latest version, depth first, with its dump (``None`` when its
-    file cannot hold it); interior nodes' children are queued with their key ranges."""
+    file cannot hold it); interior nodes' children are queued with their key ranges. Each node
+    is visited once: one reached again (its checksums may all be valid) is refused."""
     ts = _ts()
     base = ts.KvStore.open(file_url(root)).result()
     sizes: dict[str, int | None] = {}
@@ -210,9 +211,16 @@ def _walk(root: Path, locations: _Locations, nodes: list[IndexNode]) -> Iterator
         latest = max(versions, key=lambda v: v["generation_number"])
         location = latest.get("root", {}).get("location")
         pending = [(location, "", None, latest.get("root_height", 0) == 0)] if location else []
+    seen: set[Reference] = set()
     while pending:
         location, first, end, leaf = pending.pop()
         where = locations.reference(location)
+        if where in seen:  # a b-tree reaches each node once; a node met again is a cycle or a merge
+            raise CorruptCheckpointError(
+                f"{root}: the OCDBT index reaches the node at {where.file} bytes {where.offset}..{where.end} "
+                "twice (a node pointing back at an ancestor, or two parents sharing one); it is not a "
+                "b-tree, and walking it would not end. Re-copy the checkpoint from the original.")
+        seen.add(where)
         if where.file not in sizes:
             sizes[where.file] = regular_size(root / where.file)
         readable = sizes[where.file] is not None and sizes[where.file] >= where.end
