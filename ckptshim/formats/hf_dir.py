@@ -12,12 +12,14 @@ names but the directory lacks is reported, not skipped. :func:`model_config` rea
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 
-from ckptshim.errors import CorruptCheckpointError
+from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptshim.formats import safetensors, torch_pickle
 from ckptshim.formats.base import (Checkpoint, FileInfo, file_info, read_regular, reader, refuse_links_leaving,
                                    require_inside, strict_json)
@@ -100,12 +102,31 @@ def _roots(path: Path) -> tuple[Path, ...]:
     Its own folder, and — for a snapshot in the Hugging Face hub cache
     (``models--org--name/snapshots/<revision>/``, whose files are symlinks to
     ``../../blobs/<hash>``) — that repository's ``blobs/`` folder, which the cache shares
-    between revisions.
+    between revisions. Every component of that layout is checked, not followed: the revision
+    folder, ``snapshots`` and ``blobs`` must each be a real folder (no link) of one repository
+    folder; a ``blobs`` that is a link (to ``/``, say) would make anything it reaches part of
+    the checkpoint, and is refused.
     """
-    blobs = path.parent.parent / "blobs"
-    if path.parent.name == "snapshots" and blobs.is_dir():
-        return path.resolve(), blobs.resolve()
-    return (path.resolve(),)
+    snapshots, repository = path.parent, path.parent.parent
+    blobs = repository / "blobs"
+    if snapshots.name != "snapshots" or not os.path.lexists(blobs):
+        return (path.resolve(),)
+    for part in (blobs, snapshots, path):
+        if not _real_folder(part):
+            raise UnsafeCheckpointError(
+                f"{part} is {'a symlink' if part.is_symlink() else 'not a folder'}; in a Hugging Face hub "
+                f"cache ({repository}) the revision folder, snapshots/ and blobs/ are real folders of the "
+                "repository's cache, and ckptshim reads a snapshot's linked files only from that blobs/ "
+                "folder. Download the model again, or copy the snapshot's files into a folder of their own.")
+    return path.resolve(), blobs.resolve()
+
+
+def _real_folder(path: Path) -> bool:
+    """A folder, and not a link to one (``lstat``: nothing followed)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def weights_file(path: Path) -> str:
