@@ -498,16 +498,22 @@ def strict_json(raw: str | bytes, array_bytes: int = 0) -> object:
     brackets, so that a megabyte of ``[[],[],...]`` never becomes a million lists.
     """
     text = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    require_json_budget(text, array_bytes)
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to parse") from None
+
+
+def require_json_budget(text: bytes, array_bytes: int = 0) -> None:
+    """``ValueError`` when the JSON ``text`` holds more values than a :class:`Budget` credited
+    with ``array_bytes`` allows -- counted from its commas and brackets, before parsing."""
     values = text.count(b",") + text.count(b"[") + text.count(b"{") + 1  # at least the values
     budget = Budget("JSON", array_bytes)
     if values > budget.left():
         raise ValueError(f"JSON of about {values:,} values, more than {budget.left():,} (what "
                          f"{array_bytes:,} bytes of arrays and ckptshim's allowance for metadata "
                          "justify); refusing it before it exhausts memory")
-    try:
-        return json.loads(text, object_pairs_hook=_unique_pairs)
-    except RecursionError:
-        raise ValueError("JSON nested too deeply to parse") from None
 
 
 def _unique_pairs(pairs: list[tuple[str, object]]) -> dict:
