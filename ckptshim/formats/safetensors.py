@@ -70,13 +70,30 @@ def entries(path: Path, header: Header, data_start: int, key_sep: str = ".") -> 
     out = []
     for name, info in header.tensors.items():
         dtype = safetensors_header.DTYPES[info.dtype][1]
-        if dtype is None:
+        if dtype is None or not _numpy_holds(info.shape):
+            what = f"is {info.dtype}, a dtype" if dtype is None else \
+                f"has shape {brief(info.shape, 60)}, more axes or elements than an array"
             raise UnknownFormatError(
-                f"{path}: {brief(name)} is {info.dtype}, a dtype ckptshim does not read yet; load the "
-                "file with safetensors itself (safetensors.safe_open) and without ckptshim.")
+                f"{path}: {brief(name)} {what} ckptshim does not read yet; load the file with "
+                "safetensors itself (safetensors.safe_open) and without ckptshim.")
         out.append(Entry(split_key(name, key_sep), info.shape, dtype,
                          (str(path), data_start + info.begin, data_start + info.end)))
     return out
+
+
+def _numpy_holds(shape: tuple[int, ...]) -> bool:
+    """Whether a numpy array can take ``shape`` (safetensors allows any number of axes, and an
+    empty tensor whose other axes multiply past 64 bits); one with elements is in the file, so
+    only its axes can be too many."""
+    if len(shape) > 64:
+        return False
+    if 0 not in shape:
+        return True
+    try:
+        np.empty(shape, np.uint8)  # no elements: nothing is allocated
+    except ValueError:
+        return False
+    return True
 
 
 class SafetensorsCheckpoint(Checkpoint):
