@@ -10,7 +10,6 @@ in key depth (two keys 60,000 deep: minutes); ``inspect`` padded every line to t
 from __future__ import annotations
 
 import json
-import shutil
 import struct
 from pathlib import Path
 
@@ -18,8 +17,8 @@ import numpy as np
 import pytest
 
 from hostile import confined
-from ocdbt_nodes import parse_location, point_child_at
-from support.fixtures import FIXTURES, writable_copy
+from support.ocdbt_nodes import children, deep_database, parse_location, point_child_at, root_location
+from support.fixtures import FIXTURES
 
 ts = pytest.importorskip("tensorstore")
 
@@ -27,31 +26,7 @@ OCDBT_ITEM = FIXTURES / "orbax_0.12.8_scanned/standard_checkpointer_scanned"
 
 
 def _deep_ocdbt(tmp_path: Path) -> Path:
-    """The Orbax OCDBT fixture with its database written again by tensorstore, uncompressed and
-    in nodes of at most 256 bytes: the same keys and values under an index four levels high."""
-    item = writable_copy(OCDBT_ITEM, tmp_path / "item")
-    old = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item}/"}).result()
-    values = {key: old.read(key).result().value for key in old.list().result()}
-    for name in ("manifest.ocdbt", "d", "ocdbt.process_0"):
-        shutil.rmtree(item / name) if (item / name).is_dir() else (item / name).unlink()
-    new = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item}/",
-                           "config": {"compression": None, "max_decoded_node_bytes": 256}}).result()
-    transaction = ts.Transaction()
-    for key, value in values.items():
-        new.with_transaction(transaction)[key] = value
-    transaction.commit_async().result()
-    return item
-
-
-def _root(item: Path) -> str:
-    base = ts.KvStore.open(f"file://{item}/").result()
-    manifest = ts.ocdbt.dump(base).result()
-    return max(manifest["versions"], key=lambda v: v["generation_number"])["root"]["location"]
-
-
-def _children(item: Path, node: str) -> list[str]:
-    base = ts.KvStore.open(f"file://{item}/").result()
-    return [entry["location"] for entry in ts.ocdbt.dump(base, node).result()["entries"]]
+    return deep_database(OCDBT_ITEM, tmp_path / "item")
 
 
 def test_deep_ocdbt_index_reads_as_the_fixture(tmp_path):
@@ -60,7 +35,7 @@ def test_deep_ocdbt_index_reads_as_the_fixture(tmp_path):
 
     item = _deep_ocdbt(tmp_path)
     base = ts.KvStore.open(f"file://{item}/").result()
-    assert ts.ocdbt.dump(base, _root(item)).result()["height"] >= 2
+    assert ts.ocdbt.dump(base, root_location(item)).result()["height"] >= 2
     deep, fixture = detect.open_checkpoint(item), detect.open_checkpoint(OCDBT_ITEM)
     assert deep.complete, deep.all_problems()
     assert list(deep.inventory) == list(fixture.inventory)
@@ -74,15 +49,15 @@ def test_ocdbt_index_that_is_no_tree_is_refused(tmp_path, graph):
     ancestor -- a cycle -- or to its sibling's child (a node with two parents: shared ``k`` times
     over ``k`` levels, the walk doubles per level). Before: the walk never ended."""
     item = _deep_ocdbt(tmp_path)
-    root = _root(item)
-    first, second = _children(item, root)[:2]
+    root = root_location(item)
+    first, second = children(item, root)[:2]
     if graph == "child-points-at-root":
         point_child_at(item, second, 0, root)
     elif graph == "grandchild-points-at-parent":
-        grandchild = _children(item, second)[0]
+        grandchild = children(item, second)[0]
         point_child_at(item, grandchild, 0, second)
     else:
-        point_child_at(item, second, 0, _children(item, first)[0])
+        point_child_at(item, second, 0, children(item, first)[0])
     outcome = confined(f"""
         from pathlib import Path
         from ckptshim.cli import main
@@ -98,8 +73,8 @@ def test_orbax_restore_refuses_an_ocdbt_index_that_is_no_tree(tmp_path):
     """Through the Orbax hook: a clean refusal naming the checkpoint, not a hang."""
     ocp = pytest.importorskip("orbax.checkpoint")
     item = _deep_ocdbt(tmp_path)
-    root = _root(item)
-    point_child_at(item, _children(item, root)[1], 0, root)
+    root = root_location(item)
+    point_child_at(item, children(item, root)[1], 0, root)
     outcome = confined(f"""
         import ckptshim
         import orbax.checkpoint as ocp

@@ -146,3 +146,58 @@ def point_child_at(root: Path, node: str, child: int, target: str) -> None:
     assert len(encoded) == length, (len(encoded), length)
     data[offset:offset + length] = encoded
     path.write_bytes(bytes(data))
+
+
+# -- a database of many small nodes, and its graph -------------------------------------------------
+
+
+def deep_database(source: Path, item: Path) -> Path:
+    """``item``: a copy of the Orbax OCDBT item ``source`` whose database is written again by
+    tensorstore, uncompressed and in nodes of at most 256 bytes -- the same keys and values
+    under an index several levels high."""
+    import shutil
+
+    import tensorstore as ts
+
+    from support.fixtures import writable_copy
+
+    writable_copy(source, item)
+    old = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item}/"}).result()
+    values = {key: old.read(key).result().value for key in old.list().result()}
+    for name in ("manifest.ocdbt", "d", "ocdbt.process_0"):
+        shutil.rmtree(item / name) if (item / name).is_dir() else (item / name).unlink()
+    new = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item}/",
+                           "config": {"compression": None, "max_decoded_node_bytes": 256}}).result()
+    transaction = ts.Transaction()
+    for key, value in values.items():
+        new.with_transaction(transaction)[key] = value
+    transaction.commit_async().result()
+    return item
+
+
+def root_location(item: Path) -> str:
+    """The location of the latest version's root node."""
+    import tensorstore as ts
+
+    manifest = ts.ocdbt.dump(ts.KvStore.open(f"file://{item}/").result()).result()
+    return max(manifest["versions"], key=lambda v: v["generation_number"])["root"]["location"]
+
+
+def children(item: Path, node: str) -> list[str]:
+    """The locations an interior node points at (none for a leaf)."""
+    import tensorstore as ts
+
+    dumped = ts.ocdbt.dump(ts.KvStore.open(f"file://{item}/").result(), node).result()
+    return [entry["location"] for entry in dumped["entries"]] if dumped["height"] else []
+
+
+def interior_nodes(item: Path) -> list[tuple[str, list[str]]]:
+    """Every interior node of the (intact) index with its children, root first."""
+    found, pending = [], [root_location(item)]
+    while pending:
+        node = pending.pop(0)
+        below = children(item, node)
+        if below:
+            found.append((node, below))
+            pending += below
+    return found
