@@ -188,9 +188,10 @@ def require_pattern_is_itself(folder: Path) -> None:
         return
     matched = sorted(os.path.realpath(found) for found in glob.glob(text))
     if matched != [os.path.realpath(folder)]:
+        pattern = os.path.join(text, "layer_<ii>-*model_states.pt")
         raise UnsafeCheckpointError(
             f"{folder}: the path holds glob characters ({_GLOB_CHARACTERS}), and DeepSpeed's "
-            f"load_state_dir reads its layer files with glob.glob({os.path.join(text, 'layer_<ii>-*model_states.pt')!r}), "
+            f"load_state_dir reads its layer files with glob.glob({pattern!r}), "
             + (f"which reads the files of {', '.join(matched[:3])}" if matched else "which matches no folder")
             + (f" and {len(matched) - 3} more" if len(matched) > 3 else "")
             + " instead of this folder's. ckptshim reads exactly the files DeepSpeed would read, and "

@@ -5,8 +5,8 @@ decompressed. Two of the compressors Orbax, PaxML and T5X write say their own le
 a zstd frame is a header followed by blocks that each state their size (RFC 8878, section 3.1.1),
 and a blosc chunk's 16-byte header holds its compressed size. Walking those headers maps the chunk
 and takes one step per frame and block header (a real chunk has a few; a hostile one can have
-one every 3 bytes, so the time is linear in the chunk's size), and no decompression. gzip (T5X's default) records no length before its
-end, so a cut gzip chunk is found when read.
+one every 3 bytes, so the time is linear in the chunk's size), and no decompression. gzip
+(T5X's default) records no length before its end, so a cut gzip chunk is found when read.
 
 The same headers say how many bytes a chunk decompresses to: a zstd frame's content size (or,
 without one, at least its raw and RLE blocks' sizes), blosc's ``nbytes``, gzip's trailing

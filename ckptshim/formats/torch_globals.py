@@ -150,10 +150,11 @@ class Tensor:
 
 
 class _StateDict(safe_pickle.SafeDict):
-    """``collections.OrderedDict`` (built from pairs only as :class:`~ckptshim.formats.safe_pickle.SafeDict`
-    builds a dictionary: keys that hash in constant time). ``BUILD`` may give it attributes, as torch.save writes a state
-    dict's ``_metadata``; an attribute that would hide one of the dictionary's own methods
-    (``values``, ``items``, ``keys``...) is refused, since the tensors would be read through it."""
+    """``collections.OrderedDict``, built from pairs as :class:`~ckptshim.formats.safe_pickle.SafeDict`
+    builds a dictionary (keys that hash in constant time). ``BUILD`` may give it attributes, as
+    torch.save writes a state dict's ``_metadata``; an attribute that would hide one of the
+    dictionary's own methods (``values``, ``items``, ``keys``...) is refused, since the tensors
+    would be read through it."""
 
     def __setstate__(self, state: Any) -> None:
         if not (isinstance(state, dict) and all(isinstance(name, str) for name in state)):
