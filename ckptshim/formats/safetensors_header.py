@@ -53,6 +53,7 @@ DTYPES: dict[str, tuple[int, str | None]] = {
     "F64": (64, "float64"), "I64": (64, "int64"), "U64": (64, "uint64"),
 }
 _FIELDS = ("dtype", "shape", "data_offsets")
+_FIELD_SET = frozenset(_FIELDS)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
@@ -90,8 +91,11 @@ def parse(raw: bytes, data_bytes: int = 0) -> Header:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise HeaderError(f"not UTF-8 ({error.reason} at byte {error.start})") from None
+    # ``-0`` is a float to serde_json (so no size); only a header that holds one pays for reading
+    # every integer through Python (one beyond 64 bits is refused where it is read: _sizes, _ignored)
+    integers = _integer if b"-0" in raw else None
     try:
-        root = json.loads(text, object_pairs_hook=_Object, parse_int=_integer, parse_float=_float,
+        root = json.loads(text, object_pairs_hook=_Object, parse_int=integers, parse_float=_float,
                           parse_constant=_constant)
     except RecursionError:
         raise HeaderError(f"nested deeper than {MAX_DEPTH} levels") from None
@@ -169,7 +173,10 @@ def _metadata(value: object, paired: bool) -> dict[str, str] | None:
 
 
 def _tensor(name: str, value: object, paired: bool) -> TensorInfo:
-    if type(value) is list:
+    fields = dict(value) if type(value) is _Object and len(value) == 3 else None
+    if fields is not None and fields.keys() == _FIELD_SET:
+        pass  # what nearly every header holds: the three fields, once each
+    elif type(value) is list:
         if len(value) != 3:
             raise HeaderError(f"{brief(name)} is an array of {len(value)} values, not (dtype, shape, data_offsets)")
         fields = dict(zip(_FIELDS, value))
@@ -222,6 +229,11 @@ def _ignored(value: object, paired: bool) -> None:
         item, depth = pending.pop()
         if type(item) is str:
             _text(item, paired)
+        elif type(item) is int and not -2**63 <= item <= _U64:  # an f64 to serde_json
+            try:
+                float(item)
+            except OverflowError:
+                raise HeaderError(f"an integer of {item.bit_length()} bits is out of range") from None
         elif type(item) in (list, _Object):
             if depth > MAX_DEPTH:
                 raise HeaderError(f"nested deeper than {MAX_DEPTH} levels")
@@ -233,13 +245,29 @@ def _ignored(value: object, paired: bool) -> None:
 
 
 def _tiled(tensors: dict[str, TensorInfo]) -> int:
-    """Where the data ends, once the tensors, in order of their offsets, tile it exactly."""
+    """Where the data ends, once the tensors, in order of their offsets, tile it exactly.
+
+    Headers list their tensors in that order as a rule: they are checked in the order given, and
+    sorted (as the library sorts them) only when that order is not already one of the offsets.
+    """
+    try:
+        return _chain(tensors.items())
+    except _OutOfOrder:
+        return _chain(sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)), last=True)
+
+
+class _OutOfOrder(HeaderError):
+    """A tensor that does not begin where the one before it ends."""
+
+
+def _chain(ordered, last: bool = False) -> int:
     end = 0
-    for name, info in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
+    for name, info in ordered:
         if info.begin != end or info.end < info.begin:
-            raise HeaderError(f"{brief(name)} holds bytes {info.begin}..{info.end} of the data, where the "
-                              f"tensor before it ends at {end}: tensors overlap, leave bytes no tensor "
-                              "owns, or end before they begin")
+            raise (HeaderError if last else _OutOfOrder)(
+                f"{brief(name)} holds bytes {info.begin}..{info.end} of the data, where the tensor "
+                f"before it ends at {end}: tensors overlap, leave bytes no tensor owns, or end before "
+                "they begin")
         elements = 1
         for size in info.shape:  # as safetensors multiplies: overflowing on the way is refused
             elements *= size

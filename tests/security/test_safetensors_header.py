@@ -54,6 +54,11 @@ CASES = {
                                      + "[" * 125 + "]" * 125 + "}}"),
     "unknown-field-depth-128": _file('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":'
                                      + "[" * 126 + "]" * 126 + "}}"),
+    "unknown-field-integer-1e308": _file('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1'
+                                         + "0" * 308 + "}}"),
+    "unknown-field-integer-1e309": _file('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1'
+                                         + "0" * 309 + "}}"),
+    "unknown-field-minus-zero": _file('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":-0}}'),
     "lone-surrogate-name": _file('{"\\ud800":' + F32x2 + "}"),
     "minus-zero": _file('{"a":{"dtype":"F32","shape":[2],"data_offsets":[-0,8]}}'),
     "size-2**64": _file('{"a":{"dtype":"F32","shape":[18446744073709551616,0],"data_offsets":[0,0]}}', b""),
