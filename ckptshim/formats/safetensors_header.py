@@ -95,7 +95,7 @@ def parse(raw: bytes, data_bytes: int = 0) -> Header:
     # every integer through Python (one beyond 64 bits is refused where it is read: _sizes, _ignored)
     integers = _integer if b"-0" in raw else None
     try:
-        root = json.loads(text, object_pairs_hook=_Object, parse_int=integers, parse_float=_float,
+        root = json.loads(text, object_pairs_hook=_object, parse_int=integers, parse_float=_float,
                           parse_constant=_constant)
     except RecursionError:
         raise HeaderError(f"nested deeper than {MAX_DEPTH} levels") from None
@@ -106,10 +106,10 @@ def parse(raw: bytes, data_bytes: int = 0) -> Header:
     except ValueError as error:  # an integer of more digits than Python converts
         raise HeaderError(f"not JSON safetensors reads ({describe(error, 100)})") from None
     paired = _SURROGATE_ESCAPE.search(raw) is None  # else: each string checked where it is read
-    if type(root) is not _Object:
+    if type(root) not in _OBJECTS:
         raise HeaderError(f"a JSON {_kind(root)}, not an object")
     metadata, seen_metadata, tensors = None, False, {}
-    for name, value in root:
+    for name, value in _members(root):
         _text(name, paired)
         if name == "__metadata__":
             if seen_metadata:
@@ -121,7 +121,20 @@ def parse(raw: bytes, data_bytes: int = 0) -> Header:
 
 
 class _Object(list):
-    """A JSON object as its (key, value) pairs, in order, duplicates kept."""
+    """A JSON object naming a key twice, as its (key, value) pairs in order (serde reads each
+    occurrence); an object without duplicates is a plain ``dict``."""
+
+
+_OBJECTS = (dict, _Object)
+
+
+def _object(pairs: list[tuple[str, object]]) -> dict | _Object:
+    found = dict(pairs)  # built in C; only an object naming a key twice comes out shorter
+    return found if len(found) == len(pairs) else _Object(pairs)
+
+
+def _members(value: dict | _Object):
+    return value.items() if type(value) is dict else value
 
 
 def _integer(text: str) -> int | float:
@@ -155,17 +168,17 @@ def _text(value: str, paired: bool) -> str:
 
 
 def _kind(value: object) -> str:
-    return {_Object: "object", list: "array", str: "string", bool: "boolean", int: "integer",
+    return {dict: "object", _Object: "object", list: "array", str: "string", bool: "boolean", int: "integer",
             float: "number", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _metadata(value: object, paired: bool) -> dict[str, str] | None:
     if value is None:
         return None
-    if type(value) is not _Object:
+    if type(value) not in _OBJECTS:
         raise HeaderError(f"__metadata__ is a JSON {_kind(value)}, not an object of strings")
     out = {}
-    for key, text in value:
+    for key, text in _members(value):
         if type(text) is not str:
             raise HeaderError(f"__metadata__[{brief(key, 60)}] is a JSON {_kind(text)}, not a string")
         out[_text(key, paired)] = _text(text, paired)
@@ -173,16 +186,15 @@ def _metadata(value: object, paired: bool) -> dict[str, str] | None:
 
 
 def _tensor(name: str, value: object, paired: bool) -> TensorInfo:
-    fields = dict(value) if type(value) is _Object and len(value) == 3 else None
-    if fields is not None and fields.keys() == _FIELD_SET:
-        pass  # what nearly every header holds: the three fields, once each
+    if type(value) is dict and value.keys() == _FIELD_SET:
+        fields = value  # what nearly every header holds: the three fields, once each
     elif type(value) is list:
         if len(value) != 3:
             raise HeaderError(f"{brief(name)} is an array of {len(value)} values, not (dtype, shape, data_offsets)")
         fields = dict(zip(_FIELDS, value))
-    elif type(value) is _Object:
+    elif type(value) in _OBJECTS:
         fields = {}
-        for field, item in value:
+        for field, item in _members(value):
             _text(field, paired)
             if field in _FIELDS:
                 if field in fields:
@@ -203,8 +215,8 @@ def _tensor(name: str, value: object, paired: bool) -> TensorInfo:
 
 
 def _dtype(name: str, value: object, paired: bool) -> str:
-    if type(value) is _Object and len(value) == 1 and value[0][1] is None:  # {"F32": null}
-        value = value[0][0]
+    if type(value) is dict and len(value) == 1 and None in value.values():  # {"F32": null}
+        (value,) = value
     if type(value) is not str or value not in DTYPES:
         raise HeaderError(f"{brief(name)}: dtype {brief(value, 40)} is not one of safetensors' "
                           f"({', '.join(DTYPES)})")
@@ -234,11 +246,11 @@ def _ignored(value: object, paired: bool) -> None:
                 float(item)
             except OverflowError:
                 raise HeaderError(f"an integer of {item.bit_length()} bits is out of range") from None
-        elif type(item) in (list, _Object):
+        elif type(item) is list or type(item) in _OBJECTS:
             if depth > MAX_DEPTH:
                 raise HeaderError(f"nested deeper than {MAX_DEPTH} levels")
-            for part in item:
-                if type(item) is _Object:
+            for part in (item if type(item) is list else _members(item)):
+                if type(item) is not list:
                     _text(part[0], paired)
                     part = part[1]
                 pending.append((part, depth + 1))
