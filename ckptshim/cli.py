@@ -21,6 +21,9 @@ EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
 #: ``inspect`` lists a checkpoint's files one by one up to this many; beyond, per writer only.
 LISTED_FILES = 64
+#: The widest key column ``inspect`` pads to; a longer key gets a line of its own (padding every
+#: line to the longest key would print one 20 MB key's width 20,000 times).
+KEY_COLUMN = 80
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -38,9 +41,13 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"{checkpoint.path}: {checkpoint.format} (version {checkpoint.version}), "
           f"{len(inventory)} arrays, {size_text(inventory.total_bytes)}")
     sep = checkpoint.key_sep
-    width = max((len(sep.join(e.key)) for e in inventory.values()), default=0)
+    width = min(max((len(sep.join(e.key)) for e in inventory.values()), default=0), KEY_COLUMN)
     for e in inventory.values():
-        print(f"  {sep.join(e.key):<{width}}  {e.dtype:<9} {str(tuple(e.shape)):<18} {size_text(e.nbytes)}")
+        name = sep.join(e.key)
+        if len(name) > width:  # folded: the key alone, its columns under the column's width
+            print(f"  {name}")
+            name = ""
+        print(f"  {name:<{width}}  {e.dtype:<9} {str(tuple(e.shape)):<18} {size_text(e.nbytes)}")
     if len(checkpoint.files) <= LISTED_FILES:
         for f in checkpoint.files:
             print(f"  file {f.path}: {'missing' if f.size is None else size_text(f.size)}")

@@ -3,9 +3,17 @@
 ``ShimError`` derives from both ``RuntimeError`` (what ``torch.nn.Module.load_state_dict`` raises)
 and ``ValueError`` (what Orbax and JAX raise for tree mismatches), so code that already catches
 the framework's own error keeps working.
+
+Messages are bounded like everything else built from a checkpoint: a value from a file is shown
+with :func:`brief` (never ``str()`` of it: a list nested and shared many ways prints as gigabytes),
+an exception out of a parser with :func:`describe`, and a message longer than
+:data:`MAX_MESSAGE` characters (a 20 MB key named in it) keeps its beginning and its end.
 """
 
 from __future__ import annotations
+
+#: The most characters a :class:`ShimError`'s message keeps; beyond, its middle is left out.
+MAX_MESSAGE = 16_384
 
 
 class ShimError(RuntimeError, ValueError):
@@ -13,6 +21,12 @@ class ShimError(RuntimeError, ValueError):
 
     The message always says what was expected, what was found, and what to do next.
     """
+
+    def __init__(self, *args: object) -> None:
+        if len(args) == 1 and isinstance(args[0], str) and len(args[0]) > MAX_MESSAGE:
+            text, keep = args[0], MAX_MESSAGE // 2
+            args = (f"{text[:keep]} [... {len(text) - 2 * keep:,} characters left out ...] {text[-keep:]}",)
+        super().__init__(*args)
 
 
 class UnsafeCheckpointError(ShimError):
@@ -88,3 +102,70 @@ DOCS_URL = "https://ckptshim.readthedocs.io/en/latest/"
 def docs_page(page: str, section: str = "") -> str:
     """The address of a page of the documentation site (``docs/<page>.md`` in the repository)."""
     return f"{DOCS_URL}{page}/" + (f"#{section}" if section else "")
+
+
+# -- values from a checkpoint in messages ---------------------------------------------------------
+
+#: Containers :func:`brief` shows nested at most this deep.
+_BRIEF_DEPTH = 6
+
+
+def brief(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, built in time proportional to ``limit``.
+
+    A value read from a checkpoint (a pickle can share one list many ways, so that its ``repr``
+    is exponentially long) is shown only this way: strings and bytes sliced before they are
+    quoted, containers item by item until the limit, integers over 64 bits by their size, any
+    other object by its type's name (its own ``repr`` never runs).
+    """
+    pieces: list[str] = []
+    left = limit
+
+    def emit(text: str) -> None:
+        nonlocal left
+        pieces.append(text[:max(left, 0)])
+        left -= len(text)
+
+    def show(item: object, depth: int) -> None:
+        if left <= 0:
+            return
+        if isinstance(item, (str, bytes)):
+            emit(repr(item[:left]))
+        elif item is None or isinstance(item, (bool, float)):
+            emit(repr(item))
+        elif isinstance(item, int):
+            emit(repr(item) if item.bit_length() <= 64 else f"<int of {item.bit_length()} bits>")
+        elif isinstance(item, (list, tuple, set, frozenset, dict)):
+            opener, closer = "()" if isinstance(item, tuple) else "[]" if isinstance(item, list) else "{}"
+            emit(opener)
+            if depth >= _BRIEF_DEPTH and item:
+                emit("...")
+            else:
+                for index, part in enumerate(item.items() if isinstance(item, dict) else item):
+                    if left <= 0:
+                        break
+                    if index:
+                        emit(", ")
+                    if isinstance(item, dict):
+                        show(part[0], depth + 1)
+                        emit(": ")
+                        part = part[1]
+                    show(part, depth + 1)
+            emit(closer)
+        else:
+            emit(f"<{type(item).__name__}>")
+
+    show(value, 0)
+    text = "".join(pieces)
+    return text if left >= 0 else text + "..."
+
+
+def describe(error: BaseException, limit: int = 300) -> str:
+    """``"TypeError: ..."`` for an exception out of a parser, at most about ``limit`` characters
+    of its message: ``str(error)`` where its arguments are plain text and numbers (the text is
+    as long as they are), else its arguments through :func:`brief`."""
+    args = error.args
+    plain = all(isinstance(arg, (str, bytes, float, bool, type(None))) or (
+        isinstance(arg, int) and arg.bit_length() <= 64) for arg in args)
+    text = str(error)[:limit] if plain else ", ".join(brief(arg, limit // max(len(args), 1)) for arg in args)
+    return f"{type(error).__name__}: {text}"

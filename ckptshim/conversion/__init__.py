@@ -46,7 +46,9 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
     """
     if to not in WRITERS:
         raise ConvertError(f"cannot convert to {to!r}; choose one of {', '.join(WRITERS)}")
-    source = Path(source).resolve()
+    # the source is opened as named (a format checks the components it gives meaning to, such as
+    # a hub cache's snapshots/ and blobs/); resolved only to compare it with the destination
+    given, source = Path(source), Path(source).resolve()
     # DST itself is never resolved: a link there is what --force replaces, never its target
     destination = Path(destination).parent.resolve() / Path(destination).name
     resolved = destination.resolve()
@@ -56,7 +58,7 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
 
     writer = import_module(f"ckptshim.conversion.{to}_writer")
     extras.require(writer.NEEDS, f"convert --to {to}")
-    checkpoint = open_checkpoint(source)
+    checkpoint = open_checkpoint(given)
     try:
         checkpoint.require_complete()
         plan = None if like is None else _plan_onto(checkpoint, like)

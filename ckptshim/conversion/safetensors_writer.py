@@ -16,17 +16,14 @@ import numpy as np
 from ckptshim.execute.arrays import PlannedArrays
 from ckptshim.conversion.progress import Progress
 from ckptshim.formats.base import storage_dtype
+from ckptshim.formats.safetensors_header import DTYPES
 from ckptshim.inventory import join_key
 
 #: What writing needs beyond ckptshim's own dependencies (see ckptshim.conversion.WRITERS).
 NEEDS: tuple[str, ...] = ()
 
-#: ckptshim dtype name -> safetensors header spelling.
-SAFETENSORS_DTYPES = {
-    "bool": "BOOL", "int8": "I8", "uint8": "U8", "int16": "I16", "uint16": "U16", "int32": "I32",
-    "uint32": "U32", "int64": "I64", "uint64": "U64", "float16": "F16", "bfloat16": "BF16",
-    "float32": "F32", "float64": "F64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-}
+#: ckptshim dtype name -> safetensors header spelling (the reader's table, inverted).
+SAFETENSORS_DTYPES = {ours: name for name, (_, ours) in DTYPES.items() if ours is not None}
 
 
 def file_name(destination_name: str) -> str:

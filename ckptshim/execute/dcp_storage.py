@@ -59,7 +59,7 @@ from ckptshim.errors import CorruptCheckpointError, ShimError, UnknownFormatErro
 from ckptshim.execute import destinations
 from ckptshim.execute.torch import as_tensor
 from ckptshim.formats import dcp
-from ckptshim.formats.base import Checkpoint, storage_dtype
+from ckptshim.formats.base import Checkpoint, open_regular, storage_dtype
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, dtype_name, join_key, split_key
 
@@ -178,7 +178,7 @@ class DcpReader(FileSystemReader):
                 raise CorruptCheckpointError(
                     f"{self.path}: {problem}. Restore the file (or re-copy the checkpoint) before loading it.")
             path = Path(self.path) / name
-            with open(path, "rb", buffering=0) as raw:
+            with open_regular(path, buffering=0) as raw:
                 for item in file_items:
                     index = item.storage_index
                     if index in self._layouts or index in self._objects or index in self._by_torch:
@@ -228,7 +228,7 @@ class DcpReader(FileSystemReader):
         size = {index: sum(_nbytes(d) for _, d in by_chunk[index]) for index in order}
         with progress.load_bar(sum(size.values()), "ckptshim: dcp.load"):
             for file in dict.fromkeys(self._layouts[index].file for index in order):
-                with open(file, "rb", buffering=0) as raw:
+                with open_regular(file, buffering=0) as raw:
                     for index in order:
                         if self._layouts[index].file == file:
                             _copy_chunk(raw, self._layouts[index], by_chunk[index], f"{file}: {index.fqn!r}")

@@ -19,14 +19,14 @@ import re
 import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar, TypeVar
+from typing import Any, BinaryIO, ClassVar, TypeVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ckptshim import extras
-from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError
+from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError, describe
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory
 
 _NO_NUMPY_TYPE = {"bfloat16": "<u2", "float8_e4m3fn": "u1", "float8_e5m2": "u1",
@@ -78,7 +78,7 @@ def unreadable(where: object, what: str, error: BaseException) -> ShimError:
         if needs_extra is not None:
             return needs_extra
     return CorruptCheckpointError(
-        f"{where}: {what} failed ({type(error).__name__}: {str(error)[:300]}); the checkpoint is "
+        f"{where}: {what} failed ({describe(error)}); the checkpoint is "
         "corrupt, incomplete or not what its format says. Re-copy it from the original; if it "
         "is intact, this is a bug in ckptshim: please report it with this message.")
 
@@ -171,17 +171,91 @@ class Budget:
 
 
 def refuse_links_leaving(root: Path, also: tuple[Path, ...] = ()) -> None:
-    """Refuse a checkpoint folder holding a symlink whose target lies outside it (or ``also``).
+    """Refuse a checkpoint folder holding a symlink whose target lies outside it (or ``also``),
+    or anything that is neither a regular file nor a folder (a FIFO, socket or device node, or
+    a link to one).
 
     ckptshim reads only files a checkpoint contains: a chunk, rank or data file that is a link
-    to ``/etc/machine-id`` would otherwise be read (and converted) as weights. Links inside the
-    folder are fine (their targets are checked where they are). One ``scandir`` walk, no stat
-    of regular files.
+    to ``/etc/machine-id`` would otherwise be read (and converted) as weights, and a FIFO in
+    place of a chunk blocks whoever opens it -- tensorstore included, which opens zarr chunks
+    and OCDBT files itself -- forever. Links inside the folder are fine (their targets are
+    checked where they are). One ``scandir`` walk: the kind of each entry comes from the
+    listing itself, so only links cost a ``stat``.
     """
     allowed = (root.resolve(), *(p.resolve() for p in also))
     for entry in _entries(root):
         if entry.is_symlink():
             _require_target_inside(Path(entry.path), allowed, root)
+            _require_plain(Path(entry.path), _target_mode(entry.path))
+        elif not (entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False)):
+            _require_plain(Path(entry.path), entry.stat(follow_symlinks=False).st_mode)
+
+
+def _target_mode(path: str) -> int | None:
+    """The mode of what a link points at; ``None`` for a dangling link (reported as missing
+    wherever the format needs the file)."""
+    try:
+        return os.stat(path).st_mode
+    except OSError:
+        return None
+
+
+def _require_plain(path: Path, mode: int | None) -> None:
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise not_regular(path, mode)
+
+
+def not_regular(path: object, mode: int) -> UnsafeCheckpointError:
+    """The refusal of ``path``, which is something other than a regular file (``mode``)."""
+    return UnsafeCheckpointError(
+        f"{path} is a {_kind(mode)}, not a regular file; ckptshim reads only regular files inside a "
+        "checkpoint (opening a pipe or device can block forever, or read what no checkpoint holds). "
+        "Replace it with the file it stands for.")
+
+
+# -- opening the files of a checkpoint -----------------------------------------------------------
+
+
+def open_regular(path: str | os.PathLike, buffering: int = -1) -> BinaryIO:
+    """Open ``path``, a file of a checkpoint, for reading -- refusing, without blocking, anything
+    but a regular file (a link is followed; where it may lead is checked when the checkpoint is
+    opened, see :func:`refuse_links_leaving`).
+
+    Every file ckptshim itself opens in a checkpoint is opened here: the type is checked with a
+    ``stat`` before the open (a device is never opened), and again on the open descriptor, which
+    is opened with ``O_NONBLOCK`` so that a FIFO swapped in between cannot block the open
+    either. ``OSError`` (a missing file, no permission) passes to the caller, which knows what
+    the file is for; a file of the wrong type is an :class:`UnsafeCheckpointError` naming it.
+    """
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise not_regular(path, mode)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise not_regular(path, mode)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike, limit: int | None = None) -> bytes:
+    """The bytes of the regular file ``path`` (at most ``limit``), as :func:`open_regular` opens it."""
+    with open_regular(path) as raw:
+        return raw.read() if limit is None else raw.read(limit)
+
+
+def regular_size(path: str | os.PathLike) -> int | None:
+    """The size of the regular file at ``path`` (a link followed); ``None`` for anything else,
+    or nothing."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_size if stat.S_ISREG(found.st_mode) else None
 
 
 def folder_bytes(root: Path) -> int:
@@ -363,7 +437,11 @@ def file_info(path: Path, expected_size: int | None = None, root: Path | None = 
 def _kind(mode: int) -> str:
     if stat.S_ISREG(mode):
         return "file"
-    return "directory" if stat.S_ISDIR(mode) else "special file (device, pipe or socket)"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if stat.S_ISFIFO(mode):
+        return "named pipe (FIFO)"
+    return "socket" if stat.S_ISSOCK(mode) else "device or other special file"
 
 
 def check_view(entry: Entry, begin: int, end: int, available: int, where: str) -> None:
@@ -427,16 +505,22 @@ def strict_json(raw: str | bytes, array_bytes: int = 0) -> object:
     brackets, so that a megabyte of ``[[],[],...]`` never becomes a million lists.
     """
     text = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    require_json_budget(text, array_bytes)
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to parse") from None
+
+
+def require_json_budget(text: bytes, array_bytes: int = 0) -> None:
+    """``ValueError`` when the JSON ``text`` holds more values than a :class:`Budget` credited
+    with ``array_bytes`` allows -- counted from its commas and brackets, before parsing."""
     values = text.count(b",") + text.count(b"[") + text.count(b"{") + 1  # at least the values
     budget = Budget("JSON", array_bytes)
     if values > budget.left():
         raise ValueError(f"JSON of about {values:,} values, more than {budget.left():,} (what "
                          f"{array_bytes:,} bytes of arrays and ckptshim's allowance for metadata "
                          "justify); refusing it before it exhausts memory")
-    try:
-        return json.loads(text, object_pairs_hook=_unique_pairs)
-    except RecursionError:
-        raise ValueError("JSON nested too deeply to parse") from None
 
 
 def _unique_pairs(pairs: list[tuple[str, object]]) -> dict:

@@ -36,10 +36,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
+from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError, brief, describe
 from ckptshim.formats import safe_pickle
-from ckptshim.formats.base import (Budget, Checkpoint, Piece, file_info, reader, reading, refuse_links_leaving,
-                                   storage_dtype)
+from ckptshim.formats.base import (Budget, Checkpoint, Piece, file_info, open_regular, read_regular, reader,
+                                   reading, refuse_links_leaving, storage_dtype)
 from ckptshim.formats.torch_globals import ExtraGlobals, Globals, Layout, Size, TensorRef, dtype_of, members
 from ckptshim.formats.torch_pickle import read_archive, tensor_view
 from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
@@ -224,7 +224,7 @@ def _ints(values: Any) -> tuple[int, ...]:
     """Sizes and offsets as DCP writes them: a sequence of integers >= 0 (``torch.Size``)."""
     if not isinstance(values, (tuple, list)) or not all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise ValueError(f"{type(values).__name__} {str(values)[:80]} is not a size (integers >= 0)")
+        raise ValueError(f"{brief(values)} is not a size (integers >= 0)")
     return tuple(values)
 
 
@@ -239,9 +239,25 @@ def _tensor_meta(record: Record) -> TensorMeta:
     return TensorMeta(dtype, _ints(state["size"]), chunks)
 
 
+def _text(value: Any, what: str) -> str:
+    """A name DCP writes as a string (a key, a file name, the version), or ``TypeError``; never
+    ``str()`` of whatever the pickle holds there (see :func:`~ckptshim.errors.brief`)."""
+    if type(value) is not str:
+        raise TypeError(f"{what} is a {type(value).__name__}, not a string")
+    return value
+
+
+def _path_of(value: Any, fqn: str) -> tuple:
+    """A ``planner_data`` entry: the key's path in the nested state dict, names and list indices."""
+    if not isinstance(value, (tuple, list)) or not all(
+            type(part) is str or (type(part) is int and part.bit_length() <= 64) for part in value):
+        raise TypeError(f"planner_data of {brief(fqn)} is {brief(value)}, not a path of names and indices")
+    return tuple(value)
+
+
 def _stored(record: Record) -> Stored:
     state = _state(record, "_StorageInfo")
-    file = str(state["relative_path"])
+    file = _text(state["relative_path"], "a storage file name")
     if PurePath(file).name != file or file in ("", ".", ".."):
         raise ValueError(f"storage file {file!r} is not a plain file name inside the checkpoint")
     offset, length = _ints((state["offset"], state["length"]))
@@ -256,19 +272,21 @@ def parse_metadata(root: Any) -> DcpMetadata:
     objects: set[str] = set()
     for fqn, record in state["state_dict_metadata"].items():
         if isinstance(record, Record) and record.kind.__name__ == "BytesStorageMetadata":
-            objects.add(str(fqn))
+            objects.add(_text(fqn, "a key"))
         else:
-            tensors[str(fqn)] = _tensor_meta(record)
+            tensors[_text(fqn, "a key")] = _tensor_meta(record)
     storage: dict[StorageKey, Stored] = {}
     for index, info in (state.get("storage_data") or {}).items():
         index_state = _state(index, "MetadataIndex")
         offset = index_state.get("offset")
-        storage[str(index_state["fqn"]), None if offset is None else _ints(offset)] = _stored(info)
+        storage[_text(index_state["fqn"], "a key"), None if offset is None else _ints(offset)] = _stored(info)
     planner_data = state.get("planner_data") or {}
     if not isinstance(planner_data, Mapping):
         raise TypeError("planner_data is not a mapping")
+    version = state.get("version")
     return DcpMetadata(tensors, frozenset(objects), storage,
-                       {str(k): tuple(v) for k, v in planner_data.items()}, state.get("version"), root)
+                       {(key := _text(k, "a key")): _path_of(v, key) for k, v in planner_data.items()},
+                       None if version is None else _text(version, "the version"), root)
 
 
 def load_metadata(file: Path, array_bytes: int = 0) -> DcpMetadata:
@@ -277,7 +295,7 @@ def load_metadata(file: Path, array_bytes: int = 0) -> DcpMetadata:
     where = str(file)
     with reading(file):
         try:
-            data = file.read_bytes()
+            data = read_regular(file)
         except OSError as error:
             raise CorruptCheckpointError(f"{file}: cannot be read ({error})") from None
         root = safe_pickle.load(data, where, safe_pickle.PICKLE, _find_class(where),
@@ -287,7 +305,7 @@ def load_metadata(file: Path, array_bytes: int = 0) -> DcpMetadata:
         except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as error:
             raise CorruptCheckpointError(
                 f"{file}: does not hold DCP metadata as torch.distributed.checkpoint writes it "
-                f"({type(error).__name__}: {str(error)[:200]}). Re-save the checkpoint with dcp.save.") from None
+                f"({describe(error, 200)}). Re-save the checkpoint with dcp.save.") from None
 
 
 _PLAIN = frozenset({str, int, float, bool, type(None)})
@@ -541,7 +559,7 @@ class DcpCheckpoint(Checkpoint):
         if fqn in self.metadata.objects:
             stored = self.stored(fqn, None)
             out = np.empty(stored.length, np.uint8)
-            with open(self.path / stored.file, "rb") as raw:
+            with open_regular(self.path / stored.file) as raw:
                 read_exact(raw, memoryview(out), stored.offset, str(self.path / stored.file))
             return out
         meta = self.metadata.tensors[fqn]
@@ -549,7 +567,7 @@ class DcpCheckpoint(Checkpoint):
         for chunk in meta.chunks:
             stored = self.stored(fqn, chunk.offsets)
             where = f"{self.path / stored.file}: {fqn!r} chunk {list(chunk.offsets)}"
-            with open(self.path / stored.file, "rb") as raw:
+            with open_regular(self.path / stored.file) as raw:
                 array = read_chunk(raw, read_layout(raw, self.path / stored.file, stored, chunk, meta.dtype, where), where)
             if chunk.sizes == meta.size:
                 return array

@@ -24,7 +24,10 @@ else is refused, naming the global.
 
 from __future__ import annotations
 
+import glob
+import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,17 +35,20 @@ from typing import Any
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
-from ckptshim.formats import tensor_parallel, torch_globals, torch_pickle
-from ckptshim.formats.base import Checkpoint, FileInfo, file_info, reader, refuse_links_leaving
+from ckptshim.formats import safe_pickle, tensor_parallel, torch_globals, torch_pickle
+from ckptshim.formats.base import (Checkpoint, FileInfo, file_info, open_regular, read_regular, reader,
+                                   refuse_links_leaving)
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key
 from ckptshim.rules.profiles import neox
 
 NAME = "deepspeed-pipeline"
-_LAYER_FILE = re.compile(r"layer_(\d+)-(?:model_(\d+)-)?model_states\.pt")
+_LAYER_FILE = re.compile(r"layer_([0-9]{2,})-(?:model_([0-9]+)-)?model_states\.pt")
 #: Every name DeepSpeed's ``load_state_dir`` globs for a layer (``layer_{i:02d}-*model_states.pt``)
 #: and hands to ``torch.load(weights_only=False)``: each must be one ckptshim reads as a layer.
-_LOADED_AS_LAYER = re.compile(r"layer_\d+-.*model_states\.pt", re.DOTALL)
-_MP_RANK_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+_LOADED_AS_LAYER = re.compile(r"layer_([0-9]{2,})-.*model_states\.pt", re.DOTALL)
+_MP_RANK_FILE = re.compile(r"mp_rank_([0-9]+)_model_states\.pt")
+#: What in a folder name is a pattern to ``glob.glob`` (DeepSpeed's ``ckpt_layer_path_list``).
+_GLOB_CHARACTERS = "*?["
 
 
 # -- inert stand-ins for the globals an mp_rank file may name -------------------------------
@@ -51,7 +57,9 @@ class _NumpyDtype:
     """``numpy.dtype(name, align, copy)`` as data: the type code and byte order."""
 
     def __init__(self, name: str, *_flags: Any) -> None:
-        self.name, self.byteorder = str(name), "|"
+        if type(name) is not str:  # numpy pickles a dtype by its type code
+            raise safe_pickle.Refused(f"numpy.dtype of a {type(name).__name__}, not a type code")
+        self.name, self.byteorder = name, "|"
 
     def __setstate__(self, state: tuple) -> None:
         self.byteorder = state[1] if len(state) > 1 and isinstance(state[1], str) else "|"
@@ -86,7 +94,7 @@ def _scalar(dtype: _NumpyDtype, raw: bytes = b"") -> Any:
     return np.frombuffer(raw, dtype=dtype.numpy())[0].item() if isinstance(raw, bytes) else None
 
 
-class Namespace(dict):
+class Namespace(safe_pickle.SafeDict):
     """``argparse.Namespace`` (Megatron/DeepSpeed ``args``) as a plain dict of its attributes."""
 
     def __setstate__(self, state: dict) -> None:
@@ -112,7 +120,17 @@ def _layer_of(key: KeyPath) -> int | None:
 # -- finding the step directory -------------------------------------------------------------
 
 def _is_step_dir(path: Path) -> bool:
-    return any(_LOADED_AS_LAYER.fullmatch(p.name) or _MP_RANK_FILE.fullmatch(p.name) for p in path.iterdir())
+    return any(_globbed_layer(p.name) is not None or _MP_RANK_FILE.fullmatch(p.name) for p in path.iterdir())
+
+
+def _globbed_layer(name: str) -> int | None:
+    """The layer ``i`` whose glob ``layer_{i:02d}-*model_states.pt`` matches the file name
+    ``name`` (as ``fnmatch`` matches: ``*`` is any run of characters), or ``None``. ``layer_5-``
+    and ``layer_005-`` name no layer: DeepSpeed spells layer 5 ``layer_05-``."""
+    match = _LOADED_AS_LAYER.fullmatch(name)
+    if match is None or match[1] != f"{int(match[1]):02d}":
+        return None
+    return int(match[1])
 
 
 def _layer_files(step: Path) -> list[tuple[int, int, Path]]:
@@ -120,17 +138,56 @@ def _layer_files(step: Path) -> list[tuple[int, int, Path]]:
     name it would load that ckptshim cannot place is refused, not left to DeepSpeed's unpickler."""
     found = []
     for file in sorted(step.iterdir()):
-        if not _LOADED_AS_LAYER.fullmatch(file.name):
+        layer = _globbed_layer(file.name)
+        if layer is None:
             continue
         match = _LAYER_FILE.fullmatch(file.name)
-        if match is None:
+        if match is None or int(match[1]) != layer:
             raise CorruptCheckpointError(
-                f"{file}: DeepSpeed's load_state_dir would load this file as layer "
-                f"{file.name[6:].split('-')[0]}, but its name is not one DeepSpeed writes "
-                "(layer_<ii>[-model_<rr>]-model_states.pt), so which tensor-parallel rank it holds is "
-                "unknown. Move it out of the checkpoint folder.")
-        found.append((int(match[1]), int(match[2] or 0), file))
+                f"{file}: DeepSpeed's load_state_dir would load this file as layer {layer:02d}, but its "
+                "name is not one DeepSpeed writes (layer_<ii>[-model_<rr>]-model_states.pt), so which "
+                "tensor-parallel rank it holds is unknown. Move it out of the checkpoint folder.")
+        found.append((layer, int(match[2] or 0), file))
     return found
+
+
+def files_deepspeed_reads(load_dir: Path, layers: Iterable[int]) -> list[Path]:
+    """The files ``PipelineModule.load_state_dir(load_dir)`` reads -- and unpickles with
+    ``torch.load(weights_only=False)`` -- for the pipeline layers ``layers``: for each,
+    ``glob.glob(os.path.join(load_dir, f"layer_{i:02d}-") + "*model_states.pt")``
+    (``ckpt_layer_path_list``), which (see :func:`require_pattern_is_itself`) finds exactly
+    ``load_dir``'s own files of those names."""
+    require_pattern_is_itself(load_dir)
+    layers = set(layers)
+    names = sorted(os.listdir(load_dir)) if load_dir.is_dir() else []
+    return [load_dir / name for name in names if _globbed_layer(name) in layers]
+
+
+def require_pattern_is_itself(folder: Path) -> None:
+    """Refuse a step folder whose path, as the pattern DeepSpeed globs it with, matches other
+    folders than itself (or not itself).
+
+    DeepSpeed finds a layer's files with ``glob.glob(<folder>/layer_<ii>-*model_states.pt)``:
+    where the folder's path holds glob characters -- ``global_step[1]``, which a ``latest`` file
+    can name -- that reads the files of every folder the path matches as a pattern
+    (``global_step1``), not this one's. ckptshim reads exactly the files the framework would,
+    so it reads this folder only when the pattern matches exactly it; otherwise it cannot vouch
+    for what DeepSpeed would unpickle, and refuses.
+    """
+    text = os.fspath(folder)
+    if not any(character in text for character in _GLOB_CHARACTERS):
+        return
+    matched = sorted(os.path.realpath(found) for found in glob.glob(text))
+    if matched != [os.path.realpath(folder)]:
+        pattern = os.path.join(text, "layer_<ii>-*model_states.pt")
+        raise UnsafeCheckpointError(
+            f"{folder}: the path holds glob characters ({_GLOB_CHARACTERS}), and DeepSpeed's "
+            f"load_state_dir reads its layer files with glob.glob({pattern!r}), "
+            + (f"which reads the files of {', '.join(matched[:3])}" if matched else "which matches no folder")
+            + (f" and {len(matched) - 3} more" if len(matched) > 3 else "")
+            + " instead of this folder's. ckptshim reads exactly the files DeepSpeed would read, and "
+            "cannot vouch for those: DeepSpeed unpickles them without limits. Rename the folder (and "
+            "the tag in `latest`) to a name without glob characters.")
 
 
 def step_directory(path: Path) -> Path:
@@ -177,7 +234,7 @@ def _is_dir(path: Path) -> bool:
 def _tag(latest: Path) -> str:
     """The step folder name DeepSpeed wrote into ``latest`` (one line of text)."""
     try:
-        return latest.read_bytes().decode("utf-8").strip()
+        return read_regular(latest).decode("utf-8").strip()
     except UnicodeDecodeError as error:
         raise CorruptCheckpointError(
             f"{latest}: not text ({error}); DeepSpeed writes the latest step folder's name there. "
@@ -237,6 +294,7 @@ class DeepSpeedPipelineCheckpoint(Checkpoint):
 @reader
 def open_checkpoint(path: Path) -> DeepSpeedPipelineCheckpoint:
     step = step_directory(path)
+    require_pattern_is_itself(step)
     refuse_links_leaving(step)
     scan = _Scan()
     layer_files = _layer_files(step)
@@ -272,7 +330,7 @@ def _scan_mp_rank(file: Path, rank: int, step: Path, scan: _Scan, weights_elsewh
     ``load_state_dir`` does not read it either. Otherwise the refusal stands.
     """
     try:
-        with open(file, "rb") as raw:
+        with open_regular(file) as raw:
             archive = torch_pickle.read_archive(raw, str(file), MP_RANK_GLOBALS)
     except OSError as error:
         raise CorruptCheckpointError(f"{file}: cannot be read ({error})") from None
@@ -372,9 +430,11 @@ def _merged_entries(scan: _Scan, degree: int) -> list[Entry]:
 
 
 def _version(step: Path, scan: _Scan, degree: int) -> str:
-    dims = scan.engine.get("checkpoint_parallel_dimensions") or {}
+    """``deepspeed 0.19.8, global_step3, tp=2 pp=2``: from the engine state, only where its
+    values are what DeepSpeed writes (a version string, a degree), never ``str()`` of another."""
+    dims = scan.engine.get("checkpoint_parallel_dimensions")
     pp = dims.get("pp_degree") if isinstance(dims, dict) else None
     ds = scan.engine.get("ds_version")
-    parts = [f"deepspeed {ds}" if ds else "deepspeed", step.name]
-    parts.append(f"tp={degree}" + (f" pp={pp}" if pp else ""))
+    parts = [f"deepspeed {ds[:40]}" if isinstance(ds, str) and ds else "deepspeed", step.name]
+    parts.append(f"tp={degree}" + (f" pp={pp}" if type(pp) is int and pp.bit_length() <= 32 else ""))
     return ", ".join(parts)

@@ -11,13 +11,15 @@ a restore reads them. A folder of such files reads as its latest step, ordered t
 from __future__ import annotations
 
 import re
+import stat
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 
 from ckptshim.formats import msgpack_tree
-from ckptshim.formats.base import Checkpoint, file_info, numpy_dtype, reader, require_inside, storage_dtype
+from ckptshim.formats.base import (Checkpoint, file_info, not_regular, numpy_dtype, reader, require_inside,
+                                   storage_dtype)
 from ckptshim.inventory import Entry, Inventory
 
 NAME = "flax-msgpack"
@@ -26,13 +28,29 @@ _STEP = re.compile(r"^(-?\d+(?:\.\d+)?(?:e[+-]?\d+)?)$")
 
 
 def step_files(folder: Path, prefix: str = PREFIX) -> list[Path]:
-    """Legacy step files in ``folder``, oldest first (Flax's natural order of the step suffix)."""
+    """Legacy step files in ``folder``, oldest first (Flax's natural order of the step suffix).
+
+    Flax picks its latest step by name alone, so a step name that is neither a file nor a folder
+    (a FIFO, which Flax would open and wait on) is refused, not passed over for an older step.
+    """
     found = []
     for child in folder.iterdir():
         suffix = child.name[len(prefix):] if child.name.startswith(prefix) else ""
-        if _STEP.match(suffix) and msgpack_tree.is_msgpack_file(child):
+        if not _STEP.match(suffix):
+            continue
+        mode = _mode(child)
+        if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise not_regular(child, mode)
+        if msgpack_tree.is_msgpack_file(child):
             found.append((float(suffix), child))
     return [path for _, path in sorted(found)]
+
+
+def _mode(path: Path) -> int | None:
+    try:
+        return path.stat().st_mode
+    except OSError:  # gone, or a dangling link: no step
+        return None
 
 
 def sniff(path: Path) -> bool:

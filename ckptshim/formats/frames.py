@@ -3,9 +3,10 @@
 Zarr metadata records no chunk sizes, so a chunk file cut short looks whole until it is
 decompressed. Two of the compressors Orbax, PaxML and T5X write say their own length up front:
 a zstd frame is a header followed by blocks that each state their size (RFC 8878, section 3.1.1),
-and a blosc chunk's 16-byte header holds its compressed size. Walking those headers costs a few
-small reads per chunk and no decompression. gzip (T5X's default) records no length before its
-end, so a cut gzip chunk is found when read.
+and a blosc chunk's 16-byte header holds its compressed size. Walking those headers maps the chunk
+and takes one step per frame and block header (a real chunk has a few; a hostile one can have
+one every 3 bytes, so the time is linear in the chunk's size), and no decompression. gzip
+(T5X's default) records no length before its end, so a cut gzip chunk is found when read.
 
 The same headers say how many bytes a chunk decompresses to: a zstd frame's content size (or,
 without one, at least its raw and RLE blocks' sizes), blosc's ``nbytes``, gzip's trailing
@@ -15,9 +16,12 @@ is decompressed (:func:`short_chunk` with ``chunk_bytes``): 128 KiB of zstd can 
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from pathlib import Path
+
+from ckptshim.formats.base import open_regular
 
 _ZSTD_MAGIC = 0xFD2FB528
 _ZSTD_SKIPPABLE = 0x184D2A50  # 0x184D2A50..5F: a skippable frame, length in its header
@@ -31,26 +35,37 @@ SIZED = MEASURABLE | {"gzip"}
 def needed_length(fd: int, compressor: str) -> int | None:
     """Bytes the chunk open at ``fd`` must have, as its headers say; ``None`` when they cannot
     say (not a frame of this compressor, or a header cut off before it says)."""
-    return _zstd_length(fd) if compressor == "zstd" else _blosc_length(fd)
-
-
-def _read(fd: int, size: int, offset: int) -> bytes:
-    return os.pread(fd, size, offset)
+    return _needed_length(_mapped(fd), compressor)
 
 
 def declared_content(fd: int, compressor: str) -> int | None:
     """Bytes the chunk open at ``fd`` says it decompresses to (at least), or ``None`` when its
     headers do not say (not a frame of this compressor; a zstd frame of compressed blocks only)."""
+    return _declared_content(_mapped(fd), compressor)
+
+
+def _mapped(fd: int) -> bytes | mmap.mmap:
+    """The whole file open at ``fd``, mapped: the header walks below take one step per frame and
+    block header, without a system call for each (a hostile chunk can hold a block every 3 bytes)."""
+    size = os.fstat(fd).st_size
+    return mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b""
+
+
+def _needed_length(data: bytes | mmap.mmap, compressor: str) -> int | None:
+    return _zstd_length(data) if compressor == "zstd" else _blosc_length(data)
+
+
+def _declared_content(data: bytes | mmap.mmap, compressor: str) -> int | None:
+    size = len(data)
     if compressor == "gzip":
-        size = os.fstat(fd).st_size
-        tail = _read(fd, 4, size - 4) if size >= 18 else b""  # ISIZE, after a 10-byte header
-        return struct.unpack("<I", tail)[0] if len(tail) == 4 and _read(fd, 2, 0) == b"\x1f\x8b" else None
+        tail = data[size - 4:] if size >= 18 else b""  # ISIZE, after a 10-byte header
+        return struct.unpack("<I", tail)[0] if len(tail) == 4 and data[:2] == b"\x1f\x8b" else None
     if compressor == "blosc":
-        header = _read(fd, 16, 0)
+        header = data[:16]
         return struct.unpack_from("<I", header, 4)[0] if len(header) == 16 else None
-    total, offset, size = 0, 0, os.fstat(fd).st_size
+    total, offset = 0, 0
     while offset < size:
-        frame = _zstd_frame(fd, offset)
+        frame = _zstd_frame(data, offset)
         if frame is None:
             return None
         offset += frame[0]
@@ -58,28 +73,27 @@ def declared_content(fd: int, compressor: str) -> int | None:
     return total or None
 
 
-def _blosc_length(fd: int) -> int | None:
-    header = _read(fd, 16, 0)
+def _blosc_length(data: bytes | mmap.mmap) -> int | None:
+    header = data[:16]
     return struct.unpack_from("<I", header, 12)[0] if len(header) == 16 else None
 
 
-def _zstd_length(fd: int) -> int | None:
+def _zstd_length(data: bytes | mmap.mmap) -> int | None:
     """Sum of the frames' lengths: numcodecs and tensorstore write one frame per chunk, but a
     chunk may hold several (and skippable frames) back to back."""
-    size = os.fstat(fd).st_size
-    offset = 0
+    offset, size = 0, len(data)
     while offset < size:
-        frame = _zstd_frame(fd, offset)
+        frame = _zstd_frame(data, offset)
         if frame is None:
             return None
         offset += frame[0]
     return offset or None
 
 
-def _zstd_frame(fd: int, start: int) -> tuple[int, int] | None:
+def _zstd_frame(data: bytes | mmap.mmap, start: int) -> tuple[int, int] | None:
     """(bytes the frame at ``start`` occupies, bytes it declares it decompresses to -- its
     content size, or else at least its raw and RLE blocks), or ``None`` for no zstd frame."""
-    head = _read(fd, 18, start)  # magic, descriptor, window, dictionary id, content size at most
+    head = data[start:start + 18]  # magic, descriptor, window, dictionary id, content size at most
     if len(head) < 5:
         return None
     (magic,) = struct.unpack_from("<I", head)
@@ -96,12 +110,11 @@ def _zstd_frame(fd: int, start: int) -> tuple[int, int] | None:
     if content_size_bytes and len(head) >= content_at + content_size_bytes:
         declared = int.from_bytes(head[content_at:content_at + content_size_bytes], "little")
         declared += 256 if content_size_bytes == 2 else 0  # RFC 8878 3.1.1.1.4
-    offset, blocks = start + content_at + content_size_bytes, 0
+    offset, blocks, size = start + content_at + content_size_bytes, 0, len(data)
     while True:
-        block = _read(fd, _BLOCK_HEADER, offset)
-        if len(block) < _BLOCK_HEADER:  # the file ends before the frame does
+        if offset + _BLOCK_HEADER > size:  # the file ends before the frame does
             return offset + _BLOCK_HEADER - start, declared if declared is not None else blocks
-        (bits,) = struct.unpack("<I", block + b"\0")
+        bits = data[offset] | data[offset + 1] << 8 | data[offset + 2] << 16
         last, kind, block_size = bits & 1, bits >> 1 & 3, bits >> 3
         offset += _BLOCK_HEADER + (1 if kind == 1 else block_size)  # an RLE block holds one byte
         blocks += block_size if kind in (0, 1) else 0  # raw and RLE: exactly; compressed: unknown
@@ -115,15 +128,14 @@ def short_chunk(path: Path, compressor: str, name: str, chunk_bytes: int | None 
     data, or declares more decompressed bytes than ``chunk_bytes`` (what its array's chunk
     holds); ``None`` when its headers are satisfied."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        raw = open_regular(path, buffering=0)
     except OSError as error:
         return f"{name} cannot be opened ({error.strerror})"
-    try:
-        size = os.fstat(fd).st_size
-        needed = needed_length(fd, compressor) if compressor in MEASURABLE else size
-        content = declared_content(fd, compressor) if chunk_bytes is not None else None
-    finally:
-        os.close(fd)
+    with raw:
+        data = _mapped(raw.fileno())
+        size = len(data)
+        needed = _needed_length(data, compressor) if compressor in MEASURABLE else size
+        content = _declared_content(data, compressor) if chunk_bytes is not None else None
     if needed is None:
         return f"{name} is damaged: its {size} bytes are not the {compressor} data its metadata promises"
     if size < needed:

@@ -12,15 +12,17 @@ names but the directory lacks is reported, not skipped. :func:`model_config` rea
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 
-from ckptshim.errors import CorruptCheckpointError
+from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptshim.formats import safetensors, torch_pickle
-from ckptshim.formats.base import (Checkpoint, FileInfo, file_info, reader, refuse_links_leaving, require_inside,
-                                   strict_json)
+from ckptshim.formats.base import (Checkpoint, FileInfo, file_info, read_regular, reader, refuse_links_leaving,
+                                   require_inside, strict_json)
 from ckptshim.inventory import Entry, Inventory
 
 NAME = "hf-dir"
@@ -49,8 +51,7 @@ def model_config(path: Path) -> dict | None:
     if not found.is_file():
         return None
     require_inside(folder, found, _roots(folder))  # a hub-cache snapshot links it into blobs/
-    with open(found, "rb") as raw:
-        data = raw.read(MAX_CONFIG_BYTES + 1)
+    data = read_regular(found, MAX_CONFIG_BYTES + 1)
     try:
         if len(data) > MAX_CONFIG_BYTES:
             raise ValueError(f"over {MAX_CONFIG_BYTES} bytes")
@@ -101,12 +102,31 @@ def _roots(path: Path) -> tuple[Path, ...]:
     Its own folder, and — for a snapshot in the Hugging Face hub cache
     (``models--org--name/snapshots/<revision>/``, whose files are symlinks to
     ``../../blobs/<hash>``) — that repository's ``blobs/`` folder, which the cache shares
-    between revisions.
+    between revisions. Every component of that layout is checked, not followed: the revision
+    folder, ``snapshots`` and ``blobs`` must each be a real folder (no link) of one repository
+    folder; a ``blobs`` that is a link (to ``/``, say) would make anything it reaches part of
+    the checkpoint, and is refused.
     """
-    blobs = path.parent.parent / "blobs"
-    if path.parent.name == "snapshots" and blobs.is_dir():
-        return path.resolve(), blobs.resolve()
-    return (path.resolve(),)
+    snapshots, repository = path.parent, path.parent.parent
+    blobs = repository / "blobs"
+    if snapshots.name != "snapshots" or not os.path.lexists(blobs):
+        return (path.resolve(),)
+    for part in (blobs, snapshots, path):
+        if not _real_folder(part):
+            raise UnsafeCheckpointError(
+                f"{part} is {'a symlink' if part.is_symlink() else 'not a folder'}; in a Hugging Face hub "
+                f"cache ({repository}) the revision folder, snapshots/ and blobs/ are real folders of the "
+                "repository's cache, and ckptshim reads a snapshot's linked files only from that blobs/ "
+                "folder. Download the model again, or copy the snapshot's files into a folder of their own.")
+    return path.resolve(), blobs.resolve()
+
+
+def _real_folder(path: Path) -> bool:
+    """A folder, and not a link to one (``lstat``: nothing followed)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def weights_file(path: Path) -> str:
@@ -150,7 +170,7 @@ def open_checkpoint(path: Path) -> HFDirCheckpoint:
         version = chosen
     else:
         try:
-            weight_map = strict_json((path / index_name).read_bytes())["weight_map"]
+            weight_map = strict_json(read_regular(path / index_name))["weight_map"]
             shards = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError) as error:  # UnicodeDecodeError too
             raise CorruptCheckpointError(

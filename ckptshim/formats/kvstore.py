@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from ckptshim.errors import CorruptCheckpointError
+from ckptshim.formats.base import open_regular, regular_size
 
 
 def _ts():
@@ -85,7 +85,12 @@ class Reference:
 class IndexNode:
     """One b-tree node of the index, with the range of keys under it: ``[first, end)``
     (``end`` ``None``: unbounded). A node whose file is missing or too short is not read: the
-    keys in its range are then unknown, and whatever they hold is lost."""
+    keys in its range are then unknown, and whatever they hold is lost.
+
+    A node stores its keys without the ``prefix`` every key under it shares (the path from the
+    root says it: each parent's key prefix plus the child's ``subtree_common_prefix``), so a key
+    ``ts.ocdbt.dump`` lists is ``prefix`` + its key.
+    """
 
     where: Reference
     location: str   # as tensorstore spells it (what ``ts.ocdbt.dump`` reads the node by)
@@ -93,6 +98,7 @@ class IndexNode:
     end: str | None
     read: bool
     leaf: bool
+    prefix: bytes = b""
 
     def overlaps(self, prefix: str) -> bool:
         """Whether any key starting with ``prefix`` (non-empty) can lie under this node."""
@@ -144,8 +150,9 @@ def ocdbt_index(root: Path, keep: tuple[str, ...] = ()) -> OcdbtIndex:
         index._need(node.where)
         if dumped is None or not node.leaf:
             continue
+        prefix = node.prefix
         for entry in dumped["entries"]:  # a tight loop: a leaf node may hold a million entries
-            key = entry["key"].decode("utf-8", "replace")
+            key = (prefix + entry["key"]).decode("utf-8", "replace")
             group, _, rest = key.partition("/")
             found = keys.get(group)
             if found is None:
@@ -179,13 +186,13 @@ def references_into(root: Path, index: OcdbtIndex, files: set[str]) -> Iterator[
             if "indirect_value" in entry:
                 where = locations.reference(entry["indirect_value"])
                 if where.file in files:
-                    yield entry["key"].decode("utf-8", "replace"), where
+                    yield (node.prefix + entry["key"]).decode("utf-8", "replace"), where
 
 
 def read_reference(root: Path, where: Reference) -> bytes:
     """The bytes of one value stored out of line (OCDBT stores values uncompressed)."""
     try:
-        with open(root / where.file, "rb") as f:
+        with open_regular(root / where.file) as f:
             data = os.pread(f.fileno(), where.length, where.offset)
     except OSError as error:
         raise CorruptCheckpointError(f"{root / where.file}: cannot be read ({error}); run "
@@ -198,7 +205,9 @@ def read_reference(root: Path, where: Reference) -> bytes:
 
 def _walk(root: Path, locations: _Locations, nodes: list[IndexNode]) -> Iterator[tuple[IndexNode, dict | None]]:
     """Each index node of the latest version, depth first, with its dump (``None`` when its
-    file cannot hold it); interior nodes' children are queued with their key ranges."""
+    file cannot hold it); interior nodes' children are queued with their key ranges and key
+    prefixes. Each node is visited once, at the height its parent says: one reached again, or
+    at another height (its checksums may all be valid), is refused."""
     ts = _ts()
     base = ts.KvStore.open(file_url(root)).result()
     sizes: dict[str, int | None] = {}
@@ -209,25 +218,41 @@ def _walk(root: Path, locations: _Locations, nodes: list[IndexNode]) -> Iterator
             return
         latest = max(versions, key=lambda v: v["generation_number"])
         location = latest.get("root", {}).get("location")
-        pending = [(location, "", None, latest.get("root_height", 0) == 0)] if location else []
+        pending = [(location, "", None, latest.get("root_height", 0), b"")] if location else []
+    seen: set[Reference] = set()
     while pending:
-        location, first, end, leaf = pending.pop()
+        location, first, end, height, prefix = pending.pop()
         where = locations.reference(location)
+        if where in seen:  # a b-tree reaches each node once; a node met again is a cycle or a merge
+            raise CorruptCheckpointError(
+                f"{root}: the OCDBT index reaches the node at {where.file} bytes {where.offset}..{where.end} "
+                "twice (a node pointing back at an ancestor, or two parents sharing one); it is not a "
+                "b-tree, and walking it would not end. Re-copy the checkpoint from the original.")
+        seen.add(where)
         if where.file not in sizes:
             sizes[where.file] = regular_size(root / where.file)
         readable = sizes[where.file] is not None and sizes[where.file] >= where.end
-        node = IndexNode(where, location, first, end, readable, leaf)
-        nodes.append(node)
         if not readable:
+            node = IndexNode(where, location, first, end, False, height == 0, prefix)
+            nodes.append(node)
             yield node, None
             continue
         with _decoding(root):
             dumped = ts.ocdbt.dump(base, location).result()
-            height, entries = dumped.get("height", 0), dumped.get("entries", ())
+            entries = dumped.get("entries", ())
+            if dumped.get("height", 0) != height:
+                raise CorruptCheckpointError(
+                    f"{root}: the OCDBT index node at {where.file} bytes {where.offset}..{where.end} has "
+                    f"height {dumped.get('height', 0)} where its parent (or the manifest) says {height}; "
+                    "it is not a b-tree. Re-copy the checkpoint from the original.")
             if height > 0:
                 for i, entry in enumerate(entries):
-                    upper = _text(entries[i + 1]["key"]) if i + 1 < len(entries) else end
-                    pending.append((entry["location"], _text(entry["key"]), upper, height == 1))
+                    key = prefix + entry["key"]
+                    upper = _text(prefix + entries[i + 1]["key"]) if i + 1 < len(entries) else end
+                    pending.append((entry["location"], _text(key), upper, height - 1,
+                                    prefix + entry.get("subtree_common_prefix", b"")))
+        node = IndexNode(where, location, first, end, True, height == 0, prefix)
+        nodes.append(node)
         yield node, dumped
 
 
@@ -279,11 +304,3 @@ class _Locations:
                 "checkpoint; ckptshim reads only files the checkpoint contains. Re-copy it from the original.")
         return name
 
-
-def regular_size(path: Path) -> int | None:
-    """The size of the regular file at ``path`` (a link followed); ``None`` for anything else."""
-    try:
-        found = os.stat(path)
-    except OSError:
-        return None
-    return found.st_size if stat.S_ISREG(found.st_mode) else None

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
-from ckptshim.formats.base import Budget, numpy_dtype
+from ckptshim.formats.base import Budget, numpy_dtype, open_regular
 from ckptshim.inventory import DTYPE_SIZES, Entry, KeyPath, dtype_name, flatten
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
@@ -241,7 +241,7 @@ def is_msgpack_file(path) -> bool:
     """Cheap: is ``path`` a file that starts like a msgpack map (as Flax trees do)?"""
     if not path.is_file():
         return False
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         head = f.read(1)
     return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
 
@@ -250,5 +250,5 @@ def map_file(path) -> Any:
     """A read-only memory map of ``path`` (an empty bytes object for an empty file)."""
     import mmap
 
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if f.seek(0, 2) else b""

@@ -26,7 +26,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import kvstore, msgpack_tree, zarr
-from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, numpy_dtype,
+from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, numpy_dtype, read_regular,
                                    reader, refuse_links_leaving, storage_dtype, strict_json)
 from ckptshim.formats.ts_arrays import TensorstoreArrays
 from ckptshim.inventory import Entry, Inventory, KeyPath
@@ -102,7 +102,7 @@ def _metadata_leaves(path: Path) -> tuple[list[tuple[KeyPath, str]], dict]:
     (its options)."""
     where = path / METADATA
     try:
-        meta = strict_json(where.read_bytes(), folder_bytes(path))
+        meta = strict_json(read_regular(where), folder_bytes(path))
         tree = meta["tree_metadata"]
         leaves = []
         for record in tree.values():
@@ -185,13 +185,9 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
                 shown = ", ".join(absent) + (f" and {count - len(absent)} more" if count > len(absent) else "")
                 problems.append(f"{leaf}: {count} chunk(s) missing from the OCDBT index ({shown})")
             continue
-        chunk_files, unlisted = array.folder_files(path / leaf, present, "/".join(key), required, path)
-        files += chunk_files
-        if unlisted:
-            problems.append(f"{leaf}: {unlisted} more chunk file(s) missing")
-        count, short = array.short_chunks(path / leaf, present)  # plain files: only frames say
-        if count:
-            problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")
+        chunk_files, found = array.folder_report(path / leaf, present, "/".join(key), required, path)
+        files += chunk_files  # plain files: only their frames say whether they are whole
+        problems += found
     if ocdbt:
         names = {name: "/".join(key) for key, name in leaves if isinstance(name, str)}
         files = ocdbt_files(path, store.index, names, arrays)

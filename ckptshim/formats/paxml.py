@@ -27,7 +27,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import kvstore, orbax, zarr
-from ckptshim.formats.base import Checkpoint, reader, refuse_links_leaving, step_folders, strict_json
+from ckptshim.formats.base import Checkpoint, read_regular, reader, refuse_links_leaving, step_folders, strict_json
 from ckptshim.inventory import Entry, Inventory, KeyPath, flatten
 
 NAME = "paxml"
@@ -42,7 +42,7 @@ def _version(step_dir: Path) -> tuple[float | None, dict]:
     if not where.is_file():
         return None, {}
     try:
-        meta = strict_json(where.read_bytes())
+        meta = strict_json(read_regular(where))
         return float(meta["version"]), meta
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CorruptCheckpointError(
@@ -157,13 +157,9 @@ def open_checkpoint(path: Path) -> Checkpoint:
         location = orbax.StoredArray(name, array.driver) if shape == array.shape else \
             _Padded(name, array.driver)
         entries.append(Entry(key, shape, array.dtype, location))
-        chunk_files, unlisted = array.folder_files(state / name, listed.get(name, set()), "/".join(key),
-                                                   zarr.chunk_keys_required(array, False), state)
+        chunk_files, found = array.folder_report(state / name, listed.get(name, set()), "/".join(key),
+                                                 zarr.chunk_keys_required(array, False), state)
         files += chunk_files
-        if unlisted:
-            problems.append(f"{name}: {unlisted} more chunk file(s) missing")
-        count, short = array.short_chunks(state / name, listed.get(name, set()))
-        if count:
-            problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")
+        problems += found
     shown = "0.0 (no metadata)" if version is None else f"{version:g}"
     return PaxmlCheckpoint(state, f"{shown}, tensorstore", Inventory(entries, str(state)), files, problems)

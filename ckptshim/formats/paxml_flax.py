@@ -25,7 +25,7 @@ from typing import Any
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import flax_msgpack, msgpack_tree
-from ckptshim.formats.base import file_info, reader, require_inside, step_folders
+from ckptshim.formats.base import file_info, open_regular, reader, require_inside, step_folders
 from ckptshim.inventory import Inventory, KeyPath
 
 NAME = "paxml-flax"
@@ -48,7 +48,7 @@ def is_payload(path: Path) -> bool:
     """Cheap: a file whose msgpack map starts with PaxML's ``flattened_state`` key."""
     if not path.is_file():
         return False
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         return f.read(len(_HEADS[0])) in _HEADS
 
 

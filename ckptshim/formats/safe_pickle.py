@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptshim.errors import CorruptCheckpointError, ShimError
+from ckptshim.errors import CorruptCheckpointError, ShimError, describe
 from ckptshim.formats.base import Budget
 
 #: Items in a tuple used as a dictionary key or set member (tuples do not cache their hash).
@@ -129,6 +129,29 @@ def _key(value: object) -> object:
     return value
 
 
+class SafeDict(dict):
+    """A dictionary a stand-in builds from pickle data (``collections.OrderedDict(pairs)`` through
+    ``REDUCE``, DeepSpeed's ``argparse.Namespace``): each key passes :func:`key_hashes_cheaply`
+    before it is hashed, as ``SETITEM(S)`` keys do. ``dict(pairs)`` would hash a key that is a
+    tuple shared many ways for a time exponential in its nesting -- ``torch.load(weights_only=True)``
+    hangs on such a file.
+
+    The pairs are any iterable of two-item tuples or lists (what ``dict`` takes), or a dictionary
+    this interpreter built (its keys were checked when it was built).
+    """
+
+    def __init__(self, items: Any = (), /) -> None:
+        super().__init__()
+        if isinstance(items, dict):
+            self.update(items)
+            return
+        for pair in items:
+            if type(pair) not in (tuple, list) or len(pair) != 2:
+                raise Refused(f"a dictionary built from a {type(pair).__name__} where a (key, value) "
+                              "pair belongs")
+            self[_key(pair[0])] = pair[1]
+
+
 def load(data: bytes, where: str, dialect: Dialect, find_class: Callable[[str, str], Any],
          persistent_load: Callable[[Any], Any] | None = None, budget: Budget | None = None) -> Any:
     """The object the pickle ``data`` describes, built from ``find_class``'s stand-ins.
@@ -151,7 +174,7 @@ def load(data: bytes, where: str, dialect: Dialect, find_class: Callable[[str, s
     except (TypeError, ValueError, AttributeError, OverflowError, UnicodeDecodeError,
             RecursionError, MemoryError) as error:  # a stand-in given arguments it does not take
         raise CorruptCheckpointError(_message(
-            where, interpreter, f"{type(error).__name__}: {str(error)[:200]}")) from None
+            where, interpreter, describe(error, 200))) from None
 
 
 def _message(where: str, interpreter: _Interpreter, what: str) -> str:

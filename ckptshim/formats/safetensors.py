@@ -1,7 +1,8 @@
 """safetensors files: an 8-byte header length, a JSON header, then raw little-endian bytes.
 
-The header is parsed here (no safetensors import needed) with strict bounds checks; arrays are
-read-only views of one memory map of the file, and a contiguous range of one is read with one
+The header is parsed without the safetensors library and refused wherever the library refuses
+it (:mod:`~ckptshim.formats.safetensors_header`); arrays are read-only views of one memory map of
+the file, and a contiguous range of one is read with one
 ``pread`` straight into the caller's buffer (:meth:`SafetensorsCheckpoint.read_into`).
 """
 
@@ -14,12 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ckptshim.errors import CorruptCheckpointError
-from ckptshim.formats.base import Checkpoint, check_view, file_info, numpy_dtype, reader, storage_dtype, strict_json
-from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
+from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, brief
+from ckptshim.formats import safetensors_header
+from ckptshim.formats.base import Checkpoint, check_view, file_info, numpy_dtype, open_regular, reader, storage_dtype
+from ckptshim.formats.safetensors_header import MAX_HEADER, Header
+from ckptshim.inventory import Entry, Inventory, split_key
 
 NAME = "safetensors"
-_MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself enforces
 #: The most a read into a view (a transposed block) or another dtype holds in its own buffer at once.
 BUFFER_BYTES = 16 * 2**20
 
@@ -32,47 +34,66 @@ def sniff(path: Path) -> bool:
 READERS = {"torch": sniff, "jax": sniff}
 
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """The parsed JSON header and the offset where tensor data starts."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+def read_header(path: Path) -> tuple[Header, int]:
+    """The header, validated as the safetensors library validates it
+    (:mod:`~ckptshim.formats.safetensors_header`), and the offset where tensor data starts."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         if len(raw) < 8:
             raise CorruptCheckpointError(f"{path}: {size} bytes is too short for a safetensors header")
         (length,) = struct.unpack("<Q", raw)
-        if length > min(_MAX_HEADER, size - 8):
+        if length > MAX_HEADER:
+            raise CorruptCheckpointError(
+                f"{path}: header claims {length} bytes, more than the {MAX_HEADER:,} safetensors reads; "
+                "it is not a safetensors file, or a damaged one.")
+        if length > size - 8:
             raise CorruptCheckpointError(
                 f"{path}: header claims {length} bytes but the file has {size}; it is truncated "
                 "or not a safetensors file.")
-        try:
-            header = strict_json(f.read(length), array_bytes=size - 8 - length)
-        except ValueError as error:  # not JSON, not UTF-8, too deep, or a name listed twice
-            raise CorruptCheckpointError(f"{path}: header is not valid JSON ({error})") from None
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{path}: header is not a JSON object")
+        data = f.read(length)
+    try:
+        header = safetensors_header.parse(data, size - 8 - length)
+    except ValueError as error:  # HeaderError, or the JSON budget
+        raise CorruptCheckpointError(f"{path}: the header is not one safetensors reads: {error}. The file "
+                                     "is damaged or was not written by safetensors; re-copy it.") from None
+    unowned = size - 8 - length - header.data_length
+    if unowned > 0:
+        raise CorruptCheckpointError(
+            f"{path}: {unowned} bytes after the last tensor's data belong to no tensor; safetensors "
+            "refuses the file (its metadata must cover every byte). Re-copy it from the original.")
     return header, 8 + length
 
 
-def entries(path: Path, header: dict, data_start: int, key_sep: str = ".") -> list[Entry]:
+def entries(path: Path, header: Header, data_start: int, key_sep: str = ".") -> list[Entry]:
+    """One entry per tensor of ``header``, located in ``path``'s data (starting at ``data_start``)."""
     out = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = dtype_name(info["dtype"])
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError, OverflowError) as error:
-            raise CorruptCheckpointError(f"{path}: malformed header entry {name!r:.80} ({error})") from None
-        if begin < 0 or end < begin or any(d < 0 for d in shape):
-            raise CorruptCheckpointError(f"{path}: entry {name!r} has an invalid shape or byte range")
-        entry = Entry(split_key(name, key_sep), shape, dtype, (str(path), data_start + begin, data_start + end))
-        if end - begin != entry.nbytes:  # as safetensors itself checks when it opens the file
-            raise CorruptCheckpointError(
-                f"{path}: entry {name!r:.80} is declared {dtype}{list(shape)} ({entry.nbytes} bytes) "
-                f"but its data_offsets span {end - begin}; the header is corrupt. Re-copy the file.")
-        out.append(entry)
+    for name, info in header.tensors.items():
+        dtype = safetensors_header.DTYPES[info.dtype][1]
+        if dtype is None or not _numpy_holds(info.shape):
+            what = f"is {info.dtype}, a dtype" if dtype is None else \
+                f"has shape {brief(info.shape, 60)}, more axes or elements than an array"
+            raise UnknownFormatError(
+                f"{path}: {brief(name)} {what} ckptshim does not read yet; load the file with "
+                "safetensors itself (safetensors.safe_open) and without ckptshim.")
+        out.append(Entry(split_key(name, key_sep), info.shape, dtype,
+                         (str(path), data_start + info.begin, data_start + info.end)))
     return out
+
+
+def _numpy_holds(shape: tuple[int, ...]) -> bool:
+    """Whether a numpy array can take ``shape`` (safetensors allows any number of axes, and an
+    empty tensor whose other axes multiply past 64 bits); one with elements is in the file, so
+    only its axes can be too many."""
+    if len(shape) > 64:
+        return False
+    if 0 not in shape:
+        return True
+    try:
+        np.empty(shape, np.uint8)  # no elements: nothing is allocated
+    except ValueError:
+        return False
+    return True
 
 
 class SafetensorsCheckpoint(Checkpoint):
@@ -90,7 +111,8 @@ class SafetensorsCheckpoint(Checkpoint):
         file, begin, end = entry.location
         data = self._maps.get(file)
         if data is None:
-            data = self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+            with open_regular(file) as raw:
+                data = self._maps[file] = np.memmap(raw, dtype=np.uint8, mode="r")
         check_view(entry, begin, end, len(data), file)
         return data[begin:end].view(storage_dtype(entry.dtype)).reshape(entry.shape)
 
@@ -136,7 +158,7 @@ class SafetensorsCheckpoint(Checkpoint):
 
 def _pread(file: str, offset: int, target: memoryview, entry: Entry) -> None:
     """Fill ``target`` from ``file`` at ``offset``."""
-    with open(file, "rb", buffering=0) as raw:
+    with open_regular(file, buffering=0) as raw:
         done = 0
         while done < len(target):
             read = os.preadv(raw.fileno(), [target[done:]], offset + done)
@@ -169,5 +191,4 @@ def _contiguous(shape: tuple[int, ...], index: tuple) -> tuple[int, int] | None:
 def open_checkpoint(path: Path) -> SafetensorsCheckpoint:
     header, start = read_header(path)
     found = entries(path, header, start)
-    expected = max((e.location[2] for e in found), default=start)
-    return SafetensorsCheckpoint(path, Inventory(found, str(path)), [file_info(path, expected)])
+    return SafetensorsCheckpoint(path, Inventory(found, str(path)), [file_info(path, start + header.data_length)])

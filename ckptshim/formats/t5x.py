@@ -30,8 +30,8 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats import kvstore, msgpack_tree, orbax, zarr
-from ckptshim.formats.base import (Checkpoint, file_info, inside, numpy_dtype, reader, refuse_links_leaving,
-                                   step_folders, storage_dtype)
+from ckptshim.formats.base import (Checkpoint, file_info, inside, numpy_dtype, open_regular, read_regular, reader,
+                                   refuse_links_leaving, step_folders, storage_dtype)
 from ckptshim.inventory import Entry, Inventory, KeyPath
 
 NAME = "t5x"
@@ -53,7 +53,7 @@ def _first_key(path: Path) -> str | None:
     """The first key of the msgpack map in ``path`` (reads a few bytes), or ``None``."""
     if not msgpack_tree.is_msgpack_file(path):
         return None
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         head = f.read(64)
     offset = 1 if head[0] <= 0x8F else 3 if head[0] == 0xDE else 5
     if len(head) <= offset:
@@ -82,11 +82,11 @@ def is_orbax_step(path: Path) -> bool:
     if not (path.is_dir() and orbax.sniff(item)):
         return False
     meta = path / "_CHECKPOINT_METADATA"
-    if meta.is_file() and "t5x." in meta.read_text(errors="replace"):
+    if meta.is_file() and "t5x." in read_regular(meta, 4096).decode("utf-8", "replace"):
         return True
     tree = item / orbax.METADATA
     if tree.is_file():  # the first tree key is near the start; the file may be many MiB
-        with open(tree, "rb") as f:
+        with open_regular(tree) as f:
             return _FIRST_TREE_KEY.search(f.read(4096).decode("utf-8", "replace")) is not None
     return _first_key(item / AGGREGATE) in {"state", "target"}
 
@@ -245,14 +245,10 @@ def _open_legacy(step_dir: Path) -> T5XCheckpoint:
             entries.append(Entry(key, array.shape, "bfloat16", _Uint16Bits(name, array.driver)))
         else:
             entries.append(Entry(key, array.shape, array.dtype, orbax.StoredArray(name, array.driver)))
-        chunk_files, unlisted = array.folder_files(step_dir / name, by_folder.get(name, set()), "/".join(key),
-                                                   zarr.chunk_keys_required(array, False), step_dir)
+        chunk_files, found = array.folder_report(step_dir / name, by_folder.get(name, set()), "/".join(key),
+                                                 zarr.chunk_keys_required(array, False), step_dir)
         files += chunk_files
-        if unlisted:
-            problems.append(f"{name}/: {unlisted} more chunk file(s) missing")
-        count, short = array.short_chunks(step_dir / name, by_folder.get(name, set()))
-        if count:
-            problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")
+        problems += found
     return T5XCheckpoint(step_dir, f"legacy msgpack v{t5x_version}", Inventory(entries, str(step_dir)),
                          files, problems,
                          data, t5x_version)

@@ -134,10 +134,12 @@ class Tensor:
             "torch.save never writes that")
 
 
-class _StateDict(dict):
-    """``collections.OrderedDict``. ``BUILD`` may give it attributes, as torch.save writes a state
-    dict's ``_metadata``; an attribute that would hide one of the dictionary's own methods
-    (``values``, ``items``, ``keys``...) is refused, since the tensors would be read through it."""
+class _StateDict(safe_pickle.SafeDict):
+    """``collections.OrderedDict``, built from pairs as :class:`~ckptshim.formats.safe_pickle.SafeDict`
+    builds a dictionary (keys that hash in constant time). ``BUILD`` may give it attributes, as
+    torch.save writes a state dict's ``_metadata``; an attribute that would hide one of the
+    dictionary's own methods (``values``, ``items``, ``keys``...) is refused, since the tensors
+    would be read through it."""
 
     def __setstate__(self, state: Any) -> None:
         if not (isinstance(state, dict) and all(isinstance(name, str) for name in state)):
@@ -483,7 +485,7 @@ class Globals:
             return found
         found = self._registered_globals().get(full) if module not in blocked_modules() else None
         if found is None:
-            raise UnsafeCheckpointError(_unsafe_message(self.where, full, self.extra))
+            raise UnsafeCheckpointError(_unsafe_message(self.where, full))
         return found
 
     def _registered_globals(self) -> dict[str, Any]:
@@ -562,17 +564,11 @@ def _stand_in(name: str, value: Any) -> Any:
     return _Inert
 
 
-def _unsafe_message(where: str, first: str, allowed: Mapping[str, Any]) -> str:
-    """Why a file naming the global ``first`` (and, as torch can list them, any other it does
-    not allow and this read's ``allowed`` extras do not either) is refused, and what to do."""
-    names = [first]
-    try:  # torch, when installed, can list every unsafe global at once
-        import torch.serialization
-
-        names = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(where)) - set(allowed)) or names
-    except Exception:  # torch missing or the file unreadable by it: the first global is enough
-        pass
-    return (f"{where} needs {', '.join(names)} to unpickle, which torch.load(weights_only=True) "
+def _unsafe_message(where: str, first: str) -> str:
+    """Why a file naming the global ``first`` is refused, and what to do about it. Only the
+    first global the pickle names is known: nothing more of a refused file is read (torch's own
+    ``get_unsafe_globals_in_checkpoint`` would parse the hostile file again, with torch)."""
+    return (f"{where} needs {first} to unpickle, which torch.load(weights_only=True) "
             "does not allow in this process and ckptshim will not run. If it is a class you trust, "
             "register it with torch.serialization.add_safe_globals (libraries such as torchao "
             "register their own tensor subclasses when imported: import them first); ckptshim then "

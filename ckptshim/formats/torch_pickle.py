@@ -27,7 +27,8 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, ShimError
 from ckptshim.formats import safe_pickle
-from ckptshim.formats.base import Budget, Checkpoint, check_view, file_info, reader, reading, storage_dtype
+from ckptshim.formats.base import (Budget, Checkpoint, check_view, file_info, open_regular, reader, reading,
+                                   storage_dtype)
 from ckptshim.formats.torch_globals import ExtraGlobals, Globals, Storage, StorageRef, Tensor, TensorRef
 from ckptshim.inventory import Entry, Inventory, dtype_name, flatten
 
@@ -45,7 +46,7 @@ def sniff(path: Path) -> bool:
     """
     if not path.is_file():
         return False
-    with io.open(path, "rb") as f:
+    with open_regular(path) as f:
         header = f.read(30)
         if len(header) < 30 or header[:4] != b"PK\x03\x04":
             return False
@@ -264,7 +265,7 @@ def flat_tree(tree: object, where: str) -> dict[tuple[str, ...], object]:
 @reader
 def open_checkpoint(path: Path) -> TorchPickleCheckpoint:
     try:
-        with open(path, "rb") as raw:
+        with open_regular(path) as raw:
             archive = read_archive(raw, str(path))
     except OSError as error:
         raise CorruptCheckpointError(f"{path}: cannot be read ({error})") from None

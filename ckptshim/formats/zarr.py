@@ -124,6 +124,18 @@ class ZarrArray:
                            pieces=(Piece(key, self.chunk_region(name)),)) for name in first]
         return files, missing - len(first)
 
+    def folder_report(self, folder: Path, present: Collection[str], key: str, required: bool,
+                      root: Path) -> tuple[list[FileInfo], list[str]]:
+        """What the chunk files of an array stored as a folder of its own say: its files (see
+        :meth:`folder_files`), and the problems -- chunk files missing beyond those listed, chunk
+        files cut short or damaged (see :meth:`short_chunks`) -- each naming the folder."""
+        files, unlisted = self.folder_files(folder, present, key, required, root)
+        problems = [f"{folder.name}: {unlisted} more chunk file(s) missing"] if unlisted else []
+        count, short = self.short_chunks(folder, present)
+        if count:
+            problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")
+        return files, problems
+
     @property
     def chunk_bytes(self) -> int:
         """Bytes one chunk decompresses to (zarr v2 stores every chunk whole, edges padded)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn
 
-from ckptshim.errors import InternalError, NoPlan, ShimError, add_diagnosis
+from ckptshim.errors import InternalError, NoPlan, ShimError, add_diagnosis, describe
 from ckptshim.log import logger
 
 __all__ = ["Patches", "Seam", "bind", "framework_call", "guarded", "internal_error", "step_aside"]
@@ -153,7 +153,7 @@ def internal_error(seam: Seam, error: BaseException, where: object = None) -> In
     """The error for a bug in ckptshim at a seam that must not fall back to the framework."""
     return InternalError(
         f"ckptshim's {seam.call} hook failed{f' on {where}' if where is not None else ''} with an "
-        f"internal error ({type(error).__name__}: {error}); this is a bug in ckptshim, please report "
+        f"internal error ({describe(error)}); this is a bug in ckptshim, please report "
         "it with this traceback. ckptshim does not hand the checkpoint to the framework's own loader "
         "instead: that loader would unpickle it without limits. If you trust the checkpoint, load it "
         f"with the hook off: CKPTSHIM_DISABLE_HOOKS={seam.name}.")

@@ -55,9 +55,15 @@ def load_stage(module: Any, load_dir: Path, strict: bool, native: Callable[[], A
     rank, degree = grid.get_slice_parallel_rank(), grid.get_slice_parallel_world_size()
     layers = {index + module._local_start: layer for index, layer in enumerate(module.forward_funcs)
               if isinstance(layer, nn.Module) and hasattr(layer, "load_state_dict")}
+    # what DeepSpeed's own call would unpickle: its layers' glob, which must find this folder's files
+    unpickled = deepspeed_pipeline.files_deepspeed_reads(load_dir, (
+        index + module._local_start for index, layer in enumerate(module.forward_funcs)
+        if hasattr(layer, "load_state_dict")))
     try:
         source = open_checkpoint(load_dir, backend="torch")
-    except UnknownFormatError:  # no file DeepSpeed's layer glob would load: its call, harmless
+    except UnknownFormatError:
+        if unpickled:  # files no format claims: read as DeepSpeed's layers before DeepSpeed may
+            deepspeed_pipeline.open_checkpoint(load_dir).close()
         return native()
     try:
         if not is_neox(source) or _native_fits(source, layers, degree):

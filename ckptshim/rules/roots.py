@@ -40,30 +40,40 @@ class RootPrefix:
 
 
 def root_prefix(source: Inventory, target: Inventory) -> RootPrefix | None:
-    """The exact root prefix between the two sides (see the module docstring), or ``None``."""
+    """The exact root prefix between the two sides (see the module docstring), or ``None``.
+
+    Time linear in the keys' total length (their components): the prefix's length is not
+    searched for but read off the shortest key of each side -- with ``cut`` names removed from
+    every key of one side giving the other's keys, its shortest key must be the other's
+    shortest plus ``cut`` -- and then checked once per key.
+    """
     if len(source) != len(target) or not len(source):
         return None
     for side, longer, shorter in (("checkpoint", source, target), ("target", target, source)):
         prefix = _common_prefix(longer)
-        for cut in range(1, len(prefix) + 1):
-            if all(shorter.get(key[cut:]) is not None and shorter[key[cut:]].shape == entry.shape
-                   for key, entry in longer.items()):
-                return RootPrefix(side, prefix[:cut])
+        cut = min(map(len, longer)) - min(map(len, shorter))
+        if 1 <= cut <= len(prefix) and all(
+                shorter.get(key[cut:]) is not None and shorter[key[cut:]].shape == entry.shape
+                for key, entry in longer.items()):
+            return RootPrefix(side, prefix[:cut])
     return None
 
 
 def _common_prefix(inventory: Inventory) -> KeyPath:
     """The leading components every key shares, short of any key's leaf and of wrapper names
-    (those are set aside at any depth by the planner itself)."""
+    (those are set aside at any depth by the planner itself); each key is compared once, up to
+    the prefix shared so far."""
     keys = iter(inventory)
     prefix = next(keys)[:-1]
     for at, part in enumerate(prefix):
         if part in WRAPPER_SEGMENTS:
             prefix = prefix[:at]
             break
+    length = len(prefix)
     for key in keys:
-        while prefix and (key[:len(prefix)] != prefix or len(prefix) >= len(key)):
-            prefix = prefix[:-1]
-        if not prefix:
+        length = min(length, len(key) - 1)
+        if key[:length] != prefix[:length]:  # compared in C; the loop finds where they part
+            length = next(at for at in range(length) if key[at] != prefix[at])
+        if not length:
             break
-    return prefix
+    return prefix[:length]

@@ -319,8 +319,8 @@ _PAX_VAR = "state/mdl_vars.params.lm.softmax.logits_ffn.linear.w"
 FORMATS: tuple[Format, ...] = (
     Safetensors(
         "safetensors", "hf_gptneox_tf4.30.2/safetensors", "model.safetensors", "model.safetensors",
-        "model.safetensors", {**_TRUNCATE, "flip_metadata": OPEN, "wrong_dtype": OPEN, "wrong_shape": OPEN,
-                              "duplicate_key": OPEN}, _TORCH),
+        "model.safetensors", {**_TRUNCATE, "flip_metadata": OPEN, "wrong_dtype": OPEN, "wrong_shape": OPEN},
+        _TORCH),  # a tensor named twice alike is no damage: safetensors itself reads it (the last one)
     HFSharded(
         "hf-sharded", "built:hf_sharded", "", "model-00001-of-00002.safetensors",
         "model.safetensors.index.json",

@@ -17,6 +17,17 @@ empty maps, or a zstd frame whose header declares 4 GiB; each of those broke ckp
 - ``compressed_chunk``: zstd frames (content sizes that lie, raw/RLE/compressed/reserved blocks,
   skippable frames), blosc headers and gzip trailers -- as a chunk of a per-leaf zarr
   checkpoint, listed and read.
+- ``safetensors_header``: valid layouts with structural mutations (numbers as strings, floats,
+  ``-0``, ``2**64``; overlapping offsets; fields twice or missing; unknown fields 200 deep;
+  ``__metadata__`` of numbers; bytes no tensor owns) -- ckptshim's verdict must be
+  ``safetensors.safe_open``'s, and the values equal where both read.
+- ``ocdbt_graph``: an OCDBT index of many small nodes whose child references are rewritten to
+  any node (itself, an ancestor, a sibling's child) with valid checksums.
+- ``deepspeed_glob``: step folders named with glob characters beside the folders their patterns
+  match: the files ckptshim vouches for are the ones DeepSpeed's own ``ckpt_layer_path_list``
+  finds, or the folder is refused.
+- ``planner_deep_keys``: key sets 60,000 components deep (wrappers, numbers, root prefixes)
+  through the planner, in time linear in the components.
 
 Every example runs under the harness's own limits (:class:`Limits`): what escapes must be a
 ``ShimError``; it must finish within ``seconds`` plus ``seconds_per_byte`` times the input size;
@@ -42,6 +53,7 @@ from hypothesis import strategies as st
 from ckptshim.errors import ShimError
 from ckptshim.formats import dcp, detect, torch_pickle
 from support.fixtures import copy_fixture
+from support.safetensors_headers import files as safetensors_files
 
 
 
@@ -422,6 +434,186 @@ def chunks() -> st.SearchStrategy[tuple[str, bytes]]:
                      gzip_chunks().map(lambda c: ("gzip", c)))
 
 
+# -- safetensors headers: the library's verdict ----------------------------------------------------
+
+
+class SafetensorsHeaderTarget:
+    """A safetensors file (a valid layout, structurally mutated: ``support.safetensors_headers``)
+    opened by ckptshim and by ``safetensors.safe_open``: the verdicts agree, and so does every
+    tensor's bytes where both read the file."""
+
+    limits = Limits()
+
+    def __init__(self, workdir: Path) -> None:
+        import safetensors  # noqa: F401 -- imported once here, not timed in the first example
+        import torch  # noqa: F401
+        self.path = workdir / "model.safetensors"
+
+    def __call__(self, data: bytes) -> None:
+        from support.safetensors_headers import compare
+
+        guarded(lambda: compare(self.path, data), len(data), self.limits)
+
+
+# -- OCDBT index graphs ----------------------------------------------------------------------------
+
+
+@st.composite
+def ocdbt_rewrites(draw) -> list[tuple[int, int, int, int]]:
+    """Up to four child references rewritten: (interior node, child, target node, byte shift of
+    the target: 0 for a node, else a location inside or past one, which fails its checksum)."""
+    rewrite = st.tuples(st.integers(0, 63), st.integers(0, 7), st.integers(0, 127),
+                        st.sampled_from([0, 0, 0, 0, 1, -1, 7]))
+    return draw(st.lists(rewrite, min_size=1, max_size=4))
+
+
+class OcdbtGraphTarget:
+    """An Orbax OCDBT item whose index (several levels of small uncompressed nodes, written by
+    tensorstore) has child references rewritten to any node -- itself, an ancestor, a sibling's
+    child, a leaf, past the end of one -- with valid checksums (``support.ocdbt_nodes``), then
+    opened and read. Only a ShimError may come out, within the limits: a walk that follows a
+    cycle or a shared node does not end."""
+
+    limits = Limits(seconds=30.0)
+    SOURCE = "orbax_0.12.8_scanned/standard_checkpointer_scanned"
+
+    def __init__(self, workdir: Path) -> None:
+        from support.fixtures import FIXTURES
+        from support.ocdbt_nodes import deep_database, interior_nodes
+
+        self.item = deep_database(FIXTURES / self.SOURCE, workdir / "item")
+        self.interior = interior_nodes(self.item)
+        self.nodes = [self.interior[0][0]] + [child for _, below in self.interior for child in below]
+        self.data = {path: path.read_bytes() for path in (self.item / "d").iterdir()}
+
+    def __call__(self, rewrites: list[tuple[int, int, int, int]]) -> None:
+        from support.ocdbt_nodes import parse_location, point_child_at
+
+        for path, data in self.data.items():  # the intact database again
+            path.write_bytes(data)
+        for node, child, target, shift in rewrites:
+            parent, below = self.interior[node % len(self.interior)]
+            file, offset, length = parse_location(self.nodes[target % len(self.nodes)])
+            head = self.nodes[0].rsplit(":", 2)[0]
+            point_child_at(self.item, parent, child % len(below), f"{head}:{offset + shift}:{length}")
+        guarded(lambda: _exercise(self.item), 0, self.limits)
+
+
+# -- glob-pattern folder names: what DeepSpeed's load_state_dir would read ---------------------------
+
+_NAME_PARTS = ["global_step", "1", "2", "[", "]", "[1]", "[!1]", "*", "?", "[[]", "-", "x"]
+
+
+@st.composite
+def glob_folders(draw) -> tuple[list[str], list[tuple[int, str]], int]:
+    """Step folder names built from glob characters, the layer files (folder, name) in them, and
+    which folder is loaded."""
+    names = draw(st.lists(st.lists(st.sampled_from(_NAME_PARTS), min_size=1, max_size=4).map("".join),
+                          min_size=1, max_size=4, unique=True))
+    files = st.tuples(st.integers(0, len(names) - 1), st.sampled_from(
+        ["layer_00-model_00-model_states.pt", "layer_02-model_states.pt", "layer_2-model_states.pt",
+         "layer_05-x-model_states.pt", "layer_002-model_states.pt", "mp_rank_00_model_states.pt"]))
+    return names, draw(st.lists(files, max_size=6)), draw(st.integers(0, len(names) - 1))
+
+
+class DeepspeedGlobTarget:
+    """Folders named with glob characters, layer files in them, and one loaded: either ckptshim
+    refuses the folder (UnsafeCheckpointError), or the files it says DeepSpeed reads are exactly
+    what DeepSpeed's own ``PipelineModule.ckpt_layer_path_list`` globs, layer by layer -- and
+    ``inspect`` of a ``latest`` naming the folder reads no other folder's files."""
+
+    limits = Limits()
+
+    def __init__(self, workdir: Path) -> None:
+        from deepspeed.runtime.pipe.module import PipelineModule
+
+        self.workdir, self.listing = workdir, PipelineModule.ckpt_layer_path_list
+
+    def __call__(self, names: list[str], files: list[tuple[int, str]], loaded: int) -> None:
+        import os
+        import shutil
+        from types import SimpleNamespace
+
+        from ckptshim.errors import UnsafeCheckpointError
+        from ckptshim.formats import deepspeed_pipeline
+
+        root = self.workdir / "ckpt"
+        shutil.rmtree(root, ignore_errors=True)
+        for name in names:
+            (root / name).mkdir(parents=True, exist_ok=True)
+        for folder, name in files:
+            (root / names[folder] / name).write_bytes(b"")
+        (root / "latest").write_text(names[loaded])
+        load_dir, layers = root / names[loaded], range(8)
+        stage = SimpleNamespace(_local_start=0)
+        deepspeed = {os.path.realpath(p) for i in layers for p in self.listing(stage, str(load_dir), i)}
+
+        def check() -> None:
+            try:
+                ours = deepspeed_pipeline.files_deepspeed_reads(load_dir, layers)
+            except UnsafeCheckpointError:
+                assert any(c in names[loaded] for c in "*?["), "refused a folder whose path is no pattern"
+                return
+            assert {os.path.realpath(p) for p in ours} == deepspeed, (names[loaded], sorted(deepspeed))
+            detect.open_checkpoint(root).close()  # its latest names the folder: refused or read
+        guarded(check, 0, self.limits)
+
+
+# -- deep keys through the planner -----------------------------------------------------------------
+
+
+@st.composite
+def deep_key_sets(draw) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
+    """Two key sets of keys thousands of components deep: a shared deep stem, wrapper names and
+    numbers inside it, one side under a root name or not, leaves added, dropped or renamed."""
+    depth = draw(st.sampled_from([1, 10, 1000, 20_000, 60_000]))
+    parts = st.sampled_from(["c", "module", "_orig_mod", "0", "1", "layers", "model", "x"])
+    pattern = draw(st.lists(parts, min_size=1, max_size=6))
+    stem = tuple(f"{pattern[i % len(pattern)]}" + ("" if pattern[i % len(pattern)].isdigit() else str(i % 7))
+                 for i in range(depth))
+    leaves = draw(st.lists(st.sampled_from(["w", "b", "0", "1", "weight", "inv_freq"]), min_size=1, max_size=4,
+                           unique=True))
+    source = [stem + (leaf,) for leaf in leaves]
+    target = list(source)
+    for change in draw(st.lists(st.sampled_from(["root", "unroot", "drop", "add", "wrap", "number"]), max_size=3)):
+        if change == "root":
+            target = [("model",) + key for key in target]
+        elif change == "unroot":
+            source = [("_orig_mod",) + key for key in source]
+        elif change == "drop" and len(target) > 1:
+            target = target[1:]
+        elif change == "add":
+            target = target + [stem + ("extra",)]
+        elif change == "wrap":
+            source = [key[:1] + ("module",) + key[1:] for key in source]
+        elif change == "number":
+            target = [key[:-1] + ("layers", "0", key[-1]) for key in target]
+    return source, target
+
+
+class PlannerDeepKeysTarget:
+    """Key sets whose keys are up to 60,000 components deep, planned: only a ShimError (a
+    PlanError) may come out, in time linear in the keys' components. The limit is per component:
+    at most 7 us each untraced, up to 170 us under tracemalloc on a 2-core machine running five
+    times its load; a quadratic step would take minutes on two keys 60,000 deep."""
+
+    limits = Limits(seconds=10.0, seconds_per_byte=250e-6, per_byte=512.0)
+
+    def __init__(self, workdir: Path) -> None:
+        pass
+
+    def __call__(self, source: list[tuple[str, ...]], target: list[tuple[str, ...]]) -> None:
+        from ckptshim.inventory import Entry, Inventory
+        from ckptshim.planner import explain, plan
+        from ckptshim.rules.profiles import rules_for
+
+        def run() -> None:
+            left = Inventory([Entry(k, (2,), "float32", i) for i, k in enumerate(dict.fromkeys(source))], "checkpoint")
+            right = Inventory([Entry(k, (2,), "float32", i) for i, k in enumerate(dict.fromkeys(target))], "target")
+            explain(plan(left, right, rules_for(left, right, "torch")))
+        guarded(run, sum(map(len, source)) + sum(map(len, target)), self.limits)
+
+
 # -- the registry ---------------------------------------------------------------------------------
 
 
@@ -447,6 +639,14 @@ HARNESSES: tuple[Structured, ...] = (
                lambda: json_texts(), JsonTarget, examples=60),
     Structured("compressed_chunk", "formats/frames.py: needed_length, declared_content (zstd, blosc, gzip)",
                lambda: chunks(), CompressedChunkTarget, examples=100),
+    Structured("safetensors_header", "formats/safetensors_header.py (agreement with safetensors.safe_open)",
+               lambda: safetensors_files(), SafetensorsHeaderTarget, examples=150),
+    Structured("ocdbt_graph", "formats/kvstore.py: ocdbt_index, _walk (node graphs that are no tree)",
+               lambda: ocdbt_rewrites(), OcdbtGraphTarget, examples=25),
+    Structured("deepspeed_glob", "formats/deepspeed_pipeline.py: files_deepspeed_reads, require_pattern_is_itself",
+               lambda: glob_folders(), DeepspeedGlobTarget, examples=60),
+    Structured("planner_deep_keys", "rules/roots.py, planner/: keys 60,000 components deep",
+               lambda: deep_key_sets(), PlannerDeepKeysTarget, examples=12),
 )
 BY_NAME = {h.name: h for h in HARNESSES}
 

@@ -226,8 +226,8 @@ def _safetensors(header: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("header, why", [
-    pytest.param(b'{"a":' + b"[" * 5000 + b"]" * 5000 + b"}", "not valid JSON", id="nested-json"),
-    pytest.param(b'{"w":{"dtype":"F32","shape":[1e999],"data_offsets":[0,4]}}', "malformed header entry",
+    pytest.param(b'{"a":' + b"[" * 5000 + b"]" * 5000 + b"}", "nested deeper than 127 levels", id="nested-json"),
+    pytest.param(b'{"w":{"dtype":"F32","shape":[1e999],"data_offsets":[0,4]}}', "out of range",
                  id="infinite-size"),
 ])
 def test_safetensors_headers(tmp_path, header, why):

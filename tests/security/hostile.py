@@ -110,6 +110,16 @@ def state_dict(items: dict[str, bytes], ordered: bool = True) -> bytes:
     return opener + MARK + b"".join(text(k) + v for k, v in items.items()) + SETITEMS
 
 
+def shared_tuple(levels: int, memo: int = 10**6, leaf: bytes = b"K\x01") -> bytes:
+    """A tuple ``levels`` deep whose every level is ``(previous, previous)``: the pickle grows by
+    a few bytes per level, the tree it describes (what ``hash``, ``str`` or a walk visits) by a
+    factor of two. Uses memo slots ``memo`` to ``memo + levels``."""
+    body = leaf + put(memo)
+    for level in range(levels):
+        body += get(memo + level) + TUPLE2 + put(memo + level + 1)  # (top, top): one item on the stack
+    return body
+
+
 def program(body: bytes) -> bytes:
     """A complete pickle: protocol header, ``body`` (which leaves one object), STOP."""
     return PROTO + body + STOP

@@ -11,10 +11,6 @@ a bug in ckptshim and re-ran the call with the framework's loader: the marker ap
 from __future__ import annotations
 
 import collections
-import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,8 +21,8 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 import ckptshim  # noqa: E402
 from hostile import (Mkdir, add_chunk_file, read_dcp_metadata, refusal, torch_saved,  # noqa: E402
                      write_dcp_metadata)
-from support.fixtures import FIXTURES, copy_fixture  # noqa: E402
-from support.processes import environment, worker  # noqa: E402
+from support.fixtures import copy_fixture  # noqa: E402
+from support.processes import run_pipeline_loads  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -132,27 +128,13 @@ def test_control_the_same_checkpoint_unaltered_loads(tmp_path):
 # -- DeepSpeed: the real PipelineModule.load_state_dir, in a worker process -------------------------
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _deepspeed_step(tmp_path: Path, name: str) -> Path:
     return copy_fixture("neox_deepspeed/pp1_mp1/checkpoint/global_step0", tmp_path, name)
 
 
 def _run_deepspeed(tmp_path: Path, sources: list[Path]) -> list[dict]:
     pytest.importorskip("deepspeed")
-    jobs = [{"source": str(source), "tokens": str(FIXTURES / "hf_gptneox_tf4.30.2/ref_input_ids.npy"),
-             "out": str(tmp_path / f"{source.name}.npy"), "options": {}} for source in sources]
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    run = subprocess.run([sys.executable, worker("deepspeed_worker.py"), str(tmp_path / "jobs.json"),
-                          "0", "1", _free_port()], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env=environment())
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, run.stdout[-3000:] + run.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])["jobs"]
+    return run_pipeline_loads(tmp_path, sources)
 
 
 def test_deepspeed_layer_file_that_trips_the_parser_does_not_fall_back(tmp_path):

@@ -108,3 +108,87 @@ def test_links_inside_the_checkpoint_are_fine(tmp_path):
     checkpoint = detect.open_checkpoint(root)
     assert checkpoint.complete, checkpoint.all_problems()
     checkpoint.read(checkpoint.inventory[("params", "decoder", "decoder_norm", "scale")])
+
+
+# -- the Hugging Face hub cache: snapshot files link into the repository's own blobs/ ------------
+
+
+def _hub_snapshot(tmp_path: Path, values) -> tuple[Path, Path]:
+    """A model in a hub-cache repository folder laid out as ``huggingface_hub`` lays it out:
+    ``models--tiny--model/{blobs/<hash>, snapshots/<revision>/<file> -> ../../blobs/<hash>}``.
+    Returns the snapshot folder and the repository folder."""
+    import hashlib
+    import json
+
+    from safetensors.numpy import save_file
+
+    repo = tmp_path / "hub" / "models--tiny--model"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    files = {"config.json": json.dumps({"model_type": "gpt_neox"}).encode()}
+    save_file(values, tmp_path / "model.safetensors")
+    files["model.safetensors"] = (tmp_path / "model.safetensors").read_bytes()
+    for name, data in files.items():
+        blob = hashlib.sha256(data).hexdigest()
+        (repo / "blobs" / blob).write_bytes(data)
+        (snapshot / name).symlink_to(Path("../../blobs") / blob)
+    return snapshot, repo
+
+
+@pytest.mark.parametrize("attack", ["blobs-links-to-root", "blobs-links-elsewhere", "snapshots-links-elsewhere",
+                                    "revision-links-elsewhere"])
+def test_hub_cache_layout_that_leads_out_of_the_cache_is_refused(tmp_path, attack, capsys):
+    """A hub-cache snapshot whose ``blobs`` is a link -- to ``/``, through which a snapshot file
+    reaches any file of the machine, or to another folder -- or whose ``snapshots`` or revision
+    folder is a link. Before: ``blobs`` counted as part of the checkpoint wherever it resolved,
+    so ``inspect`` and ``convert`` read a file outside the cache as weights."""
+    import numpy as np
+
+    secret = {"w": np.arange(6, dtype=np.float32)}
+    snapshot, repo = _hub_snapshot(tmp_path, {"w": np.zeros(6, np.float32)})
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    from safetensors.numpy import save_file
+
+    save_file(secret, outside / "secret.safetensors")
+    weights = snapshot / "model.safetensors"
+    if attack == "blobs-links-to-root":
+        shutil.rmtree(repo / "blobs")
+        (repo / "blobs").symlink_to("/")
+        weights.unlink()
+        weights.symlink_to(Path("../../blobs") / str(outside / "secret.safetensors").lstrip("/"))
+    elif attack == "blobs-links-elsewhere":
+        shutil.move(repo / "blobs", outside / "blobs")
+        shutil.copy(outside / "secret.safetensors", outside / "blobs" / weights.resolve().name)
+        (repo / "blobs").symlink_to(outside / "blobs")
+    else:  # the folder moved out of the cache; its files' ../../blobs/ then lead to the secret
+        link = snapshot.parent if attack == "snapshots-links-elsewhere" else snapshot
+        moved = outside / "snapshots" / link.name if attack == "snapshots-links-elsewhere" else outside / "rev"
+        moved.parent.mkdir(exist_ok=True)
+        shutil.copytree(link, moved, symlinks=True)
+        shutil.rmtree(link)
+        link.symlink_to(moved)
+        target = weights.resolve(strict=False)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(outside / "secret.safetensors", target)
+        shutil.copy(repo / "blobs" / (snapshot / "config.json").readlink().name, target.parent)
+    with pytest.raises(UnsafeCheckpointError) as info:
+        detect.open_checkpoint(snapshot)
+    assert "symlink" in str(info.value)
+    assert main(["inspect", str(snapshot)]) == 1
+    assert main(["convert", str(snapshot), str(tmp_path / "out.safetensors"), "--to", "safetensors"]) == 1
+    assert not (tmp_path / "out.safetensors").exists()
+    err = capsys.readouterr().err
+    assert "symlink" in err and str(repo) in err
+
+
+def test_hub_cache_snapshot_with_real_folders_reads_its_blobs(tmp_path):
+    """The control: the same layout with real folders reads the snapshot's own values."""
+    import numpy as np
+
+    values = {"w": np.arange(6, dtype=np.float32)}
+    snapshot, _ = _hub_snapshot(tmp_path, values)
+    checkpoint = detect.open_checkpoint(snapshot)
+    assert checkpoint.complete
+    assert checkpoint.read(checkpoint.inventory[("w",)]).tolist() == values["w"].tolist()

@@ -27,6 +27,26 @@ def environment(extra: Mapping[str, str] = {}) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path), **extra}
 
 
+def run_pipeline_loads(workdir: Path, sources: Sequence[Path]) -> list[dict]:
+    """DeepSpeed's real ``PipelineModule.load_state_dir`` of each of ``sources`` into GPT-NeoX's
+    layers (``tests/workers/deepspeed_worker.py``, one process, gloo): per source, ``{"error"}``
+    for a ckptshim refusal or ``{"shimmed"}``, and the logits in ``workdir/<name>.npy``."""
+    import socket
+
+    tokens = TESTS / "fixtures" / "hf_gptneox_tf4.30.2" / "ref_input_ids.npy"
+    jobs = [{"source": str(source), "tokens": str(tokens), "out": str(workdir / f"{source.name}.npy"),
+             "options": {}} for source in sources]
+    (workdir / "jobs.json").write_text(json.dumps(jobs))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    run = subprocess.run([sys.executable, worker("deepspeed_worker.py"), str(workdir / "jobs.json"), "0", "1", port],
+                         capture_output=True, text=True, timeout=300, cwd=workdir, env=environment())
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])["jobs"]
+
+
 def run_device_worker(name: str, *argv: str, devices: int = 4) -> dict:
     """Run ``tests/workers/<name>`` in a fresh process with ``devices`` forced CPU devices; its last
     stdout line, as JSON. (The device count must be fixed before jax initialises, and forcing it

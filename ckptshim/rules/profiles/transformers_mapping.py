@@ -97,7 +97,7 @@ def from_config(config: Mapping[str, Any], origin: str) -> Conversions | None:
         import transformers
         from transformers import conversion_mapping as table
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    except ImportError:
+    except Exception:  # not installed, or failing to import: its tables are not there to read
         return None
     transforms = next((found for name in names if (found := table.get_checkpoint_conversion_mapping(name))), None)
     if transforms is None and isinstance(model_type, str):
@@ -114,13 +114,18 @@ def from_config(config: Mapping[str, Any], origin: str) -> Conversions | None:
 
 def _base_model_prefix(transformers: Any, names: list[str]) -> str | None:
     """The ``base_model_prefix`` of the first class ``names`` (a config's ``architectures``)
-    gives that transformers has; ``None`` when none does."""
+    gives that transformers has; ``None`` when none does.
+
+    Looking a name up imports transformers' own module for it, which can fail: a name may be a
+    placeholder transformers puts in place of a class whose backend is missing (an image
+    processor without torchvision or PIL), whose every attribute raises ``ImportError``. Such
+    a name gives no prefix; a config's lookup never fails a load or a plan.
+    """
     for name in names:
         try:
-            model_class = getattr(transformers, name, None)
-        except Exception:  # importing a model's code can fail on a missing optional dependency
-            model_class = None
-        prefix = getattr(model_class, "base_model_prefix", None)
+            prefix = getattr(getattr(transformers, name, None), "base_model_prefix", None)
+        except Exception:  # ImportError from a placeholder; any error importing a model's code
+            continue
         if isinstance(prefix, str) and prefix:
             return prefix
     return None
