@@ -41,12 +41,16 @@ import math
 import struct
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import repeat
 from typing import ClassVar, Protocol
 
 from ckptshim.errors import PlanError
+from ckptshim.geometry import Piece, View, at, axis_groups, inverse_perm, unravel, whole
 from ckptshim.inventory import KeyPath, join_key
 from ckptshim.keytext import keys_text
+
+Shapes = Sequence[tuple[int, ...]]
 
 
 class Op(Protocol):
@@ -56,6 +60,8 @@ class Op(Protocol):
     produces: ClassVar[bool]
     #: the summary shows one example of this kind (``a -> b, ...``) rather than every note
     summary_by_example: ClassVar[bool]
+    #: it only moves elements: :meth:`LayoutOp.pieces` says where each one goes
+    layout: ClassVar[bool]
 
     @property
     def sources(self) -> tuple[KeyPath, ...]: ...
@@ -72,16 +78,33 @@ class Op(Protocol):
     def note(self, sep: str = ".") -> str: ...
 
 
+class LayoutOp(Op, Protocol):
+    """An op that only moves elements (``layout`` is true): every executor runs it through its
+    geometry, with no handler of its own."""
+
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        """Where each element of the targets comes from, for sources and targets of these
+        shapes (in the order of ``sources`` and ``targets``): see :mod:`ckptshim.geometry`."""
+        ...
+
+
+def is_layout(op: Op) -> bool:
+    """Whether ``op`` only moves elements, so that its geometry (``pieces``) says all it does."""
+    return getattr(op, "layout", False) is True
+
+
 def require_kinds(ops: Iterable[Op], known: Collection[str], executor: str, *, sep: str = ".",
                   hint: str = "") -> None:
-    """Refuse the first op whose kind ``executor`` has no handler for, before anything is read."""
+    """Refuse the first op ``executor`` cannot run, before anything is read: one that is not a
+    layout op and whose kind it has no handler for."""
     for op in ops:
-        if op.kind not in known:
+        if op.kind not in known and not is_layout(op):
             key = (op.targets or op.sources)[0]
             raise PlanError(
                 f"{join_key(key, sep)!r}: the plan's step `{op.describe(sep)}` is a {op.kind!r} op, "
-                f"which the {executor} does not run (it runs {', '.join(sorted(known))}); ckptshim "
-                f"will not load without that step.{' ' + hint if hint else ''}")
+                f"which the {executor} does not run (it runs every layout kind and "
+                f"{', '.join(sorted(known))}); ckptshim will not load without that step."
+                f"{' ' + hint if hint else ''}")
 
 
 class _Defaults:
@@ -90,6 +113,30 @@ class _Defaults:
     __slots__ = ()
     produces: ClassVar[bool] = True
     summary_by_example: ClassVar[bool] = False
+    layout: ClassVar[bool] = False
+
+
+class _Moves:
+    """A layout op: it runs through :meth:`pieces` alone (see :mod:`ckptshim.geometry`)."""
+
+    __slots__ = ()
+    layout: ClassVar[bool] = True
+
+
+@lru_cache(maxsize=64)
+def _identity(rank: int) -> tuple[int, ...]:
+    return tuple(range(rank))
+
+
+@lru_cache(maxsize=4096)
+def _same(source_shape: tuple[int, ...], target_shape: tuple[int, ...]) -> Piece:
+    """The whole target is the whole source as it is (a rename's one piece)."""
+    return Piece(whole(0, source_shape), whole(0, target_shape), _identity(len(source_shape)))
+
+
+def _inverted(inverse: LayoutOp, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+    """An op's pieces as its ``inverse``'s, read the other way."""
+    return tuple(piece.inverse() for piece in inverse.pieces(target_shapes, source_shapes))
 
 
 class _FromSource:
@@ -128,7 +175,7 @@ class _OneAxis:
 
 
 @dataclass(frozen=True, slots=True, init=False)
-class Rename(_Defaults, _FromSource, _IntoTarget):
+class Rename(_Moves, _Defaults, _FromSource, _IntoTarget):
     """The target array is the source array under another name (identity when both agree)."""
 
     kind: ClassVar[str] = "rename"
@@ -143,6 +190,9 @@ class Rename(_Defaults, _FromSource, _IntoTarget):
         # frozen __init__ pays (object.__setattr__ looks each slot up by name); as in Entry.
         _set_source(self, source)
         _set_target(self, target)
+
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        return (_same(source_shapes[0], target_shapes[0]),)
 
     def inverse(self) -> Rename:
         return Rename(self.target, self.source)
@@ -176,7 +226,7 @@ def renames(sources: Sequence[KeyPath], targets: Sequence[KeyPath]) -> list[Rena
 
 
 @dataclass(frozen=True, slots=True)
-class Stack(_Defaults, _IntoTarget, _OneAxis):
+class Stack(_Moves, _Defaults, _IntoTarget, _OneAxis):
     """Per-layer sources (in layer order) become one target stacked along ``axis``: the one-axis
     :class:`Join` without a permutation."""
 
@@ -185,6 +235,11 @@ class Stack(_Defaults, _IntoTarget, _OneAxis):
     sources: tuple[KeyPath, ...]
     target: KeyPath
     axis: int
+
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        """Source ``i`` is the target at index ``i`` of ``axis``."""
+        return tuple(Piece(whole(i, shape), at(0, target_shapes[0], {self.axis: i}), _identity(len(shape)))
+                     for i, shape in enumerate(source_shapes))
 
     def inverse(self) -> Unstack:
         return Unstack(self.target, self.sources, self.axis)
@@ -200,7 +255,7 @@ class Stack(_Defaults, _IntoTarget, _OneAxis):
 
 
 @dataclass(frozen=True, slots=True)
-class Unstack(_Defaults, _FromSource, _OneAxis):
+class Unstack(_Moves, _Defaults, _FromSource, _OneAxis):
     """One source stacked along ``axis`` becomes per-layer targets (in layer order): the one-axis
     :class:`Split` without a permutation."""
 
@@ -209,6 +264,9 @@ class Unstack(_Defaults, _FromSource, _OneAxis):
     source: KeyPath
     targets: tuple[KeyPath, ...]
     axis: int
+
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        return _inverted(self.inverse(), source_shapes, target_shapes)
 
     def inverse(self) -> Stack:
         return Stack(self.targets, self.source, self.axis)
@@ -345,14 +403,6 @@ class Cast(_Defaults, _IntoTarget):
         return f"{self.source_dtype} -> {self.target_dtype}"
 
 
-def inverse_perm(perm: Sequence[int]) -> tuple[int, ...]:
-    """The permutation that undoes ``perm`` (its argsort)."""
-    out = [0] * len(perm)
-    for position, axis in enumerate(perm):
-        out[axis] = position
-    return tuple(out)
-
-
 def _check_perm(perm: tuple[int, ...]) -> None:
     if sorted(perm) != list(range(len(perm))):
         raise ValueError(f"{perm} is not a permutation of the axes 0..{len(perm) - 1}")
@@ -373,7 +423,7 @@ def _layout_text(axes: tuple[int, ...], perm: tuple[int, ...]) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class Transpose(_Defaults, _FromSource, _IntoTarget):
+class Transpose(_Moves, _Defaults, _FromSource, _IntoTarget):
     """The target is the source with its axes permuted: ``target = source.transpose(perm)``.
 
     Target axis ``i`` is source axis ``perm[i]``. Moving a stacked layer axis (PaxML keeps layers
@@ -389,6 +439,9 @@ class Transpose(_Defaults, _FromSource, _IntoTarget):
     def __post_init__(self) -> None:
         _check_perm(self.perm)
 
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        return (Piece(whole(0, source_shapes[0]), whole(0, target_shapes[0]), self.perm),)
+
     def inverse(self) -> Transpose:
         return Transpose(self.target, self.source, inverse_perm(self.perm))
 
@@ -403,7 +456,7 @@ class Transpose(_Defaults, _FromSource, _IntoTarget):
 
 
 @dataclass(frozen=True, slots=True)
-class Split(_Defaults, _FromSource):
+class Split(_Moves, _Defaults, _FromSource):
     """One source cut at every index of ``axes`` into targets, each then transposed by ``perm``.
 
     Targets are in row-major order of the indices along ``axes`` (ascending): with ``axes``
@@ -424,6 +477,9 @@ class Split(_Defaults, _FromSource):
         _check_axes(self.axes)
         _check_perm(self.perm)
 
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        return _inverted(self.inverse(), source_shapes, target_shapes)
+
     def inverse(self) -> Join:
         return Join(self.targets, self.source, self.axes, inverse_perm(self.perm))
 
@@ -438,7 +494,7 @@ class Split(_Defaults, _FromSource):
 
 
 @dataclass(frozen=True, slots=True)
-class Join(_Defaults, _IntoTarget):
+class Join(_Moves, _Defaults, _IntoTarget):
     """Sources, each transposed by ``perm``, fill ``target`` at every index of ``axes``.
 
     ``target[index_k] = sources[k].transpose(perm)``, the indices in row-major order as in
@@ -455,6 +511,13 @@ class Join(_Defaults, _IntoTarget):
     def __post_init__(self) -> None:
         _check_axes(self.axes)
         _check_perm(self.perm)
+
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        """Source ``k`` is the target at the ``k``-th index of ``axes`` (row-major), its axes permuted."""
+        target = target_shapes[0]
+        sizes = [target[axis] for axis in self.axes] if max(self.axes) < len(target) else [0] * len(self.axes)
+        return tuple(Piece(whole(k, shape), at(0, target, dict(zip(self.axes, unravel(k, sizes)))), self.perm)
+                     for k, shape in enumerate(source_shapes))
 
     def inverse(self) -> Split:
         return Split(self.target, self.sources, self.axes, inverse_perm(self.perm))
@@ -522,7 +585,7 @@ class _Parts:
 
 
 @dataclass(frozen=True, slots=True)
-class Concat(_Defaults, _IntoTarget, _Parts):
+class Concat(_Moves, _Defaults, _IntoTarget, _Parts):
     """Sources side by side along ``axis`` fill ``target``: ``target = cat(parts, axis)``.
 
     ``sizes`` are the parts' extents along ``axis`` (so the op alone knows its inverse). With
@@ -542,6 +605,17 @@ class Concat(_Defaults, _IntoTarget, _Parts):
     def __post_init__(self) -> None:
         self._check_parts(len(self.sources))
 
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        """Each source is its slot of the target: a range of ``axis``, one index of ``stack_axis``."""
+        count, out = len(source_shapes), []
+        for k, shape in enumerate(source_shapes):
+            member, start, size = self.slot(k, count)
+            place: dict[int, int | range] = {self.axis: range(start, start + size)}
+            if member is not None:
+                place[self.stack_axis] = member
+            out.append(Piece(whole(k, shape), at(0, target_shapes[0], place), _identity(len(shape))))
+        return tuple(out)
+
     def inverse(self) -> Chunk:
         return Chunk(self.target, self.sources, self.axis, self.sizes, self.stack_axis)
 
@@ -553,7 +627,7 @@ class Concat(_Defaults, _IntoTarget, _Parts):
 
 
 @dataclass(frozen=True, slots=True)
-class Chunk(_Defaults, _FromSource, _Parts):
+class Chunk(_Moves, _Defaults, _FromSource, _Parts):
     """One source cut along ``axis`` into parts of ``sizes``, each part one target (or, with
     ``stack_axis``, unstacked along it into a run of targets): the inverse of :class:`Concat`,
     transformers' ``Chunk``/``Split`` (a fused ``qkv`` into ``q``, ``k``, ``v``) and the way back
@@ -570,6 +644,9 @@ class Chunk(_Defaults, _FromSource, _Parts):
     def __post_init__(self) -> None:
         self._check_parts(len(self.targets))
 
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        return _inverted(self.inverse(), source_shapes, target_shapes)
+
     def inverse(self) -> Concat:
         return Concat(self.targets, self.source, self.axis, self.sizes, self.stack_axis)
 
@@ -581,7 +658,7 @@ class Chunk(_Defaults, _FromSource, _Parts):
 
 
 @dataclass(frozen=True, slots=True)
-class Reorder(_Defaults, _FromSource, _IntoTarget):
+class Reorder(_Moves, _Defaults, _FromSource, _IntoTarget):
     """The target is the source with the indices along ``axis`` permuted.
 
     ``axis`` is read as the row-major ``factors`` (their product is its length) and those are
@@ -608,6 +685,15 @@ class Reorder(_Defaults, _FromSource, _IntoTarget):
     def target_factors(self) -> tuple[int, ...]:
         """The factors of ``axis`` in the target's order."""
         return tuple(self.factors[o] for o in self.order)
+
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        """Both sides with ``axis`` split into their factors; the factors permuted by ``order``."""
+        source, target, axis = source_shapes[0], target_shapes[0], self.axis
+        factored = (source[:axis] + self.factors + source[axis + 1:],
+                    target[:axis] + self.target_factors + target[axis + 1:])
+        perm = tuple(range(axis)) + tuple(axis + o for o in self.order) + tuple(
+            range(axis + len(self.order), len(factored[0])))
+        return (Piece(whole(0, factored[0]), whole(0, factored[1]), perm),)
 
     def inverse(self) -> Reorder:
         return Reorder(self.target, self.source, self.axis, self.target_factors, inverse_perm(self.order))
@@ -650,27 +736,12 @@ class Tie(_Defaults, _IntoTarget):
         return f"{join_key(self.target, sep)} = {join_key(self.twin, sep)}"
 
 
-def axis_groups(factors: Sequence[int], shape: Sequence[int]) -> list[range] | None:
-    """Which consecutive ``factors`` make up each axis of ``shape`` (row-major), or ``None`` when
-    they do not split it so. An axis of length 1 takes one factor of 1."""
-    groups, at = [], 0
-    for size in shape:
-        start, product = at, 1
-        while at < len(factors) and (product < size or (size == 1 and at == start and factors[at] == 1)):
-            product *= factors[at]
-            at += 1
-        if product != size:
-            return None
-        groups.append(range(start, at))
-    return groups if at == len(factors) else None
-
-
 def _shape_text(shape: Sequence[int]) -> str:
     return "x".join(map(str, shape)) or "scalar"
 
 
 @dataclass(frozen=True, slots=True)
-class Reshape(_Defaults):
+class Reshape(_Moves, _Defaults):
     """Arrays regrouped: ``target = source.reshape(factors).transpose(perm).reshape(shape)``.
 
     ``source`` is the one source array, or the several sources stacked on a new leading axis
@@ -714,6 +785,19 @@ class Reshape(_Defaults):
     def target_factors(self) -> tuple[int, ...]:
         """The factors in the target's order."""
         return tuple(self.factors[p] for p in self.perm)
+
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        """One piece from the sources' factors to the targets'; several sources (targets) are
+        one index each of the leading factor their stacked shape has."""
+        if len(self.targets) > 1:
+            return _inverted(self.inverse(), source_shapes, target_shapes)
+        target = self.target_factors
+        if len(self.sources) == 1:
+            return (Piece(whole(0, self.factors), whole(0, target), self.perm),)
+        count_at = self.perm.index(0)  # where the sources' count lands among the target's factors
+        perm = tuple(p - 1 for p in self.perm if p != 0)
+        return tuple(Piece(whole(i, self.factors[1:]), at(0, target, {count_at: i}), perm)
+                     for i in range(len(self.sources)))
 
     def inverse(self) -> Reshape:
         return Reshape(self.targets, self.sources, self.shape, self.target_factors, inverse_perm(self.perm),
