@@ -39,14 +39,14 @@ from __future__ import annotations
 from collections import deque
 import math
 import struct
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import repeat
 from typing import ClassVar, Protocol
 
 from ckptshim.errors import PlanError
-from ckptshim.geometry import Piece, View, at, axis_groups, inverse_perm, unravel, whole
+from ckptshim.geometry import Piece, at, axis_groups, inverse_perm, tiles, unravel, whole
 from ckptshim.inventory import KeyPath, join_key
 from ckptshim.keytext import keys_text
 
@@ -91,6 +91,16 @@ class LayoutOp(Op, Protocol):
 def is_layout(op: Op) -> bool:
     """Whether ``op`` only moves elements, so that its geometry (``pieces``) says all it does."""
     return getattr(op, "layout", False) is True
+
+
+def fits(op: LayoutOp, shape: Callable[[KeyPath], tuple[int, ...]]) -> bool:
+    """Whether arrays of these shapes (``shape`` of each key) are what the layout op makes of each
+    other: its pieces lie inside them, fill every target exactly and read all of every source."""
+    sources, targets = [tuple(shape(key)) for key in op.sources], [tuple(shape(key)) for key in op.targets]
+    try:
+        return tiles(op.pieces(sources, targets), sources, targets)
+    except (ValueError, IndexError):  # data that does not describe arrays of these shapes at all
+        return False
 
 
 def require_kinds(ops: Iterable[Op], known: Collection[str], executor: str, *, sep: str = ".",
@@ -558,22 +568,6 @@ class _Parts:
         part, member = divmod(index, count // len(self.sizes))
         return (None if self.stack_axis is None else member), sum(self.sizes[:part]), self.sizes[part]
 
-    def slot_shape(self, fused: tuple[int, ...], index: int, count: int) -> tuple[int, ...]:
-        """The shape the ``index``-th of ``count`` arrays has when the fused one has ``fused``."""
-        shape = list(fused)
-        shape[self.axis] = self.slot(index, count)[2]
-        if self.stack_axis is not None:
-            del shape[self.stack_axis]
-        return tuple(shape)
-
-    def fits(self, fused: tuple[int, ...], shapes: Sequence[tuple[int, ...]]) -> bool:
-        """Whether arrays of ``shapes`` fill a fused array of shape ``fused`` exactly, each its slot."""
-        count = len(shapes)
-        return (max(self.axis, -1 if self.stack_axis is None else self.stack_axis) < len(fused)
-                and fused[self.axis] == sum(self.sizes)
-                and (self.stack_axis is None or fused[self.stack_axis] == count // len(self.sizes))
-                and all(shape == self.slot_shape(fused, index, count) for index, shape in enumerate(shapes)))
-
     def parts_text(self, keys: Sequence[KeyPath], sep: str) -> str:
         """The many keys, part by part (each part's run of stacked keys compressed to a range)."""
         per_part = len(keys) // len(self.sizes)
@@ -802,6 +796,23 @@ class Reshape(_Moves, _Defaults):
     def inverse(self) -> Reshape:
         return Reshape(self.targets, self.sources, self.shape, self.target_factors, inverse_perm(self.perm),
                        self.source_shape)
+
+    def simplified(self) -> LayoutOp:
+        """The same op as the plainest kind that says it, so a plan reads as what it does: where
+        no axis is split or merged, a ``Rename`` or ``Transpose`` of one array, or a ``Stack``
+        of several that only gain an axis; else this ``Reshape``."""
+        sources, targets = len(self.sources), len(self.targets)
+        whole_axes = (self.factors == self.source_shape and self.target_factors == self.shape)
+        if not whole_axes or targets > 1:
+            return self
+        if sources == 1:
+            if self.perm == tuple(range(len(self.perm))):
+                return Rename(self.sources[0], self.targets[0])
+            return Transpose(self.sources[0], self.targets[0], self.perm)
+        axis = self.perm.index(0)
+        if tuple(p for p in self.perm if p != 0) == tuple(range(1, len(self.perm))):
+            return Stack(self.sources, self.targets[0], axis)
+        return self
 
     def describe(self, sep: str = ".") -> str:
         return f"{keys_text(self.sources, sep)} -> reshape({self.note()}) -> {keys_text(self.targets, sep)}"

@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ckptshim.formats",),
     ("ckptshim.planner",),
     ("ckptshim.rules",),
-    ("ckptshim.ops", "ckptshim.keytext"),
+    ("ckptshim.ops", "ckptshim.geometry", "ckptshim.keytext"),
     ("ckptshim.inventory",),
     ("ckptshim.errors", "ckptshim.config", "ckptshim.log", "ckptshim.progress"),
 )
