@@ -45,7 +45,7 @@ from functools import lru_cache
 from itertools import repeat
 from typing import ClassVar, Protocol
 
-from ckptshim.errors import PlanError
+from ckptshim.errors import InternalError, PlanError
 from ckptshim.geometry import Piece, at, axis_groups, inverse_perm, tiles, unravel, whole
 from ckptshim.inventory import KeyPath, join_key
 from ckptshim.keytext import keys_text
@@ -101,6 +101,20 @@ def fits(op: LayoutOp, shape: Callable[[KeyPath], tuple[int, ...]]) -> bool:
         return tiles(op.pieces(sources, targets), sources, targets)
     except (ValueError, IndexError):  # data that does not describe arrays of these shapes at all
         return False
+
+
+def pieces_by_target(op: LayoutOp, source_shapes: Shapes, target_shapes: Shapes) -> list[list[Piece]]:
+    """``op``'s pieces for arrays of these shapes, grouped by target (in ``targets`` order), each
+    target's checked to hold as many elements as the target has: an op whose pieces left part of
+    a target unwritten would load it silently wrong."""
+    grouped: list[list[Piece]] = [[] for _ in target_shapes]
+    for piece in op.pieces(source_shapes, target_shapes):
+        grouped[piece.target.array].append(piece)
+    for index, (pieces, shape) in enumerate(zip(grouped, target_shapes)):
+        if sum(math.prod(piece.target.shape) for piece in pieces) != math.prod(shape):
+            raise InternalError(f"the pieces of `{op.describe()}` do not fill {join_key(op.targets[index])!r} "
+                                f"{list(shape)}; this is a bug in ckptshim: please report it.")
+    return grouped
 
 
 def require_kinds(ops: Iterable[Op], known: Collection[str], executor: str, *, sep: str = ".",
@@ -700,6 +714,112 @@ class Reorder(_Moves, _Defaults, _FromSource, _IntoTarget):
 
     def note(self, sep: str = ".") -> str:
         return f"axis {self.axis} as {'x'.join(map(str, self.factors))}, {_perm_text(self.order)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate(_Moves, _Defaults, _FromSource):
+    """Every target is a copy of the one source: a tensor each tensor-parallel rank holds whole
+    (a layer norm), given to every rank."""
+
+    kind: ClassVar[str] = "replicate"
+
+    source: KeyPath
+    targets: tuple[KeyPath, ...]
+
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        whole_source = whole(0, source_shapes[0])
+        return tuple(Piece(whole_source, whole(k, shape), _identity(len(shape))) for k, shape in enumerate(target_shapes))
+
+    def inverse(self) -> Replicated:
+        return Replicated(self.targets, self.source)
+
+    def describe(self, sep: str = ".") -> str:
+        return f"{join_key(self.source, sep)} -> replicate -> {keys_text(self.targets, sep)}"
+
+    def tally(self) -> tuple[str, int]:
+        return "replicated", len(self.targets)
+
+    def note(self, sep: str = ".") -> str:
+        return f"{len(self.targets)} copies"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicated(_Defaults, _IntoTarget):
+    """The sources are copies of one value (one per tensor-parallel rank); the target is that
+    value, once every copy is checked to hold the same bits as the first.
+
+    Not a layout op: its executor reads every copy and refuses copies that differ (shards from
+    different runs or steps), where taking the first would load one rank's value silently.
+    """
+
+    kind: ClassVar[str] = "replicated"
+
+    sources: tuple[KeyPath, ...]
+    target: KeyPath
+
+    def inverse(self) -> Replicate:
+        return Replicate(self.target, self.sources)
+
+    def describe(self, sep: str = ".") -> str:
+        return f"{keys_text(self.sources, sep)} -> one of the equal copies -> {join_key(self.target, sep)}"
+
+    def tally(self) -> tuple[str, int]:
+        return "deduplicated", len(self.sources)
+
+    def note(self, sep: str = ".") -> str:
+        return "checked equal"
+
+
+@dataclass(frozen=True, slots=True)
+class Sum(_Defaults, _IntoTarget):
+    """The target is the sum of its sources, added one by one in the target's precision
+    (bfloat16 through float32, rounded to nearest even after each add, as torch rounds).
+
+    GPT-NeoX's row-parallel output biases: with the parallel residual each tensor-parallel rank
+    adds its own before the all-reduce, so the whole bias is their sum (NeoX's converter sums
+    them). The inverse, :class:`Share`, gives each rank an equal part, as NeoX's splitter does:
+    exact for a power-of-two count, but not the original per-rank biases.
+    """
+
+    kind: ClassVar[str] = "sum"
+
+    sources: tuple[KeyPath, ...]
+    target: KeyPath
+
+    def inverse(self) -> Share:
+        return Share(self.target, self.sources)
+
+    def describe(self, sep: str = ".") -> str:
+        return f"{keys_text(self.sources, sep)} -> sum -> {join_key(self.target, sep)}"
+
+    def tally(self) -> tuple[str, int]:
+        return "summed", len(self.sources)
+
+    def note(self, sep: str = ".") -> str:
+        return f"{len(self.sources)} terms"
+
+
+@dataclass(frozen=True, slots=True)
+class Share(_Defaults, _FromSource):
+    """Every target is the source divided by the number of targets, in its precision (rounded
+    as :class:`Sum` rounds): the inverse of a :class:`Sum`."""
+
+    kind: ClassVar[str] = "share"
+
+    source: KeyPath
+    targets: tuple[KeyPath, ...]
+
+    def inverse(self) -> Sum:
+        return Sum(self.targets, self.source)
+
+    def describe(self, sep: str = ".") -> str:
+        return f"{join_key(self.source, sep)} -> share(1/{len(self.targets)} each) -> {keys_text(self.targets, sep)}"
+
+    def tally(self) -> tuple[str, int]:
+        return "shared", len(self.targets)
+
+    def note(self, sep: str = ".") -> str:
+        return f"1/{len(self.targets)} each"
 
 
 @dataclass(frozen=True, slots=True)

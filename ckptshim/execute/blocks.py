@@ -34,7 +34,7 @@ from ckptshim.errors import CorruptCheckpointError, ShimError
 from ckptshim.inventory import Entry, KeyPath, join_key
 from ckptshim.formats.base import numpy_dtype
 from ckptshim.geometry import Piece, axis_groups, factor_boxes, inverse_perm, meet
-from ckptshim.ops import LayoutOp, Scale
+from ckptshim.ops import LayoutOp, Scale, pieces_by_target
 from ckptshim.planner import Plan
 
 _ALIGN = 64  # XLA's CPU client adopts host buffers aligned to this without copying them
@@ -174,9 +174,8 @@ def _reads(plan: Plan, op: LayoutOp, key: KeyPath, shape: tuple[int, ...]) -> Re
 
 def target_pieces(plan: Plan, op: LayoutOp, key: KeyPath) -> list[Piece]:
     """The pieces of ``op`` that fill its target ``key``, for the shapes the plan gives its arrays."""
-    at = op.targets.index(key)
-    return [piece for piece in op.pieces([plan.source[k].shape for k in op.sources],
-                                         [plan.target[k].shape for k in op.targets]) if piece.target.array == at]
+    return pieces_by_target(op, [plan.source[k].shape for k in op.sources],
+                            [plan.target[k].shape for k in op.targets])[op.targets.index(key)]
 
 
 def _numpy_index(index: tuple) -> tuple:

@@ -47,8 +47,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from ckptshim.errors import InternalError
 from ckptshim.execute.dcp_storage import Refusal
 from ckptshim.inventory import Inventory, KeyPath
-from ckptshim.geometry import Piece, box_maps
-from ckptshim.ops import Cast, Drop, LayoutOp, Op, Synthesize, Tie, is_layout, require_kinds
+from ckptshim.geometry import box_maps
+from ckptshim.ops import Cast, Drop, LayoutOp, Op, Synthesize, Tie, is_layout, pieces_by_target, require_kinds
 from ckptshim.planner import Plan
 
 Offsets = tuple[int, ...]
@@ -177,11 +177,7 @@ class _Virtual:
         sources = [self.source.fqn(key) for key in op.sources]
         source_shapes = [self.source.inventory[key].shape for key in op.sources]
         target_shapes = [self.target.inventory[key].shape for key in op.targets]
-        by_target: dict[int, list[Piece]] = {}
-        for piece in op.pieces(source_shapes, target_shapes):
-            by_target.setdefault(piece.target.array, []).append(piece)
-        for index, key in enumerate(op.targets):
-            pieces = by_target.get(index, [])
+        for index, (key, pieces) in enumerate(zip(op.targets, pieces_by_target(op, source_shapes, target_shapes))):
             if len(pieces) == 1 and pieces[0].is_identity(source_shapes[pieces[0].source.array], target_shapes[index]):
                 self._as_stored(sources[pieces[0].source.array], key)
                 continue
@@ -193,7 +189,7 @@ class _Virtual:
                         chunks.append((tuple(r.start for r in part.target_box), tuple(map(len, part.target_box)),
                                        _Link(src, o, tuple(r.start - at for r, at in zip(part.source_box, o)),
                                              part.axes)))
-            self._place(key, sources[pieces[0].source.array] if pieces else sources[0], chunks)
+            self._place(key, sources[pieces[0].source.array], chunks)
 
     def _as_stored(self, src: str, target: KeyPath) -> None:
         """``target`` is the stored ``src`` as it is: its chunks, under the target's name (free

@@ -35,8 +35,9 @@ from ckptshim.errors import PlanError
 from ckptshim.execute.derived import REBUILDABLE, mismatch, not_equal
 from ckptshim.execute.destinations import is_dtensor, values_of, write
 from ckptshim.inventory import Entry, KeyPath, dtype_name, join_key
-from ckptshim.geometry import Piece, View, inverse_perm
-from ckptshim.ops import NOT_PERSISTENT, Cast, Drop, DropIfDerived, LayoutOp, Op, Synthesize, Tie, is_layout, require_kinds
+from ckptshim.geometry import View, inverse_perm
+from ckptshim.ops import (NOT_PERSISTENT, Cast, Drop, DropIfDerived, LayoutOp, Op, Synthesize, Tie, is_layout,
+                          pieces_by_target, require_kinds)
 from ckptshim.planner import Plan
 from ckptshim.rules.buffers import derivable_rule
 from ckptshim.rules.prefixes import strip_wrappers
@@ -162,12 +163,9 @@ class _Preparer:
         sources = [self._source(key) for key in op.sources]
         destinations = [self._destination(key) for key in op.targets]
         shapes = [tuple(tensor.shape) for tensor in destinations]
-        by_target: dict[int, list[Piece]] = {}
-        for piece in op.pieces([tuple(tensor.shape) for tensor in sources], shapes):
-            by_target.setdefault(piece.target.array, []).append(piece)
+        grouped = pieces_by_target(op, [tuple(tensor.shape) for tensor in sources], shapes)
         try:
-            for index, key in enumerate(op.targets):
-                pieces = by_target.get(index, [])
+            for index, (key, pieces) in enumerate(zip(op.targets, grouped)):
                 if len(pieces) == 1 and pieces[0].target.is_whole(shapes[index]):
                     piece = pieces[0]
                     value = _viewed(sources[piece.source.array], piece.source)
