@@ -3,10 +3,14 @@
 An op names keys (``sources`` -> ``targets``) and carries the data an executor needs (an axis, a
 permutation), never tensor bytes. Every op class declares what it is and how it explains itself:
 
-- ``kind``: the name executors dispatch on. Each executor has one table from kind to handler
-  and refuses, naming the op, any kind missing from it (:func:`require_kinds`), so a new kind
-  is one class here plus one handler in each executor that can run it -- every other executor
-  refuses it by itself instead of loading without it;
+- ``kind``: its name, in plans and in refusals;
+- ``layout``: whether it only moves elements. A layout op says where each element of its
+  targets comes from with :meth:`LayoutOp.pieces` -- its one geometric description
+  (:mod:`ckptshim.geometry`) -- and every executor runs it through one primitive over pieces,
+  with no handler of its own. Any other kind changes values or destinations and runs only in
+  an executor with a handler for its kind; every other executor refuses it, naming the op,
+  before anything is read (:func:`require_kinds`). So a new layout kind is one class here, and a
+  new value-changing kind one class plus a handler in each executor that can run it;
 - ``produces``: whether it gives its targets their values (``Cast`` changes the dtype of a value
   another op produced; ``Drop`` and ``DropIfDerived`` leave a source unloaded);
 - ``inverse()``: the op that undoes it, so ops for A -> B invert into ops for B -> A;
@@ -20,18 +24,19 @@ key only after checking its value, and one that cannot check refuses the plan. `
 unchecked inverse of keeping the target's own value.
 
 Layout changes -- a permutation of axes (``Transpose``), slicing or filling with one
-(``Split``, ``Join``), arrays side by side along an axis (``Concat``, ``Chunk``) and a
-permutation of the indices along one axis (``Reorder``) -- are kinds of their own rather than an
-optional field of ``Rename``, ``Stack`` or ``Unstack``: an executor that has not been taught them
-then refuses the plan instead of running the old op and loading the axes in the wrong order.
+(``Split``, ``Join``), arrays side by side along an axis (``Concat``, ``Chunk``), a permutation
+of the indices along one axis (``Reorder``) and copies of one array (``Replicate``) -- are kinds
+of their own rather than an optional field of ``Rename``, ``Stack`` or ``Unstack``, so that a
+plan says what it does and each kind's geometry stays small.
 
-``Reshape`` is the one layout kind that composes the others: its arrays are read row-major as
+``Reshape`` is the layout kind that composes the others: its arrays are read row-major as
 factors (splitting an axis, ``[heads * head_dim, emb]`` as ``[heads, head_dim, emb]``), the
 factors permuted (a transpose, a ``Reorder`` of one axis's factors, layers stacked on any axis)
 and merged into the target's axes. A converter's chain of steps for one key -- transpose,
 reshape, RoPE reorder, stack the layers -- is one ``Reshape``, so an executor reads each block
 of the target straight from the source bytes it needs, with no intermediate array. ``Scale``
-is the one kind that changes values: it multiplies what another op produced by a constant.
+multiplies what another op produced by a constant; ``Sum``, ``Share`` and ``Replicated`` are
+tensor-parallel merges and splits that add, divide or check their arrays.
 """
 
 from __future__ import annotations
@@ -716,12 +721,42 @@ class Reorder(_Moves, _Defaults, _FromSource, _IntoTarget):
         return f"axis {self.axis} as {'x'.join(map(str, self.factors))}, {_perm_text(self.order)}"
 
 
+class _Gathers(_Defaults, _IntoTarget):
+    """Several sources made into one target, said ``a, b -> <word> -> t``."""
+
+    __slots__ = ()
+    word: ClassVar[str]
+    counted: ClassVar[str]
+
+    def describe(self, sep: str = ".") -> str:
+        return f"{keys_text(self.sources, sep)} -> {self.word} -> {join_key(self.target, sep)}"
+
+    def tally(self) -> tuple[str, int]:
+        return self.counted, len(self.sources)
+
+
+class _Spreads(_Defaults, _FromSource):
+    """One source made into several targets, said ``s -> <word> -> a, b``."""
+
+    __slots__ = ()
+    word: ClassVar[str]
+    counted: ClassVar[str]
+
+    def describe(self, sep: str = ".") -> str:
+        return f"{join_key(self.source, sep)} -> {self.word} -> {keys_text(self.targets, sep)}"
+
+    def tally(self) -> tuple[str, int]:
+        return self.counted, len(self.targets)
+
+
 @dataclass(frozen=True, slots=True)
-class Replicate(_Moves, _Defaults, _FromSource):
+class Replicate(_Moves, _Spreads):
     """Every target is a copy of the one source: a tensor each tensor-parallel rank holds whole
     (a layer norm), given to every rank."""
 
     kind: ClassVar[str] = "replicate"
+    word: ClassVar[str] = "replicate"
+    counted: ClassVar[str] = "replicated"
 
     source: KeyPath
     targets: tuple[KeyPath, ...]
@@ -733,18 +768,12 @@ class Replicate(_Moves, _Defaults, _FromSource):
     def inverse(self) -> Replicated:
         return Replicated(self.targets, self.source)
 
-    def describe(self, sep: str = ".") -> str:
-        return f"{join_key(self.source, sep)} -> replicate -> {keys_text(self.targets, sep)}"
-
-    def tally(self) -> tuple[str, int]:
-        return "replicated", len(self.targets)
-
     def note(self, sep: str = ".") -> str:
         return f"{len(self.targets)} copies"
 
 
 @dataclass(frozen=True, slots=True)
-class Replicated(_Defaults, _IntoTarget):
+class Replicated(_Gathers):
     """The sources are copies of one value (one per tensor-parallel rank); the target is that
     value, once every copy is checked to hold the same bits as the first.
 
@@ -753,6 +782,8 @@ class Replicated(_Defaults, _IntoTarget):
     """
 
     kind: ClassVar[str] = "replicated"
+    word: ClassVar[str] = "one of the equal copies"
+    counted: ClassVar[str] = "deduplicated"
 
     sources: tuple[KeyPath, ...]
     target: KeyPath
@@ -760,18 +791,12 @@ class Replicated(_Defaults, _IntoTarget):
     def inverse(self) -> Replicate:
         return Replicate(self.target, self.sources)
 
-    def describe(self, sep: str = ".") -> str:
-        return f"{keys_text(self.sources, sep)} -> one of the equal copies -> {join_key(self.target, sep)}"
-
-    def tally(self) -> tuple[str, int]:
-        return "deduplicated", len(self.sources)
-
     def note(self, sep: str = ".") -> str:
         return "checked equal"
 
 
 @dataclass(frozen=True, slots=True)
-class Sum(_Defaults, _IntoTarget):
+class Sum(_Gathers):
     """The target is the sum of its sources, added one by one in the target's precision
     (bfloat16 through float32, rounded to nearest even after each add, as torch rounds).
 
@@ -782,6 +807,8 @@ class Sum(_Defaults, _IntoTarget):
     """
 
     kind: ClassVar[str] = "sum"
+    word: ClassVar[str] = "sum"
+    counted: ClassVar[str] = "summed"
 
     sources: tuple[KeyPath, ...]
     target: KeyPath
@@ -789,34 +816,24 @@ class Sum(_Defaults, _IntoTarget):
     def inverse(self) -> Share:
         return Share(self.target, self.sources)
 
-    def describe(self, sep: str = ".") -> str:
-        return f"{keys_text(self.sources, sep)} -> sum -> {join_key(self.target, sep)}"
-
-    def tally(self) -> tuple[str, int]:
-        return "summed", len(self.sources)
-
     def note(self, sep: str = ".") -> str:
         return f"{len(self.sources)} terms"
 
 
 @dataclass(frozen=True, slots=True)
-class Share(_Defaults, _FromSource):
+class Share(_Spreads):
     """Every target is the source divided by the number of targets, in its precision (rounded
     as :class:`Sum` rounds): the inverse of a :class:`Sum`."""
 
     kind: ClassVar[str] = "share"
+    word: ClassVar[str] = "share"
+    counted: ClassVar[str] = "shared"
 
     source: KeyPath
     targets: tuple[KeyPath, ...]
 
     def inverse(self) -> Sum:
         return Sum(self.targets, self.source)
-
-    def describe(self, sep: str = ".") -> str:
-        return f"{join_key(self.source, sep)} -> share(1/{len(self.targets)} each) -> {keys_text(self.targets, sep)}"
-
-    def tally(self) -> tuple[str, int]:
-        return "shared", len(self.targets)
 
     def note(self, sep: str = ".") -> str:
         return f"1/{len(self.targets)} each"

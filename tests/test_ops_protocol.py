@@ -29,18 +29,11 @@ LAYOUT_CLASSES = {ops.Rename, ops.Stack, ops.Unstack, ops.Transpose, ops.Split, 
                   ops.Reorder, ops.Reshape, ops.Replicate}
 
 
-@dataclass(frozen=True)
-class Clamp:
-    """A kind no executor has a handler for: the target is the source clipped to ``[low, high]``."""
+class _OneToOne:
+    """What a test's own kind shares with most ops: one source key, one target key."""
 
-    kind: ClassVar[str] = "clamp"
     produces: ClassVar[bool] = True
     summary_by_example: ClassVar[bool] = False
-
-    source: KeyPath
-    target: KeyPath
-    low: float
-    high: float
 
     @property
     def sources(self) -> tuple[KeyPath, ...]:
@@ -49,6 +42,18 @@ class Clamp:
     @property
     def targets(self) -> tuple[KeyPath, ...]:
         return (self.target,)
+
+
+@dataclass(frozen=True)
+class Clamp(_OneToOne):
+    """A kind no executor has a handler for: the target is the source clipped to ``[low, high]``."""
+
+    kind: ClassVar[str] = "clamp"
+
+    source: KeyPath
+    target: KeyPath
+    low: float
+    high: float
 
     def inverse(self) -> Clamp:
         raise ValueError("clipping loses values; it has no inverse")
@@ -163,15 +168,13 @@ def test_the_dcp_planner_refuses_it():
 
 
 @dataclass(frozen=True)
-class Roll:
+class Roll(_OneToOne):
     """A layout kind no executor knows by name: the target is the source with its axes permuted
     by ``perm`` (target axis ``i`` is source axis ``perm[i]``), then rolled by ``shift`` along
     target axis ``axis`` -- ``numpy.roll(source.transpose(perm), shift, axis)``. It says so only
     through its geometry: two pieces, each a range of the rolled axis on both sides, permuted."""
 
     kind: ClassVar[str] = "roll"
-    produces: ClassVar[bool] = True
-    summary_by_example: ClassVar[bool] = False
     layout: ClassVar[bool] = True
 
     source: KeyPath
@@ -179,14 +182,6 @@ class Roll:
     perm: tuple[int, ...]
     axis: int
     shift: int
-
-    @property
-    def sources(self) -> tuple[KeyPath, ...]:
-        return (self.source,)
-
-    @property
-    def targets(self) -> tuple[KeyPath, ...]:
-        return (self.target,)
 
     def pieces(self, source_shapes, target_shapes):
         from ckptshim.geometry import Piece, View

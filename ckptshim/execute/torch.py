@@ -7,20 +7,24 @@ source, one part of a fused one, its axes permuted), or the destination's own va
 writing anything or copying any tensor bytes. Only a :class:`Prepared` load writes: targets
 assembled from several sources (stacked layers, fused experts) or whose indices a permutation
 scatters, source by source into views of the destination (``select``, ``narrow``, ``permute``,
-one axis split into factors; never ``torch.stack`` or ``torch.cat``, which would build a second
+axes split into factors; never ``torch.stack`` or ``torch.cat``, which would build a second
 full copy), everything else copied in (casting where the plan casts), each write into the plain
 tensor behind its destination -- a DTensor's shard, a float8 training weight's high-precision
 tensor -- through :func:`ckptshim.execute.destinations.write`. Anything wrong raises before the
 first write, so a failed load leaves the destination as it was.
 
+Every layout op runs through one primitive over its pieces (:meth:`_Preparer._moved`, see
+:mod:`ckptshim.geometry`): which target is a view of its source and which is assembled, and
+from which views, is read off the pieces, not off the op's kind. The other kinds it runs are
+those in :data:`HANDLERS`; a plan with any other kind is refused before anything is fetched.
+
 Callers that hand the values to the framework's own loader (the ``load_state_dict`` hook) use
 :attr:`Prepared.values` and :meth:`Prepared.write_assembled`; others call :meth:`Prepared.write`.
 
-The ops it runs are the kinds in :data:`HANDLERS`; a plan with any other kind is refused before
-anything is fetched. A ``DropIfDerived`` source is fetched and dropped only when its value is
-what its rule derives (:func:`ckptshim.execute.derived.mismatch`); otherwise it is an unexpected
-key, like any other the target has no place for: refused by a strict load, listed in
-:attr:`Prepared.unexpected` by a non-strict one.
+A ``DropIfDerived`` source is fetched and dropped only when its value is what its rule derives
+(:func:`ckptshim.execute.derived.mismatch`); otherwise it is an unexpected key, like any other
+the target has no place for: refused by a strict load, listed in :attr:`Prepared.unexpected`
+by a non-strict one.
 """
 
 from __future__ import annotations
