@@ -32,6 +32,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
