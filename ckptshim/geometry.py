@@ -131,7 +131,7 @@ class Piece:
                 and self.perm == tuple(range(len(self.perm))))
 
     def fits(self, source_shape: Sequence[int], target_shape: Sequence[int]) -> bool:
-        """Whether both views lie inside arrays of these shapes and hold the same elements."""
+        """Whether both views lie inside arrays of these shapes and, permuted, have one shape."""
         return (_inside(self.source, source_shape) and _inside(self.target, target_shape)
                 and len(self.perm) == len(self.source.kept) == len(self.target.kept)
                 and sorted(self.perm) == list(range(len(self.perm)))
@@ -160,8 +160,10 @@ def _inside(view: View, shape: Sequence[int]) -> bool:
 
 def tiles(pieces: Sequence[Piece], source_shapes: Sequence[tuple[int, ...]],
           target_shapes: Sequence[tuple[int, ...]]) -> bool:
-    """Whether ``pieces`` fit arrays of these shapes, fill each target exactly once and read
-    all of every source (by count: an op's pieces never overlap on a target by construction)."""
+    """Whether ``pieces`` fit arrays of these shapes, fill each target exactly once and read all
+    of every source, once or (copies of it: a replicate) several times -- by count: an op's
+    pieces do not overlap on a target by construction, so the counts say whether the shapes are
+    the ones the op makes of each other."""
     filled, read = [0] * len(target_shapes), [0] * len(source_shapes)
     for piece in pieces:
         if not (0 <= piece.source.array < len(source_shapes) and 0 <= piece.target.array < len(target_shapes)):
@@ -278,7 +280,7 @@ def _lowered(source_index: tuple[Index, ...], target_index: tuple[Index, ...], p
             continue
         partner = twin[mine[-1]]
         theirs = [f for f in source_groups[source_axis[partner]] if sf[f] != 1]
-        if theirs[-1] != partner:
+        if not theirs or theirs[-1] != partner:  # (a factor of 1 on the source side: one index here)
             continue
         run = [mine[-1]]
         while (len(run) < min(len(mine), len(theirs)) and len(target_index[run[-1]]) == tf[run[-1]]
