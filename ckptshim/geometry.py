@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import product
 
@@ -70,26 +70,40 @@ def axis_groups(factors: Sequence[int], shape: Sequence[int]) -> list[range] | N
 @dataclass(frozen=True, slots=True)
 class View:
     """Part of one of an op's arrays: the array (its position among the op's sources, or among
-    its targets) seen as ``factors``, at ``index`` (one entry per factor)."""
+    its targets) seen as ``factors``, at ``index`` (one entry per factor).
+
+    ``kept`` (the positions of the factors that keep a range) and ``shape`` (the part's shape:
+    the lengths of those ranges) follow from the index; they are computed once, as executors
+    ask for them per block and per chunk.
+    """
 
     array: int
     factors: tuple[int, ...]
     index: tuple[Index, ...]
+    kept: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
-    @property
-    def kept(self) -> tuple[int, ...]:
-        """The positions of the factors that keep a range, in order."""
-        return tuple(at for at, part in enumerate(self.index) if type(part) is range)
+    def __post_init__(self) -> None:
+        kept = tuple(at for at, part in enumerate(self.index) if type(part) is range)
+        object.__setattr__(self, "kept", kept)
+        object.__setattr__(self, "shape", tuple(len(self.index[at]) for at in kept))
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The shape of the part: the lengths of the kept ranges."""
-        return tuple(len(part) for part in self.index if type(part) is range)
+    def bounds(self, shape: Sequence[int]) -> tuple[range, ...]:
+        """Per axis of the array (of ``shape``), the range from the view's first index along it
+        to its last: the box that holds the view (exactly, where no axis is split)."""
+        out = []
+        for group in axis_groups(self.factors, shape):
+            first = last = 0
+            for f in group:
+                part = self.index[f]
+                low, high = (part, part) if type(part) is int else (part.start, part.stop - 1)
+                first, last = first * self.factors[f] + low, last * self.factors[f] + high
+            out.append(range(first, last + 1))
+        return tuple(out)
 
-    def is_whole(self, shape: Sequence[int]) -> bool:
-        """Whether the view is the whole array as it is (no axis split, nothing left out)."""
-        return self.factors == tuple(shape) and all(type(part) is range and len(part) == size
-                                                    for part, size in zip(self.index, shape))
+    def is_whole(self, shape: tuple[int, ...]) -> bool:
+        """Whether the view is the whole array of ``shape`` as it is (no axis split, nothing left out)."""
+        return self.shape == self.factors == shape
 
 
 @lru_cache(maxsize=4096)
@@ -120,15 +134,19 @@ class Piece:
     source: View
     target: View
     perm: tuple[int, ...]
+    #: ``perm`` is the identity: the kept factors are in the same order on both sides
+    ordered: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ordered", self.perm == tuple(range(len(self.perm))))
 
     def inverse(self) -> Piece:
         """The same correspondence read the other way (the source as the target)."""
         return Piece(self.target, self.source, inverse_perm(self.perm))
 
-    def is_identity(self, source_shape: Sequence[int], target_shape: Sequence[int]) -> bool:
+    def is_identity(self, source_shape: tuple[int, ...], target_shape: tuple[int, ...]) -> bool:
         """Whether the target is the whole source as it is."""
-        return (self.source.is_whole(source_shape) and self.target.is_whole(target_shape)
-                and self.perm == tuple(range(len(self.perm))))
+        return self.ordered and self.source.is_whole(source_shape) and self.target.is_whole(target_shape)
 
     def fits(self, source_shape: Sequence[int], target_shape: Sequence[int]) -> bool:
         """Whether both views lie inside arrays of these shapes and, permuted, have one shape."""
@@ -207,6 +225,10 @@ def factor_boxes(box: Sequence[range], shape: Sequence[int], factors: Sequence[i
                  ) -> Iterator[tuple[tuple[range, ...], tuple[range, ...]]]:
     """``box`` (a range per axis of an array of ``shape``) cut into boxes of the array seen as
     ``factors``: for each, its range per axis and its range per factor."""
+    if tuple(factors) == tuple(shape):  # no axis split: the box itself
+        parts = tuple(box)
+        yield parts, parts
+        return
     groups = axis_groups(factors, shape)
     if groups is None:
         raise ValueError(f"factors {tuple(factors)} do not split shape {tuple(shape)} row-major")
@@ -258,11 +280,36 @@ def box_maps(piece: Piece, source_shape: Sequence[int], target_shape: Sequence[i
     stacked layer or a fused part is one map per box, and a reordered axis one map per run of
     target rows whose source rows are consecutive.
     """
+    if piece.source.factors == tuple(source_shape) and piece.target.factors == tuple(target_shape):
+        yield from _unsplit(piece, source_box)
+        return
     back = piece.inverse()
     for _, parts in factor_boxes(source_box, source_shape, piece.source.factors):
         source_index = meet(parts, piece.source.index)
         if source_index is not None:
             yield from _lowered(source_index, back.source_index(source_index), piece, source_shape, target_shape)
+
+
+def _unsplit(piece: Piece, source_box: Sequence[range]) -> Iterator[BoxMap]:
+    """:func:`box_maps` of a piece that splits no axis on either side: one map, each kept target
+    axis running along the source axis the permutation names."""
+    held = meet(source_box, piece.source.index)
+    if held is None:
+        return
+    along = iter(piece.source.kept[p] for p in piece.perm)  # the source axis of each kept target axis
+    target_box: list[range] = []
+    axes: list[int | None] = []
+    for part in piece.target.index:
+        if type(part) is int:
+            target_box.append(range(part, part + 1))
+            axes.append(None)
+            continue
+        axis = next(along)
+        start = part.start + held[axis].start - piece.source.index[axis].start
+        target_box.append(range(start, start + len(held[axis])))
+        axes.append(axis)
+    source = tuple(range(h, h + 1) if type(h) is int else h for h in held)
+    yield BoxMap(source, tuple(target_box), tuple(axes))
 
 
 def _lowered(source_index: tuple[Index, ...], target_index: tuple[Index, ...], piece: Piece,

@@ -112,8 +112,11 @@ def pieces_by_target(op: LayoutOp, source_shapes: Shapes, target_shapes: Shapes)
     """``op``'s pieces for arrays of these shapes, grouped by target (in ``targets`` order), each
     target's checked to hold as many elements as the target has: an op whose pieces left part of
     a target unwritten would load it silently wrong."""
+    pieces = op.pieces(source_shapes, target_shapes)
+    if len(pieces) == 1 == len(target_shapes) and pieces[0].target.is_whole(target_shapes[0]):
+        return [list(pieces)]  # one array all of one array (a rename): nothing to group or count
     grouped: list[list[Piece]] = [[] for _ in target_shapes]
-    for piece in op.pieces(source_shapes, target_shapes):
+    for piece in pieces:
         grouped[piece.target.array].append(piece)
     for index, (pieces, shape) in enumerate(zip(grouped, target_shapes)):
         if sum(math.prod(piece.target.shape) for piece in pieces) != math.prod(shape):

@@ -152,24 +152,44 @@ def _reads(plan: Plan, op: LayoutOp, key: KeyPath, shape: tuple[int, ...]) -> Re
     (the same row-major bytes; see :func:`filler`).
     """
     entries = [plan.source[k] for k in op.sources]
-    factored = [(piece, _factored(entries[piece.source.array], piece.source.factors), inverse_perm(piece.perm))
-                for piece in target_pieces(plan, op, key)]
+    pieces = target_pieces(plan, op, key)
+    if len(pieces) == 1 and pieces[0].is_identity(entries[pieces[0].source.array].shape, shape):
+        entry = entries[pieces[0].source.array]  # the source as it is (a rename): the block's own range of it
+        return lambda index, out: [(entry, index, out)]
+    factored = [(piece, _factored(entries[piece.source.array], piece.source.factors), inverse_perm(piece.perm),
+                 piece.target.bounds(shape), piece.target.factors != shape) for piece in pieces]
 
     def reads(index, out):
         block = tuple(range(*part.indices(size)[:2]) for part, size in zip(index, shape))
         found = []
-        for piece, entry, back in factored:
+        for piece, entry, back, bounds, split in factored:
+            if any(part.stop <= held.start or held.stop <= part.start for part, held in zip(block, bounds)):
+                continue  # the piece lies outside the block (another device's layer or part)
+            if not split:  # the block is one box of the target's own axes
+                held = meet(block, piece.target.index)
+                if held is None:  # an empty block
+                    continue
+                view = out[_relative(held, block)]
+                found.append((entry, _numpy_index(piece.source_index(held)),
+                              view if piece.ordered else view.transpose(back)))
+                continue
             for parts, factor_parts in factor_boxes(block, shape, piece.target.factors):
                 held = meet(factor_parts, piece.target.index)
                 if held is None:
                     continue
                 place = tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(parts, block))
                 view = _split_view(out[place + (Ellipsis,)], [len(p) for p in factor_parts])
-                view = view[tuple(h - p.start if type(h) is int else slice(h.start - p.start, h.stop - p.start)
-                                  for h, p in zip(held, factor_parts)) + (Ellipsis,)].transpose(back)
+                view = view[_relative(held, factor_parts)].transpose(back)
                 found.append((entry, _numpy_index(piece.source_index(held)), view))
         return found
     return reads
+
+
+def _relative(held: tuple, within: tuple[range, ...]) -> tuple:
+    """Numpy's index of ``held`` (a fixed index or a range per axis) inside the box ``within``
+    (a view, even where every index is fixed)."""
+    return tuple(h - w.start if type(h) is int else slice(h.start - w.start, h.stop - w.start)
+                 for h, w in zip(held, within)) + (Ellipsis,)
 
 
 def target_pieces(plan: Plan, op: LayoutOp, key: KeyPath) -> list[Piece]:

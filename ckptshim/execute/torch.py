@@ -165,19 +165,21 @@ class _Preparer:
         one piece of the whole target is a view of its source (the source itself, a layer of it,
         its axes permuted); any other is assembled -- each piece's source view copied into the
         matching view of the target, in the source's factor order (see :class:`Prepared`)."""
+        plan, values = self.plan, self.prepared.values
         sources = [self._source(key) for key in op.sources]
-        destinations = [self._destination(key) for key in op.targets]
-        shapes = [tuple(tensor.shape) for tensor in destinations]
-        grouped = pieces_by_target(op, [tuple(tensor.shape) for tensor in sources], shapes)
+        # the planned shapes, which _source and _destination check the tensors have
+        grouped = pieces_by_target(op, [plan.source[key].shape for key in op.sources],
+                                   [plan.target[key].shape for key in op.targets])
         try:
-            for index, (key, pieces) in enumerate(zip(op.targets, grouped)):
-                if len(pieces) == 1 and pieces[0].target.is_whole(shapes[index]):
+            for key, pieces in zip(op.targets, grouped):
+                destination = self._destination(key)
+                if len(pieces) == 1 and pieces[0].target.is_whole(plan.target[key].shape):
                     piece = pieces[0]
                     value = _viewed(sources[piece.source.array], piece.source)
-                    if piece.perm != tuple(range(len(piece.perm))):
+                    if not piece.ordered:
                         value = value.permute(piece.perm)
-                    self._check_value(op.sources[piece.source.array], key, value, destinations[index])
-                    self.prepared.values[key] = value
+                    self._check_value(op.sources[piece.source.array], key, value, destination)
+                    values[key] = value
                     continue
                 whole = self._assembly(key, sources[0])
                 for piece in pieces:
@@ -185,7 +187,7 @@ class _Preparer:
                     value = _viewed(sources[piece.source.array], piece.source)
                     self._check_value(op.sources[piece.source.array], key, value, view)
                     self.prepared.fills.append((view, value))
-                self.prepared.values[key] = whole
+                values[key] = whole
         except (IndexError, RuntimeError) as error:  # a view the tensors' strides or shapes do not allow
             raise PlanError(f"`{op.describe()}` cannot be laid out on these tensors ({error}).") from None
 
@@ -289,7 +291,7 @@ def _viewed(tensor: torch.Tensor, view: View) -> torch.Tensor:
     factors, then indexed (a fixed index selects, a range narrows)."""
     if tuple(tensor.shape) != view.factors:
         tensor = tensor.view(view.factors)
-    if view.is_whole(view.factors):
+    if view.shape == view.factors:  # every factor whole
         return tensor
     return tensor[tuple(part if type(part) is int else slice(part.start, part.stop) for part in view.index)]
 
