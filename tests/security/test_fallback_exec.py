@@ -21,7 +21,7 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 import ckptshim  # noqa: E402
 from hostile import (Mkdir, add_chunk_file, read_dcp_metadata, refusal, torch_saved,  # noqa: E402
                      write_dcp_metadata)
-from support.fixtures import copy_fixture  # noqa: E402
+from support.fixtures import FIXTURES, copy_fixture  # noqa: E402
 from support.processes import run_pipeline_loads  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
