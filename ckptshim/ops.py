@@ -3,10 +3,14 @@
 An op names keys (``sources`` -> ``targets``) and carries the data an executor needs (an axis, a
 permutation), never tensor bytes. Every op class declares what it is and how it explains itself:
 
-- ``kind``: the name executors dispatch on. Each executor has one table from kind to handler
-  and refuses, naming the op, any kind missing from it (:func:`require_kinds`), so a new kind
-  is one class here plus one handler in each executor that can run it -- every other executor
-  refuses it by itself instead of loading without it;
+- ``kind``: its name, in plans and in refusals;
+- ``layout``: whether it only moves elements. A layout op says where each element of its
+  targets comes from with :meth:`LayoutOp.pieces` -- its one geometric description
+  (:mod:`ckptshim.geometry`) -- and every executor runs it through one primitive over pieces,
+  with no handler of its own. Any other kind changes values or destinations and runs only in
+  an executor with a handler for its kind; every other executor refuses it, naming the op,
+  before anything is read (:func:`require_kinds`). So a new layout kind is one class here, and a
+  new value-changing kind one class plus a handler in each executor that can run it;
 - ``produces``: whether it gives its targets their values (``Cast`` changes the dtype of a value
   another op produced; ``Drop`` and ``DropIfDerived`` leave a source unloaded);
 - ``inverse()``: the op that undoes it, so ops for A -> B invert into ops for B -> A;
@@ -20,18 +24,19 @@ key only after checking its value, and one that cannot check refuses the plan. `
 unchecked inverse of keeping the target's own value.
 
 Layout changes -- a permutation of axes (``Transpose``), slicing or filling with one
-(``Split``, ``Join``), arrays side by side along an axis (``Concat``, ``Chunk``) and a
-permutation of the indices along one axis (``Reorder``) -- are kinds of their own rather than an
-optional field of ``Rename``, ``Stack`` or ``Unstack``: an executor that has not been taught them
-then refuses the plan instead of running the old op and loading the axes in the wrong order.
+(``Split``, ``Join``), arrays side by side along an axis (``Concat``, ``Chunk``), a permutation
+of the indices along one axis (``Reorder``) and copies of one array (``Replicate``) -- are kinds
+of their own rather than an optional field of ``Rename``, ``Stack`` or ``Unstack``, so that a
+plan says what it does and each kind's geometry stays small.
 
-``Reshape`` is the one layout kind that composes the others: its arrays are read row-major as
+``Reshape`` is the layout kind that composes the others: its arrays are read row-major as
 factors (splitting an axis, ``[heads * head_dim, emb]`` as ``[heads, head_dim, emb]``), the
 factors permuted (a transpose, a ``Reorder`` of one axis's factors, layers stacked on any axis)
 and merged into the target's axes. A converter's chain of steps for one key -- transpose,
 reshape, RoPE reorder, stack the layers -- is one ``Reshape``, so an executor reads each block
 of the target straight from the source bytes it needs, with no intermediate array. ``Scale``
-is the one kind that changes values: it multiplies what another op produced by a constant.
+multiplies what another op produced by a constant; ``Sum``, ``Share`` and ``Replicated`` are
+tensor-parallel merges and splits that add, divide or check their arrays.
 """
 
 from __future__ import annotations
@@ -39,14 +44,18 @@ from __future__ import annotations
 from collections import deque
 import math
 import struct
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import repeat
 from typing import ClassVar, Protocol
 
-from ckptshim.errors import PlanError
+from ckptshim.errors import InternalError, PlanError
+from ckptshim.geometry import Piece, at, axis_groups, inverse_perm, tiles, unravel, whole
 from ckptshim.inventory import KeyPath, join_key
 from ckptshim.keytext import keys_text
+
+Shapes = Sequence[tuple[int, ...]]
 
 
 class Op(Protocol):
@@ -56,6 +65,8 @@ class Op(Protocol):
     produces: ClassVar[bool]
     #: the summary shows one example of this kind (``a -> b, ...``) rather than every note
     summary_by_example: ClassVar[bool]
+    #: it only moves elements: :meth:`LayoutOp.pieces` says where each one goes
+    layout: ClassVar[bool]
 
     @property
     def sources(self) -> tuple[KeyPath, ...]: ...
@@ -72,16 +83,60 @@ class Op(Protocol):
     def note(self, sep: str = ".") -> str: ...
 
 
+class LayoutOp(Op, Protocol):
+    """An op that only moves elements (``layout`` is true): every executor runs it through its
+    geometry, with no handler of its own."""
+
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        """Where each element of the targets comes from, for sources and targets of these
+        shapes (in the order of ``sources`` and ``targets``): see :mod:`ckptshim.geometry`."""
+        ...
+
+
+def is_layout(op: Op) -> bool:
+    """Whether ``op`` only moves elements, so that its geometry (``pieces``) says all it does."""
+    return getattr(op, "layout", False) is True
+
+
+def fits(op: LayoutOp, shape: Callable[[KeyPath], tuple[int, ...]]) -> bool:
+    """Whether arrays of these shapes (``shape`` of each key) are what the layout op makes of each
+    other: its pieces lie inside them, fill every target exactly and read all of every source."""
+    sources, targets = [tuple(shape(key)) for key in op.sources], [tuple(shape(key)) for key in op.targets]
+    try:
+        return tiles(op.pieces(sources, targets), sources, targets)
+    except (ValueError, IndexError):  # data that does not describe arrays of these shapes at all
+        return False
+
+
+def pieces_by_target(op: LayoutOp, source_shapes: Shapes, target_shapes: Shapes) -> list[list[Piece]]:
+    """``op``'s pieces for arrays of these shapes, grouped by target (in ``targets`` order), each
+    target's checked to hold as many elements as the target has: an op whose pieces left part of
+    a target unwritten would load it silently wrong."""
+    pieces = op.pieces(source_shapes, target_shapes)
+    if len(pieces) == 1 == len(target_shapes) and pieces[0].target.is_whole(target_shapes[0]):
+        return [list(pieces)]  # one array all of one array (a rename): nothing to group or count
+    grouped: list[list[Piece]] = [[] for _ in target_shapes]
+    for piece in pieces:
+        grouped[piece.target.array].append(piece)
+    for index, (pieces, shape) in enumerate(zip(grouped, target_shapes)):
+        if sum(math.prod(piece.target.shape) for piece in pieces) != math.prod(shape):
+            raise InternalError(f"the pieces of `{op.describe()}` do not fill {join_key(op.targets[index])!r} "
+                                f"{list(shape)}; this is a bug in ckptshim: please report it.")
+    return grouped
+
+
 def require_kinds(ops: Iterable[Op], known: Collection[str], executor: str, *, sep: str = ".",
                   hint: str = "") -> None:
-    """Refuse the first op whose kind ``executor`` has no handler for, before anything is read."""
+    """Refuse the first op ``executor`` cannot run, before anything is read: one that is not a
+    layout op and whose kind it has no handler for."""
     for op in ops:
-        if op.kind not in known:
+        if op.kind not in known and not is_layout(op):
             key = (op.targets or op.sources)[0]
             raise PlanError(
                 f"{join_key(key, sep)!r}: the plan's step `{op.describe(sep)}` is a {op.kind!r} op, "
-                f"which the {executor} does not run (it runs {', '.join(sorted(known))}); ckptshim "
-                f"will not load without that step.{' ' + hint if hint else ''}")
+                f"which the {executor} does not run (it runs every layout kind and "
+                f"{', '.join(sorted(known))}); ckptshim will not load without that step."
+                f"{' ' + hint if hint else ''}")
 
 
 class _Defaults:
@@ -90,6 +145,30 @@ class _Defaults:
     __slots__ = ()
     produces: ClassVar[bool] = True
     summary_by_example: ClassVar[bool] = False
+    layout: ClassVar[bool] = False
+
+
+class _Moves:
+    """A layout op: it runs through :meth:`pieces` alone (see :mod:`ckptshim.geometry`)."""
+
+    __slots__ = ()
+    layout: ClassVar[bool] = True
+
+
+@lru_cache(maxsize=64)
+def _identity(rank: int) -> tuple[int, ...]:
+    return tuple(range(rank))
+
+
+@lru_cache(maxsize=4096)
+def _same(source_shape: tuple[int, ...], target_shape: tuple[int, ...]) -> Piece:
+    """The whole target is the whole source as it is (a rename's one piece)."""
+    return Piece(whole(0, source_shape), whole(0, target_shape), _identity(len(source_shape)))
+
+
+def _inverted(inverse: LayoutOp, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+    """An op's pieces as its ``inverse``'s, read the other way."""
+    return tuple(piece.inverse() for piece in inverse.pieces(target_shapes, source_shapes))
 
 
 class _FromSource:
@@ -128,7 +207,7 @@ class _OneAxis:
 
 
 @dataclass(frozen=True, slots=True, init=False)
-class Rename(_Defaults, _FromSource, _IntoTarget):
+class Rename(_Moves, _Defaults, _FromSource, _IntoTarget):
     """The target array is the source array under another name (identity when both agree)."""
 
     kind: ClassVar[str] = "rename"
@@ -143,6 +222,9 @@ class Rename(_Defaults, _FromSource, _IntoTarget):
         # frozen __init__ pays (object.__setattr__ looks each slot up by name); as in Entry.
         _set_source(self, source)
         _set_target(self, target)
+
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        return (_same(source_shapes[0], target_shapes[0]),)
 
     def inverse(self) -> Rename:
         return Rename(self.target, self.source)
@@ -176,7 +258,7 @@ def renames(sources: Sequence[KeyPath], targets: Sequence[KeyPath]) -> list[Rena
 
 
 @dataclass(frozen=True, slots=True)
-class Stack(_Defaults, _IntoTarget, _OneAxis):
+class Stack(_Moves, _Defaults, _IntoTarget, _OneAxis):
     """Per-layer sources (in layer order) become one target stacked along ``axis``: the one-axis
     :class:`Join` without a permutation."""
 
@@ -185,6 +267,11 @@ class Stack(_Defaults, _IntoTarget, _OneAxis):
     sources: tuple[KeyPath, ...]
     target: KeyPath
     axis: int
+
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        """Source ``i`` is the target at index ``i`` of ``axis``."""
+        return tuple(Piece(whole(i, shape), at(0, target_shapes[0], {self.axis: i}), _identity(len(shape)))
+                     for i, shape in enumerate(source_shapes))
 
     def inverse(self) -> Unstack:
         return Unstack(self.target, self.sources, self.axis)
@@ -200,7 +287,7 @@ class Stack(_Defaults, _IntoTarget, _OneAxis):
 
 
 @dataclass(frozen=True, slots=True)
-class Unstack(_Defaults, _FromSource, _OneAxis):
+class Unstack(_Moves, _Defaults, _FromSource, _OneAxis):
     """One source stacked along ``axis`` becomes per-layer targets (in layer order): the one-axis
     :class:`Split` without a permutation."""
 
@@ -209,6 +296,9 @@ class Unstack(_Defaults, _FromSource, _OneAxis):
     source: KeyPath
     targets: tuple[KeyPath, ...]
     axis: int
+
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        return _inverted(self.inverse(), source_shapes, target_shapes)
 
     def inverse(self) -> Stack:
         return Stack(self.targets, self.source, self.axis)
@@ -345,14 +435,6 @@ class Cast(_Defaults, _IntoTarget):
         return f"{self.source_dtype} -> {self.target_dtype}"
 
 
-def inverse_perm(perm: Sequence[int]) -> tuple[int, ...]:
-    """The permutation that undoes ``perm`` (its argsort)."""
-    out = [0] * len(perm)
-    for position, axis in enumerate(perm):
-        out[axis] = position
-    return tuple(out)
-
-
 def _check_perm(perm: tuple[int, ...]) -> None:
     if sorted(perm) != list(range(len(perm))):
         raise ValueError(f"{perm} is not a permutation of the axes 0..{len(perm) - 1}")
@@ -373,7 +455,7 @@ def _layout_text(axes: tuple[int, ...], perm: tuple[int, ...]) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class Transpose(_Defaults, _FromSource, _IntoTarget):
+class Transpose(_Moves, _Defaults, _FromSource, _IntoTarget):
     """The target is the source with its axes permuted: ``target = source.transpose(perm)``.
 
     Target axis ``i`` is source axis ``perm[i]``. Moving a stacked layer axis (PaxML keeps layers
@@ -389,6 +471,9 @@ class Transpose(_Defaults, _FromSource, _IntoTarget):
     def __post_init__(self) -> None:
         _check_perm(self.perm)
 
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        return (Piece(whole(0, source_shapes[0]), whole(0, target_shapes[0]), self.perm),)
+
     def inverse(self) -> Transpose:
         return Transpose(self.target, self.source, inverse_perm(self.perm))
 
@@ -403,7 +488,7 @@ class Transpose(_Defaults, _FromSource, _IntoTarget):
 
 
 @dataclass(frozen=True, slots=True)
-class Split(_Defaults, _FromSource):
+class Split(_Moves, _Defaults, _FromSource):
     """One source cut at every index of ``axes`` into targets, each then transposed by ``perm``.
 
     Targets are in row-major order of the indices along ``axes`` (ascending): with ``axes``
@@ -424,6 +509,9 @@ class Split(_Defaults, _FromSource):
         _check_axes(self.axes)
         _check_perm(self.perm)
 
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        return _inverted(self.inverse(), source_shapes, target_shapes)
+
     def inverse(self) -> Join:
         return Join(self.targets, self.source, self.axes, inverse_perm(self.perm))
 
@@ -438,7 +526,7 @@ class Split(_Defaults, _FromSource):
 
 
 @dataclass(frozen=True, slots=True)
-class Join(_Defaults, _IntoTarget):
+class Join(_Moves, _Defaults, _IntoTarget):
     """Sources, each transposed by ``perm``, fill ``target`` at every index of ``axes``.
 
     ``target[index_k] = sources[k].transpose(perm)``, the indices in row-major order as in
@@ -455,6 +543,13 @@ class Join(_Defaults, _IntoTarget):
     def __post_init__(self) -> None:
         _check_axes(self.axes)
         _check_perm(self.perm)
+
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        """Source ``k`` is the target at the ``k``-th index of ``axes`` (row-major), its axes permuted."""
+        target = target_shapes[0]
+        sizes = [target[axis] for axis in self.axes] if max(self.axes) < len(target) else [0] * len(self.axes)
+        return tuple(Piece(whole(k, shape), at(0, target, dict(zip(self.axes, unravel(k, sizes)))), self.perm)
+                     for k, shape in enumerate(source_shapes))
 
     def inverse(self) -> Split:
         return Split(self.target, self.sources, self.axes, inverse_perm(self.perm))
@@ -495,22 +590,6 @@ class _Parts:
         part, member = divmod(index, count // len(self.sizes))
         return (None if self.stack_axis is None else member), sum(self.sizes[:part]), self.sizes[part]
 
-    def slot_shape(self, fused: tuple[int, ...], index: int, count: int) -> tuple[int, ...]:
-        """The shape the ``index``-th of ``count`` arrays has when the fused one has ``fused``."""
-        shape = list(fused)
-        shape[self.axis] = self.slot(index, count)[2]
-        if self.stack_axis is not None:
-            del shape[self.stack_axis]
-        return tuple(shape)
-
-    def fits(self, fused: tuple[int, ...], shapes: Sequence[tuple[int, ...]]) -> bool:
-        """Whether arrays of ``shapes`` fill a fused array of shape ``fused`` exactly, each its slot."""
-        count = len(shapes)
-        return (max(self.axis, -1 if self.stack_axis is None else self.stack_axis) < len(fused)
-                and fused[self.axis] == sum(self.sizes)
-                and (self.stack_axis is None or fused[self.stack_axis] == count // len(self.sizes))
-                and all(shape == self.slot_shape(fused, index, count) for index, shape in enumerate(shapes)))
-
     def parts_text(self, keys: Sequence[KeyPath], sep: str) -> str:
         """The many keys, part by part (each part's run of stacked keys compressed to a range)."""
         per_part = len(keys) // len(self.sizes)
@@ -522,7 +601,7 @@ class _Parts:
 
 
 @dataclass(frozen=True, slots=True)
-class Concat(_Defaults, _IntoTarget, _Parts):
+class Concat(_Moves, _Defaults, _IntoTarget, _Parts):
     """Sources side by side along ``axis`` fill ``target``: ``target = cat(parts, axis)``.
 
     ``sizes`` are the parts' extents along ``axis`` (so the op alone knows its inverse). With
@@ -542,6 +621,17 @@ class Concat(_Defaults, _IntoTarget, _Parts):
     def __post_init__(self) -> None:
         self._check_parts(len(self.sources))
 
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        """Each source is its slot of the target: a range of ``axis``, one index of ``stack_axis``."""
+        count, out = len(source_shapes), []
+        for k, shape in enumerate(source_shapes):
+            member, start, size = self.slot(k, count)
+            place: dict[int, int | range] = {self.axis: range(start, start + size)}
+            if member is not None:
+                place[self.stack_axis] = member
+            out.append(Piece(whole(k, shape), at(0, target_shapes[0], place), _identity(len(shape))))
+        return tuple(out)
+
     def inverse(self) -> Chunk:
         return Chunk(self.target, self.sources, self.axis, self.sizes, self.stack_axis)
 
@@ -553,7 +643,7 @@ class Concat(_Defaults, _IntoTarget, _Parts):
 
 
 @dataclass(frozen=True, slots=True)
-class Chunk(_Defaults, _FromSource, _Parts):
+class Chunk(_Moves, _Defaults, _FromSource, _Parts):
     """One source cut along ``axis`` into parts of ``sizes``, each part one target (or, with
     ``stack_axis``, unstacked along it into a run of targets): the inverse of :class:`Concat`,
     transformers' ``Chunk``/``Split`` (a fused ``qkv`` into ``q``, ``k``, ``v``) and the way back
@@ -570,6 +660,9 @@ class Chunk(_Defaults, _FromSource, _Parts):
     def __post_init__(self) -> None:
         self._check_parts(len(self.targets))
 
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        return _inverted(self.inverse(), source_shapes, target_shapes)
+
     def inverse(self) -> Concat:
         return Concat(self.targets, self.source, self.axis, self.sizes, self.stack_axis)
 
@@ -581,7 +674,7 @@ class Chunk(_Defaults, _FromSource, _Parts):
 
 
 @dataclass(frozen=True, slots=True)
-class Reorder(_Defaults, _FromSource, _IntoTarget):
+class Reorder(_Moves, _Defaults, _FromSource, _IntoTarget):
     """The target is the source with the indices along ``axis`` permuted.
 
     ``axis`` is read as the row-major ``factors`` (their product is its length) and those are
@@ -609,6 +702,15 @@ class Reorder(_Defaults, _FromSource, _IntoTarget):
         """The factors of ``axis`` in the target's order."""
         return tuple(self.factors[o] for o in self.order)
 
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        """Both sides with ``axis`` split into their factors; the factors permuted by ``order``."""
+        source, target, axis = source_shapes[0], target_shapes[0], self.axis
+        factored = (source[:axis] + self.factors + source[axis + 1:],
+                    target[:axis] + self.target_factors + target[axis + 1:])
+        perm = tuple(range(axis)) + tuple(axis + o for o in self.order) + tuple(
+            range(axis + len(self.order), len(factored[0])))
+        return (Piece(whole(0, factored[0]), whole(0, factored[1]), perm),)
+
     def inverse(self) -> Reorder:
         return Reorder(self.target, self.source, self.axis, self.target_factors, inverse_perm(self.order))
 
@@ -620,6 +722,124 @@ class Reorder(_Defaults, _FromSource, _IntoTarget):
 
     def note(self, sep: str = ".") -> str:
         return f"axis {self.axis} as {'x'.join(map(str, self.factors))}, {_perm_text(self.order)}"
+
+
+class _Gathers(_Defaults, _IntoTarget):
+    """Several sources made into one target, said ``a, b -> <word> -> t``."""
+
+    __slots__ = ()
+    word: ClassVar[str]
+    counted: ClassVar[str]
+
+    def describe(self, sep: str = ".") -> str:
+        return f"{keys_text(self.sources, sep)} -> {self.word} -> {join_key(self.target, sep)}"
+
+    def tally(self) -> tuple[str, int]:
+        return self.counted, len(self.sources)
+
+
+class _Spreads(_Defaults, _FromSource):
+    """One source made into several targets, said ``s -> <word> -> a, b``."""
+
+    __slots__ = ()
+    word: ClassVar[str]
+    counted: ClassVar[str]
+
+    def describe(self, sep: str = ".") -> str:
+        return f"{join_key(self.source, sep)} -> {self.word} -> {keys_text(self.targets, sep)}"
+
+    def tally(self) -> tuple[str, int]:
+        return self.counted, len(self.targets)
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate(_Moves, _Spreads):
+    """Every target is a copy of the one source: a tensor each tensor-parallel rank holds whole
+    (a layer norm), given to every rank."""
+
+    kind: ClassVar[str] = "replicate"
+    word: ClassVar[str] = "replicate"
+    counted: ClassVar[str] = "replicated"
+
+    source: KeyPath
+    targets: tuple[KeyPath, ...]
+
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        whole_source = whole(0, source_shapes[0])
+        return tuple(Piece(whole_source, whole(k, shape), _identity(len(shape))) for k, shape in enumerate(target_shapes))
+
+    def inverse(self) -> Replicated:
+        return Replicated(self.targets, self.source)
+
+    def note(self, sep: str = ".") -> str:
+        return f"{len(self.targets)} copies"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicated(_Gathers):
+    """The sources are copies of one value (one per tensor-parallel rank); the target is that
+    value, once every copy is checked to hold the same bits as the first.
+
+    Not a layout op: its executor reads every copy and refuses copies that differ (shards from
+    different runs or steps), where taking the first would load one rank's value silently.
+    """
+
+    kind: ClassVar[str] = "replicated"
+    word: ClassVar[str] = "one of the equal copies"
+    counted: ClassVar[str] = "deduplicated"
+
+    sources: tuple[KeyPath, ...]
+    target: KeyPath
+
+    def inverse(self) -> Replicate:
+        return Replicate(self.target, self.sources)
+
+    def note(self, sep: str = ".") -> str:
+        return "checked equal"
+
+
+@dataclass(frozen=True, slots=True)
+class Sum(_Gathers):
+    """The target is the sum of its sources, added one by one in the target's precision
+    (bfloat16 through float32, rounded to nearest even after each add, as torch rounds).
+
+    GPT-NeoX's row-parallel output biases: with the parallel residual each tensor-parallel rank
+    adds its own before the all-reduce, so the whole bias is their sum (NeoX's converter sums
+    them). The inverse, :class:`Share`, gives each rank an equal part, as NeoX's splitter does:
+    exact for a power-of-two count, but not the original per-rank biases.
+    """
+
+    kind: ClassVar[str] = "sum"
+    word: ClassVar[str] = "sum"
+    counted: ClassVar[str] = "summed"
+
+    sources: tuple[KeyPath, ...]
+    target: KeyPath
+
+    def inverse(self) -> Share:
+        return Share(self.target, self.sources)
+
+    def note(self, sep: str = ".") -> str:
+        return f"{len(self.sources)} terms"
+
+
+@dataclass(frozen=True, slots=True)
+class Share(_Spreads):
+    """Every target is the source divided by the number of targets, in its precision (rounded
+    as :class:`Sum` rounds): the inverse of a :class:`Sum`."""
+
+    kind: ClassVar[str] = "share"
+    word: ClassVar[str] = "share"
+    counted: ClassVar[str] = "shared"
+
+    source: KeyPath
+    targets: tuple[KeyPath, ...]
+
+    def inverse(self) -> Sum:
+        return Sum(self.targets, self.source)
+
+    def note(self, sep: str = ".") -> str:
+        return f"1/{len(self.targets)} each"
 
 
 @dataclass(frozen=True, slots=True)
@@ -650,27 +870,12 @@ class Tie(_Defaults, _IntoTarget):
         return f"{join_key(self.target, sep)} = {join_key(self.twin, sep)}"
 
 
-def axis_groups(factors: Sequence[int], shape: Sequence[int]) -> list[range] | None:
-    """Which consecutive ``factors`` make up each axis of ``shape`` (row-major), or ``None`` when
-    they do not split it so. An axis of length 1 takes one factor of 1."""
-    groups, at = [], 0
-    for size in shape:
-        start, product = at, 1
-        while at < len(factors) and (product < size or (size == 1 and at == start and factors[at] == 1)):
-            product *= factors[at]
-            at += 1
-        if product != size:
-            return None
-        groups.append(range(start, at))
-    return groups if at == len(factors) else None
-
-
 def _shape_text(shape: Sequence[int]) -> str:
     return "x".join(map(str, shape)) or "scalar"
 
 
 @dataclass(frozen=True, slots=True)
-class Reshape(_Defaults):
+class Reshape(_Moves, _Defaults):
     """Arrays regrouped: ``target = source.reshape(factors).transpose(perm).reshape(shape)``.
 
     ``source`` is the one source array, or the several sources stacked on a new leading axis
@@ -715,9 +920,39 @@ class Reshape(_Defaults):
         """The factors in the target's order."""
         return tuple(self.factors[p] for p in self.perm)
 
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        """One piece from the sources' factors to the targets'; several sources (targets) are
+        one index each of the leading factor their stacked shape has."""
+        if len(self.targets) > 1:
+            return _inverted(self.inverse(), source_shapes, target_shapes)
+        target = self.target_factors
+        if len(self.sources) == 1:
+            return (Piece(whole(0, self.factors), whole(0, target), self.perm),)
+        count_at = self.perm.index(0)  # where the sources' count lands among the target's factors
+        perm = tuple(p - 1 for p in self.perm if p != 0)
+        return tuple(Piece(whole(i, self.factors[1:]), at(0, target, {count_at: i}), perm)
+                     for i in range(len(self.sources)))
+
     def inverse(self) -> Reshape:
         return Reshape(self.targets, self.sources, self.shape, self.target_factors, inverse_perm(self.perm),
                        self.source_shape)
+
+    def simplified(self) -> LayoutOp:
+        """The same op as the plainest kind that says it, so a plan reads as what it does: where
+        no axis is split or merged, a ``Rename`` or ``Transpose`` of one array, or a ``Stack``
+        of several that only gain an axis; else this ``Reshape``."""
+        sources, targets = len(self.sources), len(self.targets)
+        whole_axes = (self.factors == self.source_shape and self.target_factors == self.shape)
+        if not whole_axes or targets > 1:
+            return self
+        if sources == 1:
+            if self.perm == tuple(range(len(self.perm))):
+                return Rename(self.sources[0], self.targets[0])
+            return Transpose(self.sources[0], self.targets[0], self.perm)
+        axis = self.perm.index(0)
+        if tuple(p for p in self.perm if p != 0) == tuple(range(1, len(self.perm))):
+            return Stack(self.sources, self.targets[0], axis)
+        return self
 
     def describe(self, sep: str = ".") -> str:
         return f"{keys_text(self.sources, sep)} -> reshape({self.note()}) -> {keys_text(self.targets, sep)}"

@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ckptshim.storage",),
     ("ckptshim.planner",),
     ("ckptshim.rules",),
-    ("ckptshim.ops", "ckptshim.keytext"),
+    ("ckptshim.ops", "ckptshim.geometry", "ckptshim.keytext"),
     ("ckptshim.inventory",),
     ("ckptshim.errors", "ckptshim.config", "ckptshim.log", "ckptshim.progress", "ckptshim.extras"),
 )

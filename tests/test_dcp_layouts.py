@@ -31,7 +31,7 @@ from torch.futures import Future
 import ckptshim
 from ckptshim.execute.dcp_planner import FlatKeys, KeyMapping, RemappingLoadPlanner
 from ckptshim.inventory import Entry, Inventory, join_key
-from ckptshim.ops import Join
+from ckptshim.ops import Concat, Join
 from ckptshim.planner import Plan
 from support.markers import QUIET
 from test_plan_properties import execute, layout_plans, same_bits
@@ -142,11 +142,20 @@ def test_a_join_whose_permutation_is_not_its_own_inverse_reads_every_chunk():
     load_and_compare(p, {("part_0",): part}, {"part_0": [[], [1], [1]]})
 
 
+def test_a_part_one_index_wide_is_read():
+    """Found by the property above: a part of a fused axis one index wide (a source axis of
+    length 1 under a longer target axis) runs along no source axis; it was taken for the source
+    axis's innermost factor, which a factor of 1 is not, and planning failed."""
+    parts = {("a",): np.arange(2, dtype=np.float32).reshape(1, 2), ("b",): np.arange(4, dtype=np.float32).reshape(2, 2)}
+    p = Plan(Inventory([Entry(k, v.shape, "float32", None) for k, v in parts.items()], "source"),
+             Inventory([Entry(("w",), (3, 2), "float32", None)], "target"), (Concat((("a",), ("b",)), ("w",), 0, (1, 2)),))
+    load_and_compare(p, parts, {"a": [[], [1]], "b": [[1], []]})
+
+
 def test_a_fused_target_lists_each_source_chunk_at_its_offset():
     """The virtual metadata of Mixtral-style fused experts: each expert's w1 and w3 one slab at
     ``[e, part * I, 0]``, so DCP's resharding picks the experts a rank's rows hold."""
     from ckptshim.execute.dcp_planner import virtual_metadata
-    from ckptshim.ops import Concat
 
     experts, inner, hidden = 3, 2, 4
     sources = [("w1", e) for e in range(experts)] + [("w3", e) for e in range(experts)]

@@ -224,9 +224,8 @@ def test_tensor_parallel_1_to_2_to_1_is_bit_exact() -> None:
     for key, entry in checkpoint.inventory.items():
         index, name = int(key[1]), join_key(key[2:])
         shards = [states[r][index][name].numpy() for r in range(2)]
-        rule = neox.tp_rule(key[2:])
         assert shards[0].shape == tuple(ranks[0][index].state_dict()[name].shape)
-        merged = tensor_parallel.merge(shards, rule, entry.dtype, name)
+        merged = tensor_parallel.merge(key, shards, entry.dtype, name)
         assert merged.tobytes() == np.ascontiguousarray(checkpoint.read(entry)).tobytes(), name
 
 
@@ -237,7 +236,7 @@ def test_tensor_parallel_2_to_1_to_2_is_bit_exact() -> None:
     for key, entry in checkpoint.inventory.items():
         value = merged[int(key[1])][join_key(key[2:])].numpy()
         for rank in range(2):
-            shard = tensor_parallel.split(value, neox.tp_rule(key[2:]), rank, 2, entry.dtype, "")
+            shard = tensor_parallel.split(key, value, rank, 2, entry.dtype, "")
             assert shard.tobytes() == np.ascontiguousarray(checkpoint.read_shard(key, rank)).tobytes()
 
 
@@ -278,7 +277,7 @@ def test_missing_tensor_is_refused_before_any_write(tmp_path: Path) -> None:
 def test_uneven_tensor_parallel_split_is_refused() -> None:
     checkpoint = open_checkpoint(NEOX / "pp1_mp1" / "checkpoint")
     with pytest.raises(PlanError, match="do not split evenly"):
-        tensor_parallel.split(np.zeros((5, 3)), neox.TPRule("cat", 0), 0, 2, "float32", "x")
+        tensor_parallel.split(("sequential", "0", "word_embeddings", "weight"), np.zeros((5, 3)), 0, 2, "float32", "x")
     assert checkpoint.tp_degree == 1
 
 
@@ -292,10 +291,11 @@ def test_profile_matches_neox_converter_mapping() -> None:
         assert neox.to_neox(hf_key, aliases) == neox_key[:2] + tuple(
             {"linear1": "dense_h_to_4h", "linear2": "dense_4h_to_h"}.get(p, p) for p in neox_key[2:]) \
             or neox.to_neox(hf_key, aliases) == neox_key
-        rule = {"cat_dim0": neox.TPRule("cat", 0), "cat_dim1": neox.TPRule("cat", 1),
-                "sum_over_mp": neox.TPRule("sum"), "mean_over_mp": neox.TPRule("replicate")}.get(row["rule"])
+        rule = {"cat_dim0": ("concat", 0), "cat_dim1": ("concat", 1), "sum_over_mp": ("sum", None),
+                "mean_over_mp": ("replicated", None)}.get(row["rule"])
         if rule is not None:
-            assert neox.tp_rule(neox_key[2:]) == rule, row
+            merge, _ = neox.spread(neox_key).merge(neox.shard_keys(neox_key, 2), neox_key, (4, 4))
+            assert (merge.kind, getattr(merge, "axis", None)) == rule, row
 
 
 def test_real_deepspeed_load_state_dir(tmp_path: Path) -> None:
@@ -428,8 +428,8 @@ def test_real_deepspeed_load_state_dir_at_tensor_parallel_degree_2(tmp_path: Pat
                     expected = checkpoint.read_shard(key, rank)
                 else:
                     source_key = key if name != "hf" else _hf_key(key)
-                    expected = tensor_parallel.split(checkpoint.read(checkpoint.inventory[source_key]),
-                                                     neox.tp_rule(key[2:]), rank, 2, "float32", field)
+                    expected = tensor_parallel.split(key, checkpoint.read(checkpoint.inventory[source_key]),
+                                                     rank, 2, "float32", field)
                 assert loaded[field].tobytes() == np.ascontiguousarray(expected).tobytes(), (name, field)
 
 

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from ckptshim.errors import ShimError
 from ckptshim.inventory import Entry, Inventory, KeyPath
 from ckptshim.execute import blocks
-from ckptshim.ops import (Cast, Chunk, Concat, Drop, DropIfDerived, Join, Rename, Reorder, Split, Stack, Synthesize,
-                          Transpose, Unstack)
+from ckptshim.ops import (Cast, Chunk, Concat, Drop, DropIfDerived, Join, Rename, Reorder, Reshape, Split, Stack,
+                          Synthesize, Transpose, Unstack)
 from ckptshim.planner import Plan, explain, plan, summary
 from ckptshim.rules import DEFAULT_RULES, Rules, ScanAxis
 from support.plans import inverse
@@ -93,6 +93,11 @@ def execute(p: Plan, arrays: dict[KeyPath, np.ndarray]) -> dict[KeyPath, np.ndar
             axes = list(range(factored.ndim))
             axes[op.axis:op.axis + len(op.order)] = [op.axis + o for o in op.order]
             out[op.target] = np.transpose(factored, axes).reshape(shape).copy()
+        elif isinstance(op, Reshape):
+            stacked = np.stack([arrays[k] for k in op.sources]) if len(op.sources) > 1 else arrays[op.sources[0]]
+            whole = stacked.reshape(op.factors).transpose(op.perm).reshape(op.shape)
+            for index, key in enumerate(op.targets):
+                out[key] = (whole[index] if len(op.targets) > 1 else whole).copy()
         elif isinstance(op, Cast):
             assert op.target in out and op.target not in cast, op
             assert out[op.target].dtype.name == op.source_dtype, op
@@ -363,13 +368,13 @@ class NumpySource:
 
 @st.composite
 def layout_plans(draw) -> tuple[Plan, dict[KeyPath, np.ndarray]]:
-    """One random Transpose, Split, Chunk or Reorder (or their inverses: Transpose, Join, Concat,
-    Reorder), maybe with a widening cast of every target (the parts of one array share a dtype),
-    and the source arrays."""
+    """One random Transpose, Split, Chunk, Reorder or Reshape (or their inverses: Transpose, Join,
+    Concat, Reorder, Reshape), maybe with a widening cast of every target (the parts of one array
+    share a dtype), and the source arrays."""
     shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)))
     dtype = draw(st.sampled_from(["float32", "int16", "uint8"]))
     whole = _values(random.Random(draw(st.integers(0, 2**32 - 1))), shape, dtype)
-    kind = draw(st.sampled_from(["transpose", "split", "chunk", "reorder"]))
+    kind = draw(st.sampled_from(["transpose", "split", "chunk", "reorder", "reshape"]))
     if kind == "split" and len(shape) > 1:
         axes = tuple(sorted(draw(st.sets(st.integers(0, len(shape) - 1), min_size=1, max_size=len(shape) - 1))))
         perm = tuple(draw(st.permutations(range(len(shape) - len(axes)))))
@@ -388,6 +393,12 @@ def layout_plans(draw) -> tuple[Plan, dict[KeyPath, np.ndarray]]:
         op = Reorder(("w",), ("t",), axis, factors, tuple(draw(st.permutations(range(len(factors))))))
         parts = execute(Plan(Inventory([Entry(("w",), shape, dtype)], "s"), Inventory([], "t"), (op,)),
                         {("w",): whole})
+    elif kind == "reshape":
+        op = draw(reshapes())
+        shape = op.source_shape
+        whole = _values(random.Random(draw(st.integers(0, 2**32 - 1))), shape, dtype)
+        parts = execute(Plan(Inventory([Entry(("w",), shape, dtype)], "s"), Inventory([], "t"), (op,)),
+                        {("w",): whole})
     else:
         op = Transpose(("w",), ("t",), tuple(draw(st.permutations(range(len(shape))))))
         parts = {("t",): np.transpose(whole, op.perm)}
@@ -400,6 +411,34 @@ def layout_plans(draw) -> tuple[Plan, dict[KeyPath, np.ndarray]]:
         arrays = {k: v.astype(widen) if k in cast else v for k, v in parts.items()}
         return inverse(p), arrays
     return p, {("w",): whole}
+
+
+@st.composite
+def reshapes(draw) -> Reshape:
+    """A Reshape of one array: its axes split into random factors, the factors permuted and
+    grouped into the target's axes -- maybe the leading factor on its own, several targets."""
+    factors = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=5)))
+    perm = tuple(draw(st.permutations(range(len(factors)))))
+    several = len(factors) > 1 and factors[perm[0]] > 1 and draw(st.booleans())
+    source_shape = _grouped(factors, draw(st.lists(st.booleans(), min_size=len(factors), max_size=len(factors))))
+    moved = tuple(factors[p] for p in perm)
+    cuts = draw(st.lists(st.booleans(), min_size=len(factors), max_size=len(factors)))
+    if several:  # target k is [k] of the permuted factors: the leading one an axis of its own
+        cuts[1] = True
+    shape = _grouped(moved, cuts)
+    targets = tuple((f"part_{k}",) for k in range(shape[0])) if several else (("t",),)
+    return Reshape((("w",),), targets, source_shape, factors, perm, shape)
+
+
+def _grouped(factors: tuple[int, ...], cuts: list[bool]) -> tuple[int, ...]:
+    """``factors`` multiplied into axes, a new axis starting wherever ``cuts`` says (and at 0)."""
+    shape: list[int] = []
+    for factor, cut in zip(factors, cuts):
+        if cut or not shape:
+            shape.append(factor)
+        else:
+            shape[-1] *= factor
+    return tuple(shape)
 
 
 @st.composite

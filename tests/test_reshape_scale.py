@@ -20,7 +20,7 @@ import torch
 from ckptshim.errors import PlanError
 from ckptshim.execute import blocks
 from ckptshim.inventory import Entry, Inventory
-from ckptshim.ops import Rename, Reshape, Scale, axis_groups, float32, rsqrt_float32
+from ckptshim.ops import Rename, Reshape, Scale, axis_groups, float32, require_kinds, rsqrt_float32
 from ckptshim.planner import Plan, explain, summary
 
 L, H, D, E = 3, 4, 12, 8
@@ -144,8 +144,9 @@ def test_the_torch_executor_runs_a_reshape_through_views_both_ways():
 
 
 def test_the_torch_executor_and_the_dcp_planner_refuse_what_they_do_not_run():
-    """A ``Scale`` by the torch executor (its writes are copies, not arithmetic); a ``Reshape`` by
-    DCP's load planner (no read item maps a factored box yet): by name, before anything is read."""
+    """A ``Scale`` by the torch executor and by DCP's load planner (their writes are copies, not
+    arithmetic): by name, before anything is read. A ``Reshape`` is a layout op, which both run
+    through its geometry (DCP as the box maps of each stored chunk: ``test_dcp_layouts``)."""
     from ckptshim.execute.torch import prepare
 
     scale = Scale((("q0",),), (("query",),), 0.5, 2.0, "float32", "why")
@@ -155,7 +156,9 @@ def test_the_torch_executor_and_the_dcp_planner_refuse_what_they_do_not_run():
         prepare(plan, lambda key: torch.ones(4), {("query",): torch.zeros(4)})
     from ckptshim.execute.dcp_planner import VIRTUAL
 
-    assert Reshape.kind not in VIRTUAL and Scale.kind not in VIRTUAL
+    with pytest.raises(PlanError, match=re.escape(f"`{scale.describe('.')}` is a 'scale' op, which the DCP load")):
+        require_kinds([scale], VIRTUAL, "DCP load planner")
+    require_kinds([QUERY, QUERY.inverse()], VIRTUAL, "DCP load planner")  # layout ops: no refusal
 
 
 def test_a_safetensors_range_read_into_a_view_goes_through_bounded_buffers(tmp_path, monkeypatch):

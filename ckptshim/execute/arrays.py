@@ -1,13 +1,13 @@
 """The files executor: the arrays a plan produces from an open checkpoint, one at a time.
 
 What ``ckptshim convert`` writes has no framework destination, so each target array is built
-here in the checkpoint's storage dtype (bfloat16 as its uint16 bits), by one handler per op kind
-(:data:`HANDLERS`): a ``Rename`` is the source's own read (for memory-mapped formats a view, no
-copy); every layout kind -- stack, unstack, transpose, split, join, concat, chunk, reorder -- is
-filled by the block reads the JAX executor uses (:mod:`ckptshim.execute.blocks`), reading
-exactly the source ranges the array needs into one new buffer, then multiplied where the plan
-``Scale``\\ s it (``ckptshim convert`` of MaxText params back to Hugging Face multiplies the
-query by ``float32(sqrt(head_dim))``, as MaxText's own way back does). ``Synthesize``\\ d targets are
+here in the checkpoint's storage dtype (bfloat16 as its uint16 bits). A target that is its
+source as it is (a rename: one piece, the identity) is the source's own read (for
+memory-mapped formats a view, no copy); every other target of a layout op is filled by the
+block reads the JAX executor uses (:mod:`ckptshim.execute.blocks`), reading exactly the source
+ranges the array needs into one new buffer, then multiplied where the plan ``Scale``\\ s it
+(``ckptshim convert`` of MaxText params back to Hugging Face multiplies the query by
+``float32(sqrt(head_dim))``, as MaxText's own way back does). ``Synthesize``\\ d targets are
 not written (the checkpoint does not hold them) and ``Drop``\\ ped sources not read -- nor
 ``DropIfDerived`` ones: convert writes only the arrays the target layout names, so a source it
 does not name is left unread whether or not its value is the derived one, as an unexpected one
@@ -16,15 +16,14 @@ is. Any other kind (a ``Cast``: convert copies bytes exactly) is refused before 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ckptshim.execute import blocks
 from ckptshim.formats.base import Checkpoint, numpy_dtype, storage_dtype
-from ckptshim.inventory import Entry
-from ckptshim.ops import Drop, DropIfDerived, Op, Rename, Scale, Synthesize, require_kinds
+from ckptshim.inventory import Entry, KeyPath
+from ckptshim.ops import Drop, DropIfDerived, LayoutOp, Scale, Synthesize, require_kinds
 from ckptshim.planner import Plan
 
 
@@ -44,8 +43,7 @@ class PlannedArrays:
         if self.plan is None:
             self.entries = list(self.source.inventory.values())
             return
-        require_kinds(self.plan.ops, HANDLERS.keys() | {Synthesize.kind, Drop.kind, DropIfDerived.kind, Scale.kind},
-                      "array executor", sep=self.sep)
+        require_kinds(self.plan.ops, KINDS, "array executor", sep=self.sep)
         self._scales = blocks.scales(self.plan)
         self.entries = [entry for entry in self.plan.target.values()
                         if self.plan.producer(entry.key).kind != Synthesize.kind]
@@ -59,21 +57,23 @@ class PlannedArrays:
         if self.plan is None:
             return self.source.read(entry)
         producer = self.plan.producer(entry.key)
-        return HANDLERS[producer.kind](self, producer, entry)
-
-    def _read_source(self, op: Rename, entry: Entry) -> np.ndarray:
-        if entry.key in self._scales:
-            return self._read_blocks(op, entry)
-        return self.source.read(self.plan.source[op.source])
-
-    def _read_blocks(self, op: Op, entry: Entry) -> np.ndarray:
-        fill = blocks.filler(self.source, self.plan, op, entry.key, entry.shape, numpy_dtype(entry.dtype), self.sep,
-                             self._scales.get(entry.key))
+        if entry.key not in self._scales:
+            source = self._as_stored(producer, entry.key)
+            if source is not None:
+                return self.source.read(source)
+        fill = blocks.filler(self.source, self.plan, producer, entry.key, entry.shape, numpy_dtype(entry.dtype),
+                             self.sep, self._scales.get(entry.key))
         return fill(blocks.whole(entry.shape)).view(storage_dtype(entry.dtype))
 
+    def _as_stored(self, op: LayoutOp, key: KeyPath) -> Entry | None:
+        """The source entry target ``key`` is as it is stored (its op's one piece of it is the
+        identity: a rename), else ``None``."""
+        pieces = blocks.target_pieces(self.plan, op, key)
+        if len(pieces) != 1:
+            return None
+        source = self.plan.source[op.sources[pieces[0].source.array]]
+        return source if pieces[0].is_identity(source.shape, self.plan.target[key].shape) else None
 
-#: Op kind -> how a target it produces is read.
-HANDLERS: Mapping[str, Callable[[PlannedArrays, Op, Entry], np.ndarray]] = {
-    Rename.kind: PlannedArrays._read_source,
-    **{kind: PlannedArrays._read_blocks for kind in blocks.READS if kind != Rename.kind},
-}
+
+#: The kinds this executor runs besides the layout kinds (each through :mod:`~ckptshim.execute.blocks`).
+KINDS = frozenset({Synthesize.kind, Drop.kind, DropIfDerived.kind, Scale.kind})

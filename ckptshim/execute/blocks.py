@@ -1,22 +1,20 @@
 """Block reads: fill any index range of a planned array from exactly the checkpoint bytes it needs.
 
 This is the array executor behind both the JAX executor (each device's shard is one block) and
-``ckptshim convert`` (an output array is one block). For a target block it lists the reads that
-fill it -- for a ``Rename`` (``Transpose``) the same range of the source (the range the
-permutation maps it to); for an ``Unstack`` (``Split``) the range at one layer (one index of the
-split axes) of the stacked source; for a ``Stack`` (``Join``) the matching range of each
-per-layer source that falls in the block; for a ``Concat`` the part of each source whose slot
-of the fused array falls in the block; for a ``Chunk`` the range of its part of the fused
-source; for a ``Reorder`` each run of rows whose source rows are consecutive; for a ``Reshape``
-each box of the block in the factored coordinates, one read per source array -- and hands each
-to the checkpoint's ``read_into(entry, index, out)``, which copies ``entry[index]`` into ``out``
-(cast to its dtype). A ``Reshape`` read indexes the source in its factors (``[heads, half,
-head_dim / 2, emb]`` for ``[heads * head_dim, emb]``): a checkpoint that stores each array as
-one row-major run (``row_major``: safetensors) reads that shape of the same bytes as it is;
-any other reads the needed range of the unsplit axes (the whole of each split one) and copies
-the box out of it. A ``Scale`` of the target then multiplies the filled block, as its op says.
-Where a permutation is involved, ``out`` is a transposed *view* of the block's buffer, so every
-element lands straight in its final place: no full source array, no second copy of the block.
+``ckptshim convert`` (an output array is one block). It runs every layout op through its
+geometry (:mod:`ckptshim.geometry`), whatever its kind: the block is cut into boxes in the
+target's factors, and the part of each box that one of the op's pieces holds is one read of
+the source box the piece maps it to -- the same range of a renamed source, one layer of a
+stacked one, the slot of a fused one, one run of a reordered axis, one box per source array of
+a reshape -- handed to the checkpoint's ``read_into(entry, index, out)``, which copies
+``entry[index]`` into ``out`` (cast to its dtype). A source the piece splits into factors
+(``[heads, half, head_dim / 2, emb]`` for ``[heads * head_dim, emb]``) is indexed in them: a
+checkpoint that stores each array as one row-major run (``row_major``: safetensors) reads that
+shape of the same bytes as it is; any other reads the rows the box spans of each split axis
+(the index range of every other) and copies the box out of them. A ``Scale`` of the target
+then multiplies the filled block, as its op says. ``out`` is a view of the block's buffer in
+the source's factor order (transposed where the piece permutes), so every element lands
+straight in its final place: no full source array, no second copy of the block.
 
 Reads go into a 64-byte aligned buffer (which JAX's CPU backend adopts without a copy); at most
 :data:`IN_FLIGHT_BYTES` of reads are pending at once, bounding the transient memory of formats
@@ -27,8 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
-from itertools import product
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -36,8 +33,8 @@ import numpy as np
 from ckptshim.errors import CorruptCheckpointError, ShimError
 from ckptshim.inventory import Entry, KeyPath, join_key
 from ckptshim.formats.base import numpy_dtype
-from ckptshim.ops import (Chunk, Concat, Join, Op, Rename, Reorder, Reshape, Scale, Split, Stack, Transpose, Unstack,
-                          axis_groups, inverse_perm)
+from ckptshim.geometry import Piece, axis_groups, factor_boxes, inverse_perm, meet
+from ckptshim.ops import LayoutOp, Scale, pieces_by_target
 from ckptshim.planner import Plan
 
 _ALIGN = 64  # XLA's CPU client adopts host buffers aligned to this without copying them
@@ -71,12 +68,11 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def filler(source: SliceSource, plan: Plan, producer: Op, key: KeyPath, shape: tuple[int, ...],
+def filler(source: SliceSource, plan: Plan, producer: LayoutOp, key: KeyPath, shape: tuple[int, ...],
            dtype: np.dtype, sep: str = "/", scale: Scale | None = None) -> Fill:
-    """A function from an index range of target ``key`` (made by ``producer``, then multiplied by
-    ``scale``) to a freshly read ``dtype`` buffer holding it. ``producer``'s kind must be one of
-    :data:`READS`."""
-    reads = READS[producer.kind](plan, producer, key, shape)
+    """A function from an index range of target ``key`` (made by ``producer``, a layout op, then
+    multiplied by ``scale``) to a freshly read ``dtype`` buffer holding it."""
+    reads = _reads(plan, producer, key, shape)
     row_major = getattr(source, "row_major", False)
 
     def fill(index: tuple) -> np.ndarray:
@@ -120,22 +116,21 @@ def apply_scale(op: Scale, out: np.ndarray) -> None:
 def _read_box(source: SliceSource, stored: Entry, factors: tuple[int, ...], index: tuple, out: np.ndarray,
               sep: str) -> None:
     """``stored`` read as ``factors``, ``[index]`` into ``out``, for a format that cannot read a
-    factored shape itself: the index range of each unsplit axis, the whole of each split one."""
-    groups = axis_groups(factors, stored.shape)
-    covering, inner = [], []
-    for group in groups:
-        if len(group) == 1:
-            part = index[group[0]]
-            covering.append(part)
-            inner.append(slice(0, part.stop - part.start))
-        else:
-            covering.append(slice(None))
-            inner += [index[f] for f in group]
-    region = aligned_empty(tuple(len(range(*c.indices(n))) for c, n in zip(covering, stored.shape)), out.dtype)
+    factored shape itself: of each axis split into factors, the rows from the first to the last
+    index of its outermost factor (all of its inner ones); of every other axis, the index range."""
+    covering, inner, factored = [], [], []
+    for group in axis_groups(factors, stored.shape):
+        outer = index[group[0]]
+        low, high = (outer, outer + 1) if isinstance(outer, int) else (outer.start, outer.stop)
+        rows = math.prod(factors[f] for f in group[1:])
+        covering.append(slice(low * rows, high * rows))
+        inner.append(0 if isinstance(outer, int) else slice(0, high - low))
+        inner += [index[f] for f in group[1:]]
+        factored += [high - low] + [factors[f] for f in group[1:]]
+    region = aligned_empty(tuple(c.stop - c.start for c in covering), out.dtype)
     pending = source.read_into(stored, tuple(covering), region)
     if pending is not None:
         _wait(pending, source, stored, sep)
-    factored = [region.shape[g[0]] if len(g) == 1 else factors[f] for g in groups for f in g]
     np.copyto(out, region.reshape(factored)[tuple(inner)])
 
 
@@ -144,134 +139,68 @@ def whole(shape: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(0, n) for n in shape)
 
 
-# -- the reads of each op kind -------------------------------------------------------------------
+# -- the reads of a layout op's target ----------------------------------------------------------
 
 
-def _moved(plan: Plan, op: Rename | Transpose, key: KeyPath, shape: tuple[int, ...]) -> Reads:
-    """``target = source.transpose(perm)`` (a plain rename has no ``perm``)."""
-    entry, perm = plan.source[op.source], getattr(op, "perm", None)
+def _reads(plan: Plan, op: LayoutOp, key: KeyPath, shape: tuple[int, ...]) -> Reads:
+    """The reads that fill a block of target ``key`` of ``op``, from the op's pieces.
 
-    def reads(index, out):
-        return [(entry, _source_order(index, perm), _source_view(out, perm))]
-    return reads
-
-
-def _split(plan: Plan, op: Unstack | Split, key: KeyPath, shape: tuple[int, ...]) -> Reads:
-    """``target = source[at along axes].transpose(perm)``, ``at`` being ``key``'s place."""
-    entry = plan.source[op.source]
-    at = tuple(map(int, np.unravel_index(op.targets.index(key), [entry.shape[a] for a in op.axes])))
-
-    def reads(index, out):
-        full = list(_source_order(index, op.perm))
-        for axis, i in zip(op.axes, at):  # ascending axes: each insert lands at its full position
-            full.insert(axis, i)
-        return [(entry, tuple(full), _source_view(out, op.perm))]
-    return reads
-
-
-def _join(plan: Plan, op: Stack | Join, key: KeyPath, shape: tuple[int, ...]) -> Reads:
-    """``target[index_k] = sources[k].transpose(perm)``: each source whose index falls in the
-    block fills its place there."""
+    The block is cut into boxes in the target's factors (:func:`~ckptshim.geometry.factor_boxes`);
+    the part of each box a piece holds is read from the source box the piece maps it to, into
+    the block's buffer seen as the box's factors, in the source's factor order (a view, so every
+    element lands in its place). A source split into factors is read as an entry of that shape
+    (the same row-major bytes; see :func:`filler`).
+    """
     entries = [plan.source[k] for k in op.sources]
-    sizes = [shape[a] for a in op.axes]
+    pieces = target_pieces(plan, op, key)
+    if len(pieces) == 1 and pieces[0].is_identity(entries[pieces[0].source.array].shape, shape):
+        entry = entries[pieces[0].source.array]  # the source as it is (a rename): the block's own range of it
+        return lambda index, out: [(entry, index, out)]
+    factored = [(piece, _factored(entries[piece.source.array], piece.source.factors), inverse_perm(piece.perm),
+                 piece.target.bounds(shape), piece.target.factors != shape) for piece in pieces]
 
     def reads(index, out):
-        spans = [range(*index[a].indices(shape[a])[:2]) for a in op.axes]
-        inner = _source_order(tuple(part for a, part in enumerate(index) if a not in op.axes), op.perm)
+        block = tuple(range(*part.indices(size)[:2]) for part, size in zip(index, shape))
         found = []
-        for at in product(*spans):
-            place = list((slice(None),) * len(shape))
-            for axis, i, span in zip(op.axes, at, spans):
-                place[axis] = i - span.start
-            found.append((entries[int(np.ravel_multi_index(at, sizes))], inner,
-                          _source_view(out[tuple(place)], op.perm)))
-        return found
-    return reads
-
-
-def _concat(plan: Plan, op: Concat, key: KeyPath, shape: tuple[int, ...]) -> Reads:
-    """``target = cat(parts, axis)``: each source whose slot overlaps the block fills the overlap."""
-    count = len(op.sources)
-    slots = [(plan.source[source], *op.slot(k, count)) for k, source in enumerate(op.sources)]
-
-    def reads(index, out):
-        index = _concrete(index, shape)
-        found = []
-        for entry, member, start, size in slots:
-            if member is not None and not index[op.stack_axis].start <= member < index[op.stack_axis].stop:
+        for piece, entry, back, bounds, split in factored:
+            if any(part.stop <= held.start or held.stop <= part.start for part, held in zip(block, bounds)):
+                continue  # the piece lies outside the block (another device's layer or part)
+            if not split:  # the block is one box of the target's own axes
+                held = meet(block, piece.target.index)
+                if held is None:  # an empty block
+                    continue
+                view = out[_relative(held, block)]
+                found.append((entry, _numpy_index(piece.source_index(held)),
+                              view if piece.ordered else view.transpose(back)))
                 continue
-            low, high = max(index[op.axis].start, start), min(index[op.axis].stop, start + size)
-            if low >= high:
-                continue
-            place = list(slice(0, part.stop - part.start) for part in index)
-            place[op.axis] = slice(low - index[op.axis].start, high - index[op.axis].start)
-            inner = list(index)
-            inner[op.axis] = slice(low - start, high - start)
-            if member is not None:
-                place[op.stack_axis] = member - index[op.stack_axis].start
-                del inner[op.stack_axis]
-            found.append((entry, tuple(inner), out[tuple(place)]))
+            for parts, factor_parts in factor_boxes(block, shape, piece.target.factors):
+                held = meet(factor_parts, piece.target.index)
+                if held is None:
+                    continue
+                place = tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(parts, block))
+                view = _split_view(out[place + (Ellipsis,)], [len(p) for p in factor_parts])
+                view = view[_relative(held, factor_parts)].transpose(back)
+                found.append((entry, _numpy_index(piece.source_index(held)), view))
         return found
     return reads
 
 
-def _chunk(plan: Plan, op: Chunk, key: KeyPath, shape: tuple[int, ...]) -> Reads:
-    """``target = source[its part]``: the block's range, moved to the part's place in the source."""
-    entry = plan.source[op.source]
-    member, start, _ = op.slot(op.targets.index(key), len(op.targets))
-
-    def reads(index, out):
-        full = list(_concrete(index, shape))
-        if member is not None:
-            full.insert(op.stack_axis, member)
-        full[op.axis] = slice(full[op.axis].start + start, full[op.axis].stop + start)
-        return [(entry, tuple(full), out)]
-    return reads
+def _relative(held: tuple, within: tuple[range, ...]) -> tuple:
+    """Numpy's index of ``held`` (a fixed index or a range per axis) inside the box ``within``
+    (a view, even where every index is fixed)."""
+    return tuple(h - w.start if type(h) is int else slice(h.start - w.start, h.stop - w.start)
+                 for h, w in zip(held, within)) + (Ellipsis,)
 
 
-def _reorder(plan: Plan, op: Reorder, key: KeyPath, shape: tuple[int, ...]) -> Reads:
-    """``target`` is the source with the rows along ``axis`` permuted: each run of the block's
-    rows whose source rows are consecutive is one read."""
-    entry = plan.source[op.source]
-    rows = np.arange(int(np.prod(op.factors))).reshape(op.factors).transpose(op.order).reshape(-1)
-
-    def reads(index, out):
-        index = _concrete(index, shape)
-        part = index[op.axis]
-        wanted = rows[part.start:part.stop]
-        if not len(wanted):
-            return []
-        breaks = np.flatnonzero(np.diff(wanted) != 1) + 1
-        found = []
-        for begin, end in zip([0, *breaks.tolist()], [*breaks.tolist(), len(wanted)]):
-            source = list(index)
-            source[op.axis] = slice(int(wanted[begin]), int(wanted[begin]) + end - begin)
-            place = [slice(None)] * len(index)
-            place[op.axis] = slice(begin, end)
-            found.append((entry, tuple(source), out[tuple(place)]))
-        return found
-    return reads
+def target_pieces(plan: Plan, op: LayoutOp, key: KeyPath) -> list[Piece]:
+    """The pieces of ``op`` that fill its target ``key``, for the shapes the plan gives its arrays."""
+    return pieces_by_target(op, [plan.source[k].shape for k in op.sources],
+                            [plan.target[k].shape for k in op.targets])[op.targets.index(key)]
 
 
-def _boxes(start: int, stop: int, factors: list[int]) -> list[tuple[int, int, tuple[slice, ...]]]:
-    """The range ``[start, stop)`` of an axis read row-major as ``factors``, cut into boxes:
-    ``(begin, end, one slice per factor)``. A range of whole inner blocks is one box; otherwise
-    at most a head and a tail within one outer index, around such a middle."""
-    if start >= stop:
-        return []
-    if len(factors) == 1:
-        return [(start, stop, (slice(start, stop),))]
-    inner = math.prod(factors[1:])
-    first, last = start // inner, (stop - 1) // inner
-    if start % inner == 0 and stop % inner == 0:
-        return [(start, stop, (slice(first, last + 1),) + tuple(slice(0, f) for f in factors[1:]))]
-    if first == last:
-        base = first * inner
-        return [(b + base, e + base, (slice(first, first + 1),) + rest)
-                for b, e, rest in _boxes(start - base, stop - base, factors[1:])]
-    head = (first + 1) * inner if start % inner else start
-    tail = last * inner if stop % inner else stop
-    return _boxes(start, head, factors) + _boxes(head, tail, factors) + _boxes(tail, stop, factors)
+def _numpy_index(index: tuple) -> tuple:
+    """A view's index (ints and ranges) as numpy's (ints and slices)."""
+    return tuple(part if type(part) is int else slice(part.start, part.stop) for part in index)
 
 
 def _split_view(array: np.ndarray, shape: list[int]) -> np.ndarray:
@@ -282,70 +211,9 @@ def _split_view(array: np.ndarray, shape: list[int]) -> np.ndarray:
     return view
 
 
-def _reshaped(plan: Plan, op: Reshape, key: KeyPath, shape: tuple[int, ...]) -> Reads:
-    """``target = source.reshape(factors).transpose(perm).reshape(shape)``: each box of the block
-    in the target's factors is a box of the source's factors, read into the block's buffer seen
-    in the source's factor order (one read per stacked source)."""
-    entries = [plan.source[k] for k in op.sources]
-    target_factors = op.target_factors
-    groups = axis_groups(target_factors, op.shape)
-    back = inverse_perm(op.perm)
-    at = op.targets.index(key)
-    several = len(op.sources) > 1
-
-    def reads(index, out):
-        index = _concrete(index, shape)
-        if len(op.targets) > 1:
-            index, out = (slice(at, at + 1),) + index, out[None]
-        found = []
-        per_axis = [_boxes(part.start, part.stop, [target_factors[f] for f in group])
-                    for part, group in zip(index, groups)]
-        for pieces in product(*per_axis):
-            place = tuple(slice(b - part.start, e - part.start) for (b, e, _), part in zip(pieces, index))
-            slices = [s for *_, parts in pieces for s in parts]
-            view = _split_view(out[place], [s.stop - s.start for s in slices]).transpose(back)
-            source = tuple(slices[back[f]] for f in range(len(back)))
-            if not several:
-                found.append((_factored(entries[0], op.factors), source, view))
-                continue
-            for i in range(source[0].start, source[0].stop):
-                found.append((_factored(entries[i], op.factors[1:]), source[1:], view[i - source[0].start]))
-        return found
-    return reads
-
-
 def _factored(entry: Entry, factors: tuple[int, ...]) -> Entry:
     """``entry`` seen as ``factors`` (the same row-major bytes); itself when nothing is split."""
     return entry if entry.shape == factors else Entry(entry.key, factors, entry.dtype, entry.location)
-
-
-#: Op kind -> the reads that fill a block of one of its targets.
-READS: Mapping[str, Callable[[Plan, Any, KeyPath, tuple[int, ...]], Reads]] = {
-    Rename.kind: _moved, Transpose.kind: _moved,
-    Unstack.kind: _split, Split.kind: _split,
-    Stack.kind: _join, Join.kind: _join,
-    Concat.kind: _concat, Chunk.kind: _chunk, Reorder.kind: _reorder, Reshape.kind: _reshaped,
-}
-
-
-def _concrete(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
-    """A block's index ranges with every start and stop spelled out."""
-    return tuple(slice(*part.indices(size)[:2]) for part, size in zip(index, shape))
-
-
-def _source_order(index: tuple, perm: tuple[int, ...] | None) -> tuple:
-    """A target block's index ranges rearranged into the source's axis order."""
-    if perm is None:
-        return index
-    out = [slice(None)] * len(perm)
-    for axis, part in zip(perm, index):
-        out[axis] = part
-    return tuple(out)
-
-
-def _source_view(out: np.ndarray, perm: tuple[int, ...] | None) -> np.ndarray:
-    """``out`` seen with the source's axis order (a view: writes land in ``out``)."""
-    return out if perm is None else out.transpose(inverse_perm(perm))
 
 
 def _wait(pending: Any, source: SliceSource, entry: Entry, sep: str) -> None:

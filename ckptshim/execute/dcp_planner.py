@@ -5,22 +5,26 @@ metadata, then reading the overlap of every stored chunk with every local shard.
 :class:`RemappingLoadPlanner` puts ckptshim's plan in between. The planner that would have run
 -- the caller's own, or DCP's default -- is shown a *virtual* metadata in which every
 destination key lists the stored chunks it comes from, each placed where its elements land in
-the destination: a renamed key the source's chunks as they are (free); a stacked key each
-per-layer chunk as a one-layer slab; a fused key (experts' ``w1`` and ``w3`` side by side) each
-source's chunks at their offset along the fused axis; a per-layer or per-part key the overlap of
-each stored chunk with its layer or part; a transposed key each chunk with its axes permuted; a
-key reordered along an axis each run of rows that stays consecutive. Every read item DCP asks
-for is then translated back to the real stored chunk, offsets and lengths (:class:`_Link`), and
-its destination is the matching view of the caller's tensor. So DCP's own resharding (DTensor,
+the destination. Every layout op shows so through its geometry (:mod:`ckptshim.geometry`),
+whatever its kind: a key that is its source as it is (a rename) as the source's chunks (free);
+any other as the maps between boxes of each stored chunk and of the destination that its
+pieces give (:func:`~ckptshim.geometry.box_maps`) -- a stacked key each per-layer chunk as a
+one-layer slab, a fused key each source's chunks at their offset along the fused axis, a
+per-layer or per-part key the overlap of each stored chunk with its layer or part, a transposed
+key each chunk with its axes permuted, a key reordered or reshaped along split axes each run
+of elements that stays consecutive on both sides. Every read item DCP asks for is then
+translated back to the real stored chunk, offsets and lengths (:class:`_Link`), and its
+destination is the matching view of the caller's tensor. So DCP's own resharding (DTensor,
 FSDP2, another number of ranks) runs unchanged on top of the remapping -- each rank reads only
-the stored chunks, and the parts of them, that overlap its shard -- and planning still reads no
-tensor bytes.
+the stored chunks, and the parts of them, that overlap its shard, each once -- and planning
+still reads no tensor bytes.
 
 Which plan to run is the loading layer's decision (:mod:`ckptshim.loading.dcp`), passed in as a
-function; this module only executes it. It runs the op kinds in :data:`VIRTUAL` and refuses any
-other before DCP plans a read. Where the loading layer has no plan (:class:`~ckptshim.errors.NoPlan`)
-or its plan changes nothing, the wrapped planner plans on the stored metadata itself, exactly as
-without ckptshim -- its errors are DCP's own, with ckptshim's diagnosis added as a note.
+function; this module only executes it. It runs every layout kind and the kinds in
+:data:`VIRTUAL`, and refuses any other before DCP plans a read. Where the loading layer has no plan
+(:class:`~ckptshim.errors.NoPlan`) or its plan changes nothing, the wrapped planner plans on the
+stored metadata itself, exactly as without ckptshim -- its errors are DCP's own, with ckptshim's
+diagnosis added as a note.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
@@ -47,24 +50,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from ckptshim.errors import InternalError, NoPlan, add_diagnosis
 from ckptshim.execute.dcp_storage import Refusal
 from ckptshim.inventory import Inventory, KeyPath
-from ckptshim.ops import (
-    Cast,
-    Chunk,
-    Concat,
-    Drop,
-    Join,
-    Op,
-    Rename,
-    Reorder,
-    Split,
-    Stack,
-    Synthesize,
-    Tie,
-    Transpose,
-    Unstack,
-    inverse_perm,
-    require_kinds,
-)
+from ckptshim.geometry import box_maps
+from ckptshim.ops import Cast, Drop, LayoutOp, Op, Rename, Synthesize, Tie, is_layout, pieces_by_target, require_kinds
 from ckptshim.planner import Plan
 
 Offsets = tuple[int, ...]
@@ -74,46 +61,46 @@ Offsets = tuple[int, ...]
 class _Link:
     """How one chunk of the virtual metadata maps onto the stored chunk ``fqn`` at ``offsets``.
 
-    A read of a block of the virtual chunk (offsets relative to it, lengths) becomes a read of
-    the stored chunk after four steps, in this order: the virtual axes in ``squeeze`` (length one,
-    absent from the stored chunk: a layer of a stack, an expert of a fused array) are dropped;
-    the remaining axes are permuted (stored axis ``i`` is axis ``perm[i]``); each ``(axis,
-    index)`` of ``insert`` is put in (the stored chunk holds several layers, the read one); and
-    ``shift`` is added (the virtual chunk starts inside the stored one). ``reads`` is false for a
-    key nothing is read for (synthesized, or tied to another).
+    ``origin`` is where the virtual chunk starts inside the stored one, and virtual axis ``t``
+    runs along stored axis ``axes[t]`` (one index where that is ``None``: a layer of a stack, an
+    expert of a fused array); a stored axis no virtual axis runs along is one index (the stored
+    chunk holds several layers, the read one) -- a :class:`~ckptshim.geometry.BoxMap`. Without
+    ``axes`` the virtual chunk is the stored one as it is (a renamed key). ``reads`` is false
+    for a key nothing is read for (synthesized, or tied to another).
     """
 
     fqn: str = ""
     offsets: Offsets | None = None
-    squeeze: tuple[int, ...] = ()
-    perm: tuple[int, ...] | None = None
-    insert: tuple[tuple[int, int], ...] = ()
-    shift: Offsets | None = None
+    origin: Offsets = ()
+    axes: tuple[int | None, ...] | None = None
     reads: bool = True
 
     def stored_block(self, offsets: Offsets, lengths: Offsets) -> tuple[Offsets, Offsets]:
         """A block of the virtual chunk as the block of the stored chunk it reads."""
-        offsets, lengths = list(offsets), list(lengths)
-        for axis in sorted(self.squeeze, reverse=True):
-            del offsets[axis], lengths[axis]
-        if self.perm is not None:
-            offsets, lengths = [offsets[a] for a in self.perm], [lengths[a] for a in self.perm]
-        for axis, index in self.insert:
-            offsets.insert(axis, index)
-            lengths.insert(axis, 1)
-        if self.shift is not None:
-            offsets = [o + s for o, s in zip(offsets, self.shift)]
-        return tuple(offsets), tuple(lengths)
+        if self.axes is None:
+            return offsets, lengths
+        stored_offsets, stored_lengths = list(self.origin), [1] * len(self.origin)
+        for axis, stored in enumerate(self.axes):
+            if stored is not None:
+                stored_offsets[stored] += offsets[axis]
+                stored_lengths[stored] = lengths[axis]
+        return tuple(stored_offsets), tuple(stored_lengths)
 
     def stored_view(self, tensor: torch.Tensor) -> torch.Tensor:
         """The destination of a virtual read (a view of the caller's tensor) in the stored
         chunk's axis order: what the storage reader copies the stored block into."""
-        for axis in sorted(self.squeeze, reverse=True):
-            tensor = tensor.squeeze(axis)
-        if self.perm is not None:
-            tensor = tensor.permute(self.perm)
-        for axis, _ in self.insert:
-            tensor = tensor.unsqueeze(axis)
+        if self.axes is None:
+            return tensor
+        for axis in reversed(range(len(self.axes))):
+            if self.axes[axis] is None:
+                tensor = tensor.squeeze(axis)
+        along = [stored for stored in self.axes if stored is not None]
+        order = sorted(range(len(along)), key=along.__getitem__)
+        if order != list(range(len(along))):
+            tensor = tensor.permute(order)
+        for stored in range(len(self.origin)):
+            if stored not in along:
+                tensor = tensor.unsqueeze(stored)
         return tensor
 
 
@@ -144,18 +131,6 @@ class KeyMapping:
 #: ``(metadata, state_dict, allow_missing) -> KeyMapping``: the loading layer's decision
 #: (``None``: nothing to map).
 Prepare = Callable[[Metadata, dict[str, Any], bool], "KeyMapping | None"]
-
-
-def _insert(values: Offsets, axis: int, value: int) -> Offsets:
-    return values[:axis] + (value,) + values[axis:]
-
-
-def _remove(values: Offsets, axis: int) -> Offsets:
-    return values[:axis] + values[axis + 1:]
-
-
-def _replace(values: Offsets, axis: int, value: int) -> Offsets:
-    return values[:axis] + (value,) + values[axis + 1:]
 
 
 def _tensor_md(like: TensorStorageMetadata, size: tuple[int, ...],
@@ -199,8 +174,31 @@ class _Virtual:
         self.virtual[dst] = _tensor_md(self.stored[like], shape,
                                        [(offsets, sizes) for offsets, sizes, _ in chunks])
 
-    def rename(self, op: Rename) -> None:
-        src, dst = self.source.fqn(op.source), self.target.fqn(op.target)
+    def moved(self, op: LayoutOp) -> None:
+        """Each target of a layout op as the stored chunks of its sources, placed where their
+        elements land (:func:`~ckptshim.geometry.box_maps` of each of the op's pieces); a target
+        that is its source as it is (one piece, the identity) as that source's own chunks."""
+        sources = [self.source.fqn(key) for key in op.sources]
+        source_shapes = [self.source.inventory[key].shape for key in op.sources]
+        target_shapes = [self.target.inventory[key].shape for key in op.targets]
+        for index, (key, pieces) in enumerate(zip(op.targets, pieces_by_target(op, source_shapes, target_shapes))):
+            if len(pieces) == 1 and pieces[0].is_identity(source_shapes[pieces[0].source.array], target_shapes[index]):
+                self._as_stored(sources[pieces[0].source.array], key)
+                continue
+            chunks = []
+            for piece in pieces:
+                src, shape = sources[piece.source.array], source_shapes[piece.source.array]
+                for o, n in _chunks(self.stored[src]):
+                    for part in box_maps(piece, shape, target_shapes[index], tuple(map(range, o, map(sum, zip(o, n))))):
+                        chunks.append((tuple(r.start for r in part.target_box), tuple(map(len, part.target_box)),
+                                       _Link(src, o, tuple(r.start - at for r, at in zip(part.source_box, o)),
+                                             part.axes)))
+            self._place(key, sources[pieces[0].source.array], chunks)
+
+    def _as_stored(self, src: str, target: KeyPath) -> None:
+        """``target`` is the stored ``src`` as it is: its chunks, under the target's name (free
+        where the names agree)."""
+        dst = self.target.fqn(target)
         md = self.virtual[dst] = self.stored[src]
         if src == dst:
             return
@@ -208,71 +206,6 @@ class _Virtual:
             self.links[dst, None] = _Link(src)
         for offsets, _ in _chunks(md) if isinstance(md, TensorStorageMetadata) else ():
             self.links[dst, offsets] = _Link(src, offsets)
-
-    def transpose(self, op: Transpose) -> None:
-        src = self.source.fqn(op.source)
-        back = inverse_perm(op.perm)
-        self._place(op.target, src, [(tuple(o[a] for a in op.perm), tuple(n[a] for a in op.perm), _Link(src, o, perm=back))
-                                     for o, n in _chunks(self.stored[src])])
-
-    def joined(self, op: Stack | Join | Concat) -> None:
-        """Each source's chunks placed where that source lies in the target: at its index of the
-        stacked axes (``Stack``, ``Join``, a ``Concat`` with a stack axis), at its offset along a
-        fused axis (``Concat``), with its axes permuted (``Join``)."""
-        shape = self.target.inventory[op.target].shape
-        chunks = []
-        for index, key in enumerate(op.sources):
-            src = self.source.fqn(key)
-            squeeze, perm, place = PLACES[op.kind](op, index, shape)
-            back = None if perm is None else inverse_perm(perm)  # remaining axis r is the source's axis back[r]
-            for o, n in _chunks(self.stored[src]):
-                offsets, sizes = (o, n) if back is None else (tuple(o[a] for a in back), tuple(n[a] for a in back))
-                for axis, at in sorted(place.items()):
-                    if axis in squeeze:
-                        offsets, sizes = _insert(offsets, axis, at), _insert(sizes, axis, 1)
-                    else:
-                        offsets = _replace(offsets, axis, offsets[axis] + at)
-                chunks.append((offsets, sizes, _Link(src, o, squeeze=squeeze, perm=perm)))
-        self._place(op.target, self.source.fqn(op.sources[0]), chunks)
-
-    def taken_apart(self, op: Unstack | Split | Chunk) -> None:
-        """Each target shows the overlap of every stored chunk with its layer or part of the source."""
-        src = self.source.fqn(op.source)
-        shape = self.source.inventory[op.source].shape
-        for index, key in enumerate(op.targets):
-            squeeze, perm, place = PLACES[op.kind](op, index, shape)
-            extent = {axis: 1 if axis in squeeze else op.slot(index, len(op.targets))[2] for axis in place}
-            chunks = []
-            for o, n in _chunks(self.stored[src]):
-                low = {a: max(o[a], at) for a, at in place.items()}
-                high = {a: min(o[a] + n[a], at + extent[a]) for a, at in place.items()}
-                if any(low[a] >= high[a] for a in place):
-                    continue
-                offsets, sizes = list(o), list(n)
-                for axis in place:
-                    offsets[axis], sizes[axis] = low[axis] - place[axis], high[axis] - low[axis]
-                shift = tuple(low[a] - o[a] if a in place and a not in squeeze else 0 for a in range(len(o)))
-                insert = tuple((a, low[a] - o[a]) for a in sorted(squeeze))
-                for axis in sorted(squeeze, reverse=True):
-                    del offsets[axis], sizes[axis]
-                if perm is not None:
-                    offsets, sizes = [offsets[a] for a in perm], [sizes[a] for a in perm]
-                chunks.append((tuple(offsets), tuple(sizes),
-                               _Link(src, o, perm=None if perm is None else inverse_perm(perm),
-                                     insert=insert, shift=shift if any(shift) else None)))
-            self._place(key, src, chunks)
-
-    def reorder(self, op: Reorder) -> None:
-        """Each run of target rows whose source rows are consecutive, cut at stored chunks."""
-        src = self.source.fqn(op.source)
-        chunks = []
-        for t0, s0, length in _runs(op):
-            for o, n in _chunks(self.stored[src]):
-                low, high = max(s0, o[op.axis]), min(s0 + length, o[op.axis] + n[op.axis])
-                if low < high:
-                    chunks.append((_replace(o, op.axis, t0 + low - s0), _replace(n, op.axis, high - low),
-                                   _Link(src, o, shift=_replace((0,) * len(o), op.axis, low - o[op.axis]))))
-        self._place(op.target, src, chunks)
 
     def keep(self, op: Synthesize | Tie) -> None:
         """Nothing is read: a synthesized key keeps its value; a tied one is filled through its twin."""
@@ -285,53 +218,11 @@ class _Virtual:
         """``Drop`` reads nothing; a ``Cast`` is DCP's own ``copy_`` into the destination."""
 
 
-#: Op kind -> how it shows in the virtual metadata; any other kind is refused.
+#: How each kind that is not a layout op shows in the virtual metadata (every layout op shows
+#: through :meth:`_Virtual.moved`); any other kind is refused.
 VIRTUAL: Mapping[str, Callable[[_Virtual, Any], None]] = {
-    Rename.kind: _Virtual.rename, Transpose.kind: _Virtual.transpose,
-    Stack.kind: _Virtual.joined, Join.kind: _Virtual.joined, Concat.kind: _Virtual.joined,
-    Unstack.kind: _Virtual.taken_apart, Split.kind: _Virtual.taken_apart, Chunk.kind: _Virtual.taken_apart,
-    Reorder.kind: _Virtual.reorder,
     Synthesize.kind: _Virtual.keep, Tie.kind: _Virtual.keep, Drop.kind: _Virtual.nothing, Cast.kind: _Virtual.nothing,
 }
-
-
-Place = tuple[tuple[int, ...], tuple[int, ...] | None, dict[int, int]]
-
-
-def _indexed_place(op: Stack | Join | Unstack | Split, index: int, shape: tuple[int, ...]) -> Place:
-    """The ``index``-th array is one index of each of the op's axes (row-major), its axes permuted."""
-    at = np.unravel_index(index, [shape[axis] for axis in op.axes])
-    perm = None if op.perm is None else (op.perm if isinstance(op, Split) else inverse_perm(op.perm))
-    return op.axes, perm, dict(zip(op.axes, map(int, at)))
-
-
-def _slot_place(op: Concat | Chunk, index: int, shape: tuple[int, ...]) -> Place:
-    """The ``index``-th array is its part along the fused axis, and one index of the stack axis."""
-    member, start, _ = op.slot(index, len(op.sources if isinstance(op, Concat) else op.targets))
-    if member is None:
-        return (), None, {op.axis: start}
-    return (op.stack_axis,), None, {op.axis: start, op.stack_axis: member}
-
-
-#: Op kind -> where the ``index``-th of the op's many arrays lies in its one array of ``shape``:
-#: the axes it is one index of (``squeeze``), the permutation from the one array's remaining axes
-#: to its own (its axis ``i`` is remaining axis ``perm[i]``; ``None`` for none), and its start
-#: along each axis it does not span whole (``place``).
-PLACES: Mapping[str, Callable[[Any, int, tuple[int, ...]], Place]] = {
-    Stack.kind: _indexed_place, Join.kind: _indexed_place, Unstack.kind: _indexed_place, Split.kind: _indexed_place,
-    Concat.kind: _slot_place, Chunk.kind: _slot_place,
-}
-
-
-def _runs(op: Reorder) -> Iterator[tuple[int, int, int]]:
-    """``(first target row, first source row, length)`` of each run of target rows along the
-    op's axis whose source rows are consecutive."""
-    source_rows = np.arange(int(np.prod(op.factors))).reshape(op.factors).transpose(op.order).reshape(-1)
-    breaks = np.flatnonzero(np.diff(source_rows) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(source_rows)]))
-    for start, end in zip(starts.tolist(), ends.tolist()):
-        yield start, int(source_rows[start]), end - start
 
 
 def virtual_metadata(metadata: Metadata, mapping: KeyMapping) -> tuple[Metadata, dict[tuple[str, Any], _Link]]:
@@ -339,7 +230,10 @@ def virtual_metadata(metadata: Metadata, mapping: KeyMapping) -> tuple[Metadata,
     require_kinds(mapping.plan.ops, VIRTUAL, "DCP load planner")
     built = _Virtual(metadata, mapping)
     for op in mapping.plan.ops:
-        VIRTUAL[op.kind](built, op)
+        if is_layout(op):
+            built.moved(op)
+        else:
+            VIRTUAL[op.kind](built, op)
     return dataclasses.replace(metadata, state_dict_metadata=built.virtual), built.links
 
 

@@ -7,10 +7,10 @@ aligned buffer that JAX's CPU backend adopts without a copy); a shard that sever
 (replication) is read once. So no step holds the source tree, and host memory peaks near the
 size of the restored arrays.
 
-It runs the kinds block reads know (:data:`ckptshim.execute.blocks.READS`), ``Synthesize`` (the
-caller's own value), ``Drop``/``Cast`` (nothing to do: a checkpoint's ``read_into`` casts) and
-``Scale`` (each block multiplied once filled, before JAX sees it);
-a plan with any other kind is refused before anything is read.
+It runs every layout kind (through its geometry, by block reads), ``Synthesize`` (the caller's
+own value), ``Drop``/``Cast`` (nothing to do: a checkpoint's ``read_into`` casts) and ``Scale``
+(each block multiplied once filled, before JAX sees it); a plan with any other kind is refused
+before anything is read.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from ckptshim.inventory import KeyPath, join_key
 from ckptshim.ops import Cast, Drop, Scale, Synthesize, require_kinds
 from ckptshim.planner import Plan
 
-#: Every op kind this executor runs.
-KINDS = frozenset(blocks.READS) | {Synthesize.kind, Drop.kind, Cast.kind, Scale.kind}
+#: The kinds this executor runs besides the layout kinds.
+KINDS = frozenset({Synthesize.kind, Drop.kind, Cast.kind, Scale.kind})
 
 
 def build(source: blocks.SliceSource, plan: Plan, targets: Mapping[KeyPath, TargetLeaf],

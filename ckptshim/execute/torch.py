@@ -7,20 +7,24 @@ source, one part of a fused one, its axes permuted), or the destination's own va
 writing anything or copying any tensor bytes. Only a :class:`Prepared` load writes: targets
 assembled from several sources (stacked layers, fused experts) or whose indices a permutation
 scatters, source by source into views of the destination (``select``, ``narrow``, ``permute``,
-one axis split into factors; never ``torch.stack`` or ``torch.cat``, which would build a second
+axes split into factors; never ``torch.stack`` or ``torch.cat``, which would build a second
 full copy), everything else copied in (casting where the plan casts), each write into the plain
 tensor behind its destination -- a DTensor's shard, a float8 training weight's high-precision
 tensor -- through :func:`ckptshim.execute.destinations.write`. Anything wrong raises before the
 first write, so a failed load leaves the destination as it was.
 
+Every layout op runs through one primitive over its pieces (:meth:`_Preparer._moved`, see
+:mod:`ckptshim.geometry`): which target is a view of its source and which is assembled, and
+from which views, is read off the pieces, not off the op's kind. The other kinds it runs are
+those in :data:`HANDLERS`; a plan with any other kind is refused before anything is fetched.
+
 Callers that hand the values to the framework's own loader (the ``load_state_dict`` hook) use
 :attr:`Prepared.values` and :meth:`Prepared.write_assembled`; others call :meth:`Prepared.write`.
 
-The ops it runs are the kinds in :data:`HANDLERS`; a plan with any other kind is refused before
-anything is fetched. A ``DropIfDerived`` source is fetched and dropped only when its value is
-what its rule derives (:func:`ckptshim.execute.derived.mismatch`); otherwise it is an unexpected
-key, like any other the target has no place for: a strict load has no plan then
-(:class:`~ckptshim.errors.NoPlan`), a non-strict one lists it in :attr:`Prepared.unexpected`.
+A ``DropIfDerived`` source is fetched and dropped only when its value is what its rule derives
+(:func:`ckptshim.execute.derived.mismatch`); otherwise it is an unexpected key, like any other
+the target has no place for: a strict load has no plan then (:class:`~ckptshim.errors.NoPlan`),
+a non-strict one lists it in :attr:`Prepared.unexpected`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -37,27 +40,9 @@ from ckptshim.errors import NoPlan, PlanError
 from ckptshim.execute.derived import REBUILDABLE, mismatch, not_equal
 from ckptshim.execute.destinations import is_dtensor, values_of, write
 from ckptshim.inventory import Entry, KeyPath, dtype_name, join_key
-from ckptshim.ops import (
-    NOT_PERSISTENT,
-    Cast,
-    Chunk,
-    Concat,
-    Drop,
-    DropIfDerived,
-    Join,
-    Op,
-    Rename,
-    Reorder,
-    Reshape,
-    Split,
-    Stack,
-    Synthesize,
-    Tie,
-    Transpose,
-    Unstack,
-    inverse_perm,
-    require_kinds,
-)
+from ckptshim.geometry import View, inverse_perm
+from ckptshim.ops import (NOT_PERSISTENT, Cast, Drop, DropIfDerived, LayoutOp, Op, Synthesize, Tie, is_layout,
+                          pieces_by_target, require_kinds)
 from ckptshim.planner import Plan
 from ckptshim.rules.buffers import derivable_rule
 from ckptshim.rules.prefixes import strip_wrappers
@@ -152,7 +137,10 @@ class _Preparer:
 
     def run(self) -> Prepared:
         for op in self.plan.ops:
-            HANDLERS[op.kind](self, op)
+            if is_layout(op):
+                self._moved(op)
+            else:
+                HANDLERS[op.kind](self, op)
         prepared = self.prepared
         for tie in self.ties:
             if tie.twin in self.casts:  # one storage: the twin's cast is the tied key's too
@@ -170,70 +158,38 @@ class _Preparer:
                             "against the current model.")
         return prepared
 
-    # -- one handler per op kind (see HANDLERS) -------------------------------------------------
+    # -- the one primitive every layout op runs through, and a handler per other kind ---------------
 
-    def _rename(self, op: Rename) -> None:
-        value = self._source(op.source)
-        self._check_value(op.source, op.target, value, self._destination(op.target))
-        self.prepared.values[op.target] = value
-
-    def _taken_apart(self, op: Unstack | Split | Chunk) -> None:
-        """Each target is a view of the one source (a layer, a part, its axes permuted)."""
-        whole = self._source(op.source)
-        for index, key in enumerate(op.targets):
-            try:
-                value = VIEWS[op.kind](op, whole, index)
-            except (IndexError, RuntimeError) as error:
-                raise PlanError(f"{join_key(op.source)!r} has shape {tuple(whole.shape)}, which "
-                                f"`{op.describe()}` cannot take apart ({error}).") from None
-            self._check_value(op.source, key, value, self._destination(key))
-            self.prepared.values[key] = value
-
-    def _transposed(self, op: Transpose) -> None:
-        value = self._source(op.source).permute(op.perm)
-        self._check_value(op.source, op.target, value, self._destination(op.target))
-        self.prepared.values[op.target] = value
-
-    def _assembled(self, op: Stack | Join | Concat | Reorder) -> None:
-        """The target is filled source by source through views of it (see :data:`VIEWS`)."""
-        destination = self._destination(op.target)
-        sources = tuple(self._source(key) for key in op.sources)
-        whole = self._assembly(op.target, sources[0])
+    def _moved(self, op: LayoutOp) -> None:
+        """Each target of a layout op from its pieces (:mod:`ckptshim.geometry`): a target that is
+        one piece of the whole target is a view of its source (the source itself, a layer of it,
+        its axes permuted); any other is assembled -- each piece's source view copied into the
+        matching view of the target, in the source's factor order (see :class:`Prepared`)."""
+        plan, values = self.plan, self.prepared.values
+        sources = [self._source(key) for key in op.sources]
+        # the planned shapes, which _source and _destination check the tensors have
+        grouped = pieces_by_target(op, [plan.source[key].shape for key in op.sources],
+                                   [plan.target[key].shape for key in op.targets])
         try:
-            views = [VIEWS[op.kind](op, values_of(whole), index) for index in range(len(sources))]
-            sources = tuple(_source_view(op, value) for value in sources)
-        except (IndexError, RuntimeError) as error:
-            raise PlanError(f"{join_key(op.target)!r} has shape {tuple(destination.shape)}, which "
-                            f"`{op.describe()}` cannot fill ({error}).") from None
-        for key, value, view in zip(op.sources, sources, views):
-            self._check_value(key, op.target, value, view)
-            self.prepared.fills.append((view, value))
-        self.prepared.values[op.target] = whole
-
-    def _reshaped(self, op: Reshape) -> None:
-        """Each target, seen as its factors, filled from its source(s) seen as theirs: views of
-        both sides (``view`` splits axes, ``permute`` orders them), one fill per source -- or, for
-        several targets, one per target from a permuted view of the one source."""
-        sources = tuple(self._source(key) for key in op.sources)
-        target_factors, back = op.target_factors, inverse_perm(op.perm)
-        several = len(op.targets) > 1
-        try:
-            whole = {key: self._assembly(key, sources[0]) for key in op.targets}
-            if several:  # target k is index k of the source's permuted factors
-                spread = sources[0].view(op.factors).permute(op.perm)
-                fills = [(key, whole[key].view(target_factors[1:]), spread[k], op.sources[0])
-                         for k, key in enumerate(op.targets)]
-            else:  # the target in the source's factor order; source i at index i of it if several
-                (key,) = op.targets
-                seen = whole[key].view(target_factors).permute(back)
-                fills = ([(key, seen[i], value.view(op.factors[1:]), op.sources[i]) for i, value in enumerate(sources)]
-                         if len(sources) > 1 else [(key, seen, sources[0].view(op.factors), op.sources[0])])
-        except RuntimeError as error:  # a view the tensors' strides do not allow
+            for key, pieces in zip(op.targets, grouped):
+                destination = self._destination(key)
+                if len(pieces) == 1 and pieces[0].target.is_whole(plan.target[key].shape):
+                    piece = pieces[0]
+                    value = _viewed(sources[piece.source.array], piece.source)
+                    if not piece.ordered:
+                        value = value.permute(piece.perm)
+                    self._check_value(op.sources[piece.source.array], key, value, destination)
+                    values[key] = value
+                    continue
+                whole = self._assembly(key, sources[0])
+                for piece in pieces:
+                    view = _viewed(values_of(whole), piece.target).permute(inverse_perm(piece.perm))
+                    value = _viewed(sources[piece.source.array], piece.source)
+                    self._check_value(op.sources[piece.source.array], key, value, view)
+                    self.prepared.fills.append((view, value))
+                values[key] = whole
+        except (IndexError, RuntimeError) as error:  # a view the tensors' strides or shapes do not allow
             raise PlanError(f"`{op.describe()}` cannot be laid out on these tensors ({error}).") from None
-        for key, view, value, source in fills:
-            self._check_value(source, key, value, view)
-            self.prepared.fills.append((view, value))
-        self.prepared.values.update(whole)
 
     def _assembly(self, key: KeyPath, like: torch.Tensor) -> torch.Tensor:
         """What an assembled target is filled in: its destination, or a new tensor (of the
@@ -319,14 +275,9 @@ class _Preparer:
                             "the checkpoint value explicitly if that is what you want.")
 
 
-#: Op kind -> the preparer's handler; every other kind is refused by :func:`prepare`.
+#: Op kind -> the preparer's handler for a kind that is not a layout op (those all run through
+#: :meth:`_Preparer._moved`); every other kind is refused by :func:`prepare`.
 HANDLERS: Mapping[str, Callable[[_Preparer, Op], None]] = {
-    Rename.kind: _Preparer._rename,
-    Transpose.kind: _Preparer._transposed,
-    Unstack.kind: _Preparer._taken_apart, Split.kind: _Preparer._taken_apart, Chunk.kind: _Preparer._taken_apart,
-    Stack.kind: _Preparer._assembled, Join.kind: _Preparer._assembled, Concat.kind: _Preparer._assembled,
-    Reorder.kind: _Preparer._assembled,
-    Reshape.kind: _Preparer._reshaped,
     Tie.kind: _Preparer._tie,
     Synthesize.kind: _Preparer._synthesize,
     DropIfDerived.kind: _Preparer._drop_if_derived,
@@ -335,46 +286,14 @@ HANDLERS: Mapping[str, Callable[[_Preparer, Op], None]] = {
 }
 
 
-def _indexed_view(op: Stack | Unstack | Join | Split, whole: torch.Tensor, index: int) -> torch.Tensor:
-    """The ``index``-th array at its index of the op's axes (row-major), its axes permuted."""
-    at = np.unravel_index(index, [whole.shape[axis] for axis in op.axes])
-    view = whole
-    for axis, position in sorted(zip(op.axes, map(int, at)), reverse=True):  # later axes first keep earlier ones
-        view = view.select(axis, position)
-    if op.perm is None:
-        return view
-    return view.permute(op.perm if isinstance(op, Split) else inverse_perm(op.perm))
-
-
-def _slot_view(op: Concat | Chunk, whole: torch.Tensor, index: int) -> torch.Tensor:
-    """The ``index``-th array's slot of the fused one: its part along the axis, one index of a stack."""
-    member, start, size = op.slot(index, len(op.sources if isinstance(op, Concat) else op.targets))
-    view = whole.narrow(op.axis, start, size)
-    return view if member is None else view.select(op.stack_axis, member)
-
-
-def _factored_view(op: Reorder, whole: torch.Tensor, index: int) -> torch.Tensor:
-    """The target with its axis split into the target's factors, permuted into the source's order."""
-    factored = whole.view(*whole.shape[:op.axis], *op.target_factors, *whole.shape[op.axis + 1:])
-    axes = list(range(factored.dim()))
-    axes[op.axis:op.axis + len(op.order)] = [op.axis + a for a in inverse_perm(op.order)]
-    return factored.permute(axes)
-
-
-#: Op kind -> the view of its one array (stacked, fused or reordered) that holds the ``index``-th
-#: of its many arrays, in that array's own shape (a ``Reorder``'s one array is its target, its
-#: one source split into factors).
-VIEWS: Mapping[str, Callable[[Any, torch.Tensor, int], torch.Tensor]] = {
-    Stack.kind: _indexed_view, Unstack.kind: _indexed_view, Join.kind: _indexed_view, Split.kind: _indexed_view,
-    Concat.kind: _slot_view, Chunk.kind: _slot_view, Reorder.kind: _factored_view,
-}
-
-
-def _source_view(op: Op, value: torch.Tensor) -> torch.Tensor:
-    """A source as its view of the target expects it: a ``Reorder``'s split into its factors."""
-    if isinstance(op, Reorder):
-        return value.view(*value.shape[:op.axis], *op.factors, *value.shape[op.axis + 1:])
-    return value
+def _viewed(tensor: torch.Tensor, view: View) -> torch.Tensor:
+    """The part of ``tensor`` that ``view`` names, as a view: its axes split into the view's
+    factors, then indexed (a fixed index selects, a range narrows)."""
+    if tuple(tensor.shape) != view.factors:
+        tensor = tensor.view(view.factors)
+    if view.shape == view.factors:  # every factor whole
+        return tensor
+    return tensor[tuple(part if type(part) is int else slice(part.start, part.stop) for part in view.index)]
 
 
 def _writable_in_place(tensor: torch.Tensor) -> bool:

@@ -12,7 +12,8 @@ under ``module`` in each ``mp_rank`` file; both read the same way.
 
 The inventory is the model as NeoX names it at tensor-parallel degree 1 --
 ``sequential.<layer>.<name>`` -- whatever degree it was saved with: each entry's read merges the
-ranks' shards by the NeoX rule for that tensor (:mod:`ckptshim.rules.profiles.neox`), so plans,
+ranks' shards by the op NeoX's layout gives that tensor (a ``Concat``, ``Sum`` or ``Replicated``:
+:func:`ckptshim.rules.profiles.neox.spread`, run by :mod:`ckptshim.formats.tensor_parallel`), so plans,
 conversions and loads into another degree see one tensor per name. Each layer file's own shards
 are listed under its :class:`FileInfo` and read with :meth:`DeepSpeedPipelineCheckpoint.read_shard`.
 
@@ -282,9 +283,8 @@ class DeepSpeedPipelineCheckpoint(Checkpoint):
         shards = self.shards.get(entry.key)
         if shards is None:
             raise CorruptCheckpointError(f"{self.path}: no tensor {join_key(entry.key)!r}")
-        rule = neox.tp_rule(entry.key[2:]) or neox.TPRule("replicate")
-        return tensor_parallel.merge([self.read_shard(entry.key, rank) for rank in sorted(shards)],
-                                     rule, entry.dtype, f"{self.path}: {join_key(entry.key)}")
+        return tensor_parallel.merge(entry.key, [self.read_shard(entry.key, rank) for rank in sorted(shards)],
+                                     entry.dtype, f"{self.path}: {join_key(entry.key)}")
 
     def close(self) -> None:
         for part in self._parts:
@@ -417,13 +417,12 @@ def _merged_entries(scan: _Scan, degree: int) -> list[Entry]:
             continue
         shape = first.shape
         if degree > 1:
-            rule = neox.tp_rule(key[2:])
-            if rule is None:
+            spread = neox.spread(key)
+            if spread is None:
                 scan.problems.append(f"{name}: no tensor-parallel rule for this GPT-NeoX tensor, so its "
                                      f"{degree} shards cannot be merged; ckptshim knows NeoX's own tensors")
                 continue
-            if rule.kind == "cat":
-                shape = shape[:rule.axis] + (shape[rule.axis] * degree,) + shape[rule.axis + 1:]
+            _, shape = spread.merge(neox.shard_keys(key, degree), key, shape)
         entries.append(Entry(key, shape, first.dtype, key))
     entries.sort(key=lambda e: -1 if (layer := _layer_of(e.key)) is None else layer)
     return entries

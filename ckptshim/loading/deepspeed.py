@@ -9,8 +9,9 @@ holds anything else ckptshim can read -- a Hugging Face GPT-NeoX/Pythia director
 checkpoint of another tensor-parallel degree, older MLP names, a saved or unsaved rotary
 ``inv_freq`` -- :func:`load_stage` gives each layer exactly the state dict it expects, built in
 memory (no converted files): names mapped by :mod:`ckptshim.rules.profiles.neox`,
-tensor-parallel shards merged and re-split along each tensor's axis
-(:mod:`ckptshim.formats.tensor_parallel`), vocab rows padded or cut to the model's padded
+tensor-parallel shards merged and re-split by the ops NeoX's layout gives each tensor
+(``Concat``/``Chunk`` along an axis, ``Sum``/``Share``, ``Replicated``/``Replicate``;
+:mod:`ckptshim.formats.tensor_parallel`), vocab rows padded or cut to the model's padded
 vocab, derivable buffers kept from the module or dropped.
 
 The whole stage is planned and checked before the first layer is written, so a refused load
@@ -99,7 +100,7 @@ def is_neox(source: Checkpoint) -> bool:
         return True
     keys = list(source.inventory)
     return bool(keys) and all(key[:1] == (neox.SEQUENTIAL,) and (
-        neox.tp_rule(key[2:]) is not None or derivable_rule(key) is not None) for key in keys)
+        neox.spread(key) is not None or derivable_rule(key) is not None) for key in keys)
 
 
 def _native_fits(source: Checkpoint, layers: Mapping[int, nn.Module], degree: int) -> bool:
@@ -128,7 +129,7 @@ def layer_state_dicts(source: Checkpoint, layers: Mapping[int, nn.Module], rank:
     stage = {str(index) for index in layers}
     full_rows = {role: e.shape[0] * degree for e in target.values()
                  if (role := neox.vocab_role(e.key)) is not None}
-    reads: dict[KeyPath, tuple[int | None, neox.TPRule]] = {}  # rows to resize to, split rule
+    reads: dict[KeyPath, tuple[int | None, KeyPath]] = {}  # rows to resize to, NeoX name
     entries = []
     for entry in source.inventory.values():
         key = neox.to_neox(entry.key, aliases)
@@ -139,19 +140,18 @@ def layer_state_dicts(source: Checkpoint, layers: Mapping[int, nn.Module], rank:
         if rows is not None and shape[0] != rows:
             _check_cut(entry.key, shape[0], rows)
             shape = (rows, *shape[1:])
-        rule = _rule(key, degree)
-        reads[entry.key] = (rows if shape != entry.shape else None, rule)
-        entries.append(Entry(entry.key, _shard_shape(key, shape, rule, degree), entry.dtype, entry.location))
+        reads[entry.key] = (rows if shape != entry.shape else None, key)
+        entries.append(Entry(entry.key, _shard_shape(key, shape, degree), entry.dtype, entry.location))
     checkpoint = Inventory(entries, str(source.path))
     plan = make_plan(checkpoint, target, rules_for(checkpoint, target, "torch", facts))
 
     def fetch(key: KeyPath) -> torch.Tensor:
         entry = source.inventory[key]
-        rows, rule = reads[key]
+        rows, name = reads[key]
         array = source.read(entry)
         if rows is not None:
             array = tensor_parallel.resize_rows(array, rows)
-        shard = tensor_parallel.split(array, rule, rank, degree, entry.dtype, join_key(key))
+        shard = tensor_parallel.split(name, array, rank, degree, entry.dtype, join_key(key))
         return as_tensor(np.ascontiguousarray(shard).reshape(shard.shape), getattr(torch, entry.dtype))  # 0-d stays 0-d
 
     prepared = prepare(plan, fetch, destinations, allow_missing=not strict, allow_unexpected=not strict,
@@ -199,20 +199,14 @@ def _targets(layers: Mapping[int, nn.Module], aliases: tuple) -> tuple[
             TargetFacts(frozenset(drop), frozenset(synthesize), aliases=aliases))
 
 
-def _rule(key: KeyPath, degree: int) -> neox.TPRule:
-    rule = neox.tp_rule(key[2:]) if key[:1] == (neox.SEQUENTIAL,) else None
-    if rule is None and degree > 1 and derivable_rule(key) is None:
+def _shard_shape(key: KeyPath, shape: tuple[int, ...], degree: int) -> tuple[int, ...]:
+    """One rank's shape of NeoX tensor ``key`` of whole ``shape``, by the op that splits it
+    (checked to split evenly); a tensor NeoX has no rule for is refused above degree 1, unless
+    it is a derivable buffer (each rank holds it whole)."""
+    if degree == 1:
+        return shape
+    spread = neox.spread(key)
+    if spread is None and derivable_rule(key) is None:
         raise PlanError(f"{join_key(key)}: no tensor-parallel rule for this tensor, so ckptshim "
                         f"cannot tell how {degree} ranks split it; ckptshim knows GPT-NeoX's own layers.")
-    return rule or neox.TPRule("replicate")
-
-
-def _shard_shape(key: KeyPath, shape: tuple[int, ...], rule: neox.TPRule, degree: int) -> tuple[int, ...]:
-    """One rank's shape of a tensor of full ``shape`` (checked to split evenly)."""
-    if rule.kind != "cat" or degree == 1:
-        return shape
-    if shape[rule.axis] % degree:
-        raise PlanError(f"{join_key(key)}: axis {rule.axis} has {shape[rule.axis]} entries, which do not "
-                        f"split evenly over {degree} tensor-parallel ranks; the model's sizes do not "
-                        "match this checkpoint.")
-    return shape[:rule.axis] + (shape[rule.axis] // degree,) + shape[rule.axis + 1:]
+    return (spread or neox.REPLICATED).split(key, neox.shard_keys(key, degree), shape)[1]

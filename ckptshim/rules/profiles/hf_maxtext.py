@@ -4,12 +4,13 @@ Transcribed from ``maxtext/checkpoint_conversion/utils/param_mapping.py`` (its
 ``LLAMA31_MAXTEXT_TO_HF_PARAM_MAPPING``/``_HOOK_FN`` and ``QWEN_...``) and the order
 ``to_maxtext.py`` applies the hooks in; ``docs/maxtext.md`` cites each. A row names a MaxText
 parameter (under the params root, in its stacked form ``decoder/layers/...``), the Hugging Face
-tensor it comes from (``{i}`` the layer), and how one layer's array is laid out:
+tensor it comes from (``{i}`` the layer), and how one layer's array is laid out, as factors of
+the Hugging Face shape and their permutation:
 
-- ``same``: as it is (norm scales, the embedding);
-- ``transpose``: a Linear ``[out, in]`` becomes a kernel ``[in, out]``;
-- ``heads_in``: ``q/k/v_proj`` ``[heads * head_dim, emb]`` becomes ``[emb, heads, head_dim]``;
-- ``heads_out``: ``o_proj`` ``[emb, heads * head_dim]`` becomes ``[heads, head_dim, emb]``.
+- ``_as_is``: as it is (norm scales, the embedding);
+- ``_transposed``: a Linear ``[out, in]`` becomes a kernel ``[in, out]``;
+- ``_heads_in``: ``q/k/v_proj`` ``[heads * head_dim, emb]`` becomes ``[emb, heads, head_dim]``;
+- ``_heads_out``: ``o_proj`` ``[emb, heads * head_dim]`` becomes ``[heads, head_dim, emb]``.
 
 For Llama the query and key heads also go from Hugging Face's half-split rotary layout to
 MaxText's interleaved pairs, and the query is multiplied by ``float32(1 / sqrt(head_dim))`` in
@@ -21,20 +22,22 @@ Heads, KV heads, head_dim and the layer count come from the checkpoint folder's 
 Scanned targets (``decoder/layers/...``) stack every layer's array on ``param_scan_axis``, read
 off the target's shapes (MaxText's default 1 where they leave it open); unscanned targets name
 ``decoder/layers_{i}``. Each key is one op -- a ``Reshape`` composing transpose, head split,
-rotary interleave and the layer stack -- so each device reads only its own slice.
+rotary interleave and the layer stack, said as the plainest kind that says it
+(:meth:`~ckptshim.ops.Reshape.simplified`: a rename, a transpose, a stack) -- so each device
+reads only its own slice.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ckptshim.errors import PlanError, docs_page
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key, split_key
-from ckptshim.ops import Op, Rename, Reshape, Scale, Stack, Transpose, axis_groups, float32, rsqrt_float32
+from ckptshim.ops import Op, Reshape, Scale, axis_groups, float32, rsqrt_float32
 from ckptshim.rules import Paired, Rules
 from ckptshim.rules.profiles import maxtext
 
@@ -46,10 +49,69 @@ QUERY_SCALE = ("MaxText's Llama attention expects the query kernel pre-scaled by
 
 
 @dataclass(frozen=True)
+class _LayerLayout:
+    """One layer's array: its Hugging Face shape read as ``factors``, permuted by ``perm``,
+    grouped into MaxText's ``shape``."""
+
+    factors: tuple[int, ...]
+    perm: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+# -- how a row lays out one layer's array (MaxText's hooks, as factors and their permutation) ----
+
+
+def _as_is(row: Row, source: Entry, dims: Dims) -> _LayerLayout:
+    """As it is (norm scales, the embedding)."""
+    return _LayerLayout(source.shape, tuple(range(len(source.shape))), source.shape)
+
+
+def _transposed(row: Row, source: Entry, dims: Dims) -> _LayerLayout:
+    """A Linear ``[out, in]`` as a kernel ``[in, out]``."""
+    if len(source.shape) != 2:
+        raise PlanError(f"{join_key(source.key, '.')} has shape {source.shape}, not the [out, in] of a Linear "
+                        "weight MaxText transposes into a kernel. Check that the checkpoint is this model's.")
+    return _LayerLayout(source.shape, (1, 0), source.shape[::-1])
+
+
+def _heads_in(row: Row, source: Entry, dims: Dims) -> _LayerLayout:
+    """``q/k/v_proj`` ``[heads * head_dim, emb]`` as ``[emb, heads, head_dim]``; with ``rope``,
+    each head's half-split rotary halves as interleaved pairs."""
+    count, head_dim = _heads(row, source, dims, 0)
+    emb = source.shape[1]
+    if not row.rope:  # [N*D, E] -> [E, N, D]
+        return _LayerLayout((count, head_dim, emb), (2, 0, 1), (emb, count, head_dim))
+    if head_dim % 2:
+        raise PlanError(f"{join_key(source.key, '.')}: head_dim {head_dim} is odd, so it has no rotary "
+                        "halves to interleave. Check config.json.")
+    # [N*D, E] as [N, 2, D/2, E] -> [E, N, D/2, 2]: half-split rotary halves to interleaved pairs
+    return _LayerLayout((count, 2, head_dim // 2, emb), (3, 0, 2, 1), (emb, count, head_dim))
+
+
+def _heads_out(row: Row, source: Entry, dims: Dims) -> _LayerLayout:
+    """``o_proj`` ``[emb, heads * head_dim]`` as ``[heads, head_dim, emb]``."""
+    count, head_dim = _heads(row, source, dims, 1)
+    emb = source.shape[0]
+    return _LayerLayout((emb, count, head_dim), (1, 2, 0), (count, head_dim, emb))
+
+
+def _heads(row: Row, source: Entry, dims: Dims, fused: int) -> tuple[int, int]:
+    """The head count and head_dim axis ``fused`` of a 2-D ``source`` holds, checked against it."""
+    count, head_dim, shape = dims.count(row), dims.head_dim, source.shape
+    if len(shape) != 2 or shape[fused] != count * head_dim:
+        raise PlanError(
+            f"{join_key(source.key, '.')} has shape {shape}: its axis {fused} is not config.json's "
+            f"{'num_attention_heads' if row.heads == 'q' else 'num_key_value_heads'} {count} x head_dim "
+            f"{head_dim} = {count * head_dim}, the [heads, head_dim] MaxText splits it into. Check that "
+            "config.json belongs to these weights.")
+    return count, head_dim
+
+
+@dataclass(frozen=True)
 class Row:
     target: KeyPath           # under MaxText's params root; layer rows in stacked form
     source: str               # Hugging Face name, ``{i}`` for the layer
-    layout: str = "same"      # same | transpose | heads_in | heads_out
+    layout: Callable[[Row, Entry, Dims], _LayerLayout] = _as_is  # one layer's array in MaxText's layout
     heads: str = "q"          # heads_in/heads_out: "q" (attention heads) or "kv"
     rope: bool = False        # half-split rotary halves -> interleaved pairs (Llama q, k)
     scale: bool = False       # times float32(1/sqrt(head_dim)) (Llama q)
@@ -63,17 +125,17 @@ def _rows(llama: bool) -> tuple[Row, ...]:
     attention, layer = _LAYERS + ("self_attention",), "model.layers.{i}."
     rows = [Row(("token_embedder", "embedding"), "model.embed_tokens.weight"),
             Row(("decoder", "decoder_norm", "scale"), "model.norm.weight"),
-            Row(("decoder", "logits_dense", "kernel"), "lm_head.weight", "transpose"),
+            Row(("decoder", "logits_dense", "kernel"), "lm_head.weight", _transposed),
             Row(_LAYERS + ("pre_self_attention_layer_norm", "scale"), layer + "input_layernorm.weight"),
             Row(_LAYERS + ("post_self_attention_layer_norm", "scale"), layer + "post_attention_layernorm.weight"),
-            Row(attention + ("query", "kernel"), layer + "self_attn.q_proj.weight", "heads_in", "q", llama, llama),
-            Row(attention + ("key", "kernel"), layer + "self_attn.k_proj.weight", "heads_in", "kv", llama),
-            Row(attention + ("value", "kernel"), layer + "self_attn.v_proj.weight", "heads_in", "kv"),
-            Row(attention + ("out", "kernel"), layer + "self_attn.o_proj.weight", "heads_out", "q")]
+            Row(attention + ("query", "kernel"), layer + "self_attn.q_proj.weight", _heads_in, "q", llama, llama),
+            Row(attention + ("key", "kernel"), layer + "self_attn.k_proj.weight", _heads_in, "kv", llama),
+            Row(attention + ("value", "kernel"), layer + "self_attn.v_proj.weight", _heads_in, "kv"),
+            Row(attention + ("out", "kernel"), layer + "self_attn.o_proj.weight", _heads_out, "q")]
     if not llama:
         rows += [Row(attention + ("query_norm", "scale"), layer + "self_attn.q_norm.weight"),
                  Row(attention + ("key_norm", "scale"), layer + "self_attn.k_norm.weight")]
-    rows += [Row(_LAYERS + ("mlp", name, "kernel"), layer + f"mlp.{hf}.weight", "transpose")
+    rows += [Row(_LAYERS + ("mlp", name, "kernel"), layer + f"mlp.{hf}.weight", _transposed)
              for name, hf in (("wi_0", "gate_proj"), ("wi_1", "up_proj"), ("wo", "down_proj"))]
     return tuple(rows)
 
@@ -178,7 +240,7 @@ def _pair(hf: Inventory, mt: Inventory, rows: tuple[Row, ...], dims: Dims, stric
                                   "checkpoint lacks")
             continue
         sources = [hf[key] for key in keys]
-        layout = _layer_layout(row, sources[0], dims)
+        layout = row.layout(row, sources[0], dims)
         if layer is None and row.layered:
             scanned.append((entry, row, sources, layout))
             continue
@@ -188,42 +250,6 @@ def _pair(hf: Inventory, mt: Inventory, rows: tuple[Row, ...], dims: Dims, stric
         for entry, row, sources, layout in scanned:
             ops += _stacked(entry, row, sources, layout, axis, dims)
     return ops, missing
-
-
-@dataclass(frozen=True)
-class _LayerLayout:
-    """One layer's array: its Hugging Face shape read as ``factors``, permuted by ``perm``,
-    grouped into MaxText's ``shape``."""
-
-    factors: tuple[int, ...]
-    perm: tuple[int, ...]
-    shape: tuple[int, ...]
-
-
-def _layer_layout(row: Row, source: Entry, dims: Dims) -> _LayerLayout:
-    shape = source.shape
-    if row.layout == "same":
-        return _LayerLayout(shape, tuple(range(len(shape))), shape)
-    if row.layout == "transpose" and len(shape) == 2:
-        return _LayerLayout(shape, (1, 0), shape[::-1])
-    count, head_dim = dims.count(row), dims.head_dim
-    fused = 0 if row.layout == "heads_in" else 1
-    if len(shape) != 2 or shape[fused] != count * head_dim:
-        raise PlanError(
-            f"{join_key(source.key, '.')} has shape {shape}: its axis {fused} is not config.json's "
-            f"{'num_attention_heads' if row.heads == 'q' else 'num_key_value_heads'} {count} x head_dim "
-            f"{head_dim} = {count * head_dim}, the [heads, head_dim] MaxText splits it into. Check that "
-            "config.json belongs to these weights.")
-    emb = shape[1 - fused]
-    if row.layout == "heads_out":  # [E, H*D] -> [H, D, E]
-        return _LayerLayout((emb, count, head_dim), (1, 2, 0), (count, head_dim, emb))
-    if not row.rope:  # [N*D, E] -> [E, N, D]
-        return _LayerLayout((count, head_dim, emb), (2, 0, 1), (emb, count, head_dim))
-    if head_dim % 2:
-        raise PlanError(f"{join_key(source.key, '.')}: head_dim {head_dim} is odd, so it has no rotary "
-                        "halves to interleave. Check config.json.")
-    # [N*D, E] as [N, 2, D/2, E] -> [E, N, D/2, 2]: half-split rotary halves to interleaved pairs
-    return _LayerLayout((count, 2, head_dim // 2, emb), (3, 0, 2, 1), (emb, count, head_dim))
 
 
 def _scale(row: Row, sources: list[Entry], target: Entry, dims: Dims) -> list[Op]:
@@ -236,13 +262,8 @@ def _scale(row: Row, sources: list[Entry], target: Entry, dims: Dims) -> list[Op
 def _single(entry: Entry, row: Row, source: Entry, layout: _LayerLayout, dims: Dims) -> list[Op]:
     """A key that is one Hugging Face tensor (an unscanned layer, or not a layer)."""
     _require_shape(entry, layout.shape, source)
-    if row.layout == "same":
-        op: Op = Rename(source.key, entry.key)
-    elif row.layout == "transpose":
-        op = Transpose(source.key, entry.key, layout.perm)
-    else:
-        op = Reshape((source.key,), (entry.key,), source.shape, layout.factors, layout.perm, layout.shape)
-    return [op] + _scale(row, [source], entry, dims)
+    op = Reshape((source.key,), (entry.key,), source.shape, layout.factors, layout.perm, layout.shape)
+    return [op.simplified()] + _scale(row, [source], entry, dims)
 
 
 def _scanned_shape(layout: _LayerLayout, layers: int, axis: int) -> tuple[int, ...]:
@@ -255,16 +276,13 @@ def _stacked(entry: Entry, row: Row, sources: list[Entry], layout: _LayerLayout,
     count = len(sources)
     keys = tuple(s.key for s in sources)
     _require_shape(entry, _scanned_shape(layout, count, axis), sources[0])
-    if row.layout == "same":
-        op: Op = Stack(keys, entry.key, axis)
-    else:
-        # the layer count is source factor 0; it lands before the factors of target axis ``axis``
-        groups = axis_groups(tuple(layout.factors[p] for p in layout.perm), layout.shape)
-        at = sum(len(group) for group in groups[:axis])
-        perm = tuple(p + 1 for p in layout.perm)
-        op = Reshape(keys, (entry.key,), (count,) + sources[0].shape, (count,) + layout.factors,
-                     perm[:at] + (0,) + perm[at:], _scanned_shape(layout, count, axis))
-    return [op] + _scale(row, sources, entry, dims)
+    # the layer count is source factor 0; it lands before the factors of target axis ``axis``
+    groups = axis_groups(tuple(layout.factors[p] for p in layout.perm), layout.shape)
+    at = sum(len(group) for group in groups[:axis])
+    perm = tuple(p + 1 for p in layout.perm)
+    op = Reshape(keys, (entry.key,), (count,) + sources[0].shape, (count,) + layout.factors,
+                 perm[:at] + (0,) + perm[at:], _scanned_shape(layout, count, axis))
+    return [op.simplified()] + _scale(row, sources, entry, dims)
 
 
 def _scan_axis(scanned: list, strict: bool) -> int:

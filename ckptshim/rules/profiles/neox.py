@@ -18,9 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Protocol
 
-from ckptshim.inventory import KeyPath
+from ckptshim.errors import PlanError
+from ckptshim.inventory import KeyPath, join_key
+from ckptshim.ops import Chunk, Concat, Op, Replicate, Replicated, Share, Sum
 from ckptshim.rules.aliases import Alias
 
 #: NeoX's MLP names since 2024 (``mlp.linear1``/``linear2``) and before (Megatron's, as HF uses).
@@ -72,48 +74,95 @@ def hf_num_layers(keys: Iterable[KeyPath]) -> int:
     return len({key[2] for key in keys if key[:2] == ("gpt_neox", "layers") and len(key) > 2})
 
 
+class _Spread(Protocol):
+    """How one NeoX tensor is spread over tensor-parallel ranks, as the ops between its shards
+    (one per rank, in rank order) and the whole tensor."""
+
+    def merge(self, shards: tuple[KeyPath, ...], key: KeyPath, shard: tuple[int, ...]) -> tuple[Op, tuple[int, ...]]:
+        """The op that makes ``key`` whole from ``shards`` of shape ``shard``, and the whole shape."""
+        ...
+
+    def split(self, key: KeyPath, shards: tuple[KeyPath, ...], whole: tuple[int, ...]) -> tuple[Op, tuple[int, ...]]:
+        """The op that cuts ``key`` of shape ``whole`` into ``shards``, and a shard's shape."""
+        ...
+
+
 @dataclass(frozen=True)
-class TPRule:
-    """How one NeoX tensor is spread over tensor-parallel ranks.
+class _Along:
+    """Each rank holds an equal slice along ``axis``: column-parallel outputs, the fused
+    ``query_key_value`` (interleaved per head, so a contiguous slice is a set of whole heads),
+    vocab-parallel embeddings; row-parallel weights on axis 1."""
 
-    ``cat``: each rank holds a contiguous slice along ``axis`` (column-parallel outputs, fused
-    ``query_key_value`` -- whose per-head interleaving makes a contiguous slice a set of whole
-    heads -- vocab-parallel embeddings; row-parallel weights on axis 1). ``sum``: the row-parallel
-    output biases; with GPT-J parallel residual each rank adds its own before the all-reduce, so
-    the full bias is their sum (NeoX's converter sums them; its splitter divides by the degree).
-    ``replicate``: norms and rotary buffers, equal on every rank.
-    """
+    axis: int
 
-    kind: Literal["cat", "sum", "replicate"]
-    axis: int = 0
+    def merge(self, shards: tuple[KeyPath, ...], key: KeyPath, shard: tuple[int, ...]) -> tuple[Op, tuple[int, ...]]:
+        whole = shard[:self.axis] + (shard[self.axis] * len(shards),) + shard[self.axis + 1:]
+        return Concat(shards, key, self.axis, (shard[self.axis],) * len(shards)), whole
+
+    def split(self, key: KeyPath, shards: tuple[KeyPath, ...], whole: tuple[int, ...]) -> tuple[Op, tuple[int, ...]]:
+        size, degree = whole[self.axis], len(shards)
+        if size % degree:
+            raise PlanError(f"{join_key(key)}: axis {self.axis} has {size} entries, which do not split evenly over "
+                            f"{degree} tensor-parallel ranks; the model's sizes do not match this checkpoint.")
+        shard = whole[:self.axis] + (size // degree,) + whole[self.axis + 1:]
+        return Chunk(key, shards, self.axis, (size // degree,) * degree), shard
 
 
-_CAT0, _CAT1 = TPRule("cat", 0), TPRule("cat", 1)
-_SUM, _REPLICATE = TPRule("sum"), TPRule("replicate")
+class _Summed:
+    """The row-parallel output biases: each rank adds its own before the all-reduce (GPT-J
+    parallel residual), so the whole bias is their :class:`~ckptshim.ops.Sum`."""
 
-_RULES: dict[KeyPath, TPRule] = {
-    ("word_embeddings", "weight"): _CAT0,
-    ("final_linear", "weight"): _CAT0,
-    ("attention", "query_key_value", "weight"): _CAT0,
-    ("attention", "query_key_value", "bias"): _CAT0,
-    ("attention", "dense", "weight"): _CAT1,
-    ("attention", "dense", "bias"): _SUM,
-    ("attention", "rotary_emb", "inv_freq"): _REPLICATE,
-    ("norm", "weight"): _REPLICATE,
-    ("norm", "bias"): _REPLICATE,
+    def merge(self, shards: tuple[KeyPath, ...], key: KeyPath, shard: tuple[int, ...]) -> tuple[Op, tuple[int, ...]]:
+        return Sum(shards, key), shard
+
+    def split(self, key: KeyPath, shards: tuple[KeyPath, ...], whole: tuple[int, ...]) -> tuple[Op, tuple[int, ...]]:
+        return Share(key, shards), whole
+
+
+class _Replicated:
+    """Norms and rotary buffers: every rank holds the whole tensor, checked equal on a merge."""
+
+    def merge(self, shards: tuple[KeyPath, ...], key: KeyPath, shard: tuple[int, ...]) -> tuple[Op, tuple[int, ...]]:
+        return Replicated(shards, key), shard
+
+    def split(self, key: KeyPath, shards: tuple[KeyPath, ...], whole: tuple[int, ...]) -> tuple[Op, tuple[int, ...]]:
+        return Replicate(key, shards), whole
+
+
+_ROWS, _COLUMNS = _Along(0), _Along(1)
+_SUMMED, REPLICATED = _Summed(), _Replicated()
+
+_SPREADS: dict[KeyPath, _Spread] = {
+    ("word_embeddings", "weight"): _ROWS,
+    ("final_linear", "weight"): _ROWS,
+    ("attention", "query_key_value", "weight"): _ROWS,
+    ("attention", "query_key_value", "bias"): _ROWS,
+    ("attention", "dense", "weight"): _COLUMNS,
+    ("attention", "dense", "bias"): _SUMMED,
+    ("attention", "rotary_emb", "inv_freq"): REPLICATED,
+    ("norm", "weight"): REPLICATED,
+    ("norm", "bias"): REPLICATED,
 }
 for _ln in ("input_layernorm", "post_attention_layernorm"):
-    _RULES[(_ln, "weight")] = _RULES[(_ln, "bias")] = _REPLICATE
+    _SPREADS[(_ln, "weight")] = _SPREADS[(_ln, "bias")] = REPLICATED
 for _hf, _neox in MLP_RENAMES:
     _column = _hf == "dense_h_to_4h"
     for _name in (_hf, _neox):
-        _RULES[("mlp", _name, "weight")] = _CAT0 if _column else _CAT1
-        _RULES[("mlp", _name, "bias")] = _CAT0 if _column else _SUM
+        _SPREADS[("mlp", _name, "weight")] = _ROWS if _column else _COLUMNS
+        _SPREADS[("mlp", _name, "bias")] = _ROWS if _column else _SUMMED
 
 
-def tp_rule(name: KeyPath) -> TPRule | None:
-    """The rule for a tensor named ``name`` inside one pipeline layer (``sequential.<i>`` cut off)."""
-    return _RULES.get(name)
+def spread(key: KeyPath) -> _Spread | None:
+    """How the NeoX tensor ``key`` (``sequential.<i>.<name>``) is spread over tensor-parallel
+    ranks; ``None`` for a tensor NeoX does not lay out so (not one of its own layers').
+    :data:`REPLICATED` is what a caller takes for a tensor each rank holds whole."""
+    return _SPREADS.get(key[2:]) if key[:1] == (SEQUENTIAL,) and len(key) > 2 else None
+
+
+def shard_keys(key: KeyPath, degree: int) -> tuple[KeyPath, ...]:
+    """The names of ``key``'s shards in ops: ``<key>.model_<rank>``, as NeoX names the files
+    (``layer_<i>-model_<rank>-model_states.pt``)."""
+    return tuple(key + (f"model_{rank:02d}",) for rank in range(degree))
 
 
 #: Tensors whose first axis is the (padded) vocabulary.

@@ -34,7 +34,7 @@ from typing import Any
 
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key, split_key
-from ckptshim.ops import Chunk, Concat, Op, Rename, Reorder, Stack, Transpose
+from ckptshim.ops import Chunk, Concat, Op, Rename, Reorder, Stack, Transpose, fits
 from ckptshim.rules import Paired, Rules
 from ckptshim.rules.prefixes import WRAPPER_SEGMENTS, strip_wrappers
 
@@ -437,23 +437,7 @@ def _indexed(parts: Mapping[str, Sequence[str]]) -> list[str]:
 def _require_shapes(op: Op, group: Collected) -> None:
     """The op's targets must have the shapes it makes from its sources, as transformers'
     ``convert`` would make them; else the checkpoint is not this model's."""
-    if not _fits(op, group.shape):
+    if not fits(op, group.shape):
         shown = ", ".join(f"{join_key(key)} {group.shape(key)}" for key in (*op.sources[:2], *op.targets[:2]))
         raise PlanError(f"{join_key(op.targets[0])}: transformers' {' + '.join(chain(group.converter))} does not "
                         f"fit these shapes ({shown}, ...). Build the model with the checkpoint's config.")
-
-
-def _fits(op: Op, shape: Callable[[KeyPath], tuple[int, ...]]) -> bool:
-    if isinstance(op, Concat):
-        return op.fits(shape(op.target), [shape(key) for key in op.sources])
-    if isinstance(op, Chunk):
-        return op.fits(shape(op.source), [shape(key) for key in op.targets])
-    if isinstance(op, Stack):
-        whole = shape(op.target)
-        layer = whole[:op.axis] + whole[op.axis + 1:]
-        return whole[op.axis] == len(op.sources) and all(shape(key) == layer for key in op.sources)
-    if isinstance(op, Transpose):
-        return shape(op.target) == tuple(shape(op.source)[axis] for axis in op.perm)
-    if isinstance(op, Reorder):
-        return shape(op.source) == shape(op.target) and math.prod(op.factors) == shape(op.source)[op.axis]
-    return shape(op.sources[0]) == shape(op.targets[0])
