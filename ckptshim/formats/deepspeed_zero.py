@@ -305,6 +305,11 @@ class ZeroCheckpoint(Checkpoint):
                                              out[lo - slot.offset - start:hi - slot.offset - start])
         return out
 
+    @property
+    def files_read(self) -> frozenset[Path]:
+        """The files opening this checkpoint read through the allow-listed unpickler."""
+        return frozenset(Path(part.path) for part in self._parts)
+
     def close(self) -> None:
         for part in self._parts:
             part.close()
@@ -375,6 +380,14 @@ def _read(file: Path, step: Path, extra: torch_globals.ExtraGlobals, writer: str
             for leaf in torch_pickle.flat_tree(archive.tree, str(file)).values()
             if isinstance(leaf, TensorRef) and leaf.storage.key in archive.offsets]
     return _Archive(archive.tree, part, file_info(file, max(ends, default=None), root=step, writer=writer))
+
+
+def read_state_file(file: Path, step: Path) -> None:
+    """Read ``file`` (a model- or optimizer-state file of tag folder ``step``) as DeepSpeed's
+    engine would unpickle it, through the allow-listed unpickler: a file needing any global but
+    torch's and :data:`MODEL_STATE_GLOBALS` is refused (:class:`~ckptshim.errors.UnsafeCheckpointError`),
+    a damaged one named (:class:`~ckptshim.errors.CorruptCheckpointError`)."""
+    _read(file, step, MODEL_STATE_GLOBALS, "").part.close()
 
 
 #: More data-parallel ranks than any run has had: a larger ``dp_world_size`` is a damaged file.
