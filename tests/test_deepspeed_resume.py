@@ -141,6 +141,18 @@ def test_same_world_size_runs_deepspeeds_own_load(saved: dict, tmp_path: Path) -
     _check(saved, 2, tmp_path, 2, variants, _load(saved[2][0], tmp_path, 2, variants), native=True)
 
 
+def test_a_resume_ckptshim_cannot_recut_is_deepspeeds_own_error_with_a_note(saved: dict, tmp_path: Path) -> None:
+    """A ZeRO-1 checkpoint into a ZeRO-2 engine of another world size: no exact re-cut, so
+    DeepSpeed's own load runs and raises its own error, ckptshim's reason added as a note."""
+    root = tmp_path / "source"
+    shutil.copytree(saved[2][0] / "zero1_fp32", root / "zero2_fp32")
+    result = _load(root, tmp_path, 1, ((2, "fp32"),))[0][0]
+    assert result["error"] == "ZeRORuntimeException"
+    assert result["message"].startswith("The checkpoint being loaded used a DP world size of 2 but the current "
+                                        "world size is 1.")
+    assert any("same ZeRO stage" in note for note in result["notes"]), result["notes"]
+
+
 class _Mkdir:
     """Pickles as a call of ``os.mkdir(path)``: what an attacker's rank file would run."""
 
