@@ -151,6 +151,9 @@ def test_a_resume_ckptshim_cannot_recut_is_deepspeeds_own_error_with_a_note(save
     assert result["message"].startswith("The checkpoint being loaded used a DP world size of 2 but the current "
                                         "world size is 1.")
     assert any("same ZeRO stage" in note for note in result["notes"]), result["notes"]
+    heading = next(line for line in (Path(__file__).parents[1] / "docs" / "deepspeed.md").read_text().splitlines()
+                   if line.startswith("## `ZeRORuntimeException: "))
+    assert heading == f"## `{result['error']}: {result['message']}`"  # the page quotes DeepSpeed's own error
 
 
 class _Mkdir:
