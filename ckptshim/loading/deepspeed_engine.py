@@ -34,6 +34,7 @@ import glob
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,7 @@ def load_checkpoint(engine: Any, call: Mapping[str, Any], native: Callable[[], A
     folder = load_dir / tag
     source = deepspeed_zero.open_checkpoint(folder) if deepspeed_zero.sniff(folder) else None
     try:
-        _read_other_files(engine, folder, source)
+        _read_other_files(engine, load_dir, tag, source)
         if source is None or not engine.zero_optimization() or source.world == engine.seq_dp_world_size:
             return native()
         reason = _why_not(engine, source, call)
@@ -78,7 +79,7 @@ def load_checkpoint(engine: Any, call: Mapping[str, Any], native: Callable[[], A
     logger.info("%s: ZeRO-%d checkpoint of %d data-parallel ranks re-cut for %d (rank %d read only the "
                 "elements of its own partition)", HOOK, source.stage, source.world, engine.seq_dp_world_size,
                 _dp_rank(engine.optimizer))
-    return _resume(engine, folder, source.stage, state, native)
+    return _resume(engine, source.stage, state, native)
 
 
 # -- which files, which tag --------------------------------------------------------------------------
@@ -90,25 +91,38 @@ def _tag(engine: Any, load_dir: Path, tag: Any) -> str | None:
     latest = load_dir / ("latest_universal" if engine.load_universal_checkpoint() else "latest")
     if not latest.is_file():
         return None
-    return latest.read_text().strip()
+    try:  # as DeepSpeed reads it; what it cannot read, DeepSpeed fails on before it unpickles anything
+        return latest.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
-def _read_other_files(engine: Any, folder: Path, source: ZeroCheckpoint | None) -> None:
-    """Read, through the allow-listed unpickler, every file of ``folder`` DeepSpeed may unpickle
-    that opening ``source`` has not: the model states of other model-parallel ranks, the files of
-    a folder that is not a ZeRO checkpoint ckptshim reads, and (universal checkpoints, MoE
-    experts) every ``.pt`` below it. One that needs a global ckptshim does not allow is refused."""
+def _read_other_files(engine: Any, load_dir: Path, tag: str, source: ZeroCheckpoint | None) -> None:
+    """Read, through the allow-listed unpickler, every file DeepSpeed may unpickle that opening
+    ``source`` has not: the tag folder's model- and optimizer-state files (a damaged partition
+    ``source`` only listed as a problem included), those DeepSpeed's own glob for the model
+    states finds (its pattern, metacharacters in ``load_dir`` included), and for universal
+    checkpoints and MoE experts every ``.pt`` below the folder. A file that needs a global
+    ckptshim does not allow is refused; so is one it cannot read."""
+    folder = load_dir / tag
+    found: set[Path] = set()
+    if folder.is_dir():
+        found |= {child for child in folder.iterdir() if any(fnmatch(child.name, p) for p in _STATE_FILES)}
+        if engine.load_universal_checkpoint() or engine.has_moe_layers:
+            found |= {Path(name) for name in glob.glob(glob.escape(str(folder)) + "/**/*.pt", recursive=True)}
+    for rank in (None, "0"):  # this rank's model states, and dp rank 0's (a ZeRO-3 re-cut reads those)
+        found |= {Path(name) for name in glob.glob(engine._get_ckpt_name(str(load_dir), tag, mp_placeholder="*",
+                                                                          pp_placeholder=rank))}
     read = source.files_read if source is not None else frozenset()
-    found = {Path(name) for pattern in _STATE_FILES for name in glob.glob(str(folder / pattern))}
-    if engine.load_universal_checkpoint() or engine.has_moe_layers:
-        found |= {Path(name) for name in glob.glob(str(folder / "**" / "*.pt"), recursive=True)}
     for file in sorted(found - read):
         if file.is_file():
-            deepspeed_zero.read_state_file(file, folder)
+            deepspeed_zero.read_state_file(file, file.parent)
 
 
 def _why_not(engine: Any, source: ZeroCheckpoint, call: Mapping[str, Any]) -> str:
     """Why this load is not one ckptshim re-cuts (``""`` when it is)."""
+    if engine.optimizer is None or not hasattr(engine.optimizer, "load_state_dict"):
+        return "into an engine with a ZeRO optimizer"
     if not call["load_optimizer_states"] or call["load_module_only"]:
         return "when the optimizer states are loaded (DeepSpeed's own load without them needs no re-cut)"
     if engine.load_universal_checkpoint() or engine.has_moe_layers or engine.zero_nvme_offload_optimizer():
@@ -270,7 +284,7 @@ def _plain(value: Any, name: str) -> Any:
 
 # -- DeepSpeed's own load, with the re-cut state -----------------------------------------------------
 
-def _resume(engine: Any, folder: Path, stage: int, state: dict, native: Callable[[], Any]) -> Any:
+def _resume(engine: Any, stage: int, state: dict, native: Callable[[], Any]) -> Any:
     """DeepSpeed's own ``load_checkpoint``, its ZeRO step handed ``state`` for this rank; under
     ZeRO-3 every rank reads dp rank 0's model states (as DeepSpeed's universal load does: they
     hold placeholders and whole buffers, and an added rank has no file of its own)."""
