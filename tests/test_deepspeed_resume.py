@@ -106,6 +106,10 @@ def _check(saved: dict, saved_world: int, target: Path, world: int, variants: tu
             assert result["adam_step"] == at_save["adam_step"]
             assert result["scheduler"] == at_save["scheduler"] and result["lr"] == at_save["lr"]
             assert math.isfinite(result["loss_after"])
+        for rank, partitions in enumerate(_ranks(target / name, world)):  # each rank read only its partition
+            held = sum(len(partitions[key]) for key in partitions.files if key.startswith("fp32/"))
+            assert results[rank][index]["elements_read"] <= len(STATES) * held if not native else \
+                results[rank][index]["elements_read"] == 0
         _assert_recut(root / "saved" / name, target / name, saved_world, world, stage, results[0][index]["names"])
 
 

@@ -309,7 +309,9 @@ def _resume(engine: Any, stage: int, state: dict, native: Callable[[], Any]) -> 
 
 @contextmanager
 def _instance_overrides(instance: Any, overrides: Mapping[str, Any]) -> Iterator[None]:
-    """``overrides`` as attributes of ``instance`` (shadowing its class's methods) for one call."""
+    """``overrides`` as attributes of ``instance`` (shadowing its class's methods) for one call;
+    afterwards the instance's own attributes are as they were."""
+    saved = {name: vars(instance)[name] for name in overrides if name in vars(instance)}
     for name, value in overrides.items():
         setattr(instance, name, value)
     try:
@@ -317,3 +319,5 @@ def _instance_overrides(instance: Any, overrides: Mapping[str, Any]) -> Iterator
     finally:
         for name in overrides:
             delattr(instance, name)
+        for name, value in saved.items():
+            setattr(instance, name, value)

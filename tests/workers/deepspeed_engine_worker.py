@@ -13,8 +13,8 @@ optimizer holds them (``fp32/<group>``, ``exp_avg/<group>``...), and on every ra
 parameter's full fp32 master and moments as DeepSpeed's own ``safe_get_full_fp32_param`` /
 ``safe_get_full_optimizer_state`` gather them (``full/<state>/<name>``). It prints one ``RESULT``
 JSON line per job: what ``load_checkpoint`` returned or raised, the engine's step and learning
-rate, Adam's ``step``, whether DeepSpeed's own ``_load_zero_checkpoint`` ran, and the loss of the
-step after the load.
+rate, Adam's ``step``, whether DeepSpeed's own ``_load_zero_checkpoint`` ran, how many elements
+ckptshim read from the saved partitions, and the loss of the step after the load.
 """
 
 from __future__ import annotations
@@ -112,14 +112,14 @@ def record(engine: DeepSpeedEngine, out: Path) -> dict:
             "scheduler": engine.lr_scheduler.state_dict(), "names": names}
 
 
-def run(job: dict, native_zero_loads: list) -> dict:
+def run(job: dict, native_zero_loads: list, read: list) -> dict:
     engine = engine_for(job)
     if job["mode"] == "save":
         for step in range(2):
             train_step(engine, step)
         engine.save_checkpoint(job["dir"], client_state={"epoch": 3})
         return record(engine, Path(job["out"]))
-    before = len(native_zero_loads)
+    before, read[0] = len(native_zero_loads), 0
     try:
         path, client = engine.load_checkpoint(job["dir"])
     except Exception as error:  # noqa: BLE001 -- the test asserts on it
@@ -127,17 +127,32 @@ def run(job: dict, native_zero_loads: list) -> dict:
                 "notes": list(getattr(error, "__notes__", []))}
     result = record(engine, Path(job["out"]))
     result.update(load_path=path, client_state=client, native_zero_load=len(native_zero_loads) > before,
+                  elements_read=read[0],
                   loss_after=train_step(engine, 2))
     return result
+
+
+def count_reads(read: list) -> None:
+    """Count the elements each resume reads from the saved partitions (``read[0]``)."""
+    from ckptshim.formats.deepspeed_zero import ZeroCheckpoint
+
+    own = ZeroCheckpoint.read_elements
+
+    def counted(self, name, state, start, stop):
+        read[0] += stop - start
+        return own(self, name, state, start, stop)
+    ZeroCheckpoint.read_elements = counted
 
 
 def main() -> None:
     jobs = json.loads(Path(sys.argv[1]).read_text())
     init_distributed_on_gloo(verbose=False)
+    read = [0]
+    count_reads(read)
     native_zero_loads: list = []
     own = DeepSpeedEngine._load_zero_checkpoint  # DeepSpeed's own ZeRO step, spied on at the class
     DeepSpeedEngine._load_zero_checkpoint = lambda *a, **k: native_zero_loads.append(1) or own(*a, **k)
-    print("RESULT " + json.dumps([run(job, native_zero_loads) for job in jobs], default=str))
+    print("RESULT " + json.dumps([run(job, native_zero_loads, read) for job in jobs], default=str))
 
 
 if __name__ == "__main__":
