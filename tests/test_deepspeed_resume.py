@@ -25,9 +25,9 @@ WORKER = "deepspeed_engine_worker.py"
 ENV = {"DS_ACCELERATOR": "cpu"}
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 #: (ZeRO stage, training dtype) of the checkpoints saved by 2 ranks.
-FROM_TWO = ((1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16"))
+FROM_TWO = ((1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16"))
 #: ... and by 1 rank.
-FROM_ONE = ((2, "fp32"), (3, "fp32"))
+FROM_ONE = ((1, "fp32"), (2, "fp32"), (3, "fp32"))
 
 
 def _name(stage: int, dtype: str) -> str:
@@ -65,7 +65,7 @@ def _assert_recut(saved_dir: Path, loaded_dir: Path, saved_world: int, world: in
                   names: list[str]) -> None:
     """Each rank's partition after the load is the saved state re-cut for ``world`` ranks."""
     before, after = _ranks(saved_dir, saved_world), _ranks(loaded_dir, world)
-    for rank in after:  # every parameter whole, as DeepSpeed's own safe_get_full_* gather it
+    for rank in after:  # every parameter whole (fp32 master, moments, training-dtype weight)
         for key in before[0].files:
             if key.startswith("full/"):
                 assert rank[key].tobytes() == before[0][key].tobytes(), key

@@ -11,7 +11,8 @@ partition pads) under ZeRO ``stage``, Adam (torch's) and a WarmupLR scheduler:
 Either way it writes ``out/<rank>.npz``: this rank's flat fp32 partitions and Adam moments as the
 optimizer holds them (``fp32/<group>``, ``exp_avg/<group>``...), and on every rank each trainable
 parameter's full fp32 master and moments as DeepSpeed's own ``safe_get_full_fp32_param`` /
-``safe_get_full_optimizer_state`` gather them (``full/<state>/<name>``). It prints one ``RESULT``
+``safe_get_full_optimizer_state`` gather them (``full/<state>/<name>``) and its training-dtype
+weight (``full/module/<name>``, gathered under ZeRO-3). It prints one ``RESULT``
 JSON line per job: what ``load_checkpoint`` returned or raised, the engine's step and learning
 rate, Adam's ``step``, whether DeepSpeed's own ``_load_zero_checkpoint`` ran, how many elements
 ckptshim read from the saved partitions, and the loss of the step after the load.
@@ -101,7 +102,11 @@ def record(engine: DeepSpeedEngine, out: Path) -> dict:
         arrays[f"full/fp32/{name}"] = safe_get_full_fp32_param(param).detach().numpy().copy()
         for moment in MOMENTS:
             arrays[f"full/{moment}/{name}"] = safe_get_full_optimizer_state(param, moment).detach().numpy().copy()
-    if engine.zero_optimization_stage() == 3:  # each parameter's piece per rank, in partition order
+    zero3 = engine.zero_optimization_stage() == 3
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=zero3):
+        for name, param in engine.module.named_parameters():  # the training-dtype weights, whole
+            arrays[f"full/module/{name}"] = param.detach().float().numpy().copy()
+    if zero3:  # each parameter's piece per rank, in partition order
         arrays["layout"] = np.array([[p.ds_numel, p.partition_numel()] for p in engine.optimizer.fp16_groups[0]])
         names = [engine.optimizer.param_names[p] for p in engine.optimizer.fp16_groups[0]]
     else:
