@@ -66,6 +66,31 @@ def test_masters_and_adam_moments_are_the_engines(variant: str) -> None:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_any_element_range_reads_as_the_whole_parameter_cut(variant: str, monkeypatch) -> None:
+    """``read_elements`` (what a resume at another world size re-cuts with) gives any range of a
+    parameter's master or moment as the assembled parameter has it, zeros past its end, and
+    reads only the partitions holding the range."""
+    checkpoint = open_checkpoint(ZERO / variant)
+    for name, slot in checkpoint.slots.items():
+        for state in (None, *deepspeed_zero.MOMENTS):
+            whole = (checkpoint.read(checkpoint.inventory[tuple(name.split("."))]) if state is None else
+                     checkpoint.read_optimizer_state(name, state)).reshape(-1)
+            padded = np.concatenate([whole, np.zeros(7, np.float32)])
+            for start, stop in ((0, slot.numel), (1, slot.numel - 1), (slot.numel // 2, slot.numel + 7),
+                                (slot.numel - 1, slot.numel), (slot.numel, slot.numel + 3), (3, 3)):
+                assert checkpoint.read_elements(name, state, start, stop).tobytes() == \
+                    padded[start:stop].tobytes(), (name, state, start, stop)
+    files: list[str] = []
+    copy = deepspeed_zero.Flat.copy
+    monkeypatch.setattr(deepspeed_zero.Flat, "copy", lambda self, *a: files.append(self.part.path) or copy(self, *a))
+    name, slot = next(iter(checkpoint.slots.items()))
+    first = -(-slot.numel // checkpoint.world) if checkpoint.stage == 3 else \
+        min(slot.numel, checkpoint.ranks[0].fp32[slot.group].numel - slot.offset)
+    checkpoint.read_elements(name, "exp_avg", 0, first)  # rank 0's part of the parameter
+    assert {Path(file).name for file in files} == {checkpoint.ranks[0].file.name}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_engine_module_is_the_masters_rounded_as_torch_rounds(variant: str) -> None:
     """The engine's own (16-bit under bf16) module weights are the masters cast by torch's ``.to()``:
     what a 16-bit destination gets from the masters."""

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -224,6 +224,11 @@ class Rank:
     step: Any
     optimizer: Mapping[str, Any]
 
+    def read(self, ref: TensorRef) -> np.ndarray:
+        """A tensor of this rank's file (the optimizer's ``step``...), as stored."""
+        part = self.fp32[0].part
+        return part.read(Entry(("value",), ref.shape, ref.storage.dtype, (str(part.path), ref)))
+
 
 class ZeroCheckpoint(Checkpoint):
     """A ZeRO tag folder; entries are the fp32 state dict DeepSpeed's ``zero_to_fp32`` makes.
@@ -246,7 +251,7 @@ class ZeroCheckpoint(Checkpoint):
     def read(self, entry: Entry) -> np.ndarray:
         kind, name = entry.location
         if kind == "master":
-            return self._gather(self.slots[name], lambda rank: rank.fp32)
+            return self.read_elements(name, None, 0, self.slots[name].numel).reshape(entry.shape)
         pieces = self._whole[name]
         arrays = [part.read(Entry(entry.key, ref.shape, ref.storage.dtype, (str(part.path), ref)))
                   for part, ref in pieces]
@@ -260,32 +265,50 @@ class ZeroCheckpoint(Checkpoint):
         """Trainable parameter ``name``'s optimizer state ``state`` (one of :data:`MOMENTS`), in
         the parameter's shape, assembled from the ranks' partitions as its master is."""
         self.require_complete()
-        missing = [rank for rank, found in self.ranks.items() if state not in found.states]
-        if missing:
-            raise CorruptCheckpointError(f"{self.path}: rank(s) {missing} hold no optimizer state {state!r}")
-        return self._gather(self.slots[name], lambda rank: rank.states[state])
+        return self.read_elements(name, state, 0, self.slots[name].numel).reshape(self.slots[name].shape)
 
-    def _gather(self, slot: Slot, flats_of: Callable[[Rank], tuple[Flat, ...]]) -> np.ndarray:
+    def read_elements(self, name: str, state: str | None, start: int, stop: int) -> np.ndarray:
+        """Elements ``start .. stop`` of trainable parameter ``name``'s flattened fp32 master
+        (``state`` ``None``) or optimizer state ``state``, as float32; zeros past the parameter's
+        end (the padding a partition of another world size has there). Reads only the saved
+        partitions that hold those elements: a resume at another world size re-cuts each rank's
+        new partition with it, never assembling the whole model."""
         missing = [rank for rank in range(self.world) if rank not in self.ranks]
         if missing:
             raise CorruptCheckpointError(
                 f"{self.path}: the optimizer partitions of data-parallel rank(s) {missing} are missing or "
                 "unreadable, and every parameter's fp32 master needs all of them. Restore those files "
                 "(`ckptshim inspect` names them).")
-        if self.stage == 3:
+        if state is not None:
+            lacking = [rank for rank, found in self.ranks.items() if state not in found.states]
+            if lacking:
+                raise CorruptCheckpointError(f"{self.path}: rank(s) {lacking} hold no optimizer state {state!r}")
+        slot = self.slots[name]
+        out = np.zeros(stop - start, dtype=np.float32)
+        end = min(stop, slot.numel)
+
+        def flats(rank: int) -> tuple[Flat, ...]:
+            found = self.ranks[rank]
+            return found.fp32 if state is None else found.states[state]
+
+        if self.stage == 3:  # rank r holds elements r * piece .. (r + 1) * piece of every parameter
             piece = -(-slot.numel // self.world)
-            out = np.empty(piece * self.world, dtype=np.float32)
-            for rank in range(self.world):
-                flats_of(self.ranks[rank])[0].copy(slot.offset, slot.offset + piece,
-                                                   out[rank * piece:(rank + 1) * piece])
-            return out[:slot.numel].reshape(slot.shape)
-        out = np.empty(slot.numel, dtype=np.float32)
-        for rank, start, size in _rank_ranges(self.ranks, slot.group, self.world):
-            lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + size)
+            for rank in range(start // piece, min(self.world, -(-end // piece))) if end > start else ():
+                lo, hi = max(start, rank * piece), min(end, (rank + 1) * piece)
+                flats(rank)[0].copy(slot.offset + lo - rank * piece, slot.offset + hi - rank * piece,
+                                    out[lo - start:hi - start])
+            return out
+        for rank, first, size in _rank_ranges(self.ranks, slot.group, self.world):
+            lo, hi = max(slot.offset + start, first), min(slot.offset + end, first + size)
             if lo < hi:  # a moment is as long as the padded partition; its first ``size`` elements match
-                flats_of(self.ranks[rank])[slot.group].copy(lo - start, hi - start,
-                                                            out[lo - slot.offset:hi - slot.offset])
-        return out.reshape(slot.shape)
+                flats(rank)[slot.group].copy(lo - first, hi - first,
+                                             out[lo - slot.offset - start:hi - slot.offset - start])
+        return out
+
+    @property
+    def files_read(self) -> frozenset[Path]:
+        """The files opening this checkpoint read through the allow-listed unpickler."""
+        return frozenset(Path(part.path) for part in self._parts)
 
     def close(self) -> None:
         for part in self._parts:
@@ -357,6 +380,14 @@ def _read(file: Path, step: Path, extra: torch_globals.ExtraGlobals, writer: str
             for leaf in torch_pickle.flat_tree(archive.tree, str(file)).values()
             if isinstance(leaf, TensorRef) and leaf.storage.key in archive.offsets]
     return _Archive(archive.tree, part, file_info(file, max(ends, default=None), root=step, writer=writer))
+
+
+def read_state_file(file: Path, step: Path) -> None:
+    """Read ``file`` (a model- or optimizer-state file of tag folder ``step``) as DeepSpeed's
+    engine would unpickle it, through the allow-listed unpickler: a file needing any global but
+    torch's and :data:`MODEL_STATE_GLOBALS` is refused (:class:`~ckptshim.errors.UnsafeCheckpointError`),
+    a damaged one named (:class:`~ckptshim.errors.CorruptCheckpointError`)."""
+    _read(file, step, MODEL_STATE_GLOBALS, "").part.close()
 
 
 #: More data-parallel ranks than any run has had: a larger ``dp_world_size`` is a damaged file.

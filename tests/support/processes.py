@@ -47,6 +47,37 @@ def run_pipeline_loads(workdir: Path, sources: Sequence[Path]) -> list[dict]:
     return json.loads(lines[-1][len("RESULT "):])["jobs"]
 
 
+def run_ranks(name: str, jobs: list[dict], world: int, workdir: Path, extra: Mapping[str, str] = {},
+              timeout: int = 300) -> list:
+    """Run ``tests/workers/<name> JOBS.json RANK WORLD PORT`` as ``world`` processes of one
+    ``torch.distributed`` group (the worker sets it up on a free local port) on ``jobs``; each
+    rank's last ``RESULT`` line, as JSON, in rank order."""
+    import socket
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "jobs.json").write_text(json.dumps(jobs))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    env = environment({"OMP_NUM_THREADS": "1", **extra})
+    procs = [subprocess.Popen([sys.executable, worker(name), str(workdir / "jobs.json"), str(rank), str(world), port],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir, env=env)
+             for rank in range(world)]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            assert proc.returncode == 0 and lines, out[-3000:] + err[-3000:]
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
 def run_device_worker(name: str, *argv: str, devices: int = 4) -> dict:
     """Run ``tests/workers/<name>`` in a fresh process with ``devices`` forced CPU devices; its last
     stdout line, as JSON. (The device count must be fixed before jax initialises, and forcing it
