@@ -196,14 +196,18 @@ class Flat:
     def numel(self) -> int:
         return sum(ref.shape[0] for ref in self.refs)
 
+    def views(self) -> list[np.ndarray]:
+        """The tensors as read-only views of the file (each one's byte range checked against it)."""
+        return [self.part.read(Entry(("flat",), ref.shape, ref.storage.dtype, (str(self.part.path), ref)))
+                for ref in self.refs]
+
     def copy(self, start: int, stop: int, out: np.ndarray) -> None:
         """Elements ``start .. stop`` of the concatenated tensors into ``out`` (1-D, that long)."""
         base = 0
-        for ref in self.refs:
-            size = ref.shape[0]
+        for view in self.views():
+            size = view.shape[0]
             lo, hi = max(start, base), min(stop, base + size)
             if lo < hi:
-                view = self.part.read(Entry(("flat",), ref.shape, ref.storage.dtype, (str(self.part.path), ref)))
                 out[lo - start:hi - start] = view[lo - base:hi - base]
             base += size
         if stop > base:
@@ -246,7 +250,8 @@ class ZeroCheckpoint(Checkpoint):
     def read(self, entry: Entry) -> np.ndarray:
         kind, name = entry.location
         if kind == "master":
-            return self._gather(self.slots[name], lambda rank: rank.fp32)
+            slot = self.slots[name]
+            return self._gather(slot, lambda rank: rank.fp32, 0, slot.numel).reshape(slot.shape)
         pieces = self._whole[name]
         arrays = [part.read(Entry(entry.key, ref.shape, ref.storage.dtype, (str(part.path), ref)))
                   for part, ref in pieces]
@@ -256,6 +261,32 @@ class ZeroCheckpoint(Checkpoint):
         value = value.reshape(entry.shape)
         return _as_float32(value, stored) if stored != entry.dtype else value
 
+    def read_into(self, entry: Entry, index: tuple, out: np.ndarray) -> None:
+        """A block of a master: only the elements of the rows it spans are gathered from the
+        partitions (an FSDP2 rank's rows, a shard of them), then cast to ``out``'s dtype."""
+        kind, name = entry.location
+        slot = self.slots.get(name) if kind == "master" else None
+        if slot is None or not slot.shape:
+            super().read_into(entry, index, out)
+            return
+        first, last, _ = index[0].indices(slot.shape[0]) if isinstance(index[0], slice) else (index[0], index[0] + 1, 1)
+        inner = math.prod(slot.shape[1:])
+        rows = self._gather(slot, lambda rank: rank.fp32, first * inner, max(last, first) * inner)
+        rows = rows.reshape((max(last - first, 0), *slot.shape[1:]))
+        np.copyto(out, rows[(slice(None) if isinstance(index[0], slice) else 0, *index[1:])], casting="unsafe")
+
+    def check_entry(self, entry: Entry) -> None:
+        """Every partition a master is gathered from is there and as long as its metadata says
+        (views only: nothing is gathered)."""
+        kind, name = entry.location
+        if kind != "master":
+            super().check_entry(entry)
+            return
+        self._require_every_rank()
+        for rank in self.ranks.values():
+            for flat in rank.fp32:
+                flat.views()
+
     def read_optimizer_state(self, name: str, state: str) -> np.ndarray:
         """Trainable parameter ``name``'s optimizer state ``state`` (one of :data:`MOMENTS`), in
         the parameter's shape, assembled from the ranks' partitions as its master is."""
@@ -263,29 +294,35 @@ class ZeroCheckpoint(Checkpoint):
         missing = [rank for rank, found in self.ranks.items() if state not in found.states]
         if missing:
             raise CorruptCheckpointError(f"{self.path}: rank(s) {missing} hold no optimizer state {state!r}")
-        return self._gather(self.slots[name], lambda rank: rank.states[state])
+        slot = self.slots[name]
+        return self._gather(slot, lambda rank: rank.states[state], 0, slot.numel).reshape(slot.shape)
 
-    def _gather(self, slot: Slot, flats_of: Callable[[Rank], tuple[Flat, ...]]) -> np.ndarray:
+    def _require_every_rank(self) -> None:
         missing = [rank for rank in range(self.world) if rank not in self.ranks]
         if missing:
             raise CorruptCheckpointError(
                 f"{self.path}: the optimizer partitions of data-parallel rank(s) {missing} are missing or "
                 "unreadable, and every parameter's fp32 master needs all of them. Restore those files "
                 "(`ckptshim inspect` names them).")
-        if self.stage == 3:
+
+    def _gather(self, slot: Slot, flats_of: Callable[[Rank], tuple[Flat, ...]], start: int, stop: int) -> np.ndarray:
+        """Elements ``start .. stop`` of the flattened parameter, from the ranks that hold them
+        (and only those pages of their files)."""
+        self._require_every_rank()
+        out = np.empty(stop - start, dtype=np.float32)
+        if self.stage == 3:  # rank r holds elements r * piece .. (r + 1) * piece, at slot.offset
             piece = -(-slot.numel // self.world)
-            out = np.empty(piece * self.world, dtype=np.float32)
-            for rank in range(self.world):
-                flats_of(self.ranks[rank])[0].copy(slot.offset, slot.offset + piece,
-                                                   out[rank * piece:(rank + 1) * piece])
-            return out[:slot.numel].reshape(slot.shape)
-        out = np.empty(slot.numel, dtype=np.float32)
-        for rank, start, size in _rank_ranges(self.ranks, slot.group, self.world):
-            lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + size)
+            for rank in range(start // piece, -(-stop // piece)) if stop > start else ():
+                lo, hi = max(start, rank * piece), min(stop, (rank + 1) * piece)
+                flats_of(self.ranks[rank])[0].copy(slot.offset + lo - rank * piece, slot.offset + hi - rank * piece,
+                                                   out[lo - start:hi - start])
+            return out
+        begin, end = slot.offset + start, slot.offset + stop  # in the group's flat vector
+        for rank, first, size in _rank_ranges(self.ranks, slot.group, self.world):
+            lo, hi = max(begin, first), min(end, first + size)
             if lo < hi:  # a moment is as long as the padded partition; its first ``size`` elements match
-                flats_of(self.ranks[rank])[slot.group].copy(lo - start, hi - start,
-                                                            out[lo - slot.offset:hi - slot.offset])
-        return out.reshape(slot.shape)
+                flats_of(self.ranks[rank])[slot.group].copy(lo - first, hi - first, out[lo - begin:hi - begin])
+        return out
 
     def close(self) -> None:
         for part in self._parts:
@@ -389,9 +426,12 @@ def open_checkpoint(path: Path) -> ZeroCheckpoint:
                                      f"{'ZeRO-3' if zero3 else 'ZeRO-1/2'} model states; the files are of different runs")
     entries = _entries(step, models, layout)
     layout.files = [_with_pieces(info, layout) for info in layout.files]
+    training = _training(layout.engine.get("ds_config"))
     version = (f"deepspeed {layout.engine.get('ds_version') or '?'}, ZeRO-{layout.stage}, dp={world}, "
-               f"{_training(layout.engine.get('ds_config'))}; {len(layout.slots)} trainable parameters as "
-               "fp32 masters from the optimizer partitions")
+               f"{training}; {len(layout.slots)} trainable parameters as fp32 masters from the optimizer "
+               "partitions")
+    if not zero3 and training != "fp32 training":  # the 16-bit copies are there too, and not what is read
+        version += f", not the {training.split()[0]} module weights also in {_MODEL_FILE}"
     return ZeroCheckpoint(path, version, entries, layout.files, layout.problems, layout)
 
 

@@ -67,11 +67,10 @@ def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageRe
     try:
         fmt = detect(location, backend="torch")
     except UnknownFormatError:  # a file DCP cannot read either: FormatReader explains; a folder: DCP's
-        return FormatReader(location) if Path(location).is_file() else given
+        return FormatReader(location, HOOK) if Path(location).is_file() else given
     if fmt is dcp:
         return DcpReader(location, given.transforms.extension_registry if given is not None else None)
-    logger.info("%s: %s is a %s checkpoint, which DCP cannot read; ckptshim reads it", HOOK, location, fmt.NAME)
-    return FormatReader(location)
+    return FormatReader(location, HOOK)  # which says, once it has opened the checkpoint, what it reads
 
 
 def remote(checkpoint_id: Any, given: StorageReader | None) -> bool:
