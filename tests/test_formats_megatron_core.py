@@ -97,10 +97,11 @@ def test_torch_dist_reads_as_megatron_loads_it(variant: str) -> None:
 
 
 def test_inspect_torch_dist(capsys) -> None:
+    """Listed under the model's names (the profile's; see test_megatron_core_profile)."""
     code = main(["inspect", str(MEGATRON / "torch_dist" / "tp2_pp2")])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert QKV in captured.out and "(4, 36, 12)" in captured.out
+    assert "decoder.layers.3.self_attention.linear_qkv.weight" in captured.out and "(36, 12)" in captured.out
 
 
 def test_torch_dist_is_recognised_as_megatron_cores() -> None:
@@ -126,8 +127,9 @@ def test_metadata_json_that_is_not_a_file_is_not_read(tmp_path: Path) -> None:
 def test_convert_zarr_to_safetensors_bit_exact(variant: str, tmp_path: Path) -> None:
     from safetensors.numpy import load_file
 
+    """``--like`` the checkpoint itself keeps Megatron-Core's stored names (objects as their bytes)."""
     assert main(["convert", str(MEGATRON / variant), str(tmp_path / "out"), "--to", "safetensors",
-                 "--no-progress"]) == 0
+                 "--like", str(MEGATRON / variant), "--no-progress"]) == 0
     written = {}
     for file in sorted((tmp_path / "out").glob("*.safetensors")):
         written.update(load_file(file))
