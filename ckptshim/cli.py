@@ -29,6 +29,7 @@ KEY_COLUMN = 80
 def _inspect(args: argparse.Namespace) -> int:
     from ckptshim.api import inspect
     from ckptshim.formats import completeness
+    from ckptshim.loading.producers import model_names
 
     checkpoint = inspect(args.path)
     if args.json:
@@ -40,6 +41,10 @@ def _inspect(args: argparse.Namespace) -> int:
     inventory = checkpoint.inventory
     print(f"{checkpoint.path}: {checkpoint.format} (version {checkpoint.version}), "
           f"{len(inventory)} arrays, {size_text(inventory.total_bytes)}")
+    view = model_names(checkpoint.path, inventory)
+    if view is not None:  # stored under other names than the model's (Megatron-Core's stacked layers)
+        inventory, note = view
+        print(f"  {len(inventory)} arrays {note}:")
     sep = checkpoint.key_sep
     width = min(max((len(sep.join(e.key)) for e in inventory.values()), default=0), KEY_COLUMN)
     for e in inventory.values():

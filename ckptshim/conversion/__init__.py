@@ -22,7 +22,7 @@ from ckptshim.conversion.progress import tracking
 from ckptshim.errors import ShimError
 from ckptshim.execute.arrays import PlannedArrays
 from ckptshim.formats.detect import open_checkpoint
-from ckptshim.loading.files import plan_onto
+from ckptshim.loading.files import plan_onto, plan_onto_model
 from ckptshim.planner import Plan
 
 #: Output format -> module ``ckptshim.conversion.<format>_writer`` with
@@ -61,7 +61,9 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
     checkpoint = open_checkpoint(given)
     try:
         checkpoint.require_complete()
-        plan = None if like is None else _plan_onto(checkpoint, like)
+        plan = plan_onto_model(checkpoint) if like is None else _plan_onto(checkpoint, like)
+        if plan is not None:
+            plan.require_complete(checkpoint.key_sep, allow_missing=False, allow_unexpected=True)
         arrays = PlannedArrays(checkpoint, plan, checkpoint.key_sep)
         with atomic_destination(destination, force=force) as tmp, \
                 tracking(arrays.total_bytes, destination.name, arrays.sep, enabled=progress,
@@ -75,8 +77,5 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
 def _plan_onto(checkpoint, like: str | Path) -> Plan:
     """The plan onto ``like``'s layout, each array in the dtype the source stores it in (convert
     copies bytes exactly and never casts: a torchtitan float32 checkpoint ``--like`` a bfloat16
-    Hugging Face folder is written in float32, which ``from_pretrained`` casts on load); refused
-    if it would leave a target array without a value."""
-    plan = plan_onto(checkpoint, like, stored_dtypes=True)
-    plan.require_complete(checkpoint.key_sep, allow_missing=False, allow_unexpected=True)
-    return plan
+    Hugging Face folder is written in float32, which ``from_pretrained`` casts on load)."""
+    return plan_onto(checkpoint, like, stored_dtypes=True)

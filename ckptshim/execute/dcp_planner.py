@@ -208,8 +208,13 @@ class _Virtual:
             self.links[dst, offsets] = _Link(src, offsets)
 
     def keep(self, op: Synthesize | Tie) -> None:
-        """Nothing is read: a synthesized key keeps its value; a tied one is filled through its twin."""
+        """Nothing is read: a synthesized key keeps its value (a Python object too); a tied one is
+        filled through its twin."""
         dst, entry = self.target.fqn(op.target), self.target.inventory[op.target]
+        if op.target in self.target.objects:
+            self.virtual[dst] = BytesStorageMetadata()
+            self.links[dst, None] = _KEEP
+            return
         like = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, entry.dtype)), torch.Size(entry.shape), [])
         self.virtual[dst] = _tensor_md(like, entry.shape, [((0,) * len(entry.shape), entry.shape)])
         self.links[dst, (0,) * len(entry.shape)] = _KEEP

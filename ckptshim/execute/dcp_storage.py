@@ -62,6 +62,7 @@ from ckptshim.formats import dcp
 from ckptshim.formats.base import Checkpoint, open_regular, storage_dtype
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, dtype_name, join_key, split_key
+from ckptshim.log import logger
 
 
 @dataclass(frozen=True)
@@ -343,9 +344,10 @@ class FormatReader(StorageReader):
     of that block (a rank's rows of one tensor), then written through the destination (a cast is
     torch's ``copy_``), so no page of the map is held."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, hook: str = "dcp.load") -> None:
         super().__init__()
         self.path = Path(path)
+        self._hook = hook
         self.load_id = str(uuid.uuid4())
         self._checkpoint: Checkpoint | None = None
 
@@ -374,6 +376,8 @@ class FormatReader(StorageReader):
             self._checkpoint.require_complete()
         except ShimError as error:
             return _refused(error)
+        logger.info("%s: %s is a %s checkpoint (%s), which DCP cannot read; ckptshim reads it", self._hook,
+                    self.path, self._checkpoint.format, self._checkpoint.version)
         entries = self._checkpoint.inventory.values()
         return Metadata(
             state_dict_metadata={join_key(e.key): _tensor_md(e.dtype, e.shape, [((0,) * len(e.shape), e.shape)])
@@ -393,7 +397,7 @@ class FormatReader(StorageReader):
             fqn = item.storage_index.fqn
             if fqn not in located:
                 located[fqn] = checkpoint.inventory[split_key(fqn)]
-                checkpoint.read(located[fqn])  # a view: its byte range checked against the file
+                checkpoint.check_entry(located[fqn])
         with progress.load_bar(sum(_nbytes(d) for _, d in resolved), "ckptshim: dcp.load"):
             for item, destination in resolved:
                 entry = located[item.storage_index.fqn]

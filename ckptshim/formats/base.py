@@ -370,7 +370,7 @@ class Checkpoint(ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Every format's reads run inside the trust boundary (:func:`reading`)."""
         super().__init_subclass__(**kwargs)
-        for name in ("read", "read_into"):
+        for name in ("read", "read_into", "check_entry"):
             method = cls.__dict__.get(name)
             if method is not None and not getattr(method, "guarded", False):
                 setattr(cls, name, _guarded(method))
@@ -410,6 +410,14 @@ class Checkpoint(ABC):
             value = value.view(numpy_dtype(entry.dtype))
         np.copyto(out, value[index], casting="unsafe")
         return None
+
+    @_guarded
+    def check_entry(self, entry: Entry) -> None:
+        """Raise unless every byte of ``entry`` is there to read: what a load checks of each
+        entry before its first write. This default takes :meth:`read`'s view (a memory-mapped
+        format checks its byte range against the file); a format whose :meth:`read` assembles
+        the array checks the pieces it would assemble it from instead."""
+        self.read(entry)
 
     def require_complete(self) -> None:
         problems = self.all_problems()

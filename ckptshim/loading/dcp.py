@@ -35,6 +35,7 @@ from ckptshim.formats import dcp
 from ckptshim.formats.detect import detect
 from ckptshim.formats.hf_dir import model_config
 from ckptshim.inventory import Entry, Inventory, dtype_name, join_key, split_key
+from ckptshim.loading.producers import producer
 from ckptshim.loading.report import report_load
 from ckptshim.loading.torch import state_dict_facts
 from ckptshim.log import logger
@@ -67,11 +68,10 @@ def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageRe
     try:
         fmt = detect(location, backend="torch")
     except UnknownFormatError:  # a file DCP cannot read either: FormatReader explains; a folder: DCP's
-        return FormatReader(location) if Path(location).is_file() else given
+        return FormatReader(location, HOOK) if Path(location).is_file() else given
     if fmt is dcp:
         return DcpReader(location, given.transforms.extension_registry if given is not None else None)
-    logger.info("%s: %s is a %s checkpoint, which DCP cannot read; ckptshim reads it", HOOK, location, fmt.NAME)
-    return FormatReader(location)
+    return FormatReader(location, HOOK)  # which says, once it has opened the checkpoint, what it reads
 
 
 def remote(checkpoint_id: Any, given: StorageReader | None) -> bool:
@@ -125,7 +125,8 @@ def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missin
     tensors = {entry.key: flat[entry.location] for entry in target.inventory.values()
                if entry.key not in target.objects}
     config = model_config(Path(location)) if location is not None and Path(location).exists() else None
-    rules = rules_for(source.inventory, target.inventory, "torch", state_dict_facts(tensors), config)
+    rules = rules_for(source.inventory, target.inventory, "torch", state_dict_facts(tensors), config,
+                      producer=producer(location))
     plan = make_plan(source.inventory, target.inventory, rules.extend(drop_derivable=False))
     plan.require_complete(allow_missing=allow_missing, allow_unexpected=True)
     _check_objects(plan, source, target)

@@ -17,6 +17,7 @@ from ckptshim.formats.detect import open_checkpoint
 from ckptshim.formats.hf_dir import model_config
 from ckptshim.inventory import Entry, Inventory, join_key
 from ckptshim.loading import like as like_spec
+from ckptshim.loading.producers import model_names, producer
 from ckptshim.log import logger
 from ckptshim.planner import Plan
 from ckptshim.planner import plan as make_plan
@@ -46,7 +47,7 @@ def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None, 
         if config is None and not like_spec.is_callable_spec(like):
             config = model_config(Path(like))
         backend = "jax" if "/" in (source.key_sep, target_sep) else "torch"
-        rules = rules_for(source.inventory, target, backend, model_config=config)
+        rules = rules_for(source.inventory, target, backend, model_config=config, producer=producer(source.path))
     plan = make_plan(source.inventory, target, rules)
     casts = plan.casts() if stored_dtypes else {}
     if not casts:
@@ -57,4 +58,17 @@ def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None, 
                 first.target_dtype)
     target = Inventory([Entry(e.key, e.shape, casts[e.key].source_dtype if e.key in casts else e.dtype, e.location)
                         for e in target.values()], target.source)
+    return make_plan(source.inventory, target, rules)
+
+
+def plan_onto_model(source: Checkpoint) -> Plan | None:
+    """For a checkpoint whose producer stores other names than its model's (Megatron-Core), the
+    plan onto the model's own names (:func:`~ckptshim.loading.producers.model_names`), which
+    ``convert`` writes without ``--like``; ``None`` where the stored names are the model's."""
+    view = model_names(source.path, source.inventory)
+    if view is None:
+        return None
+    target, note = view
+    logger.info("%s: %s", source.path, note)
+    rules = rules_for(source.inventory, target, "torch", producer=producer(source.path))
     return make_plan(source.inventory, target, rules)

@@ -15,7 +15,8 @@ from ckptshim.inventory import Inventory
 from ckptshim.rules import DEFAULT_RULES, NO_FACTS, Rules, TargetFacts
 from ckptshim.rules.flax_names import LINEN_NNX
 from ckptshim.rules.layers import TORCH_SCAN_AXES
-from ckptshim.rules.profiles import hf_maxtext, maxtext, neox, paxml, paxml_gpt3, torchtitan, transformers_mapping
+from ckptshim.rules.profiles import (hf_maxtext, maxtext, megatron_core, neox, paxml, paxml_gpt3, torchtitan,
+                                     transformers_mapping)
 from ckptshim.rules.roots import root_prefix
 
 #: What :func:`rules_for` plans for: torch state dicts (``.`` keys) or JAX pytrees (``/`` keys).
@@ -23,13 +24,16 @@ BACKENDS = ("torch", "jax")
 
 
 def rules_for(source: Inventory, target: Inventory, backend: str, facts: TargetFacts = NO_FACTS,
-              model_config: Mapping[str, Any] | None = None) -> Rules:
+              model_config: Mapping[str, Any] | None = None, *, producer: str | None = None) -> Rules:
     """The rules for loading ``source`` into ``target`` through ``backend``'s load calls.
 
     The defaults (wrapper prefixes, layer lists, derivable buffers) and ``CKPTSHIM_STRICT``;
-    then the target's own ``facts``; then each profile whose marks the two inventories carry:
+    then the target's own ``facts``; then each profile whose marks the two inventories carry,
+    or that the checkpoint's own metadata names as its ``producer`` (the loading layer reads it):
 
-    - ``"torch"``: torch modules stack layer lists on axis 0; an exact root prefix on one side
+    - ``"torch"``: torch modules stack layer lists on axis 0; Megatron-Core's stored names (its
+      local-spec layer norms; the target's ``_extra_state`` kept) when ``producer`` is
+      :data:`megatron_core.PRODUCER <ckptshim.rules.profiles.megatron_core.PRODUCER>`; an exact root prefix on one side
       (Lightning's ``model.``) is set aside; transformers' conversion mapping of each
       transformers model in the target, or, where the target is none, of the model the
       checkpoint's own ``model_config`` (its ``config.json``) names; GPT-NeoX's pipeline names
@@ -45,6 +49,8 @@ def rules_for(source: Inventory, target: Inventory, backend: str, facts: TargetF
                                  aliases=facts.aliases, tied=facts.tied)
     if backend == "torch":
         rules = rules.extend(scan_axes=TORCH_SCAN_AXES, aliases=neox.aliases_between(source, target))
+        if producer == megatron_core.PRODUCER:
+            rules = rules.extend(aliases=megatron_core.LAYER_NORMS, synthesize=megatron_core.kept(target))
         root = root_prefix(source, target)
         if root is not None:
             return rules.extend(layouts=(root,))
