@@ -51,7 +51,7 @@ from ckptshim.formats.torch_globals import ExtraGlobals, Globals, Layout, Size, 
 from ckptshim.formats.torch_pickle import read_archive, tensor_view
 from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
 from ckptshim.storage import Location, ObjectInfo
-from ckptshim.storage.ranged import RangedFile
+from ckptshim.storage.ranged import RangedFile, archive_spans
 
 NAME = "torch-dcp"
 METADATA_FILE = ".metadata"
@@ -614,6 +614,8 @@ class DcpCheckpoint(Checkpoint):
             stored = self.stored(fqn, chunk.offsets)
             where = f"{self.path / stored.file}: {fqn!r} chunk {list(chunk.offsets)}"
             with open_source(self.path / stored.file) as raw:
+                if isinstance(raw, RangedFile):  # its headers in one request or two
+                    raw.prefetch(archive_spans(stored.offset, stored.length))
                 array = read_chunk(raw, read_layout(raw, self.path / stored.file, stored, chunk, meta.dtype, where), where)
             if chunk.sizes == meta.size:
                 return array

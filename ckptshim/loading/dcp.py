@@ -152,7 +152,7 @@ def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missin
     source, target, note = _sides(metadata, flat, target_paths, where)
     tensors = {entry.key: flat[entry.location] for entry in target.inventory.values()
                if entry.key not in target.objects}
-    config = model_config(Path(location)) if location is not None and Path(location).exists() else None
+    config = model_config(location) if location is not None else None
     rules = rules_for(source.inventory, target.inventory, "torch", state_dict_facts(tensors), config)
     plan = make_plan(source.inventory, target.inventory, rules.extend(drop_derivable=False))
     plan.require_complete(allow_missing=allow_missing, allow_unexpected=True)
