@@ -298,6 +298,12 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
                     metadata, self._links = virtual_metadata(metadata, mapping)
         self._base.set_up_planner(state_dict, metadata, is_coordinator)
 
+    @property
+    def remaps(self) -> bool:
+        """Whether some key is read from stored chunks of another name or layout (known once
+        planned): else every read item is the wrapped planner's own, on the stored metadata."""
+        return bool(self._links)
+
     def create_local_plan(self) -> LoadPlan:
         try:
             plan = self._base.create_local_plan()

@@ -5,16 +5,21 @@ inspect`` accepts: files, items, step folders, roots of steps); ``detect(path, b
 only what a load call of that backend can be given, as each format's ``READERS`` says: for
 ``"torch"`` (``dcp.load``, DeepSpeed) the files and folders torch's loaders read, for ``"jax"``
 (an Orbax, Flax or T5X restore) one restorable item.
+
+A checkpoint in object storage (``s3://``, ``gs://``) is recognised from one bounded listing of
+its prefix, among the formats that read remote locations so far (:data:`REMOTE_FORMATS`).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import ModuleType
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import dcp, deepspeed_pipeline, deepspeed_zero, flax_msgpack, hf_dir, megatron_core, orbax, orbax_manager, paxml, paxml_flax, safetensors, t5x, torch_pickle
 from ckptshim.formats.base import Checkpoint, reading
+from ckptshim.storage import Location, UnsupportedLocation
 
 #: Most specific first: a directory format before the single files it may contain; PaxML's and
 #: T5X's msgpack aggregates before Orbax's, for which they would otherwise pass; DeepSpeed ZeRO's
@@ -24,11 +29,43 @@ FORMATS: tuple[ModuleType, ...] = (hf_dir, dcp, megatron_core, deepspeed_zero, d
                                     flax_msgpack)
 #: The backends whose load calls name a checkpoint (see each format's ``READERS``).
 BACKENDS = ("torch", "jax")
+#: The formats whose ``open_checkpoint`` reads a remote :class:`~ckptshim.storage.Location`.
+REMOTE_FORMATS: tuple[ModuleType, ...] = (dcp,)
+
+
+def remote_location(path: str | os.PathLike | Location) -> Location | None:
+    """``path`` as a :class:`~ckptshim.storage.Location` when it names object storage (an
+    ``s3://`` or ``gs://`` URL); ``None`` for a local path. A URL of another scheme is an
+    :class:`UnknownFormatError` (``pathlib`` would make a relative local path of it)."""
+    try:
+        where = Location.of(path)
+    except UnsupportedLocation as error:
+        raise UnknownFormatError(f"{error}. Copy the checkpoint to a local folder and point at the copy.") from None
+    return where if where.is_remote else None
+
+
+def _detect_remote(where: Location, backend: str | None) -> ModuleType:
+    """The format of the checkpoint below the prefix ``where`` (see the module docstring)."""
+    with reading(where, "recognising its format"):
+        try:
+            names = [info.location.name for info in where.list()]
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{where}: no such object or prefix") from None
+    candidates = [fmt for fmt in REMOTE_FORMATS if backend is None or backend in fmt.READERS]
+    if dcp in candidates and dcp.metadata_names(names):
+        return dcp
+    raise UnknownFormatError(
+        f"{where} is not a checkpoint ckptshim reads from object storage (so far: "
+        f"{', '.join(fmt.NAME for fmt in candidates) or 'none for this backend'}). Copy it to a local "
+        "folder (gcloud storage cp -r, aws s3 cp --recursive) and point at the copy.")
 
 
 def detect(path: str | Path, backend: str | None = None) -> ModuleType:
     """The format module that recognises ``path`` (for ``backend``'s load calls, if given), or a
     :class:`UnknownFormatError`."""
+    remote = remote_location(path)
+    if remote is not None:
+        return _detect_remote(remote, backend)
     path = Path(path)
     with reading(path, "recognising its format"):
         if not path.exists():
@@ -51,4 +88,5 @@ def detect(path: str | Path, backend: str | None = None) -> ModuleType:
 
 def open_checkpoint(path: str | Path, backend: str | None = None) -> Checkpoint:
     """Open ``path`` in whatever format it is in (metadata only; no tensor bytes are read)."""
-    return detect(path, backend).open_checkpoint(Path(path))
+    remote = remote_location(path)
+    return detect(path, backend).open_checkpoint(remote if remote is not None else Path(path))

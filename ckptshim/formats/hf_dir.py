@@ -24,6 +24,7 @@ from ckptshim.formats import safetensors, torch_pickle
 from ckptshim.formats.base import (Checkpoint, FileInfo, file_info, read_regular, reader, refuse_links_leaving,
                                    require_inside, strict_json)
 from ckptshim.inventory import Entry, Inventory
+from ckptshim.storage import Location, UnsupportedLocation
 
 NAME = "hf-dir"
 #: What a Hugging Face model folder holds its weights in, in the order transformers' ``from_pretrained``
@@ -42,16 +43,28 @@ CONFIG = "config.json"
 MAX_CONFIG_BYTES = 16 * 2**20
 
 
-def model_config(path: Path) -> dict | None:
-    """The ``config.json`` of the model a checkpoint at ``path`` holds: in the folder, or beside
-    the file (``model.safetensors`` in a Hugging Face folder). ``None`` when there is none or it
-    is not a JSON object; a damaged one is refused, naming the file."""
-    folder = Path(path) if Path(path).is_dir() else Path(path).parent
-    found = folder / CONFIG
-    if not found.is_file():
+def model_config(path: Path | Location | str) -> dict | None:
+    """The ``config.json`` of the model a checkpoint at ``path`` holds: in the folder (or bucket
+    prefix), or beside the file (``model.safetensors`` in a Hugging Face folder). ``None`` when
+    there is none or it is not a JSON object; a damaged one is refused, naming the file."""
+    try:
+        where = Location.of(path)
+    except (UnsupportedLocation, TypeError, ValueError):  # another URL, or names nothing
         return None
-    require_inside(folder, found, _roots(folder))  # a hub-cache snapshot links it into blobs/
-    data = read_regular(found, MAX_CONFIG_BYTES + 1)
+    if where.is_remote:
+        found = where / CONFIG
+        if not found.is_file():
+            return None
+        data = found.read_bytes(MAX_CONFIG_BYTES)
+    elif not where.path.exists():
+        return None
+    else:
+        folder = where.path if where.path.is_dir() else where.path.parent
+        found = folder / CONFIG
+        if not found.is_file():
+            return None
+        require_inside(folder, found, _roots(folder))  # a hub-cache snapshot links it into blobs/
+        data = read_regular(found, MAX_CONFIG_BYTES + 1)
     try:
         if len(data) > MAX_CONFIG_BYTES:
             raise ValueError(f"over {MAX_CONFIG_BYTES} bytes")

@@ -45,7 +45,7 @@ def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None, 
     if rules is None:
         config = model_config(source.path)
         if config is None and not like_spec.is_callable_spec(like):
-            config = model_config(Path(like))
+            config = model_config(like)
         backend = "jax" if "/" in (source.key_sep, target_sep) else "torch"
         rules = rules_for(source.inventory, target, backend, model_config=config, producer=producer(source.path))
     plan = make_plan(source.inventory, target, rules)

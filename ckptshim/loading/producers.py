@@ -34,7 +34,7 @@ def model_names(location: Any, stored: Inventory) -> tuple[Inventory, str] | Non
     if producer(location) != megatron_core.PRODUCER:
         return None
     names, objects = megatron_core.model_names(stored)
-    note = (f"listed as the model names them (GPTModel.state_dict()): Megatron-Core's stacked layers "
-            f"one per global layer index, the local spec's layer norms under their own names"
+    note = ("listed as the model names them (GPTModel.state_dict()): Megatron-Core's stacked layers "
+            "one per global layer index, the local spec's layer norms under their own names"
             + (f"; {objects} stored _extra_state object(s) left out" if objects else ""))
     return names, note
