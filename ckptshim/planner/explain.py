@@ -45,8 +45,9 @@ def summary(plan: Plan, sep: str = ".") -> str:
         by_example[word] = op.summary_by_example
     words = []
     for word, shown in notes.items():
-        if by_example[word]:
-            text = shown[0] + (", ..." if len(shown) > 1 else "")
+        if by_example[word]:  # the first example, per-layer keys grouped (layers.{0..63}.w -> ...)
+            examples = compress(shown)
+            text = examples[0] + (", ..." if len(examples) > 1 else "")
         else:  # notes holding commas of their own (layouts) are set apart by semicolons
             distinct = sorted(set(shown))
             text = ("; " if any("," in n or ";" in n for n in distinct) else ", ").join(distinct)
