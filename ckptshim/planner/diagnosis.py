@@ -12,16 +12,13 @@ the one function that groups keys everywhere (:func:`ckptshim.keytext.group`).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ckptshim.errors import NoPlan, PlanError
-from ckptshim.inventory import KeyPath, join_key
+from ckptshim.inventory import Inventory, KeyPath, join_key
 from ckptshim.keytext import group
-
-if TYPE_CHECKING:
-    from ckptshim.planner.plan import Plan
 
 #: How many lines (a group of per-layer keys is one) a refusal lists per kind before it stops.
 MAX_LISTED = 12
@@ -33,6 +30,26 @@ _MAX_CANDIDATES = 5000
 OPTIMIZER_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum",
                              "square_avg", "grad_avg", "acc_delta", "ax", "eta", "mu", "prev",
                              "step_size", "mu_product", "step"})
+
+
+class Plan(Protocol):
+    """What a refusal reads of a plan (:class:`ckptshim.planner.plan.Plan` is one, and calls this
+    module from its ``require_complete``: a protocol keeps the import one way)."""
+
+    @property
+    def source(self) -> Inventory: ...
+    @property
+    def target(self) -> Inventory: ...
+    @property
+    def missing(self) -> tuple[KeyPath, ...]: ...
+    @property
+    def unexpected(self) -> tuple[KeyPath, ...]: ...
+    @property
+    def mismatched(self) -> tuple[Any, ...]: ...  # of planner.plan.Mismatch
+    @property
+    def hints(self) -> Mapping[KeyPath, str]: ...
+    @property
+    def complete(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -162,7 +179,8 @@ def _optimizer_state(plan: Plan, sep: str) -> str | None:
 def _missing_lines(plan: Plan, missing: Sequence[KeyPath], sep: str, guess: bool) -> list[str]:
     """The missing keys grouped, each group with what a profile knows it is made from, or (when
     ``guess``) the checkpoint's nearest groups of keys."""
-    pool = [text for text, _ in group(join_key(k, sep) for k in (plan.unexpected or tuple(plan.source)))]
+    # each group of checkpoint keys is compared by its first key, and shown grouped
+    pool = {members[0]: text for text, members in group(join_key(k, sep) for k in (plan.unexpected or tuple(plan.source)))}
     hints = {join_key(key, sep): hint for key, hint in plan.hints.items()}
     lines = []
     for index, (text, members) in enumerate(group(join_key(k, sep) for k in missing)):
@@ -170,15 +188,15 @@ def _missing_lines(plan: Plan, missing: Sequence[KeyPath], sep: str, guess: bool
         if hint is not None:
             text += f" ({hint})"
         elif guess and index < MAX_LISTED:
-            near = nearest(text, pool, sep)
+            near = [pool[key] for key in nearest(members[0], list(pool), sep)]
             text += f" (nearest in checkpoint: {', '.join(near)})" if near else ""
         lines.append(text)
     return lines
 
 
 def nearest(text: str, candidates: Sequence[str], sep: str = ".", n: int = 3) -> list[str]:
-    """The candidates most like ``text`` (keys, or groups of keys): those of the same last
-    component first, then by text similarity."""
+    """The candidate keys most like the key ``text``: those of the same last component first,
+    then by text similarity."""
     leaf = text.rsplit(sep, 1)[-1]
     same_leaf = [c for c in candidates if c.rsplit(sep, 1)[-1] == leaf]
     pool = (same_leaf or list(candidates))[:_MAX_CANDIDATES]
