@@ -177,17 +177,15 @@ def _optimizer_state(plan: Plan, sep: str) -> str | None:
 
 
 def _missing_lines(plan: Plan, missing: Sequence[KeyPath], sep: str, guess: bool) -> list[str]:
-    """The missing keys grouped, each group with what a profile knows it is made from, or (when
-    ``guess``) the checkpoint's nearest groups of keys."""
+    """The missing keys grouped, each with what a profile knows it is made from (grouped with
+    it: its layer number is the key's), or (when ``guess``) the checkpoint's nearest keys."""
     # each group of checkpoint keys is compared by its first key, and shown grouped
     pool = {members[0]: text for text, members in group(join_key(k, sep) for k in (plan.unexpected or tuple(plan.source)))}
-    hints = {join_key(key, sep): hint for key, hint in plan.hints.items()}
+    hinted = {key: f"{join_key(key, sep)} ({plan.hints[key]})" for key in missing if key in plan.hints}
+    explained = set(hinted.values())
     lines = []
-    for index, (text, members) in enumerate(group(join_key(k, sep) for k in missing)):
-        hint = hints.get(members[0])
-        if hint is not None:
-            text += f" ({hint})"
-        elif guess and index < MAX_LISTED:
+    for index, (text, members) in enumerate(group(hinted.get(key) or join_key(key, sep) for key in missing)):
+        if guess and index < MAX_LISTED and members[0] not in explained:
             near = [pool[key] for key in nearest(members[0], list(pool), sep)]
             text += f" (nearest in checkpoint: {', '.join(near)})" if near else ""
         lines.append(text)
