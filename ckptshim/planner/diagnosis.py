@@ -123,8 +123,8 @@ def _advice(plan: Plan, names: bool, shapes: bool, dtypes: bool, other_model: bo
             lenient: str) -> list[str]:
     advice = []
     if other_model:
-        advice.append(f"Load a checkpoint of a {plan.target.model_type} model, or build the model "
-                      f"from the checkpoint's own config.json (a {plan.source.model_type} model).")
+        advice.append(f"Load a checkpoint of a {plan.target.model_type:.60} model, or build the model "
+                      f"from the checkpoint's own config.json (a {plan.source.model_type:.60} model).")
     elif optimizer:
         advice.append("Load the model's weights from the model's own checkpoint (Accelerate saves "
                       "it beside this folder, as pytorch_model_fsdp_0), or load this folder into an "
