@@ -8,6 +8,7 @@ listing of per-layer keys, the model-type headline, the INFO table, and ``CKPTSH
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -65,6 +66,9 @@ def test_plan_of_another_models_checkpoint_says_the_model_types_first(gpt2_and_l
     assert out[0] == ("the checkpoint is a model of type gpt2, the target a model of type llama: "
                       "a checkpoint of another model, which no rule turns into this one.")
     assert "nearest" not in "\n".join(out)
+    assert main(["plan", str(gpt2), "--like", str(llama), "--json"]) == 1
+    info = json.loads(capsys.readouterr().out)
+    assert info["headline"] == out[0] and not info["complete"]
 
 
 def test_convert_onto_another_model_refuses_with_the_model_types_and_no_guesses(gpt2_and_llama, tmp_path, capsys):
