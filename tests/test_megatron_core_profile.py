@@ -152,9 +152,23 @@ def test_inspect_lists_the_model_names_and_says_so(variant: str, capsys) -> None
     assert ("53 arrays listed as the model names them (GPTModel.state_dict()): Megatron-Core's stacked layers "
             "one per global layer index, the local spec's layer norms under their own names; 16 stored "
             "_extra_state object(s) left out:") in out
-    listed = [line.split()[0] for line in out.splitlines()[2:2 + 53]]
+    rows = out.splitlines()[2:]
+    listed: list[str] = []
+    while len(listed) < 53:  # per-layer rows come grouped: decoder.layers.{0..3}.input_layernorm.weight
+        listed += _expanded(rows.pop(0).split()[0])
     assert sorted(listed) == sorted(_references(variant))
-    assert "float32" not in out.splitlines()[2 + 53]  # the stored arrays are not listed besides
+    assert "float32" not in rows[0]  # the stored arrays are not listed besides
+
+
+def _expanded(key: str) -> list[str]:
+    """The keys a grouped listing row stands for (each ``{a..b}`` a run of layer indices)."""
+    import re
+
+    match = re.search(r"\{(\d+)\.\.(\d+)\}", key)
+    if match is None:
+        return [key]
+    return [expanded for index in range(int(match[1]), int(match[2]) + 1)
+            for expanded in _expanded(key[:match.start()] + str(index) + key[match.end():])]
 
 
 @pytest.mark.parametrize("variant", ["torch_dist/tp2_pp2", "torch_dist/tp1_pp1_bf16", "zarr/tp2_pp1"])

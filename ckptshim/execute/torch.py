@@ -100,16 +100,17 @@ class Prepared:
 
 def prepare(plan: Plan, fetch: Fetch, destinations: Mapping[KeyPath, torch.Tensor], *,
             allow_missing: bool = False, allow_unexpected: bool = False,
-            recomputed: Mapping[KeyPath, torch.Tensor] | None = None) -> Prepared:
+            recomputed: Mapping[KeyPath, torch.Tensor] | None = None, lenient: str = "") -> Prepared:
     """Check ``plan`` against the real tensors and work out every value; write nothing.
 
     ``destinations`` maps target keys to the live tensors to load into. Missing and unexpected
     keys are errors unless allowed (a non-strict load); a shape mismatch always is.
     ``recomputed`` are the target's buffers that it computes itself and does not load (a
     module's non-persistent buffers): a checkpoint's ``inv_freq`` is dropped only if it equals
-    one of the target's own.
+    one of the target's own. ``lenient`` names the caller's non-strict load, for the advice of a
+    refusal.
     """
-    plan.require_complete(allow_missing=allow_missing, allow_unexpected=allow_unexpected)
+    plan.require_complete(allow_missing=allow_missing, allow_unexpected=allow_unexpected, lenient=lenient)
     require_kinds(plan.ops, HANDLERS, "torch executor")
     return _Preparer(plan, fetch, destinations, allow_unexpected, recomputed or {}).run()
 

@@ -156,7 +156,8 @@ def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missin
     rules = rules_for(source.inventory, target.inventory, "torch", state_dict_facts(tensors), config,
                       producer=producer(location))
     plan = make_plan(source.inventory, target.inventory, rules.extend(drop_derivable=False))
-    plan.require_complete(allow_missing=allow_missing, allow_unexpected=True)
+    plan.require_complete(allow_missing=allow_missing, allow_unexpected=True,
+                          lenient="planner=DefaultLoadPlanner(allow_partial_load=True)")
     _check_objects(plan, source, target)
     report_load(HOOK, plan)  # on every rank: each loads its own part
     if note:

@@ -42,10 +42,12 @@ def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None, 
     stores it in takes the stored one: the plan then casts nothing (``convert`` copies bytes).
     """
     target, target_sep = target_layout(like)
+    source_config = model_config(source.path)
+    like_config = None if like_spec.is_callable_spec(like) else model_config(like)
+    source.inventory.model_type = _model_type(source_config)
+    target.model_type = _model_type(like_config) or target.model_type
     if rules is None:
-        config = model_config(source.path)
-        if config is None and not like_spec.is_callable_spec(like):
-            config = model_config(like)
+        config = source_config if source_config is not None else like_config
         backend = "jax" if "/" in (source.key_sep, target_sep) else "torch"
         rules = rules_for(source.inventory, target, backend, model_config=config, producer=producer(source.path))
     plan = make_plan(source.inventory, target, rules)
@@ -57,7 +59,7 @@ def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None, 
                 len(casts), source.path, join_key(first.target, source.key_sep), first.source_dtype, like,
                 first.target_dtype)
     target = Inventory([Entry(e.key, e.shape, casts[e.key].source_dtype if e.key in casts else e.dtype, e.location)
-                        for e in target.values()], target.source)
+                        for e in target.values()], target.source, target.model_type)
     return make_plan(source.inventory, target, rules)
 
 
@@ -72,3 +74,9 @@ def plan_onto_model(source: Checkpoint) -> Plan | None:
     logger.info("%s: %s", source.path, note)
     rules = rules_for(source.inventory, target, "torch", producer=producer(source.path))
     return make_plan(source.inventory, target, rules)
+
+
+def _model_type(config: dict | None) -> str | None:
+    """The ``model_type`` a ``config.json`` names (``None`` when it names none)."""
+    model_type = (config or {}).get("model_type")
+    return model_type if isinstance(model_type, str) else None

@@ -159,7 +159,7 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
     destinations = {split_key(key): tensor for key, tensor in layout.tensors.items()}
     prepared = prepare(plan, lambda key: state_dict[join_key(key)], destinations,
                        allow_missing=not strict, allow_unexpected=not strict,
-                       recomputed=recomputed_buffers(layout))
+                       recomputed=recomputed_buffers(layout), lenient="load_state_dict(..., strict=False)")
     plan = plan.undropped(prepared.unexpected)
     if not strict:
         plan = plan.left_undone(TORCH_REPORTS)
