@@ -130,3 +130,40 @@ def test_no_private_name_crosses_modules(module):
                 and not node.attr.startswith("__") and aliases.get(node.value.id, module) != module):
             found.append(f"line {node.lineno}: {aliases[node.value.id]}.{node.attr}")
     assert not found, f"{module} uses private names of other modules:\n" + "\n".join(found)
+
+
+def _type_only_imports(module: str) -> Iterator[str]:
+    """The ckptshim modules ``module`` imports inside ``if TYPE_CHECKING:`` blocks."""
+    path = MODULES[module]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for inner in node.body:
+                if isinstance(inner, ast.ImportFrom) and (inner.module or "").startswith("ckptshim"):
+                    yield from (f"{inner.module}.{a.name}" if f"{inner.module}.{a.name}" in MODULES else inner.module
+                                for a in inner.names)
+                elif isinstance(inner, ast.Import):
+                    yield from (a.name for a in inner.names if a.name.startswith("ckptshim"))
+
+
+def test_no_cycle_hidden_behind_type_checking():
+    """An import made only for types (``if TYPE_CHECKING:``) is still a dependency: a package's
+    ``__init__`` that imports a submodule for a type, where that submodule imports the package
+    back, is a cycle the package-export exemption above would hide."""
+    graph = {module: {target for target, _, _ in imports(module) if target != module and target in MODULES}
+             for module in MODULES}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            node = todo.pop()
+            if node == goal:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo.extend(graph.get(node, ()))
+        return False
+
+    hidden = [f"{module} -> {target}" for module in MODULES for target in _type_only_imports(module)
+              if target in MODULES and reaches(target, module)]
+    assert not hidden, "type-only imports that close a cycle:\n" + "\n".join(hidden)
+

@@ -132,6 +132,11 @@ class DcpReader(FileSystemReader):
         super().reset(checkpoint_id)
         self._checkpoint, self._layouts, self._objects, self._by_torch = None, {}, {}, set()
 
+    @property
+    def checkpoint(self) -> dcp.DcpCheckpoint | None:
+        """The checkpoint :meth:`read_metadata` opened (``None`` before), for the load's planner."""
+        return self._checkpoint
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = dcp.METADATA_FILE if rank is None else f"__{rank}{dcp.METADATA_FILE}"
@@ -341,13 +346,23 @@ class FormatReader(StorageReader):
     straight into its destination; where the destination cannot take the stored bytes as they are
     (another dtype, device memory, a tensor subclass), into a buffer of the stored dtype the size
     of that block (a rank's rows of one tensor), then written through the destination (a cast is
-    torch's ``copy_``), so no page of the map is held."""
+    torch's ``copy_``), so no page of the map is held.
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    ``fmt`` is the format the load's hook recognised at ``path`` (opened with no second
+    detection); ``None`` for a file no format recognises, which :meth:`read_metadata` then
+    refuses in the detector's words."""
+
+    def __init__(self, path: str | os.PathLike, fmt: Any = None) -> None:
         super().__init__()
         self.path = Path(path)
         self.load_id = str(uuid.uuid4())
+        self._format = fmt
         self._checkpoint: Checkpoint | None = None
+
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        """The checkpoint :meth:`read_metadata` opened (``None`` before), for the load's planner."""
+        return self._checkpoint
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -370,8 +385,9 @@ class FormatReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         try:  # an incomplete checkpoint is refused before planning: a missing shard, not its keys
-            self._checkpoint = open_checkpoint(self.path)
-            self._checkpoint.require_complete()
+            opened = open_checkpoint(self.path) if self._format is None else self._format.open_checkpoint(self.path)
+            self._checkpoint = opened
+            opened.require_complete()
         except ShimError as error:
             return _refused(error)
         entries = self._checkpoint.inventory.values()

@@ -354,6 +354,10 @@ class FileInfo:
         return 0 if self.size is None or self.kind != "file" else min(self.size, self.bytes_needed)
 
 
+#: What :attr:`Checkpoint.model_config` holds until the checkpoint's model config is read.
+UNREAD: Any = type("Unread", (), {"__repr__": lambda self: "UNREAD"})()
+
+
 @dataclass
 class Checkpoint(ABC):
     """An opened checkpoint: metadata (inventory, files, problems) and reads on demand.
@@ -381,6 +385,8 @@ class Checkpoint(ABC):
     inventory: Inventory
     files: tuple[FileInfo, ...] = ()
     problems: tuple[str, ...] = field(default=())
+    #: the ``config.json`` of the model it holds, once read (:func:`ckptshim.formats.hf_dir.config_of`)
+    model_config: Any = field(default=UNREAD, init=False, repr=False, compare=False)
 
     @property
     def complete(self) -> bool:

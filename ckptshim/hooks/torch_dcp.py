@@ -122,7 +122,8 @@ def _load(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict)
     def shimmed() -> Any:
         storage_reader = dcp_loading.storage_reader(checkpoint_id, reader)
         swapped = dict(call, storage_reader=storage_reader,
-                       planner=dcp_loading.load_planner(call["planner"], getattr(storage_reader, "path", where)))
+                       planner=dcp_loading.load_planner(call["planner"], getattr(storage_reader, "path", where),
+                                                        storage_reader))
         return wrapped(swapped.pop("state_dict"), **swapped)
 
     try:

@@ -44,6 +44,7 @@ from ckptshim.log import logger
 from ckptshim.planner import plan as make_plan
 from ckptshim.rules import TargetFacts
 from ckptshim.rules.buffers import derivable_rule
+from ckptshim.rules.context import LoadContext
 from ckptshim.rules.profiles import neox, rules_for
 
 HOOK = "deepspeed PipelineModule.load_state_dir"
@@ -143,7 +144,7 @@ def layer_state_dicts(source: Checkpoint, layers: Mapping[int, nn.Module], rank:
         reads[entry.key] = (rows if shape != entry.shape else None, key)
         entries.append(Entry(entry.key, _shard_shape(key, shape, degree), entry.dtype, entry.location))
     checkpoint = Inventory(entries, str(source.path))
-    plan = make_plan(checkpoint, target, rules_for(checkpoint, target, "torch", facts))
+    plan = make_plan(checkpoint, target, rules_for(LoadContext(checkpoint, target, "torch", facts)))
 
     def fetch(key: KeyPath) -> torch.Tensor:
         entry = source.inventory[key]

@@ -14,13 +14,14 @@ from pathlib import Path
 
 from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
-from ckptshim.formats.hf_dir import model_config
+from ckptshim.formats.hf_dir import config_of, model_config
 from ckptshim.inventory import Entry, Inventory, join_key
 from ckptshim.loading import like as like_spec
 from ckptshim.log import logger
 from ckptshim.planner import Plan
 from ckptshim.planner import plan as make_plan
 from ckptshim.rules import Rules
+from ckptshim.rules.context import LoadContext
 from ckptshim.rules.profiles import rules_for
 
 
@@ -42,11 +43,11 @@ def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None, 
     """
     target, target_sep = target_layout(like)
     if rules is None:
-        config = model_config(source.path)
+        config = config_of(source)
         if config is None and not like_spec.is_callable_spec(like):
             config = model_config(Path(like))
-        backend = "jax" if "/" in (source.key_sep, target_sep) else "torch"
-        rules = rules_for(source.inventory, target, backend, model_config=config)
+        call = "jax" if "/" in (source.key_sep, target_sep) else "torch"
+        rules = rules_for(LoadContext(source.inventory, target, call, model_config=config))
     plan = make_plan(source.inventory, target, rules)
     casts = plan.casts() if stored_dtypes else {}
     if not casts:
