@@ -59,9 +59,10 @@ from ckptshim.errors import CorruptCheckpointError, ShimError, UnknownFormatErro
 from ckptshim.execute import destinations
 from ckptshim.execute.torch import as_tensor
 from ckptshim.formats import dcp
-from ckptshim.formats.base import Checkpoint, open_regular, storage_dtype
+from ckptshim.formats.base import Checkpoint, Format, open_regular, storage_dtype
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, dtype_name, join_key, split_key
+from ckptshim.targets.tensors import values_of
 
 
 @dataclass(frozen=True)
@@ -297,7 +298,7 @@ def _copy_chunk(raw, layout: dcp.ChunkLayout, items: list[tuple[ReadItem, torch.
     one ``pread`` straight into each destination's memory where that memory is the block's
     bytes, else from one read of the bytes they need together, through
     :func:`~ckptshim.execute.destinations.write` (device memory through the staging buffer)."""
-    items = [(item, destinations.values_of(destination)) for item, destination in items if destination.numel()]
+    items = [(item, values_of(destination)) for item, destination in items if destination.numel()]
     if not items:
         return
     dtype = getattr(torch, dtype_name(layout.ref.storage.dtype))
@@ -329,7 +330,7 @@ def _raw_view(destination: torch.Tensor, entry: Entry) -> np.ndarray | None:
     """The plain tensor behind ``destination`` as a numpy array of ``entry``'s stored dtype (a
     view: writes land in it), or ``None`` where the bytes cannot go in as stored (another dtype,
     not in host memory, a subclass ckptshim does not know)."""
-    tensor = destinations.values_of(destination)
+    tensor = values_of(destination)
     if (type(tensor) is not torch.Tensor or not destinations.in_host_memory(tensor)
             or dtype_name(tensor.dtype) != entry.dtype):
         return None
@@ -352,7 +353,7 @@ class FormatReader(StorageReader):
     detection); ``None`` for a file no format recognises, which :meth:`read_metadata` then
     refuses in the detector's words."""
 
-    def __init__(self, path: str | os.PathLike, fmt: Any = None) -> None:
+    def __init__(self, path: str | os.PathLike, fmt: Format | None = None) -> None:
         super().__init__()
         self.path = Path(path)
         self.load_id = str(uuid.uuid4())

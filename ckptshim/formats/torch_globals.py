@@ -53,7 +53,7 @@ from ckptshim.errors import UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats import safe_pickle
 from ckptshim.formats.base import storage_dtype
 from ckptshim.inventory import DTYPE_SIZES
-from ckptshim.rules.subclasses import WRAPPED_VALUES, values_attribute
+from ckptshim.layouts.subclasses import WRAPPED_VALUES, values_attribute
 
 def dtype_of(value: Any) -> str | None:
     """ckptshim's name for the dtype a ``torch.<dtype>`` global built (see :class:`Globals`), or

@@ -25,9 +25,9 @@ from typing import Any
 from ckptshim import progress
 from ckptshim.errors import NoPlan, UnknownFormatError
 from ckptshim.execute import jax as executor
-from ckptshim.execute.jax_tree import TargetTree
-from ckptshim.formats.base import Checkpoint
 from ckptshim.formats import hf_dir, safetensors
+from ckptshim.formats.base import Checkpoint
+from ckptshim.formats.orbax import orbax_readers
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import join_key, unflatten
 from ckptshim.keytext import ranges
@@ -39,6 +39,7 @@ from ckptshim.rules import Rules
 from ckptshim.rules.context import LoadContext
 from ckptshim.rules.layers import layer_splits
 from ckptshim.rules.profiles import maxtext, rules_for
+from ckptshim.targets.jax_tree import TargetTree
 
 SEP = "/"
 
@@ -154,7 +155,7 @@ def as_stored(checkpoint: Checkpoint) -> dict:
     from ckptshim.formats.msgpack_tree import Inline
     from ckptshim.formats.base import numpy_dtype
 
-    current = "standard" in checkpoint.orbax_readers
+    current = "standard" in orbax_readers(checkpoint)
 
     def leaf(entry):
         if isinstance(entry.location, Inline) and entry.location.ref is None:

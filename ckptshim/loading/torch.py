@@ -45,8 +45,6 @@ import torch
 from torch import nn
 
 from ckptshim.errors import NoPlan
-from ckptshim.execute.derived import mismatch
-from ckptshim.execute.destinations import values_of
 from ckptshim.execute.torch import prepare
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, split_key
 from ckptshim.loading.report import report_load
@@ -56,10 +54,12 @@ from ckptshim.ops import Drop, DropIfDerived, Synthesize, Tie
 from ckptshim.planner import plan as make_plan
 from ckptshim.rules import TargetFacts
 from ckptshim.rules.buffers import derivable_rule
-from ckptshim.rules.prefixes import WRAPPER_SEGMENTS, strip_wrappers
 from ckptshim.rules.context import LoadContext
+from ckptshim.rules.prefixes import WRAPPER_SEGMENTS, strip_wrappers
 from ckptshim.rules.profiles import rules_for
 from ckptshim.rules.profiles.transformers_mapping import ConversionLayout, from_module
+from ckptshim.targets.derived import OwnBuffers, mismatch
+from ckptshim.targets.tensors import values_of
 
 def tensor_inventory(items: Iterable[tuple[str, torch.Tensor]], source: str, prefix: KeyPath = ()) -> Inventory:
     """The inventory of named tensors (dotted names split into key paths, under ``prefix``).
@@ -166,7 +166,7 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
     destinations = {split_key(key): tensor for key, tensor in layout.tensors.items()}
     prepared = prepare(plan, lambda key: state_dict[join_key(key)], destinations,
                        allow_missing=not strict, allow_unexpected=not strict,
-                       recomputed=recomputed_buffers(layout))
+                       own_buffers=OwnBuffers(recomputed_buffers(layout)))
     plan = plan.undropped(prepared.unexpected)
     if not strict:
         plan = plan.left_undone(TORCH_REPORTS)

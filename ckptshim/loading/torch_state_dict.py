@@ -35,9 +35,10 @@ from ckptshim.ops import Rename
 from ckptshim.planner import Plan
 from ckptshim.planner import plan as make_plan
 from ckptshim.rules import TargetFacts
-from ckptshim.rules.prefixes import strip_wrappers
 from ckptshim.rules.context import LoadContext
+from ckptshim.rules.prefixes import strip_wrappers
 from ckptshim.rules.profiles import rules_for
+from ckptshim.targets.derived import OwnBuffers
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def prepare(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True
     writes = prepare_writes(plan, lambda key: state_dict[join_key(key)],
                             {split_key(k): v for k, v in tensors.items()},
                             allow_missing=not strict, allow_unexpected=not strict,
-                            recomputed=recomputed_buffers(layout))
+                            own_buffers=OwnBuffers(recomputed_buffers(layout)))
     plan = plan.undropped(writes.unexpected)  # left for torch to report (a non-strict load)
     if not strict:
         plan = plan.left_undone(TORCH_REPORTS)
