@@ -10,7 +10,7 @@ defaults. Nothing patches the rules afterwards: a policy of a model family is it
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -67,3 +67,20 @@ class Profile(Protocol):
     def applies(self, context: LoadContext) -> bool: ...
 
     def rules(self, context: LoadContext) -> Mapping[str, Any]: ...
+
+
+@dataclass(frozen=True, eq=False)
+class MarkedProfile:
+    """A profile that adds the same rules to every load of one ``backend`` whose two inventories
+    carry its ``marks`` (a family's key names on either side)."""
+
+    name: str
+    backend: str
+    marks: Callable[[Inventory, Inventory], bool]
+    adds: Mapping[str, Any]
+
+    def applies(self, context: LoadContext) -> bool:
+        return context.backend == self.backend and self.marks(context.source, context.target)
+
+    def rules(self, context: LoadContext) -> Mapping[str, Any]:
+        return self.adds

@@ -24,7 +24,7 @@ from ckptshim import config
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Inventory, KeyPath, join_key
 from ckptshim.rules import OwnWhenUnfit
-from ckptshim.rules.context import LoadContext
+from ckptshim.rules.context import LoadContext, MarkedProfile
 from ckptshim.rules.layers import ScanAxis, layer_splits
 
 #: First match wins: rng state on axis 0, everything else under a layer list on axis 1.
@@ -74,19 +74,6 @@ def common_scan_axis(fits: Mapping[KeyPath, set[int]], strict: bool) -> int:
 
 
 @dataclass(frozen=True)
-class MaxTextProfile:
-    """MaxText's scan axes, for trees laid out like its decoder."""
-
-    name: str = "MaxText"
-
-    def applies(self, context: LoadContext) -> bool:
-        return context.backend == "jax" and applies(context.source, context.target)
-
-    def rules(self, context: LoadContext) -> Mapping[str, Any]:
-        return {"scan_axes": SCAN_AXES}
-
-
-@dataclass(frozen=True)
 class RngFromTarget:
     """By the user's opt-in (``CKPTSHIM_RNG_FROM_TARGET=1``), rng state the checkpoint's cannot
     fill keeps the target's own (see the module docstring)."""
@@ -101,5 +88,6 @@ class RngFromTarget:
                                                frozenset(filter(is_rng_state, context.source)))}
 
 
-PROFILE = MaxTextProfile()
+#: MaxText's scan axes, for trees laid out like its decoder.
+PROFILE = MarkedProfile("MaxText", "jax", applies, {"scan_axes": SCAN_AXES})
 RNG_PROFILE = RngFromTarget()

@@ -10,13 +10,9 @@ axis 0, so either checkpoint restores into either model.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
-
 from ckptshim.inventory import Inventory
 from ckptshim.rules.aliases import Alias
-from ckptshim.rules.context import LoadContext
+from ckptshim.rules.context import MarkedProfile
 from ckptshim.rules.layers import ScanAxis
 
 REPEAT = ("repeat", "sub", "x_layers_0")
@@ -30,17 +26,5 @@ def applies(*inventories: Inventory) -> bool:
                for i in range(len(key) - 2) if key[i] == "repeat")
 
 
-@dataclass(frozen=True)
-class PaxmlProfile:
-    """PaxML ``Repeat`` stacks, where either tree holds one."""
-
-    name: str = "PaxML Repeat"
-
-    def applies(self, context: LoadContext) -> bool:
-        return context.backend == "jax" and applies(context.source, context.target)
-
-    def rules(self, context: LoadContext) -> Mapping[str, Any]:
-        return {"aliases": ALIASES, "scan_axes": SCAN_AXES}
-
-
-PROFILE = PaxmlProfile()
+#: PaxML ``Repeat`` stacks, where either tree holds one.
+PROFILE = MarkedProfile("PaxML Repeat", "jax", applies, {"aliases": ALIASES, "scan_axes": SCAN_AXES})

@@ -23,16 +23,15 @@ otherwise; MaxText's ``count`` <- ``opt_states_0/no_prefix_0/count``.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import product
-from typing import Any
 
 from ckptshim.errors import PlanError, docs_page
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key
 from ckptshim.ops import Rename, Split, Transpose, Unstack
 from ckptshim.rules import Paired, Rules
-from ckptshim.rules.context import LoadContext
+from ckptshim.rules.context import MarkedProfile
 from ckptshim.rules.profiles import maxtext
 
 LAYERS: KeyPath = ("decoder", "layers")
@@ -159,20 +158,8 @@ def _unmapped_warning(source: Inventory, strict: bool) -> tuple[str, ...]:
     return (message,)
 
 
-@dataclass(frozen=True)
-class Gpt3Profile:
-    """PaxML GPT-3 into a MaxText-shaped tree: :data:`GPT3_LAYOUT`."""
-
-    name: str = "PaxML GPT-3 -> MaxText"
-
-    def applies(self, context: LoadContext) -> bool:
-        return context.backend == "jax" and applies(context.source, context.target)
-
-    def rules(self, context: LoadContext) -> Mapping[str, Any]:
-        return {"layouts": (GPT3_LAYOUT,)}
-
-
-PROFILE = Gpt3Profile()
+#: PaxML GPT-3 into a MaxText-shaped tree: :data:`GPT3_LAYOUT`.
+PROFILE = MarkedProfile("PaxML GPT-3 -> MaxText", "jax", applies, {"layouts": (GPT3_LAYOUT,)})
 
 
 def _source_index(source: Inventory) -> dict[tuple[str, KeyPath], Entry]:
