@@ -66,13 +66,29 @@ def plan(source: Inventory, target: Inventory, rules: Rules = DEFAULT_RULES) -> 
 
 
 def _rooted(source: Inventory, target: Inventory, rules: Rules) -> Plan:
-    """The plan with the root prefix set aside (every other rule applied to the re-keyed
-    checkpoint) where it is complete; else the plan without it."""
+    """The plan with the root prefix set aside where the prefix alone makes the two key sets
+    one (the plan then is the root's renames); else the plan without it where that is complete;
+    else the plan with it (every other rule applied to the re-keyed checkpoint) where that one
+    is; else the plan without it, whose answer names what does not match."""
     plain = dataclasses.replace(rules, root=None)
+    if rules.root.exact(source, target):
+        rooted = _under_root(source, target, plain, rules.root)
+        if rooted is not None and rooted.complete:
+            return rooted
+        return plan(source, target, plain)
+    try:
+        found = plan(source, target, plain)
+    except PlanError as error:
+        found, failure = None, error
+    else:
+        if found.complete:
+            return found
     rooted = _under_root(source, target, plain, rules.root)
     if rooted is not None and rooted.complete:
         return rooted
-    return plan(source, target, plain)
+    if found is None:
+        raise failure
+    return found
 
 
 def _under_root(source: Inventory, target: Inventory, rules: Rules, root: RootPrefix) -> Plan | None:

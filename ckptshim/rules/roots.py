@@ -6,10 +6,11 @@ Hugging Face Llama inside it); Hugging Face heads add or remove their ``base_mod
 
 A root prefix is read off the two key sets (wrapper components set aside, as the planner sets
 them aside at any depth): the leading names every key of one side shares beyond those every key
-of the other shares. That is only a candidate. The planner takes it only where it is exact: the
-plan without it leaves keys unmatched, and the plan with it -- the checkpoint's keys re-keyed,
-every other rule (wrapper prefixes, a conversion table, stacking) applied as usual -- matches
-every key on both sides. Anything less is not a root prefix (a model that merely has a
+of the other shares. That is only a candidate. The planner takes it only where it is exact:
+where the prefix alone makes the key sets one (with the same shapes), or where the plan without
+it leaves keys unmatched and the plan with it -- the checkpoint's keys re-keyed, every other
+rule (wrapper prefixes, a conversion table, stacking) applied as usual -- matches every key on
+both sides. Anything less is not a root prefix (a model that merely has a
 ``model.`` submodule keeps its keys), and the planner reports what does not match instead.
 """
 
@@ -37,6 +38,17 @@ class RootPrefix:
         bare = strip_wrappers(key)
         cut = len(self.prefix)
         return bare[cut:] if bare[:cut] == self.prefix and len(bare) > cut else None
+
+    def exact(self, source: Inventory, target: Inventory) -> bool:
+        """Whether the prefix alone makes the two sides one: the re-keyed checkpoint keys are the
+        target's (wrapper components set aside), one for one, with the same shapes."""
+        if len(source) != len(target):
+            return False
+        shapes = {strip_wrappers(key): entry.shape for key, entry in target.items()}
+        rekeyed = [(self.rekey(key), entry.shape) for key, entry in source.items()]
+        return len(shapes) == len(target) and all(
+            key is not None and shapes.get(strip_wrappers(key)) == shape for key, shape in rekeyed) \
+            and len({key for key, _ in rekeyed}) == len(rekeyed)
 
     @property
     def note(self) -> str:
