@@ -851,6 +851,28 @@ def test_a_root_prefix_that_is_not_exact_is_not_one():
     assert set(found.unexpected) == set(source) and set(found.missing) == set(bare)
 
 
+def test_a_root_prefix_composes_with_wrappers_and_stacking():
+    """Lightning's ``model.`` on the checkpoint, ``_orig_mod.`` on the target, layers stacked in
+    the target: each rule exact on its own, all taken together; and a partial load whose sides
+    merely share a leading name is not re-keyed."""
+    from ckptshim.ops import Stack
+    from ckptshim.rules.context import LoadContext
+    from ckptshim.rules.profiles import rules_for
+    from ckptshim.rules.roots import heads
+
+    source = inv({"model.layers.0.w": (3,), "model.layers.1.w": (3,), "model.norm.w": (3,)})
+    target = inv({"_orig_mod.layers.w": (2, 3), "_orig_mod.norm.w": (3,)})
+    assert heads(target) == {"layers", "norm"} and heads(source, 1) == {"layers", "norm"}
+    found = plan(source, target, rules_for(LoadContext(source, target, "torch")))
+    assert found.complete and found.notes == ("root prefix 'model.' removed from every checkpoint key",)
+    stack = next(op for op in found.ops if isinstance(op, Stack))
+    assert stack.sources == (K("model.layers.0.w"), K("model.layers.1.w")) and stack.target == K("_orig_mod.layers.w")
+    partial = inv({"enc.0.w": (3,), "enc.1.w": (3,)})
+    whole = inv({"enc.0.w": (3,), "enc.1.w": (3,), "dec.w": (3,)})
+    found = plan(partial, whole, rules_for(LoadContext(partial, whole, "torch")))
+    assert found.missing == (K("dec.w"),) and not found.unexpected and not found.notes
+
+
 def test_a_missing_key_tied_to_a_loaded_one_is_tied():
     from ckptshim.ops import Tie
 

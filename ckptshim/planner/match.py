@@ -41,6 +41,7 @@ from ckptshim.planner.runs import Group, Run, key_of
 from ckptshim.rules import DEFAULT_RULES, RootPrefix, Rules
 from ckptshim.rules.buffers import derivable_rule
 from ckptshim.rules.layers import stack_root
+from ckptshim.rules.roots import heads
 
 _FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
 _shape_of = attrgetter("shape")
@@ -83,12 +84,22 @@ def _rooted(source: Inventory, target: Inventory, rules: Rules) -> Plan:
     else:
         if found.complete:
             return found
-    rooted = _under_root(source, target, plain, rules.root)
+    rooted = _under_root(source, target, plain, rules.root) if _may_fit(source, target, rules) else None
     if rooted is not None and rooted.complete:
         return rooted
     if found is None:
         raise failure
     return found
+
+
+def _may_fit(source: Inventory, target: Inventory, rules: Rules) -> bool:
+    """Whether the plan of the checkpoint re-keyed by ``rules.root`` can be complete at all: with
+    no layout or alias to rename a key's first component, name matching keeps it, so both sides
+    must have the same first components (wrapper components set aside). Saves a partial load
+    whose sides merely share other leading names a second plan."""
+    if rules.layouts or rules.aliases:
+        return True
+    return rules.root.heads(source) == heads(target)
 
 
 def _under_root(source: Inventory, target: Inventory, rules: Rules, root: RootPrefix) -> Plan | None:
@@ -105,7 +116,11 @@ def _under_root(source: Inventory, target: Inventory, rules: Rules, root: RootPr
         found = plan(Inventory(entries, source.source), target, rules)
     except PlanError:
         return None
-    return Plan(source, target, tuple(with_sources(op, original) for op in found.ops), missing=found.missing,
+    if all(type(op) is Rename for op in found.ops):  # a million renames: in bulk
+        ops = tuple(renames([original[op.source] for op in found.ops], [op.target for op in found.ops]))
+    else:
+        ops = tuple(with_sources(op, original) for op in found.ops)
+    return Plan(source, target, ops, missing=found.missing,
                 unexpected=tuple(original[key] for key in found.unexpected),
                 mismatched=tuple(dataclasses.replace(m, source=original[m.source]) for m in found.mismatched),
                 hints=found.hints, notes=(root.note, *found.notes), warnings=found.warnings)

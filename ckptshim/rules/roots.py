@@ -16,10 +16,11 @@ both sides. Anything less is not a root prefix (a model that merely has a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ckptshim.inventory import Inventory, KeyPath, join_key
-from ckptshim.rules.prefixes import strip_wrappers
+from ckptshim.rules.prefixes import WRAPPER_SEGMENTS, strip_wrappers
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,13 @@ class RootPrefix:
             key is not None and shapes.get(strip_wrappers(key)) == shape for key, shape in rekeyed) \
             and len({key for key, _ in rekeyed}) == len(rekeyed)
 
+    def heads(self, source: Inventory) -> set[str]:
+        """The first components of the checkpoint's keys once re-keyed (wrapper components set
+        aside); keys outside the prefix have none."""
+        if self.side == "target":
+            return {self.prefix[0]}
+        return heads(source, len(self.prefix))
+
     @property
     def note(self) -> str:
         change = "removed from" if self.side == "checkpoint" else "added to"
@@ -72,16 +80,21 @@ def root_prefix(source: Inventory, target: Inventory) -> RootPrefix | None:
     return None
 
 
+def heads(inventory: Inventory, at: int = 0) -> set[str]:
+    """The components at position ``at`` of the keys (wrapper components set aside), for keys
+    long enough to have one: worked out on the few distinct leading paths where none holds a
+    wrapper component, key by key otherwise."""
+    leading = {key[:at + 1] for key in inventory}
+    if WRAPPER_SEGMENTS.isdisjoint(part for lead in leading for part in lead):
+        return {lead[at] for lead in leading if len(lead) > at}
+    return {bare[at] for bare in map(strip_wrappers, inventory) if len(bare) > at}
+
+
 def _common_prefix(inventory: Inventory) -> KeyPath:
     """The leading components every key shares once wrapper components are set aside, short of
-    any key's leaf; each key is compared once, up to the prefix shared so far."""
-    keys = map(strip_wrappers, inventory)
-    prefix = next(keys)[:-1]
-    length = len(prefix)
-    for key in keys:
-        length = min(length, len(key) - 1)
-        if key[:length] != prefix[:length]:  # compared in C; the loop finds where they part
-            length = next(at for at in range(length) if key[at] != prefix[at])
-        if not length:
-            break
-    return prefix[:length]
+    any key's leaf: worked out on the few distinct parent paths, the shared prefix of the
+    smallest and largest of them (in C)."""
+    parents = {key[:-1] for key in inventory}
+    if not WRAPPER_SEGMENTS.isdisjoint(part for parent in parents for part in parent):
+        parents = {tuple(part for part in parent if part not in WRAPPER_SEGMENTS) for parent in parents}
+    return tuple(os.path.commonprefix(list(parents)))
