@@ -68,12 +68,13 @@ from ckptshim.errors import CorruptCheckpointError, ShimError, UnknownFormatErro
 from ckptshim.execute import destinations
 from ckptshim.execute.torch import as_tensor
 from ckptshim.formats import dcp
-from ckptshim.formats.base import Checkpoint, open_regular, storage_dtype
+from ckptshim.formats.base import Checkpoint, Format, open_regular, storage_dtype
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, dtype_name, join_key, split_key
 from ckptshim.log import logger
 from ckptshim.storage import ByteRange, Location, ObjectInfo, read_ranges
 from ckptshim.storage.ranged import RangedFile, archive_spans
+from ckptshim.targets.tensors import values_of
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,11 @@ class DcpReader(FileSystemReader):
 
     def _open_checkpoint(self) -> dcp.DcpCheckpoint:
         return dcp.open_checkpoint(Path(self.path))
+
+    @property
+    def checkpoint(self) -> dcp.DcpCheckpoint | None:
+        """The checkpoint :meth:`read_metadata` opened (``None`` before), for the load's planner."""
+        return self._checkpoint
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -430,7 +436,7 @@ def _chunk_copy(layout: dcp.ChunkLayout, items: list[tuple[ReadItem, torch.Tenso
     else from one read of the bytes they need together, through
     :func:`~ckptshim.execute.destinations.write` (device memory through the staging buffer).
     ``None`` when no destination needs anything."""
-    items = [(item, destinations.values_of(destination)) for item, destination in items if destination.numel()]
+    items = [(item, values_of(destination)) for item, destination in items if destination.numel()]
     if not items:
         return None
     dtype = getattr(torch, dtype_name(layout.ref.storage.dtype))
@@ -463,7 +469,7 @@ def _raw_view(destination: torch.Tensor, entry: Entry) -> np.ndarray | None:
     """The plain tensor behind ``destination`` as a numpy array of ``entry``'s stored dtype (a
     view: writes land in it), or ``None`` where the bytes cannot go in as stored (another dtype,
     not in host memory, a subclass ckptshim does not know)."""
-    tensor = destinations.values_of(destination)
+    tensor = values_of(destination)
     if (type(tensor) is not torch.Tensor or not destinations.in_host_memory(tensor)
             or dtype_name(tensor.dtype) != entry.dtype):
         return None
@@ -480,14 +486,24 @@ class FormatReader(StorageReader):
     straight into its destination; where the destination cannot take the stored bytes as they are
     (another dtype, device memory, a tensor subclass), into a buffer of the stored dtype the size
     of that block (a rank's rows of one tensor), then written through the destination (a cast is
-    torch's ``copy_``), so no page of the map is held."""
+    torch's ``copy_``), so no page of the map is held.
 
-    def __init__(self, path: str | os.PathLike, hook: str = "dcp.load") -> None:
+    ``fmt`` is the format the load's hook recognised at ``path`` (opened with no second
+    detection); ``None`` for a file no format recognises, which :meth:`read_metadata` then
+    refuses in the detector's words."""
+
+    def __init__(self, path: str | os.PathLike, fmt: Format | None = None, hook: str = "dcp.load") -> None:
         super().__init__()
         self.path = Path(path)
         self._hook = hook
         self.load_id = str(uuid.uuid4())
+        self._format = fmt
         self._checkpoint: Checkpoint | None = None
+
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        """The checkpoint :meth:`read_metadata` opened (``None`` before), for the load's planner."""
+        return self._checkpoint
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -510,8 +526,9 @@ class FormatReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         try:  # an incomplete checkpoint is refused before planning: a missing shard, not its keys
-            self._checkpoint = open_checkpoint(self.path)
-            self._checkpoint.require_complete()
+            opened = open_checkpoint(self.path) if self._format is None else self._format.open_checkpoint(self.path)
+            self._checkpoint = opened
+            opened.require_complete()
         except ShimError as error:
             return _refused(error)
         logger.info("%s: %s is a %s checkpoint (%s), which DCP cannot read; ckptshim reads it", self._hook,

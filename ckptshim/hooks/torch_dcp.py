@@ -123,7 +123,7 @@ def _load(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict)
             storage_reader = dcp_loading.remote_reader(checkpoint_id, reader, planner)
         else:
             storage_reader = dcp_loading.storage_reader(checkpoint_id, reader)
-            planner = dcp_loading.load_planner(call["planner"], getattr(storage_reader, "path", where))
+            planner = dcp_loading.load_planner(call["planner"], getattr(storage_reader, "path", where), storage_reader)
         swapped = dict(call, storage_reader=storage_reader, planner=planner)
         return wrapped(swapped.pop("state_dict"), **swapped)
 

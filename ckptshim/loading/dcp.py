@@ -34,7 +34,7 @@ from ckptshim.execute.dcp_planner import FlatKeys, KeyMapping, RemappingLoadPlan
 from ckptshim.execute.dcp_storage import DcpReader, FormatReader, RemoteDcpReader
 from ckptshim.formats import dcp
 from ckptshim.formats.detect import detect
-from ckptshim.formats.hf_dir import model_config
+from ckptshim.formats.hf_dir import config_of, model_config
 from ckptshim.inventory import Entry, Inventory, dtype_name, join_key, split_key
 from ckptshim.loading.producers import producer
 from ckptshim.loading.report import report_load
@@ -42,6 +42,7 @@ from ckptshim.loading.torch import state_dict_facts
 from ckptshim.log import logger
 from ckptshim.planner import Plan
 from ckptshim.planner import plan as make_plan
+from ckptshim.rules.context import LoadContext
 from ckptshim.rules.profiles import rules_for
 from ckptshim.storage import Location
 
@@ -70,10 +71,10 @@ def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageRe
     try:
         fmt = detect(location, backend="torch")
     except UnknownFormatError:  # a file DCP cannot read either: FormatReader explains; a folder: DCP's
-        return FormatReader(location, HOOK) if Path(location).is_file() else given
+        return FormatReader(location, hook=HOOK) if Path(location).is_file() else given
     if fmt is dcp:
         return DcpReader(location, given.transforms.extension_registry if given is not None else None)
-    return FormatReader(location, HOOK)  # which says, once it has opened the checkpoint, what it reads
+    return FormatReader(location, fmt, hook=HOOK)  # which says, once it has opened the checkpoint, what it reads
 
 
 def remote(checkpoint_id: Any, given: StorageReader | None) -> bool:
@@ -124,14 +125,16 @@ def _local_path(url: str) -> str | None:
     return None
 
 
-def load_planner(inner: LoadPlanner | None, location: Any = None) -> RemappingLoadPlanner:
+def load_planner(inner: LoadPlanner | None, location: Any = None,
+                 reader: StorageReader | None = None) -> RemappingLoadPlanner:
     """The planner ``dcp.load`` runs: ckptshim's key mapping in front of ``inner`` (or DCP's
-    default), for the checkpoint at ``location`` (a local path, where known)."""
-    return RemappingLoadPlanner(inner, partial(prepare_mapping, location=location))
+    default), for the checkpoint at ``location`` (a local path, where known) that ``reader``
+    reads."""
+    return RemappingLoadPlanner(inner, partial(prepare_mapping, location=location, reader=reader))
 
 
 def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missing: bool,
-                    location: Any = None) -> KeyMapping | None:
+                    location: Any = None, reader: StorageReader | None = None) -> KeyMapping | None:
     """Plan the checkpoint's keys onto the state dict's and check the plan (nothing is read);
     ``None`` where every key the state dict asks for is stored under that name, shape and dtype
     (DCP's own planner plans on the stored metadata), :class:`~ckptshim.errors.NoPlan` where no
@@ -141,7 +144,8 @@ def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missin
     checkpoint key named like a derivable buffer is not dropped as one: like any key the state
     dict has no place for, it is unexpected, and left unread. Where no module is passed, the
     checkpoint's own ``config.json`` (beside it at ``location``; the metadata's ``checkpoint_id``
-    is where it was saved) names the transformers model whose conversion mapping applies.
+    is where it was saved) names the transformers model whose conversion mapping applies: read
+    once, from the checkpoint ckptshim's ``reader`` opened where it read this one.
     """
     if location is None:
         location = getattr(metadata.storage_meta, "checkpoint_id", None)
@@ -152,10 +156,9 @@ def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missin
     source, target, note = _sides(metadata, flat, target_paths, where)
     tensors = {entry.key: flat[entry.location] for entry in target.inventory.values()
                if entry.key not in target.objects}
-    config = model_config(location) if location is not None else None
-    rules = rules_for(source.inventory, target.inventory, "torch", state_dict_facts(tensors), config,
-                      producer=producer(location))
-    plan = make_plan(source.inventory, target.inventory, rules.extend(drop_derivable=False))
+    context = LoadContext(source.inventory, target.inventory, "dcp", state_dict_facts(tensors),
+                          _model_config(reader, location), producer(location))
+    plan = make_plan(source.inventory, target.inventory, rules_for(context))
     plan.require_complete(allow_missing=allow_missing, allow_unexpected=True,
                           lenient="planner=DefaultLoadPlanner(allow_partial_load=True)")
     _check_objects(plan, source, target)
@@ -163,6 +166,15 @@ def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missin
     if note:
         logger.info("%s: %s", HOOK, note)
     return KeyMapping(plan, source, target)
+
+
+def _model_config(reader: StorageReader | None, location: Any) -> dict | None:
+    """The model config of the checkpoint ``reader`` opened (read once, with it); for a reader
+    of the caller's own, the ``config.json`` at ``location``."""
+    opened = getattr(reader, "checkpoint", None) if isinstance(reader, (DcpReader, FormatReader)) else None
+    if opened is not None:
+        return config_of(opened)
+    return model_config(location) if location is not None else None
 
 
 def _stored_as_asked(metadata: Metadata, flat: Mapping[str, Any]) -> bool:

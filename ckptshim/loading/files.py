@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
-from ckptshim.formats.hf_dir import model_config
+from ckptshim.formats.hf_dir import config_of, model_config
 from ckptshim.inventory import Entry, Inventory, join_key
 from ckptshim.loading import like as like_spec
 from ckptshim.loading.producers import model_names, producer
@@ -22,6 +22,7 @@ from ckptshim.log import logger
 from ckptshim.planner import Plan
 from ckptshim.planner import plan as make_plan
 from ckptshim.rules import Rules
+from ckptshim.rules.context import LoadContext
 from ckptshim.rules.profiles import rules_for
 
 
@@ -42,14 +43,15 @@ def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None, 
     stores it in takes the stored one: the plan then casts nothing (``convert`` copies bytes).
     """
     target, target_sep = target_layout(like)
-    source_config = model_config(source.path)
+    source_config = config_of(source)
     like_config = None if like_spec.is_callable_spec(like) else model_config(like)
     source.inventory.model_type = _model_type(source_config)
     target.model_type = _model_type(like_config) or target.model_type
     if rules is None:
         config = source_config if source_config is not None else like_config
-        backend = "jax" if "/" in (source.key_sep, target_sep) else "torch"
-        rules = rules_for(source.inventory, target, backend, model_config=config, producer=producer(source.path))
+        call = "jax" if "/" in (source.key_sep, target_sep) else "torch"
+        rules = rules_for(LoadContext(source.inventory, target, call, model_config=config,
+                                      producer=producer(source.path)))
     plan = make_plan(source.inventory, target, rules)
     casts = plan.casts() if stored_dtypes else {}
     if not casts:
@@ -72,7 +74,7 @@ def plan_onto_model(source: Checkpoint) -> Plan | None:
         return None
     target, note = view
     logger.info("%s: %s", source.path, note)
-    rules = rules_for(source.inventory, target, "torch", producer=producer(source.path))
+    rules = rules_for(LoadContext(source.inventory, target, "torch", producer=producer(source.path)))
     return make_plan(source.inventory, target, rules)
 
 

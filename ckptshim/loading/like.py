@@ -91,7 +91,7 @@ def target_inventory(spec: str) -> tuple[Inventory, str]:
     if torch_like:  # state-dict keys are dotted names: "layers.0.w" is three components
         flat = {tuple(p for part in key for p in part.split(".")): v for key, v in flat.items()}
     if not torch_like and "jax" in sys.modules and not isinstance(result, dict):
-        from ckptshim.execute.jax_tree import TargetTree  # pytrees beyond dicts (dataclasses, ...)
+        from ckptshim.targets.jax_tree import TargetTree  # pytrees beyond dicts (dataclasses, ...)
 
         inventory = TargetTree(result).inventory(spec)
     else:

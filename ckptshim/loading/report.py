@@ -19,8 +19,11 @@ def report_load(where: str, plan: Plan, sep: str = ".", *, read_as: str | None =
     Called on every process that loads, never only on a coordinator: each rank reads and
     writes its own part, so each says what it did. ``read_as`` names the checkpoint's format
     when ckptshim reads the bytes itself: that is worth its INFO line even when every key
-    already matches (a legacy layout the framework's own reader refuses).
+    already matches (a legacy layout the framework's own reader refuses). What a rule says the
+    load loses is a warning.
     """
+    for warning in plan.warnings:
+        logger.warning("%s.", warning)
     if plan.is_identity:
         if read_as is None:
             logger.debug("%s: checkpoint already matches; nothing to change", where)

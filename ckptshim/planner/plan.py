@@ -60,6 +60,8 @@ class Plan:
     hints: Mapping[KeyPath, str] = field(default_factory=dict, compare=False)
     #: what a rule decided for the load as a whole (a root prefix set aside), said in its summary
     notes: tuple[str, ...] = ()
+    #: what a rule says the load loses (variables the target has no place for), logged as warnings
+    warnings: tuple[str, ...] = ()
     _producers: dict[KeyPath, Op] | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -30,11 +30,15 @@ inspect`` lists and ``convert`` writes.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from ckptshim.inventory import Entry, Inventory, KeyPath
 from ckptshim.rules.aliases import Alias
+from ckptshim.rules.context import LoadContext
 
-#: What :func:`ckptshim.rules.profiles.rules_for` is told (its ``producer``) for a checkpoint whose
+#: The :attr:`LoadContext.producer <ckptshim.rules.context.LoadContext.producer>` of a checkpoint whose
 #: ``metadata.json`` names a Megatron-Core sharded backend.
 PRODUCER = "megatron-core"
 #: The component under which Megatron-Core stacks the transformer layers.
@@ -92,7 +96,26 @@ def model_names(stored: Inventory) -> tuple[Inventory, int]:
     return Inventory(entries, f"{stored.source} as the model names it"), objects
 
 
+@dataclass(frozen=True)
+class MegatronCoreProfile:
+    """A checkpoint Megatron-Core's ``dist_checkpointing`` wrote (its ``metadata.json`` says so):
+    the local spec's layer norms under the TE-fused names they are stored under, and the target's
+    ``_extra_state`` keeping its own values. The stacked layers need no rule of their own: the
+    planner unstacks a layer list at the stored global offsets."""
+
+    name: str = "Megatron-Core"
+
+    def applies(self, context: LoadContext) -> bool:
+        return context.backend == "torch" and context.producer == PRODUCER
+
+    def rules(self, context: LoadContext) -> Mapping[str, Any]:
+        return {"aliases": LAYER_NORMS, "synthesize": kept(context.target)}
+
+
 def kept(target: Inventory) -> frozenset[KeyPath]:
     """The target's ``_extra_state`` keys: each keeps the model's own value (see the module
     docstring), as ``GPTModel`` keeps its output layer's, which Megatron-Core never saves."""
     return frozenset(key for key in target if key[-1] == EXTRA_STATE)
+
+
+PROFILE = MegatronCoreProfile()
