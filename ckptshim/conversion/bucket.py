@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Iterator
 from typing import IO, Any
 
-from ckptshim.conversion.atomic import _TAG, DestinationError, DestinationExistsError
+from ckptshim.conversion.atomic import TEMP_TAG, DestinationError, DestinationExistsError
 from ckptshim.storage import Location
 from ckptshim.storage.objects import filesystem, fsspec_path
 
@@ -84,7 +84,7 @@ def bucket_destination(destination: Location, *, force: bool = False) -> Iterato
                                f"({destination}/NAME)")
     if not force:
         _refuse_existing(fs, destination)
-    tmp = destination.parent / f".{destination.name}{_TAG}{uuid.uuid4().hex}"
+    tmp = destination.parent / f".{destination.name}{TEMP_TAG}{uuid.uuid4().hex}"
     try:
         try:
             yield tmp
