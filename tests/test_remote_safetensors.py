@@ -145,3 +145,26 @@ def test_torch_save_weights_in_a_bucket_say_what_to_do(bucket, tmp_path):
     upload(local, f"{bucket}/bin")
     with pytest.raises(UnknownFormatError, match="not a checkpoint ckptshim reads from object storage"):
         open_checkpoint(f"{bucket}/bin")
+
+
+@pytest.mark.parametrize("layout", ["file", "hf-sharded"])
+def test_dcp_load_of_safetensors_at_a_url(bucket, tmp_path, layout):
+    """``dcp.load(checkpoint_id=URL)`` of what DCP cannot read at all (its own ``FsspecReader``
+    finds no ``.metadata``): read through ckptshim by byte ranges, into a ``torch.compile``d-style
+    wrapped state dict, bit for bit; the same load from the local copy gives the same tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    expected = state()
+    local = tmp_path / "model"
+    local.mkdir()
+    if layout == "file":
+        local = local / "model.safetensors"
+        save_file(expected, local)
+        url = f"{bucket}/weights/model.safetensors"
+    else:
+        save_torch_state_dict(expected, local, max_shard_size="3KB")
+        url = f"{bucket}/weights/tiny"
+    upload(local, url)
+    loaded = {f"_orig_mod.{k}": torch.zeros_like(v) for k, v in expected.items()}
+    dcp.load(loaded, checkpoint_id=url, no_dist=True)
+    assert same({k.removeprefix("_orig_mod."): v for k, v in loaded.items()}, expected)
