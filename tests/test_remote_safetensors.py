@@ -168,3 +168,16 @@ def test_dcp_load_of_safetensors_at_a_url(bucket, tmp_path, layout):
     loaded = {f"_orig_mod.{k}": torch.zeros_like(v) for k, v in expected.items()}
     dcp.load(loaded, checkpoint_id=url, no_dist=True)
     assert same({k.removeprefix("_orig_mod."): v for k, v in loaded.items()}, expected)
+
+
+def test_plan_of_a_remote_folder_like_a_local_checkpoint(bucket, tmp_path, capsys):
+    expected = state()
+    local = tmp_path / "model"
+    local.mkdir()
+    save_torch_state_dict(expected, local, max_shard_size="3KB")
+    upload(local, f"{bucket}/tiny")
+    wrapped = tmp_path / "wrapped.safetensors"
+    save_file({f"module.{k}": v for k, v in expected.items()}, wrapped)
+    code = cli.main(["plan", "--json", f"{bucket}/tiny", "--like", str(wrapped)])
+    plan = json.loads(capsys.readouterr().out)
+    assert code == 0 and plan["complete"] and any("module." in line for line in plan["lines"])
