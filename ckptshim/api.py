@@ -125,7 +125,7 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
             when stderr is a terminal and ``CKPTSHIM_PROGRESS`` is not ``0``.
 
     Returns:
-        Path | Location: The path written (a :class:`~ckptshim.storage.Location` for a URL).
+        Path | Location: The path written (a ``ckptshim.storage.Location`` for a URL).
 
     Raises:
         ConvertError: ``destination`` exists (without ``force``) or overlaps ``source``, or

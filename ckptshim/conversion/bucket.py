@@ -35,7 +35,7 @@ from ckptshim.storage import Location
 from ckptshim.storage.objects import filesystem, fsspec_path
 
 #: The object written last inside a destination folder, once every other object is in place.
-MARKER = "_CKPTSHIM_COMPLETE"
+MARKER = "ckptshim-complete.json"
 
 
 def open_for_writing(location: Location) -> IO[bytes]:
