@@ -32,7 +32,7 @@ def state() -> dict[str, torch.Tensor]:
 def upload(local: Path, url: str) -> None:
     fs, path = fsspec.core.url_to_fs(url)
     if local.is_dir():
-        for file in sorted(local.iterdir()):
+        for file in sorted(f for f in local.iterdir() if f.is_file()):
             fs.put_file(str(file), f"{path}/{file.name}")
     else:
         fs.put_file(str(local), path)
@@ -181,3 +181,35 @@ def test_plan_of_a_remote_folder_like_a_local_checkpoint(bucket, tmp_path, capsy
     code = cli.main(["plan", "--json", f"{bucket}/tiny", "--like", str(wrapped)])
     plan = json.loads(capsys.readouterr().out)
     assert code == 0 and plan["complete"] and any("module." in line for line in plan["lines"])
+
+
+def test_an_index_naming_a_shard_outside_the_prefix_is_refused(bucket, tmp_path):
+    local = tmp_path / "model"
+    local.mkdir()
+    save_torch_state_dict(state(), local, max_shard_size="3KB")
+    index = json.loads((local / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = "../elsewhere/model.safetensors"
+    (local / "model.safetensors.index.json").write_text(json.dumps(index))
+    upload(local, f"{bucket}/tiny")
+    with pytest.raises(CorruptCheckpointError, match="lies outside the directory"):
+        open_checkpoint(f"{bucket}/tiny")
+
+
+def test_shards_in_a_subfolder_are_read(bucket, tmp_path):
+    expected = state()
+    local = tmp_path / "model"
+    local.mkdir()
+    save_torch_state_dict(expected, local, max_shard_size="3KB")
+    index = json.loads((local / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {key: f"weights/{name}" for key, name in index["weight_map"].items()}
+    (local / "model.safetensors.index.json").write_text(json.dumps(index))
+    (local / "weights").mkdir()
+    for shard in set(index["weight_map"].values()):
+        (local / shard.removeprefix("weights/")).rename(local / shard)
+    upload(local, f"{bucket}/tiny")
+    upload(local / "weights", f"{bucket}/tiny/weights")
+    checkpoint = open_checkpoint(f"{bucket}/tiny")
+    assert checkpoint.complete
+    convert(f"{bucket}/tiny", tmp_path / "out.safetensors", to="safetensors", progress=False)
+    assert same(load_file(tmp_path / "out.safetensors"), expected)

@@ -228,9 +228,8 @@ def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoi
     for shard in shards:
         if not isinstance(shard, str) or not shard or not _named_inside(shard):
             raise CorruptCheckpointError(f"{root / chosen}: shard {shard!r:.100} lies outside the directory")
-        found = listed.get(shard)
+        found = listed.get(shard) or _in_subfolder(root, shard)
         if found is None:
-            root.child(shard)  # a name that would leave the prefix is refused, not reported missing
             files.append(FileInfo(shard, None))
             continue
         part = parts[shard] = safetensors.open_checkpoint(found.location, found.size)
@@ -239,6 +238,20 @@ def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoi
     checkpoint = HFDirCheckpoint(root, chosen, parts, files, problems)
     checkpoint.model_config = settings
     return checkpoint
+
+
+def _in_subfolder(root: Location, shard: str) -> ObjectInfo | None:
+    """The object ``shard`` names below ``root`` where the listing, of the first level only,
+    cannot hold it (a name with ``/``); ``None`` when there is none. A name that would leave
+    the prefix is refused (:meth:`~ckptshim.storage.Location.child`), never reported missing."""
+    where = root.child(shard)
+    if "/" not in shard:
+        return None
+    try:
+        found = where.stat()
+    except FileNotFoundError:
+        return None
+    return found if found.kind == "file" else None
 
 
 @reader
