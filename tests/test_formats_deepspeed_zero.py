@@ -49,6 +49,16 @@ def test_every_parameter_is_deepspeeds_own_fp32_state_dict(variant: str) -> None
     checkpoint.close()
 
 
+def _assert_masters_and_moments_are_the_engines(checkpoint: deepspeed_zero.ZeroCheckpoint, variant: str) -> None:
+    """Every trainable parameter's master and Adam moments as the live engine gathered them."""
+    for name in checkpoint.slots:
+        assert array_sha256(checkpoint.read(checkpoint.inventory[tuple(name.split("."))])) == \
+            REFERENCE[f"{variant}/master/{name}"]["sha256"]
+        for state in deepspeed_zero.MOMENTS:
+            assert array_sha256(checkpoint.read_optimizer_state(name, state)) == \
+                REFERENCE[f"{variant}/{state}/{name}"]["sha256"], (name, state)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_masters_and_adam_moments_are_the_engines(variant: str) -> None:
     """Each trainable parameter's master and moments, assembled from the partitions, equal what
@@ -56,12 +66,7 @@ def test_masters_and_adam_moments_are_the_engines(variant: str) -> None:
     checkpoint = open_checkpoint(ZERO / variant)
     assert set(checkpoint.slots) == {"embed.weight", "proj.weight", "proj.bias", "norm.weight", "norm.bias",
                                      "out.weight", "out.bias"}
-    for name in checkpoint.slots:
-        assert array_sha256(checkpoint.read(checkpoint.inventory[tuple(name.split("."))])) == \
-            REFERENCE[f"{variant}/master/{name}"]["sha256"]
-        for state in deepspeed_zero.MOMENTS:
-            assert array_sha256(checkpoint.read_optimizer_state(name, state)) == \
-                REFERENCE[f"{variant}/{state}/{name}"]["sha256"], (name, state)
+    _assert_masters_and_moments_are_the_engines(checkpoint, variant)
     assert {float(rank.step.storage.numel) for rank in checkpoint.ranks.values()} == {1.0}  # a 0-d tensor
 
 
@@ -75,12 +80,7 @@ def test_masters_and_moments_are_read_without_mapping_the_files(variant: str, mo
     def mapped(self, entry):
         raise AssertionError(f"{self.path} was memory-mapped")
     monkeypatch.setattr(torch_pickle.TorchPickleCheckpoint, "read", mapped)
-    for name in checkpoint.slots:
-        assert array_sha256(checkpoint.read(checkpoint.inventory[tuple(name.split("."))])) == \
-            REFERENCE[f"{variant}/master/{name}"]["sha256"]
-        for state in deepspeed_zero.MOMENTS:
-            assert array_sha256(checkpoint.read_optimizer_state(name, state)) == \
-                REFERENCE[f"{variant}/{state}/{name}"]["sha256"], (name, state)
+    _assert_masters_and_moments_are_the_engines(checkpoint, variant)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
