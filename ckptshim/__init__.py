@@ -52,9 +52,9 @@ def __getattr__(name: str):
 
 
 def _bootstrap() -> None:
-    from ckptshim import config
+    import os
 
-    if config.log_level() is not None:
+    if os.environ.get("CKPTSHIM_LOG", "").strip():  # configure_from_env reads (and checks) it
         from ckptshim.log import configure_from_env
 
         configure_from_env()

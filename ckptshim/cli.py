@@ -15,6 +15,7 @@ import ckptshim
 from ckptshim import extras
 from ckptshim.errors import DOCS_URL, ShimError
 from ckptshim.inventory import size_text
+from ckptshim.keytext import group_rows
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -29,6 +30,7 @@ KEY_COLUMN = 80
 def _inspect(args: argparse.Namespace) -> int:
     from ckptshim.api import inspect
     from ckptshim.formats import completeness
+    from ckptshim.loading.producers import model_names
 
     checkpoint = inspect(args.path)
     if args.json:
@@ -40,14 +42,20 @@ def _inspect(args: argparse.Namespace) -> int:
     inventory = checkpoint.inventory
     print(f"{checkpoint.path}: {checkpoint.format} (version {checkpoint.version}), "
           f"{len(inventory)} arrays, {size_text(inventory.total_bytes)}")
+    view = model_names(checkpoint.path, inventory)
+    if view is not None:  # stored under other names than the model's (Megatron-Core's stacked layers)
+        inventory, note = view
+        print(f"  {len(inventory)} arrays {note}:")
     sep = checkpoint.key_sep
-    width = min(max((len(sep.join(e.key)) for e in inventory.values()), default=0), KEY_COLUMN)
-    for e in inventory.values():
-        name = sep.join(e.key)
+    # per-layer keys of one dtype and shape are one row: layers.{0..63}.w, and how many arrays
+    rows = group_rows((sep.join(e.key), e.dtype, str(tuple(e.shape)), size_text(e.nbytes))
+                      for e in inventory.values())
+    width = min(max((len(cells[0]) for cells, _ in rows), default=0), KEY_COLUMN)
+    for (name, dtype, shape, size), count in rows:
         if len(name) > width:  # folded: the key alone, its columns under the column's width
             print(f"  {name}")
             name = ""
-        print(f"  {name:<{width}}  {e.dtype:<9} {str(tuple(e.shape)):<18} {size_text(e.nbytes)}")
+        print(f"  {name:<{width}}  {dtype:<9} {shape:<18} {size}" + (f" each, {count} arrays" if count > 1 else ""))
     if len(checkpoint.files) <= LISTED_FILES:
         for f in checkpoint.files:
             print(f"  file {f.path}: {'missing' if f.size is None else size_text(f.size)}")
@@ -62,18 +70,24 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from ckptshim.api import plan
-    from ckptshim.planner import explain, summary
+    from ckptshim.planner import explain, headline, summary, table
 
     result = plan(args.source, args.like)
     sep = "/" if args.sep == "/" else "."
+    first = headline(result, sep)
     if args.json:
-        print(json.dumps({"summary": summary(result), "complete": result.complete,
+        print(json.dumps({"summary": summary(result), "complete": result.complete, "headline": first,
                           "lines": explain(result, sep),
                           "missing": [sep.join(k) for k in result.missing],
                           "unexpected": [sep.join(k) for k in result.unexpected],
                           "mismatched": [m.describe(sep) for m in result.mismatched]}, indent=1))
     else:
+        if first:
+            print(first)
         print(summary(result))
+        for line in table(result, sep):
+            print(f"  {line}")
+        print("plan:")
         for line in explain(result, sep):
             print(f"  {line}")
     return EXIT_OK if result.complete else EXIT_PROBLEM

@@ -41,12 +41,25 @@ def progress_enabled() -> bool:
     return os.environ.get("CKPTSHIM_PROGRESS", "").strip().lower() not in _FALSE
 
 
+#: What ``CKPTSHIM_LOG`` may say, from the most said to the least (besides off: unset, 0, off, none).
+LOG_LEVELS = ("debug", "info", "warning")
+_LOG_OFF = {"", "0", "off", "none"}
+
+
 def log_level() -> str | None:
-    """``"info"``, ``"debug"`` or ``None``; anything else is treated as ``"info"``."""
+    """One of :data:`LOG_LEVELS` (any case), or ``None`` when ``CKPTSHIM_LOG`` is unset or off.
+
+    Raises ``ValueError`` naming the valid values for any other: a typo must not turn logging on
+    (or off) by a guess. :func:`ckptshim.log.configure_from_env` turns it into a warning, so
+    that a wrong value never breaks ``import ckptshim``.
+    """
     raw = os.environ.get("CKPTSHIM_LOG", "").strip().lower()
-    if not raw or raw in {"0", "off", "none"}:
+    if raw in _LOG_OFF:
         return None
-    return "debug" if raw == "debug" else "info"
+    if raw not in LOG_LEVELS:
+        raise ValueError(f"CKPTSHIM_LOG={raw[:40]!r} is not a level ckptshim knows; use "
+                         f"{', '.join(LOG_LEVELS)}, or 0/off for none. ckptshim adds no log output.")
+    return raw
 
 
 #: A hooked load reading fewer bytes than this shows no progress bar (1 GiB).

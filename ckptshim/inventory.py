@@ -118,12 +118,13 @@ class Inventory(Mapping[KeyPath, Entry]):
     """An immutable, insertion-ordered collection of entries keyed by path.
 
     Duplicate keys are refused: two arrays claiming one name is a corrupt checkpoint, not
-    something to resolve by picking one.
+    something to resolve by picking one. ``model_type`` is the model the arrays are, where a
+    ``config.json`` (or the live model) names it: a refusal says first when two sides differ.
     """
 
-    __slots__ = ("_entries", "source")
+    __slots__ = ("_entries", "model_type", "source")
 
-    def __init__(self, entries: Iterable[Entry], source: str = "") -> None:
+    def __init__(self, entries: Iterable[Entry], source: str = "", model_type: str | None = None) -> None:
         with gc_paused():  # entries often come from a generator that allocates them right here
             entries = entries if isinstance(entries, list | tuple) else list(entries)
             table = dict(zip(map(_key_of, entries), entries))
@@ -131,6 +132,7 @@ class Inventory(Mapping[KeyPath, Entry]):
             _refuse_duplicate(entries, source)
         self._entries = table
         self.source = source
+        self.model_type = model_type
 
     def __getitem__(self, key: KeyPath) -> Entry:
         return self._entries[key]

@@ -30,22 +30,73 @@ def ranges(values: Sequence[int]) -> str:
 
 
 def compress(lines: Iterable[str]) -> list[str]:
-    """Merge lines that differ only in the value of one number into ``{a..b}`` ranges."""
-    groups: dict[tuple[str, ...], list[tuple[int, ...]]] = {}
+    """Merge lines that differ only in the numbers at some places into ``{a..b}`` ranges.
+
+    Lines whose numbers run over a full grid are one line: ``layers.{0..63}.experts.{0..7}.w``;
+    numbers that are equal on every line (a rename's layer on both sides of the arrow) are one
+    place, so ``layers.{0..63}.w -> _orig_mod.layers.{0..63}.w`` is one line too -- unless the
+    lines hold ranges already (an op over many keys, one per layer): ``layers.{0..1}.experts.{0..3}
+    -> concat -> layers.{0..1}.gate_up`` would read as one op over all of them. Lines that fit no
+    grid are listed as they are. Lines keep the order of the first of each group.
+    """
+    return [text for text, _ in group(lines)]
+
+
+def group(lines: Iterable[str]) -> list[tuple[str, list[str]]]:
+    """:func:`compress`'s lines, each with the lines it stands for (in their order): what a caller
+    needs that says something about each group (its first key's nearest names, its count)."""
+    groups: dict[tuple[str, ...], list[tuple[str, tuple[int, ...]]]] = {}
     for line in lines:
         pieces = tuple(_NUMBER.split(line))
-        groups.setdefault(pieces, []).append(tuple(int(n) for n in _NUMBER.findall(line)))
-    out: list[str] = []
-    for pieces, numbers in groups.items():
-        varying = [i for i in range(len(numbers[0])) if len({n[i] for n in numbers}) > 1]
-        if len(varying) == 1:
-            slot = varying[0]
-            shown = [str(n) for n in numbers[0]]
-            shown[slot] = "{" + ranges([n[slot] for n in numbers]) + "}"
-            out.append(_interleave(pieces, shown))
+        groups.setdefault(pieces, []).append((line, tuple(int(n) for n in _NUMBER.findall(line))))
+    out: list[tuple[str, list[str]]] = []
+    for pieces, members in groups.items():
+        numbers = [n for _, n in members]
+        shown = _grid(numbers, in_step="{" not in "".join(pieces))
+        if shown is None:
+            out.extend((line, [line]) for line, _ in members)
         else:
-            out.extend(_interleave(pieces, [str(x) for x in n]) for n in numbers)
+            out.append((_interleave(pieces, shown), [line for line, _ in members]))
     return out
+
+
+#: Between a row's cells while rows are grouped: no digit, and nothing a printed key holds.
+_CELL = "\x1f"
+
+
+def group_rows(rows: Iterable[Sequence[str]]) -> list[tuple[tuple[str, ...], int]]:
+    """Table rows (cells of text) grouped as :func:`group` groups lines, with how many rows each
+    stands for: rows that differ only in a layer number, in any cells, are one row."""
+    return [(tuple(text.split(_CELL)), len(members)) for text, members in group(_CELL.join(row) for row in rows)]
+
+
+def _grid(numbers: list[tuple[int, ...]], in_step: bool) -> list[str] | None:
+    """The numbers of one line standing for all of ``numbers`` (ranges where they vary), or
+    ``None`` when they are not every combination of the values at each place exactly once.
+    Places whose numbers are equal on every line count as one only ``in_step``."""
+    first = numbers[0]
+    varying = [i for i in range(len(first)) if any(n[i] != first[i] for n in numbers)]
+    places: list[list[int]] = []  # varying places equal on every line are one place
+    for i in varying:
+        for place in places:
+            if all(n[i] == n[place[0]] for n in numbers):
+                place.append(i)
+                break
+        else:
+            places.append([i])
+    values = [{n[place[0]] for n in numbers} for place in places]
+    combinations = {tuple(n[place[0]] for place in places) for n in numbers}
+    size = 1
+    for seen in values:
+        size *= len(seen)
+    if (len(combinations) != len(numbers) or size != len(numbers)
+            or (not in_step and any(len(place) > 1 for place in places))):
+        return None
+    shown = [str(n) for n in first]
+    for place, seen in zip(places, values):
+        for i in place:
+            shown[i] = "{" + ranges(list(seen)) + "}"
+    return shown
 
 
 def _interleave(pieces: tuple[str, ...], numbers: list[str]) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 
 from ckptshim import config
 
@@ -71,8 +72,13 @@ class _NotPrintedAbove(logging.Filter):
 
 
 def configure_from_env() -> None:
-    """Attach a stderr handler at the level ``CKPTSHIM_LOG`` names (once)."""
-    level = config.log_level()
+    """Attach a stderr handler at the level ``CKPTSHIM_LOG`` names (once); for a value it does
+    not know, warn (naming the valid ones) and attach none."""
+    try:
+        level = config.log_level()
+    except ValueError as error:
+        warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+        return
     if level is None or any(h.get_name() == _HANDLER_NAME for h in logger.handlers):
         return
     handler = logging.StreamHandler()
@@ -80,4 +86,4 @@ def configure_from_env() -> None:
     handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     handler.addFilter(_NotPrintedAbove())
     logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG if level == "debug" else logging.INFO)
+    logger.setLevel(getattr(logging, level.upper()))

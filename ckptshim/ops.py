@@ -41,10 +41,11 @@ tensor-parallel merges and splits that add, divide or check their arrays.
 
 from __future__ import annotations
 
-from collections import deque
+import dataclasses
 import math
+from collections import deque
 import struct
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import repeat
@@ -255,6 +256,17 @@ def renames(sources: Sequence[KeyPath], targets: Sequence[KeyPath]) -> list[Rena
     deque(map(_set_source, ops, sources), maxlen=0)  # a deque of no length runs a map out
     deque(map(_set_target, ops, targets), maxlen=0)
     return ops
+
+
+def with_sources(op: Op, names: Mapping[KeyPath, KeyPath]) -> Op:
+    """``op`` reading each source key under the name ``names`` gives it (a key it lacks keeps its
+    own): the op planned against a re-keyed checkpoint, naming the checkpoint's keys. Every op
+    names what it reads in a ``source`` or ``sources`` field."""
+    if "source" in op.__dataclass_fields__:
+        return dataclasses.replace(op, source=names.get(op.source, op.source))
+    if "sources" in op.__dataclass_fields__:
+        return dataclasses.replace(op, sources=tuple(names.get(key, key) for key in op.sources))
+    return op
 
 
 @dataclass(frozen=True, slots=True)

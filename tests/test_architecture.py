@@ -2,9 +2,9 @@
 private name taken across modules.
 
 From the top: surfaces (the package, ``api``, ``cli``, ``conversion``, ``launcher``, ...),
-``hooks``, ``loading``, ``execute``, ``formats``, ``storage`` (where a checkpoint's bytes are,
-local or remote), ``planner``, ``rules``, the op protocol
-(``ops``, ``keytext``), ``inventory``, and the utilities everything may use (``errors``,
+``hooks``, ``loading``, ``execute``, ``targets`` (what a destination is), ``formats``, ``storage`` (where a checkpoint's bytes are,
+local or remote), ``planner``, ``rules``, the op protocol and producers' own layouts
+(``ops``, ``geometry``, ``keytext``, ``layouts``), ``inventory``, and the utilities everything may use (``errors``,
 ``config``, ``log``, ``progress``, ``extras``). A module may import its own layer or any layer below, never one above;
 imports made inside functions count too (they run all the same).
 """
@@ -27,11 +27,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ckptshim.hooks",),
     ("ckptshim.loading",),
     ("ckptshim.execute",),
+    ("ckptshim.targets",),
     ("ckptshim.formats",),
     ("ckptshim.storage",),
     ("ckptshim.planner",),
     ("ckptshim.rules",),
-    ("ckptshim.ops", "ckptshim.geometry", "ckptshim.keytext"),
+    ("ckptshim.ops", "ckptshim.geometry", "ckptshim.keytext", "ckptshim.layouts"),
     ("ckptshim.inventory",),
     ("ckptshim.errors", "ckptshim.config", "ckptshim.log", "ckptshim.progress", "ckptshim.extras"),
 )
@@ -130,3 +131,56 @@ def test_no_private_name_crosses_modules(module):
                 and not node.attr.startswith("__") and aliases.get(node.value.id, module) != module):
             found.append(f"line {node.lineno}: {aliases[node.value.id]}.{node.attr}")
     assert not found, f"{module} uses private names of other modules:\n" + "\n".join(found)
+
+
+def _type_only_imports(module: str) -> Iterator[str]:
+    """The ckptshim modules ``module`` imports inside ``if TYPE_CHECKING:`` blocks."""
+    path = MODULES[module]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for inner in node.body:
+                if isinstance(inner, ast.ImportFrom) and (inner.module or "").startswith("ckptshim"):
+                    yield from (f"{inner.module}.{a.name}" if f"{inner.module}.{a.name}" in MODULES else inner.module
+                                for a in inner.names)
+                elif isinstance(inner, ast.Import):
+                    yield from (a.name for a in inner.names if a.name.startswith("ckptshim"))
+
+
+def test_no_cycle_hidden_behind_type_checking():
+    """An import made only for types (``if TYPE_CHECKING:``) is still a dependency: a package's
+    ``__init__`` that imports a submodule for a type, where that submodule imports the package
+    back, is a cycle the package-export exemption above would hide."""
+    graph = {module: {target for target, _, _ in imports(module) if target != module and target in MODULES}
+             for module in MODULES}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            node = todo.pop()
+            if node == goal:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo.extend(graph.get(node, ()))
+        return False
+
+    hidden = [f"{module} -> {target}" for module in MODULES for target in _type_only_imports(module)
+              if target in MODULES and reaches(target, module)]
+    assert not hidden, "type-only imports that close a cycle:\n" + "\n".join(hidden)
+
+
+#: Imports the layer order allows but the design rules out: (importer prefix, imported prefix, why).
+FORBIDDEN: tuple[tuple[str, str, str], ...] = (
+    ("ckptshim.formats", "ckptshim.rules", "formats recognise and read files; what a model's keys mean is the rules'"),
+    ("ckptshim.formats", "ckptshim.planner", "formats list and read; planning is above them"),
+    ("ckptshim.execute", "ckptshim.rules", "executors receive decisions (plans, the target's own buffers) and make none"),
+    ("ckptshim.targets", "ckptshim.planner", "a destination is described before planning, for the planner"),
+)
+
+
+@pytest.mark.parametrize("importer, imported, why", FORBIDDEN)
+def test_forbidden_imports(importer, imported, why):
+    found = [f"{module} line {line}: {target}" for module in MODULES
+             if module == importer or module.startswith(importer + ".")
+             for target, _, line in imports(module) if target == imported or target.startswith(imported + ".")]
+    assert not found, f"{importer} must not import {imported} ({why}):\n" + "\n".join(found)

@@ -243,6 +243,10 @@ QUOTED_ERRORS = {
     ("paxml.md", "FileNotFoundError: No structure could be identified for the checkpoint at .../checkpoint_00000001/state."): "paxml pytree",
     ("paxml.md", "FileNotFoundError: Checkpoint at .../checkpoints/1 not found."): "paxml manager",
     ("gpt-neox.md", 'Error(s) in loading state_dict for GPTNeoXForCausalLM: Missing key(s) in state_dict: "gpt_neox.embed_in.weight", ...'): "neox into hf",
+    ("deepspeed.md", "AssertionError: metadata is None; global metadata read failed: [Errno 2] No such file or directory: '.../.metadata'"): "zero dcp",
+    ("deepspeed.md", "size mismatch for ...: copying a param with shape torch.Size([0]) from checkpoint, ..."): "zero3 module",
+    ("deepspeed.md", "Unsupported global: GLOBAL deepspeed.runtime.zero.config.ZeroStageEnum was not an allowed global by default"): "zero torch.load",
+    ("megatron-core.md", "RuntimeError: Missing key in checkpoint state_dict: decoder.layers.0.input_layernorm.bias."): "megatron dcp",
 }
 
 

@@ -342,7 +342,7 @@ def test_latest_naming_a_folder_outside_is_not_followed(tmp_path: Path) -> None:
         open_checkpoint(root)
 
 
-def test_rank_file_that_is_not_a_regular_file_is_named_and_not_opened(tmp_path: Path) -> None:
+def test_rank_file_that_is_not_a_regular_file_is_refused_by_name_and_not_opened(tmp_path: Path) -> None:
     import os
 
     root = _copy("ws2/zero3_fp32", tmp_path)

@@ -24,6 +24,7 @@ from ckptshim.inventory import Entry, Inventory, flatten, unflatten
 from ckptshim.ops import Rename, Scale
 from ckptshim.planner import plan, summary
 from ckptshim.rules import Paired
+from ckptshim.rules.context import LoadContext
 from ckptshim.rules.profiles import rules_for
 from support.fixtures import FIXTURES, writable_copy
 from support.processes import run_device_worker
@@ -111,7 +112,7 @@ def test_the_plan_names_the_scale_once_per_query(caplog):
     source = _inventory(folder("llama3") / "model.safetensors")
     target = Inventory([Entry(key, v.shape, "bfloat16") for key, v in expected("llama3", "scanned").items()], "t")
     config = json.loads((folder("llama3") / "config.json").read_text())
-    found = plan(source, target, rules_for(source, target, "jax", model_config=config))
+    found = plan(source, target, rules_for(LoadContext(source, target, "jax", model_config=config)))
     assert found.complete
     scales = [op for op in found.ops if op.kind == Scale.kind]
     assert len(scales) == 1 and scales[0].factor == float(np.float32(1 / np.sqrt(12)))
@@ -159,11 +160,11 @@ class _Scaling:
 
 def test_strict_refuses_a_scale_nobody_expects(monkeypatch):
     source = Inventory([Entry(("w",), (2,), "float32")], "ckpt")
-    rules = rules_for(source, source, "jax").extend(layouts=(_Scaling(),))
+    rules = rules_for(LoadContext(source, source, "jax")).extend(layouts=(_Scaling(),))
     assert summary(plan(source, source, rules)) == "1 scaled (x 0.5 in float32, rounded to float32)"
     monkeypatch.setenv("CKPTSHIM_STRICT", "1")
     with pytest.raises(PlanError, match=r"'?w'?: the plan's step `w: scale\(x 0.5.*CKPTSHIM_STRICT=1 refuses it"):
-        plan(source, source, rules_for(source, source, "jax").extend(layouts=(_Scaling(),)))
+        plan(source, source, rules_for(LoadContext(source, source, "jax")).extend(layouts=(_Scaling(),)))
 
 
 def test_each_device_of_a_2x2_mesh_reads_only_its_slice(tmp_path):
@@ -234,6 +235,6 @@ def test_optimizer_moments_in_the_target_are_never_filled_with_weights():
     moments = {("opt_state", "mu") + key[1:]: value for key, value in params.items()}
     target = Inventory([Entry(key, v.shape, "bfloat16") for key, v in {**params, **moments}.items()], "t")
     config = json.loads((folder("qwen3") / "config.json").read_text())
-    found = plan(source, target, rules_for(source, target, "jax", model_config=config))
+    found = plan(source, target, rules_for(LoadContext(source, target, "jax", model_config=config)))
     assert not any(key[0] == "opt_state" for op in found.ops for key in op.targets)
     assert sorted(found.missing) == sorted(moments)

@@ -106,9 +106,111 @@ def test_anything_less_than_exact_is_torchs_own_error(checkpoints):
     native_model = copy.deepcopy(model)
     error = same_error(raised(lambda: model.load_state_dict(state_dict(path))),
                        raised(lambda: natively(lambda: native_model.load_state_dict(state_dict(path)))))
-    assert "3.weight" in diagnosis(error)
+    assert "  {0,2..3}.weight (nearest in checkpoint: " in diagnosis(error)  # 3.weight among them
     assert all(torch.equal(model.state_dict()[key], value) for key, value in native_model.state_dict().items())
     other_shape = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     error = same_error(raised(lambda: other_shape.load_state_dict(state_dict(path))),
                        raised(lambda: natively(lambda: copy.deepcopy(other_shape).load_state_dict(state_dict(path)))))
-    assert "model.2.weight" in diagnosis(error)
+    assert "  model.{0,2}.weight" in diagnosis(error)  # model.2.weight among them
+
+
+# -- the root prefix composes with every other rule --------------------------------------------------
+
+
+class PerLayer(nn.Module):
+    """Two layers kept one module each (``layers.{0,1}.weight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Stacked(nn.Module):
+    """The same two layers stacked along axis 0 (``layers.weight`` is ``[2, 4, 4]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Module()
+        self.layers.weight = nn.Parameter(torch.randn(2, 4, 4))
+        self.layers.bias = nn.Parameter(torch.randn(2, 4))
+
+
+@pytest.fixture(scope="module")
+def per_layer(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    path = tmp_path_factory.mktemp("lightning_layers") / "per_layer.ckpt"
+    torch.manual_seed(2)
+    return path, save(PerLayer(), torch.randn(4, 4), path)
+
+
+def bare_load(build, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the checkpoint loads as into the unwrapped model (the root prefix alone)."""
+    torch.manual_seed(3)
+    model = build()
+    model.load_state_dict(saved)
+    return {key: value.clone() for key, value in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name, build", [("plain", plain_model), ("llama", llama)])
+def test_into_a_compiled_model_root_and_wrapper_prefix_together(checkpoints, caplog, name, build):
+    """The issue's case: Lightning's ``model.`` on every checkpoint key, ``_orig_mod.`` on every
+    key of the ``torch.compile``d target. Each rule alone is exact, so together they are."""
+    caplog.set_level(logging.INFO, logger="ckptshim")
+    path, trained = checkpoints[name]
+    saved = state_dict(path)
+    unwrapped = bare_load(build, saved)
+    torch.manual_seed(4)
+    compiled = torch.compile(build())
+    result = compiled.load_state_dict(saved)  # strict
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    loaded = compiled._orig_mod.state_dict()
+    assert loaded.keys() == unwrapped.keys() == trained.keys()
+    assert all(torch.equal(loaded[key], unwrapped[key]) and torch.equal(loaded[key], trained[key]) for key in trained)
+    assert "root prefix 'model.' removed from every checkpoint key" in caplog.text
+
+
+def test_the_bare_keys_into_a_compiled_lightning_module(checkpoints):
+    """The other way round: the bare model's keys into a compiled ``LightningModule`` (``model.``
+    added to, and ``_orig_mod.`` set aside from, every target key)."""
+    _, trained = checkpoints["plain"]
+    compiled = torch.compile(Wrapped(plain_model(), torch.zeros(1, 4)))
+    compiled.load_state_dict(trained)
+    assert all(torch.equal(compiled._orig_mod.model.state_dict()[key], value) for key, value in trained.items())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["stacked", "stacked-compiled"])
+def test_root_prefix_and_stacking_together(per_layer, caplog, compiled):
+    """A Lightning checkpoint of one module per layer into a model that stacks the layers (and is
+    compiled): prefix removed, layers stacked along axis 0, bit for bit what each layer held."""
+    caplog.set_level(logging.INFO, logger="ckptshim")
+    path, trained = per_layer
+    saved = state_dict(path)
+    unwrapped = bare_load(PerLayer, saved)
+    model = Stacked()
+    target = torch.compile(model) if compiled else model
+    result = target.load_state_dict(saved)  # strict
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    for leaf in ("weight", "bias"):
+        expected = torch.stack([unwrapped[f"layers.{i}.{leaf}"] for i in range(2)])
+        assert torch.equal(getattr(model.layers, leaf), expected)
+        assert torch.equal(expected, torch.stack([trained[f"layers.{i}.{leaf}"] for i in range(2)]))
+    assert "root prefix 'model.' removed from every checkpoint key" in caplog.text
+    assert "stacked" in caplog.text
+
+
+def test_a_partial_fit_under_the_prefix_is_still_torchs_own_error(per_layer):
+    """The root prefix is taken only where the whole plan with it fits: one layer more in the
+    stacked target, and torch's own error stands (with ckptshim's note), nothing written."""
+    path, _ = per_layer
+    model, native_model = Stacked(), Stacked()
+    model.layers.weight = nn.Parameter(torch.randn(3, 4, 4))
+    native_model.layers.weight = nn.Parameter(model.layers.weight.detach().clone())
+    native_model.layers.bias = nn.Parameter(model.layers.bias.detach().clone())
+    error = same_error(raised(lambda: model.load_state_dict(state_dict(path))),
+                       raised(lambda: natively(lambda: native_model.load_state_dict(state_dict(path)))))
+    assert "layers.weight" in diagnosis(error)
+    assert all(torch.equal(model.state_dict()[key], value) for key, value in native_model.state_dict().items())

@@ -26,6 +26,7 @@ from ckptshim.formats import tensor_parallel
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.loading.deepspeed import layer_state_dicts
 from ckptshim.inventory import join_key
+from ckptshim.layouts import neox as neox_layout
 from ckptshim.rules.profiles import neox
 from support.fixtures import FIXTURES, copy_fixture
 from support.processes import environment, worker
@@ -129,10 +130,10 @@ def neox_layers(tp: int = 1, save_inv_freqs: bool = False, legacy: bool = False,
     """GPT2ModelPipe's layers by pipeline index (what ``PipelineModule.forward_funcs`` holds)."""
     layers: dict[int, nn.Module] = {0: EmbeddingPipe(tp, vocab), 1: Stateless()}
     for i in range(LAYERS):
-        layers[neox.FIRST_BLOCK + i] = ParallelTransformerLayerPipe(tp, save_inv_freqs, legacy)
+        layers[neox_layout.FIRST_BLOCK + i] = ParallelTransformerLayerPipe(tp, save_inv_freqs, legacy)
     layers[LAYERS + 2] = Stateless()
-    layers[neox.final_norm_index(LAYERS)] = NormPipe()
-    layers[neox.output_index(LAYERS)] = ParallelLinearPipe(tp, vocab)
+    layers[neox_layout.final_norm_index(LAYERS)] = NormPipe()
+    layers[neox_layout.output_index(LAYERS)] = ParallelLinearPipe(tp, vocab)
     return layers
 
 
@@ -145,10 +146,10 @@ class NeoXSequential(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.sequential[0].word_embeddings(tokens)
-        for layer in self.sequential[neox.FIRST_BLOCK:neox.FIRST_BLOCK + LAYERS]:
+        for layer in self.sequential[neox_layout.FIRST_BLOCK:neox_layout.FIRST_BLOCK + LAYERS]:
             x = layer(x)
-        x = self.sequential[neox.final_norm_index(LAYERS)].norm(x)
-        return self.sequential[neox.output_index(LAYERS)].final_linear(x)
+        x = self.sequential[neox_layout.final_norm_index(LAYERS)].norm(x)
+        return self.sequential[neox_layout.output_index(LAYERS)].final_linear(x)
 
 
 def _hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -294,7 +295,7 @@ def test_profile_matches_neox_converter_mapping() -> None:
         rule = {"cat_dim0": ("concat", 0), "cat_dim1": ("concat", 1), "sum_over_mp": ("sum", None),
                 "mean_over_mp": ("replicated", None)}.get(row["rule"])
         if rule is not None:
-            merge, _ = neox.spread(neox_key).merge(neox.shard_keys(neox_key, 2), neox_key, (4, 4))
+            merge, _ = neox_layout.spread(neox_key).merge(neox_layout.shard_keys(neox_key, 2), neox_key, (4, 4))
             assert (merge.kind, getattr(merge, "axis", None)) == rule, row
 
 
@@ -439,7 +440,7 @@ def _hf_key(key: tuple[str, ...]) -> tuple[str, ...]:
         if alias.where == "prefix" and key[:len(alias.other)] == alias.other:
             key = alias.canonical + key[len(alias.other):]
             break
-    renames = {new: hf for hf, new in neox.MLP_RENAMES}
+    renames = {new: hf for hf, new in neox_layout.MLP_RENAMES}
     return tuple(renames.get(part, part) for part in key)
 
 

@@ -118,7 +118,7 @@ def test_the_jax_executor_refuses_it():
     import jax
 
     from ckptshim.execute.jax import build
-    from ckptshim.execute.jax_tree import TargetTree
+    from ckptshim.targets.jax_tree import TargetTree
 
     tree = {"a": jax.ShapeDtypeStruct((2, 3), np.float32), "t": jax.ShapeDtypeStruct((2, 3), np.float32)}
     source = _Arrays()
@@ -249,7 +249,7 @@ def test_a_new_layout_kind_runs_in_the_block_reads_of_the_jax_executor(tmp_path)
 
     from ckptshim.execute import blocks
     from ckptshim.execute.jax import build
-    from ckptshim.execute.jax_tree import TargetTree
+    from ckptshim.targets.jax_tree import TargetTree
 
     checkpoint = _saved(tmp_path)
     plan = dataclasses.replace(ROLL_PLAN, source=checkpoint.inventory)

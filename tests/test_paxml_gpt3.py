@@ -25,6 +25,7 @@ from ckptshim.errors import ShimError
 from ckptshim.inventory import Entry, Inventory, KeyPath, flatten, unflatten
 from ckptshim.ops import Rename, Split, Transpose
 from ckptshim.planner import plan
+from ckptshim.rules.context import LoadContext
 from ckptshim.rules.profiles import rules_for
 from support.plans import inverse
 from support.fixtures import copy_fixture
@@ -147,7 +148,7 @@ def test_the_plan_uses_the_layout_ops_and_inverts(stored, layout):
     expected = expected_state(stored, layout, fused=False)
     source = Inventory([Entry(k, v.shape, v.dtype.name) for k, v in stored.items()], "pax")
     target = Inventory([Entry(k, v.shape, v.dtype.name) for k, v in expected.items()], "maxtext")
-    p = plan(source, target, rules_for(source, target, "jax"))
+    p = plan(source, target, rules_for(LoadContext(source, target, "jax")))
     assert p.producer(K("opt_state/count")) == Rename(K("opt_states_0/no_prefix_0/count"), K("opt_state/count"))
     if layout == "scan1":
         norm = p.producer(K("params/params/decoder/layers/pre_self_attention_norm/scale"))
@@ -239,13 +240,13 @@ def test_square_shapes_take_maxtexts_default_axis_and_strict_refuses(prefix, mon
     a transpose; under CKPTSHIM_STRICT that is a guess, and refused. Both spellings of PaxML's
     Adam prefix are read."""
     source, target, moment = _square(4, prefix)
-    p = plan(source, target, rules_for(source, target, "jax"))
+    p = plan(source, target, rules_for(LoadContext(source, target, "jax")))
     assert p.complete
     assert p.producer(K("opt_state/mu/params/decoder/layers/pre_self_attention_norm/scale")) == \
         Transpose(moment, K("opt_state/mu/params/decoder/layers/pre_self_attention_norm/scale"), (1, 0))
     monkeypatch.setenv("CKPTSHIM_STRICT", "1")
     with pytest.raises(ShimError, match="fits the layer axis at 0 or 1.*CKPTSHIM_STRICT=1"):
-        plan(source, target, rules_for(source, target, "jax"))
+        plan(source, target, rules_for(LoadContext(source, target, "jax")))
 
 
 @pytest.mark.parametrize("layout,fused", [("scan1", False), ("unscanned", True)])

@@ -578,14 +578,15 @@ def test_missing_key_error_lists_nearest_candidates():
 
 
 def test_require_complete_says_when_lists_are_cut():
-    src = inv({f"old{i}": (1,) for i in range(20)})
-    tgt = inv({f"new{i}": (1,) for i in range(20)})
+    names = "abcdefghijklmnopqrst"  # keys that differ in a letter, not a number, are not grouped
+    src = inv({f"old_{c}": (1,) for c in names})
+    tgt = inv({f"new_{c}": (1,) for c in names})
     with pytest.raises(PlanError) as info:
         plan(src, tgt).require_complete()
     message = str(info.value)
     assert "20 key(s) the target needs" in message
-    assert "(lists cut at 12; `ckptshim plan` shows every key)" in message
-    assert "  new11" in message and "  new12" not in message
+    assert "(lists cut at 12 lines; `ckptshim plan` shows every key)" in message
+    assert "  new_l" in message and "  new_m" not in message
 
 
 def test_plan_error_is_a_shim_error_and_framework_errors():
@@ -816,32 +817,61 @@ def test_plan_restores_the_garbage_collector_state():
 def test_an_exact_root_prefix_is_set_aside_and_said():
     """``model.`` on every checkpoint key (a LightningModule's attribute), or on every target key
     (a Hugging Face head's ``base_model_prefix``), when without it the key sets and shapes agree."""
+    from ckptshim.rules.context import LoadContext
     from ckptshim.rules.profiles import rules_for
 
     bare = inv({"layers.0.w": (2, 3), "norm.w": (3,)})
     wrapped = inv({"model.layers.0.w": (2, 3), "model.norm.w": (3,)})
     for source, target, said in ((wrapped, bare, "removed from"), (bare, wrapped, "added to")):
-        found = plan(source, target, rules_for(source, target, "torch"))
+        found = plan(source, target, rules_for(LoadContext(source, target, "torch")))
         assert found.complete
         assert f"root prefix 'model.' {said} every checkpoint key" in summary(found)
         assert explain(found)[0] == f"(root prefix 'model.' {said} every checkpoint key)"
 
 
 def test_a_root_prefix_that_is_not_exact_is_not_one():
-    """A key more, another shape, a longer shared path that still differs: no root prefix, and
-    the planner reports what does not match. Wrapper names are the wrapper pass's business."""
+    """A key more, another shape, a longer shared path that still differs: no root prefix is
+    taken, and the planner reports what does not match. Wrapper names are the wrapper pass's
+    business; a shared path is only a candidate, which the plan takes where it is exact."""
+    from ckptshim.rules.context import LoadContext
     from ckptshim.rules.profiles import rules_for
     from ckptshim.rules.roots import root_prefix
 
     bare = inv({"layers.0.w": (2, 3), "norm.w": (3,)})
-    assert root_prefix(inv({"model.layers.0.w": (2, 3), "model.norm.w": (4,)}), bare) is None
-    assert root_prefix(inv({"model.layers.0.w": (2, 3), "model.norm.w": (3,), "model.x": (1,)}),
-                       inv({"layers.0.w": (2, 3), "norm.w": (3,), "y": (1,)})) is None
+    for source, target in ((inv({"model.layers.0.w": (2, 3), "model.norm.w": (4,)}), bare),
+                           (inv({"model.layers.0.w": (2, 3), "model.norm.w": (3,), "model.x": (1,)}),
+                            inv({"layers.0.w": (2, 3), "norm.w": (3,), "y": (1,)})),
+                           (inv({"model.layers.0.w": (2, 3), "model.norm.w": (3,), "model.extra": (1,)}), bare)):
+        found = plan(source, target, rules_for(LoadContext(source, target, "torch")))
+        assert not found.complete and not found.notes
+        assert set(found.unexpected) | {m.source for m in found.mismatched} == set(source)
     assert root_prefix(inv({"_orig_mod.layers.0.w": (2, 3), "_orig_mod.norm.w": (3,)}), bare) is None
     assert root_prefix(inv({"a.b.layers.0.w": (2, 3), "a.b.norm.w": (3,)}), bare).prefix == ("a", "b")
     source = inv({"model.layers.0.w": (2, 3), "model.norm.w": (3,), "model.extra": (1,)})
-    found = plan(source, bare, rules_for(source, bare, "torch"))
+    found = plan(source, bare, rules_for(LoadContext(source, bare, "torch")))
     assert set(found.unexpected) == set(source) and set(found.missing) == set(bare)
+
+
+def test_a_root_prefix_composes_with_wrappers_and_stacking():
+    """Lightning's ``model.`` on the checkpoint, ``_orig_mod.`` on the target, layers stacked in
+    the target: each rule exact on its own, all taken together; and a partial load whose sides
+    merely share a leading name is not re-keyed."""
+    from ckptshim.ops import Stack
+    from ckptshim.rules.context import LoadContext
+    from ckptshim.rules.profiles import rules_for
+    from ckptshim.rules.roots import heads
+
+    source = inv({"model.layers.0.w": (3,), "model.layers.1.w": (3,), "model.norm.w": (3,)})
+    target = inv({"_orig_mod.layers.w": (2, 3), "_orig_mod.norm.w": (3,)})
+    assert heads(target) == {"layers", "norm"} and heads(source, 1) == {"layers", "norm"}
+    found = plan(source, target, rules_for(LoadContext(source, target, "torch")))
+    assert found.complete and found.notes == ("root prefix 'model.' removed from every checkpoint key",)
+    stack = next(op for op in found.ops if isinstance(op, Stack))
+    assert stack.sources == (K("model.layers.0.w"), K("model.layers.1.w")) and stack.target == K("_orig_mod.layers.w")
+    partial = inv({"enc.0.w": (3,), "enc.1.w": (3,)})
+    whole = inv({"enc.0.w": (3,), "enc.1.w": (3,), "dec.w": (3,)})
+    found = plan(partial, whole, rules_for(LoadContext(partial, whole, "torch")))
+    assert found.missing == (K("dec.w"),) and not found.unexpected and not found.notes
 
 
 def test_a_missing_key_tied_to_a_loaded_one_is_tied():

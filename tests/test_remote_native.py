@@ -2,11 +2,10 @@
 calls with ckptshim on, which must work identically (the step-aside rule).
 
 Each case saves with the framework's own API to ``s3://`` or ``gs://`` and restores it twice:
-with the hooks uninstalled (the native outcome this file pins) and with them installed. Orbax
-routes only ``gs://`` to tensorstore (an ``s3://`` save fails inside Orbax: "Checkpoint path
-should be absolute"), so its cases are ``gs://`` only. The cases ckptshim breaks today, because
-its hooks refuse or mangle URLs instead of stepping aside, are strict xfails: they flip to
-passing when the step-aside work (issue 22) lands.
+with the hooks uninstalled (the native outcome this file pins) and with them installed, where
+ckptshim has nothing to change and must step aside. Orbax routes only ``gs://`` to tensorstore
+(an ``s3://`` save fails inside Orbax: "Checkpoint path should be absolute"), so its cases are
+``gs://`` only.
 """
 
 from __future__ import annotations
@@ -26,9 +25,7 @@ from support.markers import QUIET
 pytestmark = [QUIET, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 T = TypeVar("T")
-STEP_ASIDE = pytest.mark.xfail(strict=True, reason="step-aside (issue 22) not merged yet: the hook "
-                                                   "refuses or mangles the URL instead of letting the framework load it")
-MODES = ["native", "ckptshim"]
+MODES = pytest.mark.parametrize("mode", ["native", "ckptshim"])
 
 
 def restored(mode: str, call: Callable[[], T]) -> T:
@@ -40,12 +37,6 @@ def restored(mode: str, call: Callable[[], T]) -> T:
         return call()
     finally:
         ckptshim.install()
-
-
-def modes(*broken_with_ckptshim: str) -> pytest.MarkDecorator:
-    """Both modes; ckptshim's a strict xfail for the parametrisations named (``""`` for all)."""
-    return pytest.mark.parametrize("mode", ["native", pytest.param("ckptshim", marks=STEP_ASIDE)]
-                                   if "" in broken_with_ckptshim else MODES)
 
 
 # -- Orbax (gs:// only) --------------------------------------------------------------------------
@@ -73,7 +64,7 @@ def abstract(tree: dict) -> dict:
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
 
 
-@modes("")
+@MODES
 def test_orbax_standard_checkpointer_gs(gs_bucket, mode):
     import orbax.checkpoint as ocp
 
@@ -84,7 +75,7 @@ def test_orbax_standard_checkpointer_gs(gs_bucket, mode):
         assert_same_tree(restored(mode, lambda: checkpointer.restore(path, abstract(tree))), tree)
 
 
-@modes("")
+@MODES
 def test_orbax_pytree_checkpointer_gs(gs_bucket, mode):
     import orbax.checkpoint as ocp
 
@@ -94,7 +85,7 @@ def test_orbax_pytree_checkpointer_gs(gs_bucket, mode):
     assert_same_tree(restored(mode, lambda: checkpointer.restore(path, item=abstract(tree))), tree)
 
 
-@modes("")
+@MODES
 def test_orbax_checkpoint_manager_gs(gs_bucket, mode):
     import orbax.checkpoint as ocp
 
@@ -126,7 +117,7 @@ def empty_like(state: dict) -> dict:
     return {key: torch.zeros_like(value) for key, value in state.items()}
 
 
-@modes("")
+@MODES
 def test_dcp_checkpoint_id_url(bucket, mode):
     import torch.distributed.checkpoint as dcp
 
@@ -137,7 +128,7 @@ def test_dcp_checkpoint_id_url(bucket, mode):
     assert_same_state(target, state)
 
 
-@modes()
+@MODES
 def test_dcp_fsspec_reader_and_writer(bucket, mode):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -157,7 +148,7 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
 
 
-@modes()
+@MODES
 def test_torch_file_through_fsspec(bucket, mode):
     import fsspec
 
@@ -171,7 +162,7 @@ def test_torch_file_through_fsspec(bucket, mode):
     assert_same_state(target.state_dict(), source.state_dict())
 
 
-@modes()
+@MODES
 def test_safetensors_through_fsspec(bucket, mode):
     import fsspec
     from safetensors.torch import load, save
@@ -185,7 +176,7 @@ def test_safetensors_through_fsspec(bucket, mode):
     assert_same_state(target.state_dict(), source.state_dict())
 
 
-@modes()
+@MODES
 def test_lightning_fabric_save_and_load(bucket, mode):
     """Fabric writes and reads checkpoints at any fsspec URL itself (``cloud_io``)."""
     L = pytest.importorskip("lightning")

@@ -236,8 +236,9 @@ def test_reads_of_what_is_missing_or_too_large(place):
 
 
 def test_many_ranges_in_bounded_parallel_pieces(place, monkeypatch):
-    """Ranges over several objects, some split into pieces (a small piece size stands in for 8
-    MiB), each batch at most MAX_PARALLEL_READS pieces; into buffers or as bytes."""
+    """Ranges over several objects, those of one object that overlap fetched as one run, split
+    into pieces (a small piece size stands in for 16 MiB), each batch at most MAX_PARALLEL_READS
+    pieces; into buffers or as bytes."""
     monkeypatch.setattr(objects, "PIECE_BYTES", 1000)
     monkeypatch.setattr(objects, "MAX_PARALLEL_READS", 4)
     batches: list[int] = []
@@ -255,7 +256,7 @@ def test_many_ranges_in_bounded_parallel_pieces(place, monkeypatch):
     assert read_ranges(ranges, buffers) is None
     assert [b.tobytes() for b in buffers] == [blobs[n][s:s + n_] for n, s, n_ in wanted]
     if place.root.is_remote:
-        assert batches and max(batches) <= 4 and sum(batches) == 2 * sum(-(-n_ // 1000) for _, _, n_ in wanted)
+        assert batches and max(batches) <= 4 and sum(batches) == 2 * sum(-(-len(blob) // 1000) for blob in blobs.values())
 
 
 def test_a_stored_name_that_would_leave_the_prefix_is_refused(s3_server):
@@ -302,3 +303,20 @@ def test_a_fifo_is_refused_without_blocking(tmp_path):
 def test_a_folder_is_no_file_to_read(tmp_path):
     with pytest.raises(UnsafeCheckpointError, match="is a directory, not a regular file"):
         Location.of(tmp_path).read(0, 1)
+
+
+def test_nearby_ranges_are_one_run_and_far_ones_are_not(place, monkeypatch):
+    """Ranges of one object within MERGE_GAP of each other are one request; farther apart, two.
+    Each buffer gets exactly its own bytes."""
+    if not place.root.is_remote:
+        pytest.skip("runs are how object stores are read")
+    monkeypatch.setattr(objects, "MERGE_GAP", 100)
+    requests: list[tuple[int, int]] = []
+    fetch = objects.FsspecObjects._fetch
+    monkeypatch.setattr(objects.FsspecObjects, "_fetch", lambda self, pieces: (
+        requests.extend((piece.start, piece.end) for _, piece in pieces), fetch(self, pieces))[1])
+    place.put("a.bin", DATA)
+    wanted = [(0, 10), (60, 40), (150, 10), (1000, 24)]  # gaps 50, 50: one run; then 840: another
+    got = read_ranges([ByteRange(place.root / "a.bin", start, length) for start, length in wanted])
+    assert [bytes(g) for g in got] == [DATA[s:s + n] for s, n in wanted]
+    assert sorted(requests) == [(0, 160), (1000, 1024)]

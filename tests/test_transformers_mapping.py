@@ -127,9 +127,32 @@ def test_load_state_dict_equals_from_pretrained(name, kind):
 
 def test_load_state_dict_says_what_it_did(shim_log):
     fresh("mixtral").load_state_dict(read("mixtral"))
-    assert ("load_state_dict(MixtralForCausalLM): 2 renamed (model.layers.0.block_sparse_moe.gate.weight -> "
-            "model.layers.0.mlp.gate.weight, ...), 16 concatenated (axis 1, sizes 48,48, each part stacked on "
+    assert ("load_state_dict(MixtralForCausalLM): 2 renamed (model.layers.{0..1}.block_sparse_moe.gate.weight -> "
+            "model.layers.{0..1}.mlp.gate.weight), 16 concatenated (axis 1, sizes 48,48, each part stacked on "
             "axis 0), 8 stacked (axis 0)") in shim_log.text
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled"])
+@pytest.mark.parametrize("root", ["model", "net"])
+def test_a_root_prefix_composes_with_the_mapping(shim_log, root, compiled):
+    """transformers 4's Mixtral under a ``LightningModule``'s attribute (``model.`` or ``net.``:
+    every key of its state dict carries it) into transformers 5's Mixtral, compiled or not: the
+    root prefix set aside, the wrapper prefix, the conversion table's renames, stacks and fused
+    experts, all together; bit for bit what the unwrapped load and ``from_pretrained`` give.
+    (transformers' own mapping takes ``model.`` for the model's ``base_model_prefix``, so only
+    ``net.`` needs the root prefix.)"""
+    unwrapped = fresh("mixtral")
+    unwrapped.load_state_dict(read("mixtral"))
+    model = fresh("mixtral")
+    target = torch.compile(model) if compiled else model
+    result = target.load_state_dict({f"{root}.{key}": value for key, value in read("mixtral").items()})  # strict
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    expected = unwrapped.state_dict()
+    assert all(torch.equal(value, expected[key]) for key, value in model.state_dict().items())
+    assert_from_pretrained(model, "mixtral")
+    assert "16 concatenated" in shim_log.text
+    if root == "net":
+        assert "root prefix 'net.' removed from every checkpoint key" in shim_log.text
 
 
 @pytest.mark.parametrize("source", ["folder", "safetensors", "bin"])
@@ -141,6 +164,35 @@ def test_dcp_load_equals_from_pretrained(name, source):
     location = FIXTURE / name / "safetensors" if source == "folder" else weights(name, source)
     dcp.load(model.state_dict(), checkpoint_id=location)
     assert_from_pretrained(model, name)
+
+
+@pytest.mark.parametrize("source", ["folder", "safetensors", "dcp"])
+def test_dcp_load_reads_config_json_once(tmp_path, monkeypatch, source):
+    """One ``dcp.load`` reads the checkpoint's ``config.json`` once: the folder's format reads it
+    while opening (the weights file it may name), and the planner takes it from the opened
+    checkpoint instead of reading it again."""
+    from ckptshim.formats import hf_dir
+
+    location = FIXTURE / "mixtral" / "safetensors"
+    if source == "safetensors":
+        location = weights("mixtral")
+    elif source == "dcp":
+        location = tmp_path / "dcp"
+        dcp.save(read("mixtral"), checkpoint_id=location)
+        shutil.copy(FIXTURE / "mixtral" / "safetensors" / "config.json", location)
+    reads: list[Path] = []
+    real = hf_dir.read_regular
+
+    def counted(path, *args, **kwargs):
+        if Path(path).name == hf_dir.CONFIG:
+            reads.append(Path(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(hf_dir, "read_regular", counted)
+    model = fresh("mixtral")
+    dcp.load(model.state_dict(), checkpoint_id=location)
+    assert_from_pretrained(model, "mixtral")
+    assert len(reads) == 1, reads
 
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "llama_tied"])

@@ -56,8 +56,9 @@ def roundtrip(name: str) -> str:
     from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
     from ckptshim.planner import plan
     from ckptshim.rules import TargetFacts
+    from ckptshim.rules.context import LoadContext
     from ckptshim.rules.profiles import rules_for
-    from ckptshim.rules.profiles.transformers_mapping import from_module
+    from ckptshim.rules.profiles.transformers_mapping import ConversionLayout, from_module
 
     model_class = getattr(transformers, name)
     try:
@@ -75,7 +76,8 @@ def roundtrip(name: str) -> str:
 
     source, target = inventory(saved), inventory(current)
     try:
-        found = plan(source, target, rules_for(source, target, "torch", TargetFacts(conversions=from_module(model))))
+        facts = TargetFacts(layouts=tuple(map(ConversionLayout, from_module(model))))
+        found = plan(source, target, rules_for(LoadContext(source, target, "torch", facts)))
     except PlanError as error:
         if "cannot express" in str(error):
             return "refused: " + str(error).split(" with ", 1)[1].split(", which", 1)[0]

@@ -21,8 +21,8 @@ from ckptshim.conversion.atomic import atomic_destination
 from ckptshim.conversion.progress import tracking
 from ckptshim.errors import ShimError
 from ckptshim.execute.arrays import PlannedArrays
-from ckptshim.formats.detect import open_checkpoint
-from ckptshim.loading.files import plan_onto
+from ckptshim.formats.detect import open_checkpoint, remote_location
+from ckptshim.loading.files import plan_onto, plan_onto_model
 from ckptshim.planner import Plan
 
 #: Output format -> module ``ckptshim.conversion.<format>_writer`` with
@@ -48,12 +48,18 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
         raise ConvertError(f"cannot convert to {to!r}; choose one of {', '.join(WRITERS)}")
     # the source is opened as named (a format checks the components it gives meaning to, such as
     # a hub cache's snapshots/ and blobs/); resolved only to compare it with the destination
-    given, source = Path(source), Path(source).resolve()
+    remote = remote_location(source)
+    given = remote if remote is not None else Path(source)
+    if remote_location(destination) is not None:
+        raise ConvertError(f"{destination}: ckptshim writes conversions to local folders only so far; "
+                           "convert to a local folder, then copy it (gcloud storage cp -r, aws s3 cp --recursive)")
     # DST itself is never resolved: a link there is what --force replaces, never its target
     destination = Path(destination).parent.resolve() / Path(destination).name
     resolved = destination.resolve()
-    if resolved == source or source in resolved.parents or resolved in source.parents:
-        raise ConvertError(f"{destination} overlaps the source {source}; write somewhere else")
+    if remote is None:  # a bucket never overlaps a local folder
+        source = Path(source).resolve()
+        if resolved == source or source in resolved.parents or resolved in source.parents:
+            raise ConvertError(f"{destination} overlaps the source {source}; write somewhere else")
     from importlib import import_module
 
     writer = import_module(f"ckptshim.conversion.{to}_writer")
@@ -61,7 +67,9 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
     checkpoint = open_checkpoint(given)
     try:
         checkpoint.require_complete()
-        plan = None if like is None else _plan_onto(checkpoint, like)
+        plan = plan_onto_model(checkpoint) if like is None else _plan_onto(checkpoint, like)
+        if plan is not None:
+            plan.require_complete(checkpoint.key_sep, allow_missing=False, allow_unexpected=True)
         arrays = PlannedArrays(checkpoint, plan, checkpoint.key_sep)
         with atomic_destination(destination, force=force) as tmp, \
                 tracking(arrays.total_bytes, destination.name, arrays.sep, enabled=progress,
@@ -75,8 +83,5 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
 def _plan_onto(checkpoint, like: str | Path) -> Plan:
     """The plan onto ``like``'s layout, each array in the dtype the source stores it in (convert
     copies bytes exactly and never casts: a torchtitan float32 checkpoint ``--like`` a bfloat16
-    Hugging Face folder is written in float32, which ``from_pretrained`` casts on load); refused
-    if it would leave a target array without a value."""
-    plan = plan_onto(checkpoint, like, stored_dtypes=True)
-    plan.require_complete(checkpoint.key_sep, allow_missing=False, allow_unexpected=True)
-    return plan
+    Hugging Face folder is written in float32, which ``from_pretrained`` casts on load)."""
+    return plan_onto(checkpoint, like, stored_dtypes=True)

@@ -208,8 +208,13 @@ class _Virtual:
             self.links[dst, offsets] = _Link(src, offsets)
 
     def keep(self, op: Synthesize | Tie) -> None:
-        """Nothing is read: a synthesized key keeps its value; a tied one is filled through its twin."""
+        """Nothing is read: a synthesized key keeps its value (a Python object too); a tied one is
+        filled through its twin."""
         dst, entry = self.target.fqn(op.target), self.target.inventory[op.target]
+        if op.target in self.target.objects:
+            self.virtual[dst] = BytesStorageMetadata()
+            self.links[dst, None] = _KEEP
+            return
         like = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, entry.dtype)), torch.Size(entry.shape), [])
         self.virtual[dst] = _tensor_md(like, entry.shape, [((0,) * len(entry.shape), entry.shape)])
         self.links[dst, (0,) * len(entry.shape)] = _KEEP
@@ -292,6 +297,12 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
                 if mapping is not None and not keeps_stored_names(mapping):
                     metadata, self._links = virtual_metadata(metadata, mapping)
         self._base.set_up_planner(state_dict, metadata, is_coordinator)
+
+    @property
+    def remaps(self) -> bool:
+        """Whether some key is read from stored chunks of another name or layout (known once
+        planned): else every read item is the wrapped planner's own, on the stored metadata."""
+        return bool(self._links)
 
     def create_local_plan(self) -> LoadPlan:
         try:

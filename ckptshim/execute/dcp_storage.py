@@ -21,6 +21,14 @@ Hugging Face directory, each tensor being one chunk; each read goes straight int
 destination through the format's ``read_into`` (one ``pread`` of exactly the rows a rank's shard
 needs, for safetensors).
 
+:class:`RemoteDcpReader` is :class:`DcpReader` over a checkpoint in object storage: DCP's own
+``FsspecReader`` file system for whatever torch reads itself, ckptshim's
+:class:`~ckptshim.storage.Location` for the rest -- the metadata fetched under a size cap and
+parsed by the same unpickler, chunk headers fetched in parallel batches, and chunk bytes read as
+the byte ranges the metadata declares, in parallel, straight into the destinations (each checked
+against the object's size). Where the planner remaps nothing, every tensor chunk is read by
+torch's own ``FsspecReader`` data path, as without ckptshim.
+
 A checkpoint that ckptshim refuses does not raise inside ``read_metadata`` -- DCP would turn
 that into an ``AssertionError`` string -- but comes back as metadata carrying a
 :class:`Refusal`, which :class:`~ckptshim.execute.dcp_planner.RemappingLoadPlanner` raises
@@ -34,7 +42,7 @@ import io
 import os
 import pickle
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +58,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem, FsspecReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -59,9 +68,13 @@ from ckptshim.errors import CorruptCheckpointError, ShimError, UnknownFormatErro
 from ckptshim.execute import destinations
 from ckptshim.execute.torch import as_tensor
 from ckptshim.formats import dcp
-from ckptshim.formats.base import Checkpoint, open_regular, storage_dtype
+from ckptshim.formats.base import Checkpoint, Format, open_regular, storage_dtype
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, dtype_name, join_key, split_key
+from ckptshim.log import logger
+from ckptshim.storage import ByteRange, Location, ObjectInfo, read_ranges
+from ckptshim.storage.ranged import RangedFile, archive_spans
+from ckptshim.targets.tensors import values_of
 
 
 @dataclass(frozen=True)
@@ -132,21 +145,33 @@ class DcpReader(FileSystemReader):
         super().reset(checkpoint_id)
         self._checkpoint, self._layouts, self._objects, self._by_torch = None, {}, {}, set()
 
+    def _file(self, name: str) -> Path | Location:
+        """Where the checkpoint's file ``name`` is."""
+        return Path(self.path) / name
+
+    def _open_checkpoint(self) -> dcp.DcpCheckpoint:
+        return dcp.open_checkpoint(Path(self.path))
+
+    @property
+    def checkpoint(self) -> dcp.DcpCheckpoint | None:
+        """The checkpoint :meth:`read_metadata` opened (``None`` before), for the load's planner."""
+        return self._checkpoint
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = dcp.METADATA_FILE if rank is None else f"__{rank}{dcp.METADATA_FILE}"
-        with open(Path(self.path) / name, "rb"):  # torch's own error when it is not there
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb"):  # torch's own error when it is not there
             pass
         try:
-            self._checkpoint = dcp.open_checkpoint(Path(self.path))
+            self._checkpoint = self._open_checkpoint()
             if self._checkpoint.problems:
                 raise CorruptCheckpointError(f"{self.path}: the checkpoint's metadata contradicts itself:\n  "
                                              + "\n  ".join(self._checkpoint.problems)
                                              + "\nRe-save the checkpoint; ckptshim will not load part of a tensor.")
             part = self._checkpoint.parts.get(name)
             if part is None:  # .metadata appeared beside rank files after they were listed
-                raise CorruptCheckpointError(f"{self.path / name}: changed while it was being read; load it again.")
-            metadata = dcp.to_torch(part.records, str(self.path / name))
+                raise CorruptCheckpointError(f"{self._file(name)}: changed while it was being read; load it again.")
+            metadata = dcp.to_torch(part.records, str(self._file(name)))
         except ShimError as error:
             return _refused(error)
         if getattr(metadata, "storage_meta", None) is None:
@@ -156,20 +181,28 @@ class DcpReader(FileSystemReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Check every file, chunk header and object this rank will read, before any rank writes."""
-        self._check_all(plan.items)
+        self._check_all(plan.items, chunks_by_torch=not self._reads_chunks())
         return plan
 
     def _stored(self, item: ReadItem) -> dcp.Stored:
         index = item.storage_index
         return self._checkpoint.stored(index.fqn, None if index.offset is None else tuple(index.offset))
 
-    def _check_all(self, items: Iterable[ReadItem]) -> None:
+    def _check_all(self, items: Iterable[ReadItem], chunks_by_torch: bool = False) -> None:
         """Files present and long enough, chunk archives as ``.metadata`` says (or left to torch's
-        reader: see the class docstring), objects safe to unpickle (kept for :meth:`read_data`);
-        whatever is wrong raises here."""
+        reader: see the class docstring; every tensor chunk, with ``chunks_by_torch``), objects
+        safe to unpickle (kept for :meth:`read_data`); whatever is wrong raises here."""
         assert self._checkpoint is not None, "read_metadata runs first"
         by_file: dict[str, list[ReadItem]] = {}
+        seen: set[MetadataIndex] = set()
         for item in items:
+            index = item.storage_index
+            if index in seen or index in self._layouts or index in self._objects or index in self._by_torch:
+                continue
+            seen.add(index)
+            if chunks_by_torch and item.type != LoadItemType.BYTE_IO:
+                self._by_torch.add(index)
+                continue
             by_file.setdefault(self._stored(item).file, []).append(item)
         files = {f.path: f for f in self._checkpoint.files}
         for name, file_items in sorted(by_file.items()):
@@ -177,27 +210,39 @@ class DcpReader(FileSystemReader):
             if problem is not None:
                 raise CorruptCheckpointError(
                     f"{self.path}: {problem}. Restore the file (or re-copy the checkpoint) before loading it.")
-            path = Path(self.path) / name
-            with open_regular(path, buffering=0) as raw:
-                for item in file_items:
-                    index = item.storage_index
-                    if index in self._layouts or index in self._objects or index in self._by_torch:
-                        continue
-                    where = f"{path}: {index.fqn!r}"
-                    stored = self._stored(item)
-                    if item.type == LoadItemType.BYTE_IO:
-                        self._objects[index] = _safe_object(self._object_bytes(raw, item, stored, where), where)
-                        continue
-                    meta = self._checkpoint.metadata.tensors[index.fqn]
-                    chunk = meta.chunk_at[tuple(index.offset)]
-                    if stored.transforms:
-                        self._by_torch.add(index)
-                        continue
-                    try:
-                        self._layouts[index] = dcp.read_layout(raw, path, stored, chunk, meta.dtype,
-                                                               f"{where} chunk {list(chunk.offsets)}")
-                    except UnknownFormatError:  # a form torch reads and ckptshim does not
-                        self._by_torch.add(index)
+            path = self._file(name)
+            with dcp.open_source(path) as raw:
+                for batch in range(0, len(file_items), HEADER_BATCH):
+                    self._check_file(raw, path, file_items[batch:batch + HEADER_BATCH])
+
+    def _check_file(self, raw: dcp.Source, path: Path | Location, file_items: list[ReadItem]) -> None:
+        """:meth:`_check_all` for some items of one file (a remote file's headers fetched first,
+        together, and dropped after)."""
+        if isinstance(raw, RangedFile):
+            raw.prefetch(span for item in file_items
+                         if not (stored := self._stored(item)).transforms
+                         for span in archive_spans(stored.offset, stored.length))
+        try:
+            for item in file_items:
+                index = item.storage_index
+                where = f"{path}: {index.fqn!r}"
+                stored = self._stored(item)
+                if item.type == LoadItemType.BYTE_IO:
+                    self._objects[index] = _safe_object(self._object_bytes(raw, item, stored, where), where)
+                    continue
+                meta = self._checkpoint.metadata.tensors[index.fqn]
+                chunk = meta.chunk_at[tuple(index.offset)]
+                if stored.transforms:
+                    self._by_torch.add(index)
+                    continue
+                try:
+                    self._layouts[index] = dcp.read_layout(raw, path, stored, chunk, meta.dtype,
+                                                           f"{where} chunk {list(chunk.offsets)}")
+                except UnknownFormatError:  # a form torch reads and ckptshim does not
+                    self._by_torch.add(index)
+        finally:
+            if isinstance(raw, RangedFile):
+                raw.close()
 
     def _object_bytes(self, raw, item: ReadItem, stored: dcp.Stored, where: str) -> bytes:
         """A stored object's bytes, decoded by the caller's stream extensions (torch's own
@@ -214,8 +259,13 @@ class DcpReader(FileSystemReader):
                                          "bytes; ckptshim will not hold it. The file is damaged or hostile.")
         return data
 
+    def _reads_chunks(self) -> bool:
+        """Whether ckptshim reads the tensor chunks itself (else torch's reader does), as known
+        once DCP has planned."""
+        return True
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        self._check_all(plan.items)
+        self._check_all(plan.items, chunks_by_torch=not self._reads_chunks())
         tensor_items = [item for item in plan.items
                         if item.type != LoadItemType.BYTE_IO and item.storage_index not in self._by_torch]
         by_chunk: dict[MetadataIndex, list[tuple[ReadItem, torch.Tensor]]] = {}
@@ -228,11 +278,9 @@ class DcpReader(FileSystemReader):
         size = {index: sum(_nbytes(d) for _, d in by_chunk[index]) for index in order}
         with progress.load_bar(sum(size.values()), "ckptshim: dcp.load"):
             for file in dict.fromkeys(self._layouts[index].file for index in order):
-                with open_regular(file, buffering=0) as raw:
-                    for index in order:
-                        if self._layouts[index].file == file:
-                            _copy_chunk(raw, self._layouts[index], by_chunk[index], f"{file}: {index.fqn!r}")
-                            progress.advance(size[index])
+                chunks = [index for index in order if self._layouts[index].file == file]
+                self._copy_file(file, [(index, self._layouts[index], by_chunk[index]) for index in chunks])
+                progress.advance(sum(size[index] for index in chunks))
         for index in order:
             for item, destination in by_chunk[index]:
                 planner.commit_tensor(item, destination)
@@ -240,6 +288,90 @@ class DcpReader(FileSystemReader):
         if by_torch:
             super().read_data(dataclasses.replace(plan, items=by_torch), planner).wait()
         return _done()
+
+
+    def _copy_file(self, file: Path | Location,
+                   chunks: list[tuple[MetadataIndex, dcp.ChunkLayout, list[tuple[ReadItem, torch.Tensor]]]]) -> None:
+        """Every destination of the chunks of one file, each chunk read once, in file order."""
+        with open_regular(file, buffering=0) as raw:
+            for index, layout, items in chunks:
+                copy = _chunk_copy(layout, items)
+                if copy is not None:
+                    for begin, view in copy.reads:
+                        dcp.read_exact(raw, view, begin, f"{file}: {index.fqn!r}")
+                    copy.finish()
+
+
+class RemoteDcpReader(DcpReader):
+    """:class:`DcpReader` over a DCP checkpoint in object storage (see the module docstring).
+
+    Its file system is ``FsspecReader``'s (``self.fs``, ``self.path`` as there), so what torch
+    reads itself goes through the user's fsspec client as without ckptshim; ckptshim reads
+    through :class:`~ckptshim.storage.Location` (the same fsspec instances). ``listed`` is the
+    listing of ``location`` that whoever chose this reader made, used by the first
+    ``read_metadata`` of that same location; ``remaps()`` says, once DCP has planned, whether
+    the plan reads some key from stored chunks of another name or layout (the
+    :class:`~ckptshim.execute.dcp_planner.RemappingLoadPlanner`'s ``remaps``)."""
+
+    def __init__(self, location: Location, _extension_registry: Any = None,
+                 listed: list[ObjectInfo] | None = None, remaps: Callable[[], bool] = lambda: True) -> None:
+        super().__init__(str(location), _extension_registry)
+        self.fs = FsspecFileSystem()  # as FsspecReader.__init__
+        self.path = self.fs.init_path(str(location))
+        self._listed = (location, listed)
+        self._remaps = remaps
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return FsspecReader.validate_checkpoint_id(checkpoint_id)
+
+    @property
+    def location(self) -> Location:
+        return Location.of(str(self.path))
+
+    def _file(self, name: str) -> Location:
+        return self.location / name
+
+    def _open_checkpoint(self) -> dcp.DcpCheckpoint:
+        (listed_at, listed), self._listed = self._listed, (None, None)
+        return dcp.open_checkpoint(self.location, listed if listed_at == self.location else None)
+
+    def _reads_chunks(self) -> bool:
+        """Only where ckptshim remaps keys: every other load's chunks are read by torch's own
+        ``FsspecReader`` data path, as without ckptshim."""
+        return self._remaps()
+
+    def _copy_file(self, file: Path | Location,
+                   chunks: list[tuple[MetadataIndex, dcp.ChunkLayout, list[tuple[ReadItem, torch.Tensor]]]]) -> None:
+        """The byte ranges of many chunks in parallel; at most :data:`STAGING_BYTES` of them
+        (those not read straight into a destination) held at once."""
+        batch: list[_ChunkCopy] = []
+        staged = 0
+        for _, layout, items in chunks:
+            copy = _chunk_copy(layout, items)
+            if copy is None:
+                continue
+            if batch and staged + copy.staged > STAGING_BYTES:
+                _fetch(file, batch)
+                batch, staged = [], 0
+            batch.append(copy)
+            staged += copy.staged
+        _fetch(file, batch)
+
+
+#: Chunks whose archive headers a remote reader fetches in one parallel batch.
+HEADER_BATCH = 256
+#: The most bytes of chunks a remote reader holds in staging buffers at once (chunks read
+#: straight into their destinations need none).
+STAGING_BYTES = 256 << 20
+
+
+def _fetch(file: Location, copies: list[_ChunkCopy]) -> None:
+    """The reads of ``copies`` (all in ``file``) in parallel, then each copy finished."""
+    reads = [(begin, view) for copy in copies for begin, view in copy.reads]
+    read_ranges([ByteRange(file, begin, len(view)) for begin, view in reads], [view for _, view in reads])
+    for copy in copies:
+        copy.finish()
 
 
 #: The most bytes a stored Python object may decode to through a stream extension (a small
@@ -287,32 +419,45 @@ def _writable_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def _copy_chunk(raw, layout: dcp.ChunkLayout, items: list[tuple[ReadItem, torch.Tensor]], where: str) -> None:
+@dataclass(frozen=True)
+class _ChunkCopy:
+    """How one stored chunk reaches its destinations: byte ranges of the file ``(start, where
+    the bytes go)``, then ``finish()`` (filling destinations from the staging buffer of
+    ``staged`` bytes; nothing where the reads went straight into them)."""
+
+    reads: list[tuple[int, memoryview]]
+    staged: int
+    finish: Callable[[], None]
+
+
+def _chunk_copy(layout: dcp.ChunkLayout, items: list[tuple[ReadItem, torch.Tensor]]) -> _ChunkCopy | None:
     """Fill every destination that needs part of one stored chunk, reading each byte once: with
-    one ``pread`` straight into each destination's memory where that memory is the block's
-    bytes, else from one read of the bytes they need together, through
-    :func:`~ckptshim.execute.destinations.write` (device memory through the staging buffer)."""
-    items = [(item, destinations.values_of(destination)) for item, destination in items if destination.numel()]
+    one read straight into each destination's memory where that memory is the block's bytes,
+    else from one read of the bytes they need together, through
+    :func:`~ckptshim.execute.destinations.write` (device memory through the staging buffer).
+    ``None`` when no destination needs anything."""
+    items = [(item, values_of(destination)) for item, destination in items if destination.numel()]
     if not items:
-        return
+        return None
     dtype = getattr(torch, dtype_name(layout.ref.storage.dtype))
     spans = [_span(layout, item) for item, _ in items]
     direct = all(contiguous and type(d) is torch.Tensor and destinations.in_host_memory(d) and d.is_contiguous()
                  and d.dtype == dtype for (_, d), (_, _, contiguous) in zip(items, spans))
     if direct and _disjoint(spans):
-        for (_, destination), (begin, _, _) in sorted(zip(items, spans), key=lambda pair: pair[1][0]):
-            dcp.read_exact(raw, _writable_bytes(destination), begin, where)
-        return
+        return _ChunkCopy([(begin, _writable_bytes(destination)) for (_, destination), (begin, _, _)
+                           in sorted(zip(items, spans), key=lambda pair: pair[1][0])], 0, lambda: None)
     low, high = min(s[0] for s in spans), max(s[1] for s in spans)
     buffer = np.empty(high - low, np.uint8)
-    dcp.read_exact(raw, memoryview(buffer), low, where)
-    values = buffer.view(storage_dtype(dtype_name(layout.ref.storage.dtype)))
-    itemsize = layout.itemsize
-    for (item, destination), (begin, _, _) in zip(items, spans):
-        block = np.lib.stride_tricks.as_strided(
-            values[(begin - low) // itemsize:], shape=tuple(item.lengths),
-            strides=tuple(s * itemsize for s in layout.ref.stride), writeable=False)
-        destinations.write(destination, as_tensor(block, dtype))
+
+    def finish() -> None:
+        values = buffer.view(storage_dtype(dtype_name(layout.ref.storage.dtype)))
+        itemsize = layout.itemsize
+        for (item, destination), (begin, _, _) in zip(items, spans):
+            block = np.lib.stride_tricks.as_strided(
+                values[(begin - low) // itemsize:], shape=tuple(item.lengths),
+                strides=tuple(s * itemsize for s in layout.ref.stride), writeable=False)
+            destinations.write(destination, as_tensor(block, dtype))
+    return _ChunkCopy([(low, memoryview(buffer))], buffer.nbytes, finish)
 
 
 def _disjoint(spans: list[tuple[int, int, bool]]) -> bool:
@@ -324,7 +469,7 @@ def _raw_view(destination: torch.Tensor, entry: Entry) -> np.ndarray | None:
     """The plain tensor behind ``destination`` as a numpy array of ``entry``'s stored dtype (a
     view: writes land in it), or ``None`` where the bytes cannot go in as stored (another dtype,
     not in host memory, a subclass ckptshim does not know)."""
-    tensor = destinations.values_of(destination)
+    tensor = values_of(destination)
     if (type(tensor) is not torch.Tensor or not destinations.in_host_memory(tensor)
             or dtype_name(tensor.dtype) != entry.dtype):
         return None
@@ -341,13 +486,24 @@ class FormatReader(StorageReader):
     straight into its destination; where the destination cannot take the stored bytes as they are
     (another dtype, device memory, a tensor subclass), into a buffer of the stored dtype the size
     of that block (a rank's rows of one tensor), then written through the destination (a cast is
-    torch's ``copy_``), so no page of the map is held."""
+    torch's ``copy_``), so no page of the map is held.
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    ``fmt`` is the format the load's hook recognised at ``path`` (opened with no second
+    detection); ``None`` for a file no format recognises, which :meth:`read_metadata` then
+    refuses in the detector's words."""
+
+    def __init__(self, path: str | os.PathLike, fmt: Format | None = None, hook: str = "dcp.load") -> None:
         super().__init__()
         self.path = Path(path)
+        self._hook = hook
         self.load_id = str(uuid.uuid4())
+        self._format = fmt
         self._checkpoint: Checkpoint | None = None
+
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        """The checkpoint :meth:`read_metadata` opened (``None`` before), for the load's planner."""
+        return self._checkpoint
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -370,10 +526,13 @@ class FormatReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         try:  # an incomplete checkpoint is refused before planning: a missing shard, not its keys
-            self._checkpoint = open_checkpoint(self.path)
-            self._checkpoint.require_complete()
+            opened = open_checkpoint(self.path) if self._format is None else self._format.open_checkpoint(self.path)
+            self._checkpoint = opened
+            opened.require_complete()
         except ShimError as error:
             return _refused(error)
+        logger.info("%s: %s is a %s checkpoint (%s), which DCP cannot read; ckptshim reads it", self._hook,
+                    self.path, self._checkpoint.format, self._checkpoint.version)
         entries = self._checkpoint.inventory.values()
         return Metadata(
             state_dict_metadata={join_key(e.key): _tensor_md(e.dtype, e.shape, [((0,) * len(e.shape), e.shape)])
@@ -393,7 +552,7 @@ class FormatReader(StorageReader):
             fqn = item.storage_index.fqn
             if fqn not in located:
                 located[fqn] = checkpoint.inventory[split_key(fqn)]
-                checkpoint.read(located[fqn])  # a view: its byte range checked against the file
+                checkpoint.check_entry(located[fqn])
         with progress.load_bar(sum(_nbytes(d) for _, d in resolved), "ckptshim: dcp.load"):
             for item, destination in resolved:
                 entry = located[item.storage_index.fqn]

@@ -24,7 +24,7 @@ import numpy as np
 from ckptshim import progress
 from ckptshim.errors import PlanError, ShimError
 from ckptshim.execute import blocks
-from ckptshim.execute.jax_tree import TargetLeaf
+from ckptshim.targets.jax_tree import TargetLeaf
 from ckptshim.inventory import KeyPath, join_key
 from ckptshim.ops import Cast, Drop, Scale, Synthesize, require_kinds
 from ckptshim.planner import Plan

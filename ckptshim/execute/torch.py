@@ -22,7 +22,7 @@ Callers that hand the values to the framework's own loader (the ``load_state_dic
 :attr:`Prepared.values` and :meth:`Prepared.write_assembled`; others call :meth:`Prepared.write`.
 
 A ``DropIfDerived`` source is fetched and dropped only when its value is what its rule derives
-(:func:`ckptshim.execute.derived.mismatch`); otherwise it is an unexpected key, like any other
+(:meth:`ckptshim.targets.derived.OwnBuffers.problem`); otherwise it is an unexpected key, like any other
 the target has no place for: a strict load has no plan then (:class:`~ckptshim.errors.NoPlan`),
 a non-strict one lists it in :attr:`Prepared.unexpected`.
 """
@@ -37,15 +37,14 @@ import numpy as np
 import torch
 
 from ckptshim.errors import NoPlan, PlanError
-from ckptshim.execute.derived import REBUILDABLE, mismatch, not_equal
-from ckptshim.execute.destinations import is_dtensor, values_of, write
-from ckptshim.inventory import Entry, KeyPath, dtype_name, join_key
+from ckptshim.execute.destinations import write
 from ckptshim.geometry import View, inverse_perm
+from ckptshim.inventory import Entry, KeyPath, dtype_name, join_key
 from ckptshim.ops import (NOT_PERSISTENT, Cast, Drop, DropIfDerived, LayoutOp, Op, Synthesize, Tie, is_layout,
                           pieces_by_target, require_kinds)
 from ckptshim.planner import Plan
-from ckptshim.rules.buffers import derivable_rule
-from ckptshim.rules.prefixes import strip_wrappers
+from ckptshim.targets.derived import NO_OWN_BUFFERS, REBUILDABLE, OwnBuffers
+from ckptshim.targets.tensors import is_dtensor, values_of
 
 #: Returns the source tensor for a source key (from a state dict, or a lazy view of a file).
 Fetch = Callable[[KeyPath], torch.Tensor]
@@ -100,34 +99,27 @@ class Prepared:
 
 def prepare(plan: Plan, fetch: Fetch, destinations: Mapping[KeyPath, torch.Tensor], *,
             allow_missing: bool = False, allow_unexpected: bool = False,
-            recomputed: Mapping[KeyPath, torch.Tensor] | None = None) -> Prepared:
+            own_buffers: OwnBuffers = NO_OWN_BUFFERS, lenient: str = "") -> Prepared:
     """Check ``plan`` against the real tensors and work out every value; write nothing.
 
     ``destinations`` maps target keys to the live tensors to load into. Missing and unexpected
     keys are errors unless allowed (a non-strict load); a shape mismatch always is.
-    ``recomputed`` are the target's buffers that it computes itself and does not load (a
-    module's non-persistent buffers): a checkpoint's ``inv_freq`` is dropped only if it equals
-    one of the target's own.
+    ``own_buffers`` are the target's buffers that it computes itself and does not load (a
+    module's non-persistent buffers): a checkpoint's ``inv_freq`` is dropped only where they
+    say it is one of the target's own. ``lenient`` names the caller's non-strict load, for the
+    advice of a refusal.
     """
-    plan.require_complete(allow_missing=allow_missing, allow_unexpected=allow_unexpected)
+    plan.require_complete(allow_missing=allow_missing, allow_unexpected=allow_unexpected, lenient=lenient)
     require_kinds(plan.ops, HANDLERS, "torch executor")
-    return _Preparer(plan, fetch, destinations, allow_unexpected, recomputed or {}).run()
+    return _Preparer(plan, fetch, destinations, allow_unexpected, own_buffers).run()
 
 
 class _Preparer:
     def __init__(self, plan: Plan, fetch: Fetch, destinations: Mapping[KeyPath, torch.Tensor],
-                 allow_unexpected: bool, recomputed: Mapping[KeyPath, torch.Tensor]) -> None:
+                 allow_unexpected: bool, own_buffers: OwnBuffers) -> None:
         self.plan, self.fetch, self.destinations = plan, fetch, destinations
         self.allow_unexpected = allow_unexpected
-        self.own: dict[str, list[torch.Tensor]] = {}  # rule -> the target's own buffers of that rule
-        self.recomputed = recomputed
-        self.own_by_name: dict[KeyPath, list[torch.Tensor]] = {}  # wrapper-free key, or leaf -> buffers
-        for key, tensor in recomputed.items():
-            rule = derivable_rule(key)
-            if rule is not None:
-                self.own.setdefault(rule, []).append(tensor)
-            self.own_by_name.setdefault(strip_wrappers(key), []).append(tensor)
-            self.own_by_name.setdefault(key[-1:], []).append(tensor)
+        self.own_buffers = own_buffers
         self.casts = plan.casts()
         self.missing = frozenset(plan.missing)
         self.sources: dict[KeyPath, torch.Tensor] = {}
@@ -210,14 +202,7 @@ class _Preparer:
             self.prepared.values[op.target] = destination
 
     def _drop_if_derived(self, op: DropIfDerived) -> None:
-        value = self._source(op.source)
-        if op.rule != NOT_PERSISTENT:
-            problem = mismatch(op.rule, value, self.own.get(op.rule, ()))
-        elif op.source in self.recomputed and strip_wrappers(op.source) == op.source:
-            # the very buffer (its name has one reading), as an older version persisted it
-            problem = mismatch(op.rule, value, [self.recomputed[op.source]])
-        else:  # a name with wrapper components has two readings: the other may be another tensor's
-            problem = not_equal(value, self._buffer_named(op.source), "the target's own buffer")
+        problem = self.own_buffers.problem(op.rule, op.source, self._source(op.source))
         if problem is None:
             return
         if not self.allow_unexpected:
@@ -229,11 +214,6 @@ class _Preparer:
                 "target has no place for it. Load into a model that has a place for it, or with "
                 "strict=False to leave it out.")
         self.prepared.unexpected.append(op.source)
-
-    def _buffer_named(self, source: KeyPath) -> list[torch.Tensor]:
-        """The target's non-persistent buffer the planner took ``source`` for: the one of the same
-        name without wrapper components, else (a name an alias changed) those of the same leaf."""
-        return self.own_by_name.get(strip_wrappers(source)) or self.own_by_name.get(source[-1:], [])
 
     def _nothing(self, op: Op) -> None:
         """``Drop`` reads nothing; a ``Cast`` is done by the write (checked in :meth:`_check_value`)."""

@@ -1,9 +1,9 @@
 """What every format provides: an inventory from metadata, and reads of exactly what is asked.
 
-A format module exposes ``NAME``, ``sniff(path) -> bool`` (cheap: file names, magic bytes,
-version fields), ``READERS`` (which backends' load calls can be given such a checkpoint, each
-with the recogniser that says so: see :func:`ckptshim.formats.detect.detect`) and
-``open_checkpoint(path) -> Checkpoint``. Opening reads metadata only; bytes are read by
+A format module declares the :class:`Format` protocol: ``NAME``, ``sniff(path) -> bool`` (cheap:
+file names, magic bytes, version fields), ``READERS`` (which load calls can be given such a
+checkpoint, each with the recogniser that says so: see :func:`ckptshim.formats.detect.detect`)
+and ``open_checkpoint(path) -> Checkpoint``. Opening reads metadata only; bytes are read by
 :meth:`Checkpoint.read` (a whole entry, usually a view of a memory map, so nothing is copied
 until an executor writes it into its destination) or :meth:`Checkpoint.read_into` (one index
 range of an entry, straight into a buffer the caller owns).
@@ -18,8 +18,8 @@ import os
 import re
 import stat
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO, ClassVar, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, BinaryIO, Protocol, TypeVar, runtime_checkable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -354,23 +354,23 @@ class FileInfo:
         return 0 if self.size is None or self.kind != "file" else min(self.size, self.bytes_needed)
 
 
+#: What :attr:`Checkpoint.model_config` holds until the checkpoint's model config is read.
+UNREAD: Any = type("Unread", (), {"__repr__": lambda self: "UNREAD"})()
+
+
 @dataclass
 class Checkpoint(ABC):
     """An opened checkpoint: metadata (inventory, files, problems) and reads on demand.
 
     ``key_sep`` is how the format's own tools spell key paths (``.`` for torch, ``/`` for JAX).
-    ``orbax_readers`` names the restore args of today's Orbax (``"standard"``, ``"pytree"``)
-    that read this layout unaided: where the caller's args are among them and the keys fit,
-    the Orbax hook lets Orbax restore it.
     """
 
     key_sep = "."
-    orbax_readers: ClassVar[frozenset[str]] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Every format's reads run inside the trust boundary (:func:`reading`)."""
         super().__init_subclass__(**kwargs)
-        for name in ("read", "read_into"):
+        for name in ("read", "read_into", "check_entry"):
             method = cls.__dict__.get(name)
             if method is not None and not getattr(method, "guarded", False):
                 setattr(cls, name, _guarded(method))
@@ -381,6 +381,8 @@ class Checkpoint(ABC):
     inventory: Inventory
     files: tuple[FileInfo, ...] = ()
     problems: tuple[str, ...] = field(default=())
+    #: the ``config.json`` of the model it holds, once read (:func:`ckptshim.formats.hf_dir.config_of`)
+    model_config: Any = field(default=UNREAD, init=False, repr=False, compare=False)
 
     @property
     def complete(self) -> bool:
@@ -410,6 +412,14 @@ class Checkpoint(ABC):
             value = value.view(numpy_dtype(entry.dtype))
         np.copyto(out, value[index], casting="unsafe")
         return None
+
+    @_guarded
+    def check_entry(self, entry: Entry) -> None:
+        """Raise unless every byte of ``entry`` is there to read: what a load checks of each
+        entry before its first write. This default takes :meth:`read`'s view (a memory-mapped
+        format checks its byte range against the file); a format whose :meth:`read` assembles
+        the array checks the pieces it would assemble it from instead."""
+        self.read(entry)
 
     def require_complete(self) -> None:
         problems = self.all_problems()
@@ -539,3 +549,25 @@ def inside(root: Path, path: Path) -> bool:
     """
     resolved_root = root.resolve()
     return resolved_root in path.resolve().parents
+
+
+@runtime_checkable
+class Format(Protocol):
+    """What a format declares: each is a module of :mod:`ckptshim.formats` with these names,
+    registered once, in precedence order, in :data:`ckptshim.formats.detect.FORMATS`.
+
+    - ``NAME``: how ckptshim names the format (``ckptshim inspect``, messages);
+    - ``READERS``: for each kind of load call that can name such a checkpoint (``"torch"``,
+      ``"jax"``), the fingerprint that says a path is one *that call* reads (a format may be
+      recognised for ``inspect`` but named by no load call);
+    - ``sniff(path)``: whether ``path`` is in this format, from cheap fingerprints (names,
+      headers, version fields), reading no tensor bytes;
+    - ``open_checkpoint(path)``: the opened :class:`Checkpoint` (metadata only).
+    """
+
+    NAME: str
+    READERS: Mapping[str, Callable[[Path], bool]]
+
+    def sniff(self, path: Path) -> bool: ...
+
+    def open_checkpoint(self, path: Path) -> Checkpoint: ...

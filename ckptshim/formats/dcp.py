@@ -16,6 +16,12 @@ chunk (a whole tensor, or one rank's block of it) as a complete ``torch.save`` a
 ``(relative_path, offset, length)`` inside a ``__<rank>_<n>.distcp`` file; those archives are
 parsed with :mod:`ckptshim.formats.torch_pickle` only when their bytes are wanted. Reads go
 through ``pread`` into buffers the caller owns, so every byte is read once and only when needed.
+
+A checkpoint in object storage (a remote :class:`~ckptshim.storage.Location`) is read the same
+way: its prefix listed once (bounded), its metadata fetched whole under a size cap
+(:func:`metadata_limit`) and parsed by the same unpickler, each file's size taken from the
+listing for completeness, and each chunk's archive read by byte ranges through a
+:class:`~ckptshim.storage.ranged.RangedFile` (the stand-in for a descriptor: :func:`pread`).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import io
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path, PurePath
@@ -38,11 +44,14 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError, brief, describe
 from ckptshim.formats import safe_pickle
-from ckptshim.formats.base import (Budget, Checkpoint, Piece, file_info, open_regular, read_regular, reader,
-                                   reading, refuse_links_leaving, storage_dtype)
+from ckptshim.formats.base import (ALLOWANCE_BYTES, NODE_BYTES, Budget, Checkpoint, FileInfo, Piece, file_info,
+                                   open_regular, read_regular, reader, reading, refuse_links_leaving,
+                                   storage_dtype)
 from ckptshim.formats.torch_globals import ExtraGlobals, Globals, Layout, Size, TensorRef, dtype_of, members
 from ckptshim.formats.torch_pickle import read_archive, tensor_view
 from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
+from ckptshim.storage import Location, ObjectInfo
+from ckptshim.storage.ranged import RangedFile, archive_spans
 
 NAME = "torch-dcp"
 METADATA_FILE = ".metadata"
@@ -289,13 +298,23 @@ def parse_metadata(root: Any) -> DcpMetadata:
                        None if version is None else _text(version, "the version"), root)
 
 
-def load_metadata(file: Path, array_bytes: int = 0) -> DcpMetadata:
+def metadata_limit(array_bytes: int) -> int:
+    """The most bytes a metadata file of a checkpoint whose files hold ``array_bytes`` may have:
+    the allowance of :class:`~ckptshim.formats.base.Budget`, plus a byte for each object it
+    credits for the arrays (one per ``NODE_BYTES``): metadata describes structure, which grows with
+    the arrays' count, not their bytes. A remote one larger is refused before it is fetched."""
+    return ALLOWANCE_BYTES + max(array_bytes, 0) // NODE_BYTES
+
+
+def load_metadata(file: Path | Location, array_bytes: int = 0) -> DcpMetadata:
     """Read a DCP ``.metadata`` file (or one rank's) with the allow-listed unpickler; its
-    object budget is credited with ``array_bytes``, what the checkpoint's rank files hold."""
+    object budget is credited with ``array_bytes``, what the checkpoint's rank files hold.
+    A remote one is fetched whole, refused first when larger than :func:`metadata_limit`."""
     where = str(file)
     with reading(file):
         try:
-            data = read_regular(file)
+            remote = isinstance(file, Location) and file.is_remote
+            data = file.read_bytes(metadata_limit(array_bytes)) if remote else read_regular(file)
         except OSError as error:
             raise CorruptCheckpointError(f"{file}: cannot be read ({error})") from None
         root = safe_pickle.load(data, where, safe_pickle.PICKLE, _find_class(where),
@@ -383,9 +402,17 @@ def metadata_files(path: Path) -> list[Path]:
         return []
     if os.path.lexists(path / METADATA_FILE):
         return [path / METADATA_FILE]
-    ranks = sorted((int(match[1]), child) for child in path.iterdir()
-                   if (match := RANK_METADATA.fullmatch(child.name)) is not None)
-    return [child for _, child in ranks]
+    return [path / name for name in metadata_names(child.name for child in path.iterdir())]
+
+
+def metadata_names(names: Iterable[str]) -> list[str]:
+    """Of the names in a checkpoint folder, those of the metadata DCP reads: ``.metadata`` if
+    there, else every rank's ``__<rank>.metadata`` (rank order)."""
+    names = list(names)
+    if METADATA_FILE in names:
+        return [METADATA_FILE]
+    ranks = sorted((int(match[1]), name) for name in names if (match := RANK_METADATA.fullmatch(name)) is not None)
+    return [name for _, name in ranks]
 
 
 def merge_ranks(parts: Sequence[DcpMetadata], files: Sequence[Path]) -> DcpMetadata:
@@ -421,11 +448,30 @@ def merge_ranks(parts: Sequence[DcpMetadata], files: Sequence[Path]) -> DcpMetad
 # -- reading bytes -----------------------------------------------------------------------------
 
 
-def read_exact(raw: BinaryIO, buffer: memoryview, offset: int, where: str) -> None:
+#: What chunk archives are read from: a local file opened by ``open_regular``, or an object.
+Source = BinaryIO | RangedFile
+
+
+def open_source(file: Path | Location) -> Source:
+    """``file`` opened for :func:`pread`: a remote object as a :class:`RangedFile`, a local file
+    as :func:`~ckptshim.formats.base.open_regular` opens it."""
+    if isinstance(file, Location) and file.is_remote:
+        return RangedFile(file)
+    return open_regular(file, buffering=0)
+
+
+def pread(raw: Source, buffer: memoryview, offset: int) -> int:
+    """Bytes from ``offset`` into ``buffer``: how many were read (0 at the end of the file)."""
+    if isinstance(raw, RangedFile):
+        return raw.pread(buffer, offset)
+    return os.preadv(raw.fileno(), [buffer], offset)
+
+
+def read_exact(raw: Source, buffer: memoryview, offset: int, where: str) -> None:
     """Fill ``buffer`` from ``raw`` at ``offset`` (one ``pread`` per call, usually), or refuse."""
-    done, total, fd = 0, len(buffer), raw.fileno()
+    done, total = 0, len(buffer)
     while done < total:
-        got = os.preadv(fd, [buffer[done:]], offset + done)
+        got = pread(raw, buffer[done:], offset + done)
         if got <= 0:
             raise CorruptCheckpointError(
                 f"{where}: needs bytes up to {offset + total} but the file ends at {offset + done}; "
@@ -436,7 +482,7 @@ def read_exact(raw: BinaryIO, buffer: memoryview, offset: int, where: str) -> No
 class Window(io.RawIOBase):
     """A read-only, seekable view of ``length`` bytes of ``raw`` from ``start`` (one archive)."""
 
-    def __init__(self, raw: BinaryIO, start: int, length: int) -> None:
+    def __init__(self, raw: Source, start: int, length: int) -> None:
         super().__init__()
         self._raw, self._start, self._length, self._pos = raw, start, length, 0
 
@@ -456,7 +502,7 @@ class Window(io.RawIOBase):
 
     def readinto(self, buffer) -> int:
         count = max(0, min(len(buffer), self._length - self._pos))
-        got = os.preadv(self._raw.fileno(), [memoryview(buffer)[:count]], self._start + self._pos) if count else 0
+        got = pread(self._raw, memoryview(buffer)[:count], self._start + self._pos) if count else 0
         self._pos += got
         return got
 
@@ -466,7 +512,7 @@ class ChunkLayout:
     """Where one chunk's elements lie: its storage starts at byte ``start`` of ``file``, and
     ``ref`` gives the tensor's shape, strides and offset within that storage, in elements."""
 
-    file: Path
+    file: Path | Location
     start: int
     ref: TensorRef
 
@@ -479,7 +525,7 @@ class ChunkLayout:
         return self.ref.storage.numel * self.itemsize
 
 
-def read_layout(raw: BinaryIO, file: Path, stored: Stored, chunk: Chunk, dtype: str, where: str) -> ChunkLayout:
+def read_layout(raw: Source, file: Path | Location, stored: Stored, chunk: Chunk, dtype: str, where: str) -> ChunkLayout:
     """Parse the ``torch.save`` archive of one chunk (a few hundred bytes of headers) and check
     that it holds what ``.metadata`` promised. A chunk in a form ckptshim does not read itself --
     written through DCP's stream extensions, or an archive that is not one plain tensor -- is an
@@ -511,7 +557,7 @@ def read_layout(raw: BinaryIO, file: Path, stored: Stored, chunk: Chunk, dtype: 
     return layout
 
 
-def read_chunk(raw: BinaryIO, layout: ChunkLayout, where: str) -> np.ndarray:
+def read_chunk(raw: Source, layout: ChunkLayout, where: str) -> np.ndarray:
     """The whole chunk, read once into a new array (a strided view of its storage's bytes)."""
     buffer = np.empty(layout.storage_bytes, np.uint8)
     read_exact(raw, memoryview(buffer), layout.start, where)
@@ -559,7 +605,7 @@ class DcpCheckpoint(Checkpoint):
         if fqn in self.metadata.objects:
             stored = self.stored(fqn, None)
             out = np.empty(stored.length, np.uint8)
-            with open_regular(self.path / stored.file) as raw:
+            with open_source(self.path / stored.file) as raw:
                 read_exact(raw, memoryview(out), stored.offset, str(self.path / stored.file))
             return out
         meta = self.metadata.tensors[fqn]
@@ -567,7 +613,9 @@ class DcpCheckpoint(Checkpoint):
         for chunk in meta.chunks:
             stored = self.stored(fqn, chunk.offsets)
             where = f"{self.path / stored.file}: {fqn!r} chunk {list(chunk.offsets)}"
-            with open_regular(self.path / stored.file) as raw:
+            with open_source(self.path / stored.file) as raw:
+                if isinstance(raw, RangedFile):  # its headers in one request or two
+                    raw.prefetch(archive_spans(stored.offset, stored.length))
                 array = read_chunk(raw, read_layout(raw, self.path / stored.file, stored, chunk, meta.dtype, where), where)
             if chunk.sizes == meta.size:
                 return array
@@ -654,19 +702,53 @@ def _first_overlap(chunks: Sequence[Chunk]) -> tuple[Chunk, Chunk] | None:
 
 
 @reader
-def open_checkpoint(path: Path) -> DcpCheckpoint:
-    """The DCP folder ``path``: its ``.metadata``, or the union of its ranks' metadata files."""
+def open_checkpoint(path: Path | Location, listed: Sequence[ObjectInfo] | None = None) -> DcpCheckpoint:
+    """The DCP folder ``path`` (or prefix, for a remote location, whose listing ``listed`` may
+    already be at hand): its ``.metadata``, or the union of its ranks' metadata files."""
+    if isinstance(path, Location) and path.is_remote:
+        return _open_remote(path, path.list() if listed is None else listed)
     refuse_links_leaving(path)
     sources = metadata_files(path)
     if not sources:
-        raise CorruptCheckpointError(f"{path}: no {METADATA_FILE} (nor __<rank>.metadata) in the folder; "
-                                     "it is not a DCP checkpoint, or its metadata is missing.")
+        raise _no_metadata(path)
     if not all(source.is_file() for source in sources):
         raise CorruptCheckpointError(f"{sources[0]} is not a file; DCP writes its metadata there.")
     array_bytes = sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
     parts = [load_metadata(source, array_bytes) for source in sources]
-    metadata = parts[0] if len(parts) == 1 else merge_ranks(parts, sources)
-    label = sources[0].name if len(sources) == 1 else f"{len(sources)} rank metadata files"
+    return _checkpoint(path, [source.name for source in sources], parts,
+                       lambda name, size, **kw: file_info(path / name, size, root=path, **kw))
+
+
+def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> DcpCheckpoint:
+    """A DCP checkpoint below a bucket prefix: one bounded listing gives its metadata files and
+    every file's size (an object store has no links, FIFOs or devices to refuse)."""
+    listed = {info.location.name: info for info in listing}
+    sources = metadata_names(listed)
+    if not sources:
+        raise _no_metadata(root)
+    if any(listed[name].kind != "file" for name in sources):
+        raise CorruptCheckpointError(f"{root / sources[0]} is not an object; DCP writes its metadata there.")
+    array_bytes = sum(info.size for info in listed.values() if info.kind == "file")
+    parts = [load_metadata(root / name, array_bytes) for name in sources]
+
+    def info(name: str, size: int, **kw: Any) -> FileInfo:
+        found = listed.get(name)
+        return FileInfo(name, None if found is None else found.size, size,
+                        kind="file" if found is None else found.kind, **kw)
+    return _checkpoint(root, sources, parts, info)
+
+
+def _no_metadata(path: object) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: no {METADATA_FILE} (nor __<rank>.metadata) in the folder; "
+                                  "it is not a DCP checkpoint, or its metadata is missing.")
+
+
+def _checkpoint(path: Path | Location, sources: list[str], parts: list[DcpMetadata],
+                info: Any) -> DcpCheckpoint:
+    """The checkpoint whose metadata files ``sources`` held ``parts``; ``info(name, needed,
+    pieces=, writer=)`` says what is at each file the metadata names."""
+    metadata = parts[0] if len(parts) == 1 else merge_ranks(parts, [path / name for name in sources])
+    label = sources[0] if len(sources) == 1 else f"{len(sources)} rank metadata files"
     entries = [Entry(split_key(fqn), meta.size, meta.dtype, fqn) for fqn, meta in metadata.tensors.items()]
     entries += [Entry(split_key(fqn), (metadata.storage[fqn, None].length,), "uint8", fqn)
                 for fqn in sorted(metadata.objects) if (fqn, None) in metadata.storage]
@@ -674,9 +756,8 @@ def open_checkpoint(path: Path) -> DcpCheckpoint:
     for stored in metadata.storage.values():
         needed[stored.file] = max(needed.get(stored.file, 0), stored.offset + stored.length)
     pieces = _pieces(metadata)
-    files = [file_info(path / name, size, root=path, pieces=tuple(pieces[name]), writer=_writer(name))
-             for name, size in sorted(needed.items())]
+    files = [info(name, size, pieces=tuple(pieces[name]), writer=_writer(name)) for name, size in sorted(needed.items())]
     problems = _problems(metadata)
     shown = [f"{label}: {fqn}: {problem}" for fqn, found in problems.items() for problem in found]
     return DcpCheckpoint(path, metadata, Inventory(entries, str(path)), files, shown, frozenset(problems),
-                         {source.name: part for source, part in zip(sources, parts)})
+                         dict(zip(sources, parts)))

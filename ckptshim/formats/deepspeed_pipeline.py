@@ -13,7 +13,7 @@ under ``module`` in each ``mp_rank`` file; both read the same way.
 The inventory is the model as NeoX names it at tensor-parallel degree 1 --
 ``sequential.<layer>.<name>`` -- whatever degree it was saved with: each entry's read merges the
 ranks' shards by the op NeoX's layout gives that tensor (a ``Concat``, ``Sum`` or ``Replicated``:
-:func:`ckptshim.rules.profiles.neox.spread`, run by :mod:`ckptshim.formats.tensor_parallel`), so plans,
+:func:`ckptshim.layouts.neox.spread`, run by :mod:`ckptshim.formats.tensor_parallel`), so plans,
 conversions and loads into another degree see one tensor per name. Each layer file's own shards
 are listed under its :class:`FileInfo` and read with :meth:`DeepSpeedPipelineCheckpoint.read_shard`.
 
@@ -40,7 +40,7 @@ from ckptshim.formats import safe_pickle, tensor_parallel, torch_globals, torch_
 from ckptshim.formats.base import (Checkpoint, FileInfo, file_info, open_regular, read_regular, reader,
                                    refuse_links_leaving)
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key
-from ckptshim.rules.profiles import neox
+from ckptshim.layouts import neox
 
 NAME = "deepspeed-pipeline"
 _LAYER_FILE = re.compile(r"layer_([0-9]{2,})-(?:model_([0-9]+)-)?model_states\.pt")

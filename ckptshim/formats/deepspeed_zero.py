@@ -200,6 +200,11 @@ class Flat:
     def numel(self) -> int:
         return sum(ref.shape[0] for ref in self.refs)
 
+    def views(self) -> list[np.ndarray]:
+        """The tensors as read-only views of the file (each one's byte range checked against it)."""
+        return [self.part.read(Entry(("flat",), ref.shape, ref.storage.dtype, (str(self.part.path), ref)))
+                for ref in self.refs]
+
     def copy(self, start: int, stop: int, out: np.ndarray) -> None:
         """Elements ``start .. stop`` of the concatenated tensors into ``out`` (1-D float32, that
         long): a ``pread`` straight into ``out`` per tensor it spans, so that no page of the file
@@ -275,6 +280,32 @@ class ZeroCheckpoint(Checkpoint):
         value = value.reshape(entry.shape)
         return _as_float32(value, stored) if stored != entry.dtype else value
 
+    def read_into(self, entry: Entry, index: tuple, out: np.ndarray) -> None:
+        """A block of a master: only the elements of the rows it spans are gathered from the
+        partitions (an FSDP2 rank's rows, a shard of them), then cast to ``out``'s dtype."""
+        kind, name = entry.location
+        slot = self.slots.get(name) if kind == "master" else None
+        if slot is None or not slot.shape:
+            super().read_into(entry, index, out)
+            return
+        first, last, _ = index[0].indices(slot.shape[0]) if isinstance(index[0], slice) else (index[0], index[0] + 1, 1)
+        inner = math.prod(slot.shape[1:])
+        rows = self.read_elements(name, None, first * inner, max(last, first) * inner)
+        rows = rows.reshape((max(last - first, 0), *slot.shape[1:]))
+        np.copyto(out, rows[(slice(None) if isinstance(index[0], slice) else 0, *index[1:])], casting="unsafe")
+
+    def check_entry(self, entry: Entry) -> None:
+        """Every partition a master is gathered from is there and as long as its metadata says
+        (views only: nothing is gathered)."""
+        kind, name = entry.location
+        if kind != "master":
+            super().check_entry(entry)
+            return
+        self._require_every_rank()
+        for rank in self.ranks.values():
+            for flat in rank.fp32:
+                flat.views()
+
     def read_optimizer_state(self, name: str, state: str) -> np.ndarray:
         """Trainable parameter ``name``'s optimizer state ``state`` (one of :data:`MOMENTS`), in
         the parameter's shape, assembled from the ranks' partitions as its master is."""
@@ -287,12 +318,7 @@ class ZeroCheckpoint(Checkpoint):
         end (the padding a partition of another world size has there). Reads only the saved
         partitions that hold those elements: a resume at another world size re-cuts each rank's
         new partition with it, never assembling the whole model."""
-        missing = [rank for rank in range(self.world) if rank not in self.ranks]
-        if missing:
-            raise CorruptCheckpointError(
-                f"{self.path}: the optimizer partitions of data-parallel rank(s) {missing} are missing or "
-                "unreadable, and every parameter's fp32 master needs all of them. Restore those files "
-                "(`ckptshim inspect` names them).")
+        self._require_every_rank()
         if state is not None:
             lacking = [rank for rank, found in self.ranks.items() if state not in found.states]
             if lacking:
@@ -318,6 +344,14 @@ class ZeroCheckpoint(Checkpoint):
                 flats(rank)[slot.group].copy(lo - first, hi - first,
                                              out[lo - slot.offset - start:hi - slot.offset - start])
         return out
+
+    def _require_every_rank(self) -> None:
+        missing = [rank for rank in range(self.world) if rank not in self.ranks]
+        if missing:
+            raise CorruptCheckpointError(
+                f"{self.path}: the optimizer partitions of data-parallel rank(s) {missing} are missing or "
+                "unreadable, and every parameter's fp32 master needs all of them. Restore those files "
+                "(`ckptshim inspect` names them).")
 
     @property
     def files_read(self) -> frozenset[Path]:
@@ -436,9 +470,12 @@ def open_checkpoint(path: Path) -> ZeroCheckpoint:
                                      f"{'ZeRO-3' if zero3 else 'ZeRO-1/2'} model states; the files are of different runs")
     entries = _entries(step, models, layout)
     layout.files = [_with_pieces(info, layout) for info in layout.files]
+    training = _training(layout.engine.get("ds_config"))
     version = (f"deepspeed {layout.engine.get('ds_version') or '?'}, ZeRO-{layout.stage}, dp={world}, "
-               f"{_training(layout.engine.get('ds_config'))}; {len(layout.slots)} trainable parameters as "
-               "fp32 masters from the optimizer partitions")
+               f"{training}; {len(layout.slots)} trainable parameters as fp32 masters from the optimizer "
+               "partitions")
+    if not zero3 and training != "fp32 training":  # the 16-bit copies are there too, and not what is read
+        version += f", not the {training.split()[0]} module weights also in {_MODEL_FILE}"
     return ZeroCheckpoint(path, version, entries, layout.files, layout.problems, layout)
 
 

@@ -5,30 +5,90 @@ inspect`` accepts: files, items, step folders, roots of steps); ``detect(path, b
 only what a load call of that backend can be given, as each format's ``READERS`` says: for
 ``"torch"`` (``dcp.load``, DeepSpeed) the files and folders torch's loaders read, for ``"jax"``
 (an Orbax, Flax or T5X restore) one restorable item.
+
+A checkpoint in object storage (``s3://``, ``gs://``) is recognised from one bounded listing of
+its prefix, among the formats that read remote locations so far (:data:`REMOTE_FORMATS`).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from types import ModuleType
 
-from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
-from ckptshim.formats import dcp, deepspeed_pipeline, deepspeed_zero, flax_msgpack, hf_dir, megatron_core, orbax, orbax_manager, paxml, paxml_flax, safetensors, t5x, torch_pickle
-from ckptshim.formats.base import Checkpoint, reading
+from ckptshim.errors import CorruptCheckpointError, InternalError, UnknownFormatError
+from ckptshim.formats import (dcp, deepspeed_pipeline, deepspeed_zero, flax_msgpack, hf_dir, megatron_core, orbax,
+                              orbax_manager, paxml, paxml_flax, safetensors, t5x, torch_pickle)
+from ckptshim.formats.base import Checkpoint, Format, reading
+from ckptshim.storage import Location, UnsupportedLocation
 
-#: Most specific first: a directory format before the single files it may contain; PaxML's and
-#: T5X's msgpack aggregates before Orbax's, for which they would otherwise pass; DeepSpeed ZeRO's
-#: optimizer partitions before the pipeline reader, which would otherwise read a ZeRO folder's
-#: ``mp_rank_00_model_states.pt`` (its 16-bit module) and miss the fp32 masters.
-FORMATS: tuple[ModuleType, ...] = (hf_dir, dcp, megatron_core, deepspeed_zero, deepspeed_pipeline, paxml_flax, t5x, paxml, orbax, orbax_manager, safetensors, torch_pickle,
-                                    flax_msgpack)
+#: Where two formats can claim the same files: (the one that wins, the one it wins over, why).
+#: :data:`FORMATS` is tried in order, so each winner comes first there; :func:`ranked` checks it.
+PRECEDENCE: tuple[tuple[Format, Format, str], ...] = (
+    (hf_dir, safetensors, "a Hugging Face folder's weights are safetensors files; the folder says which"),
+    (hf_dir, torch_pickle, "a Hugging Face folder's weights may be pytorch_model.bin; the folder says which"),
+    (deepspeed_zero, deepspeed_pipeline,
+     "a ZeRO folder holds mp_rank_00_model_states.pt too (its 16-bit module), which the pipeline reader "
+     "would read, missing the fp32 masters in the optimizer partitions"),
+    (paxml_flax, orbax, "PaxML's Flax msgpack aggregate passes for Orbax's legacy aggregate"),
+    (t5x, orbax, "T5X's msgpack aggregate passes for Orbax's legacy aggregate"),
+    (paxml, orbax, "a PaxML state folder's per-leaf zarr arrays pass for an Orbax item"),
+)
+
+
+def ranked(formats: tuple[Format, ...], precedence: tuple[tuple[Format, Format, str], ...]) -> tuple[Format, ...]:
+    """``formats`` itself, once every pair of ``precedence`` is checked to hold in its order (an
+    :class:`~ckptshim.errors.InternalError` naming the pair otherwise: a registry edit that
+    would let a format read another's files)."""
+    order = {fmt.NAME: at for at, fmt in enumerate(formats)}
+    for winner, loser, why in precedence:
+        if order[winner.NAME] > order[loser.NAME]:
+            raise InternalError(f"format registry: {winner.NAME} must be tried before {loser.NAME} ({why})")
+    return formats
+
+
+#: Every format, most specific first: a directory format before the single files it may contain,
+#: and each pair of :data:`PRECEDENCE` in its order.
+FORMATS: tuple[Format, ...] = ranked((hf_dir, dcp, megatron_core, deepspeed_zero, deepspeed_pipeline, paxml_flax, t5x,
+                                      paxml, orbax, orbax_manager, safetensors, torch_pickle, flax_msgpack), PRECEDENCE)
 #: The backends whose load calls name a checkpoint (see each format's ``READERS``).
 BACKENDS = ("torch", "jax")
+#: The formats whose ``open_checkpoint`` reads a remote :class:`~ckptshim.storage.Location`.
+REMOTE_FORMATS: tuple[Format, ...] = (dcp,)
 
 
-def detect(path: str | Path, backend: str | None = None) -> ModuleType:
+def remote_location(path: str | os.PathLike | Location) -> Location | None:
+    """``path`` as a :class:`~ckptshim.storage.Location` when it names object storage (an
+    ``s3://`` or ``gs://`` URL); ``None`` for a local path. A URL of another scheme is an
+    :class:`UnknownFormatError` (``pathlib`` would make a relative local path of it)."""
+    try:
+        where = Location.of(path)
+    except UnsupportedLocation as error:
+        raise UnknownFormatError(f"{error}. Copy the checkpoint to a local folder and point at the copy.") from None
+    return where if where.is_remote else None
+
+
+def _detect_remote(where: Location, backend: str | None) -> Format:
+    """The format of the checkpoint below the prefix ``where`` (see the module docstring)."""
+    with reading(where, "recognising its format"):
+        try:
+            names = [info.location.name for info in where.list()]
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{where}: no such object or prefix") from None
+    candidates = [fmt for fmt in REMOTE_FORMATS if backend is None or backend in fmt.READERS]
+    if dcp in candidates and dcp.metadata_names(names):
+        return dcp
+    raise UnknownFormatError(
+        f"{where} is not a checkpoint ckptshim reads from object storage (so far: "
+        f"{', '.join(fmt.NAME for fmt in candidates) or 'none for this backend'}). Copy it to a local "
+        "folder (gcloud storage cp -r, aws s3 cp --recursive) and point at the copy.")
+
+
+def detect(path: str | Path, backend: str | None = None) -> Format:
     """The format module that recognises ``path`` (for ``backend``'s load calls, if given), or a
     :class:`UnknownFormatError`."""
+    remote = remote_location(path)
+    if remote is not None:
+        return _detect_remote(remote, backend)
     path = Path(path)
     with reading(path, "recognising its format"):
         if not path.exists():
@@ -51,4 +111,5 @@ def detect(path: str | Path, backend: str | None = None) -> ModuleType:
 
 def open_checkpoint(path: str | Path, backend: str | None = None) -> Checkpoint:
     """Open ``path`` in whatever format it is in (metadata only; no tensor bytes are read)."""
-    return detect(path, backend).open_checkpoint(Path(path))
+    remote = remote_location(path)
+    return detect(path, backend).open_checkpoint(remote if remote is not None else Path(path))

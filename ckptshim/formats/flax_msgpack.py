@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 import stat
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 
@@ -64,8 +63,6 @@ class FlaxMsgpackCheckpoint(Checkpoint):
     """One legacy Flax msgpack file; entry locations are :class:`msgpack_tree.Inline`."""
 
     key_sep = "/"
-    #: Today's Orbax cannot read these files at all; the Orbax hooks always step in.
-    orbax_readers: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, path: Path, version: str, inventory: Inventory, files, data) -> None:
         super().__init__(path, NAME, version, inventory, tuple(files))

@@ -21,9 +21,10 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptshim.formats import safetensors, torch_pickle
-from ckptshim.formats.base import (Checkpoint, FileInfo, file_info, read_regular, reader, refuse_links_leaving,
-                                   require_inside, strict_json)
+from ckptshim.formats.base import (UNREAD, Checkpoint, FileInfo, file_info, read_regular, reader,
+                                   refuse_links_leaving, require_inside, strict_json)
 from ckptshim.inventory import Entry, Inventory
+from ckptshim.storage import Location, UnsupportedLocation
 
 NAME = "hf-dir"
 #: What a Hugging Face model folder holds its weights in, in the order transformers' ``from_pretrained``
@@ -42,16 +43,28 @@ CONFIG = "config.json"
 MAX_CONFIG_BYTES = 16 * 2**20
 
 
-def model_config(path: Path) -> dict | None:
-    """The ``config.json`` of the model a checkpoint at ``path`` holds: in the folder, or beside
-    the file (``model.safetensors`` in a Hugging Face folder). ``None`` when there is none or it
-    is not a JSON object; a damaged one is refused, naming the file."""
-    folder = Path(path) if Path(path).is_dir() else Path(path).parent
-    found = folder / CONFIG
-    if not found.is_file():
+def model_config(path: Path | Location | str) -> dict | None:
+    """The ``config.json`` of the model a checkpoint at ``path`` holds: in the folder (or bucket
+    prefix), or beside the file (``model.safetensors`` in a Hugging Face folder). ``None`` when
+    there is none or it is not a JSON object; a damaged one is refused, naming the file."""
+    try:
+        where = Location.of(path)
+    except (UnsupportedLocation, TypeError, ValueError):  # another URL, or names nothing
         return None
-    require_inside(folder, found, _roots(folder))  # a hub-cache snapshot links it into blobs/
-    data = read_regular(found, MAX_CONFIG_BYTES + 1)
+    if where.is_remote:
+        found = where / CONFIG
+        if not found.is_file():
+            return None
+        data = found.read_bytes(MAX_CONFIG_BYTES)
+    elif not where.path.exists():
+        return None
+    else:
+        folder = where.path if where.path.is_dir() else where.path.parent
+        found = folder / CONFIG
+        if not found.is_file():
+            return None
+        require_inside(folder, found, _roots(folder))  # a hub-cache snapshot links it into blobs/
+        data = read_regular(found, MAX_CONFIG_BYTES + 1)
     try:
         if len(data) > MAX_CONFIG_BYTES:
             raise ValueError(f"over {MAX_CONFIG_BYTES} bytes")
@@ -60,6 +73,14 @@ def model_config(path: Path) -> dict | None:
         raise CorruptCheckpointError(f"{found}: not valid JSON ({error}); transformers cannot read this "
                                      "folder either. Re-copy it from the original.") from None
     return config if isinstance(config, dict) else None
+
+
+def config_of(checkpoint: Checkpoint) -> dict | None:
+    """The :func:`model_config` of an opened checkpoint, read once per checkpoint (this format
+    reads it while opening) and kept on it."""
+    if checkpoint.model_config is UNREAD:
+        checkpoint.model_config = model_config(checkpoint.path)
+    return checkpoint.model_config
 
 
 def sniff(path: Path) -> bool:
@@ -129,22 +150,21 @@ def _real_folder(path: Path) -> bool:
         return False
 
 
-def weights_file(path: Path) -> str:
+def weights_file(path: Path, settings: dict | None) -> str:
     """The weights file of the folder ``path`` that transformers' ``from_pretrained`` reads.
 
     ``config.json``'s ``transformers_weights`` when it names one, else the first of
     :data:`WEIGHT_FILES` present -- so ``model.safetensors`` wins over an index beside it, as it
     does in transformers. Reading another file than transformers would load other values under
-    the same names, without a word.
+    the same names, without a word. ``settings`` is the folder's :func:`model_config`.
     """
-    explicit = _explicit_weights_file(path)
+    explicit = _explicit_weights_file(path, settings)
     if explicit is not None:
         return explicit
     return next(name for name in WEIGHT_FILES if (path / name).is_file())
 
 
-def _explicit_weights_file(path: Path) -> str | None:
-    settings = model_config(path)
+def _explicit_weights_file(path: Path, settings: dict | None) -> str | None:
     named = settings.get(_EXPLICIT) if settings is not None else None
     if named is None:
         return None
@@ -161,7 +181,8 @@ def _explicit_weights_file(path: Path) -> str | None:
 def open_checkpoint(path: Path) -> HFDirCheckpoint:
     roots = _roots(path)
     refuse_links_leaving(path, also=roots[1:])
-    chosen = weights_file(path)
+    settings = model_config(path)  # read once: the weights file it names, and the load's model config
+    chosen = weights_file(path, settings)
     index_name = chosen if chosen.endswith(_INDEX_SUFFIX) else None
     problems: list[str] = []
     files: list[FileInfo] = []
@@ -196,4 +217,6 @@ def open_checkpoint(path: Path) -> HFDirCheckpoint:
         parts[shard] = part
         files += [FileInfo(shard, f.size, f.expected_size) for f in part.files]
         problems += [f"{shard}: {p}" for p in part.problems]
-    return HFDirCheckpoint(path, version, parts, files, problems)
+    checkpoint = HFDirCheckpoint(path, version, parts, files, problems)
+    checkpoint.model_config = settings
+    return checkpoint

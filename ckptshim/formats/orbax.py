@@ -10,7 +10,7 @@ Layouts, newest first:
   arrays themselves inline (Flax's msgpack encoding), or plain scalars.
 
 Today's ``StandardCheckpointer`` restores only the ``_METADATA`` layouts, ``PyTreeCheckpointer``
-the legacy aggregate too; the hooks use :attr:`OrbaxCheckpoint.orbax_readers` to know when they
+the legacy aggregate too; the hooks use :func:`orbax_readers` to know when they
 must step in. The inventory
 comes from ``_METADATA`` or the aggregate file plus each array's ``.zarray``/``zarr.json``;
 completeness from the OCDBT index and the listing of chunk keys.
@@ -48,6 +48,14 @@ def sniff(path: Path) -> bool:
 
 
 READERS = {"jax": sniff}
+
+
+def orbax_readers(checkpoint: Checkpoint) -> frozenset[str]:
+    """The restore args of today's Orbax (``"standard"``, ``"pytree"``) that read ``checkpoint``'s
+    layout unaided: where the caller's args are among them and the keys fit, the Orbax hook lets
+    Orbax restore it. None for a layout that is not Orbax's own (a Flax msgpack file, a Hugging
+    Face folder), nor for the ones Orbax's classes no longer read (PaxML, T5X)."""
+    return checkpoint.orbax_readers if isinstance(checkpoint, OrbaxCheckpoint) else frozenset()
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Tensor-parallel merges and splits, and vocab padding, on arrays as formats read them.
 
 A merge or a split is an op between a tensor's shards (one per rank, in rank order) and the
-whole tensor, as the model's profile says (:func:`ckptshim.rules.profiles.neox.spread`): a
+whole tensor, as the model's profile says (:func:`ckptshim.layouts.neox.spread`): a
 ``Concat``/``Chunk`` along the axis the ranks split, a ``Sum``/``Share`` of the row-parallel
 biases, a ``Replicated``/``Replicate`` tensor each rank holds whole. :func:`run` runs one such op
 over whole arrays: a layout op through its geometry (numpy views, so a rank's ``Chunk`` of an
@@ -24,7 +24,7 @@ from ckptshim.errors import CorruptCheckpointError, InternalError, PlanError
 from ckptshim.geometry import View, inverse_perm
 from ckptshim.inventory import KeyPath
 from ckptshim.ops import Op, Replicated, Share, Sum, is_layout, pieces_by_target
-from ckptshim.rules.profiles import neox
+from ckptshim.layouts import neox
 
 Arrays = Mapping[KeyPath, np.ndarray]
 

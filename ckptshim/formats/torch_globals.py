@@ -27,7 +27,7 @@ not even the code of a class the process trusts:
 - tensor subclasses: ``_rebuild_from_type_v2(func, type, args, state)`` with torch's own
   ``Tensor`` or ``Parameter`` as the type is the tensor ``func`` rebuilds (its Python attributes
   set aside). With a registered subclass that wraps one tensor of its values (listed in
-  :mod:`ckptshim.rules.subclasses`: torchao's ``WeightWithDynamicFloat8CastTensor``), rebuilt
+  :mod:`ckptshim.layouts.subclasses`: torchao's ``WeightWithDynamicFloat8CastTensor``), rebuilt
   storage-less by ``_rebuild_wrapper_subclass``, it is the inner tensor its attributes hold,
   which must have the wrapper's shape and dtype. Any other subclass is refused as a form
   ckptshim does not read: which of its parts holds the values only its own code knows;
@@ -53,7 +53,7 @@ from ckptshim.errors import UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats import safe_pickle
 from ckptshim.formats.base import storage_dtype
 from ckptshim.inventory import DTYPE_SIZES
-from ckptshim.rules.subclasses import WRAPPED_VALUES, values_attribute
+from ckptshim.layouts.subclasses import WRAPPED_VALUES, values_attribute
 
 def dtype_of(value: Any) -> str | None:
     """ckptshim's name for the dtype a ``torch.<dtype>`` global built (see :class:`Globals`), or

@@ -6,8 +6,9 @@ by :mod:`ckptshim.loading.dcp`: the storage reader (for a DCP folder, DCP's own
 ``FileSystemReader`` with its metadata read safely; for a format DCP cannot read, ckptshim's) and
 the planner (ckptshim's key mapping around the caller's planner or DCP's default, which plans on
 the stored metadata itself wherever ckptshim has no plan or nothing to change: DCP's own errors,
-with ckptshim's diagnosis as a note). A checkpoint in object storage (``s3://``, ``gs://``) is
-DCP's alone. Everything runs inside DCP's collective steps, so a refusal on any rank reaches every
+with ckptshim's diagnosis as a note). A checkpoint in object storage (``s3://``, ``gs://``) named
+by ``checkpoint_id`` is read by ckptshim's remote reader where ckptshim can read the URL (else the
+load is DCP's alone). Everything runs inside DCP's collective steps, so a refusal on any rank reaches every
 rank as DCP's ``CheckpointException`` (holding ckptshim's error) instead of hanging the others,
 and it is raised while planning, before any tensor is written. A bug inside ckptshim -- an
 exception that is not a ``ShimError`` and was raised in ckptshim's code -- is raised as an
@@ -114,15 +115,16 @@ def _load(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict)
 
     checkpoint_id, reader = call.get("checkpoint_id"), call["storage_reader"]
     where = checkpoint_id if checkpoint_id is not None else getattr(reader, "path", None)
-    if dcp_loading.remote(checkpoint_id, reader):
-        logger.debug("%s: %s is read by DCP's own reader from object storage; leaving the load to DCP",
-                     SEAM.call, where)
-        return native()
+    remote = dcp_loading.remote(checkpoint_id, reader)
 
     def shimmed() -> Any:
-        storage_reader = dcp_loading.storage_reader(checkpoint_id, reader)
-        swapped = dict(call, storage_reader=storage_reader,
-                       planner=dcp_loading.load_planner(call["planner"], getattr(storage_reader, "path", where)))
+        if remote:
+            planner = dcp_loading.load_planner(call["planner"], where)
+            storage_reader = dcp_loading.remote_reader(checkpoint_id, reader, planner)
+        else:
+            storage_reader = dcp_loading.storage_reader(checkpoint_id, reader)
+            planner = dcp_loading.load_planner(call["planner"], getattr(storage_reader, "path", where), storage_reader)
+        swapped = dict(call, storage_reader=storage_reader, planner=planner)
         return wrapped(swapped.pop("state_dict"), **swapped)
 
     try:

@@ -6,7 +6,8 @@ The DCP hook swaps two parts of DCP's own load (see :mod:`ckptshim.hooks.torch_d
   formats (:func:`ckptshim.formats.detect.detect` with ``backend="torch"``): DCP directories
   (safe metadata unpickling, every chunk read once, every file checked before any write) and
   ``torch.save`` files, safetensors files, Hugging Face folders and DeepSpeed checkpoints,
-  which DCP cannot read;
+  which DCP cannot read; :func:`remote_reader` -- the same for a DCP checkpoint in ``s3://``
+  or ``gs://``;
 - :func:`load_planner` -- a :class:`~ckptshim.execute.dcp_planner.RemappingLoadPlanner` around
   the caller's planner, which runs :func:`prepare_mapping` while DCP plans: the checkpoint's flat
   keys against the state dict's (wrapper hops at any depth, a missing or extra top-level
@@ -28,19 +29,22 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ckptshim.errors import PlanError, UnknownFormatError
+from ckptshim.errors import NoPlan, PlanError, ShimError, UnknownFormatError, describe
 from ckptshim.execute.dcp_planner import FlatKeys, KeyMapping, RemappingLoadPlanner
-from ckptshim.execute.dcp_storage import DcpReader, FormatReader
+from ckptshim.execute.dcp_storage import DcpReader, FormatReader, RemoteDcpReader
 from ckptshim.formats import dcp
 from ckptshim.formats.detect import detect
-from ckptshim.formats.hf_dir import model_config
+from ckptshim.formats.hf_dir import config_of, model_config
 from ckptshim.inventory import Entry, Inventory, dtype_name, join_key, split_key
+from ckptshim.loading.producers import producer
 from ckptshim.loading.report import report_load
 from ckptshim.loading.torch import state_dict_facts
 from ckptshim.log import logger
 from ckptshim.planner import Plan
 from ckptshim.planner import plan as make_plan
+from ckptshim.rules.context import LoadContext
 from ckptshim.rules.profiles import rules_for
+from ckptshim.storage import Location
 
 HOOK = "torch.distributed.checkpoint.load"
 
@@ -67,23 +71,48 @@ def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageRe
     try:
         fmt = detect(location, backend="torch")
     except UnknownFormatError:  # a file DCP cannot read either: FormatReader explains; a folder: DCP's
-        return FormatReader(location) if Path(location).is_file() else given
+        return FormatReader(location, hook=HOOK) if Path(location).is_file() else given
     if fmt is dcp:
         return DcpReader(location, given.transforms.extension_registry if given is not None else None)
-    logger.info("%s: %s is a %s checkpoint, which DCP cannot read; ckptshim reads it", HOOK, location, fmt.NAME)
-    return FormatReader(location)
+    return FormatReader(location, fmt, hook=HOOK)  # which says, once it has opened the checkpoint, what it reads
 
 
 def remote(checkpoint_id: Any, given: StorageReader | None) -> bool:
     """Whether DCP itself would read this checkpoint from object storage (a URL other than
-    ``file://``, through its ``FsspecReader``): ckptshim does not read those yet, so the load is
-    DCP's own, as without ckptshim."""
+    ``file://``, through its ``FsspecReader``): :func:`remote_reader` chooses its reader."""
     from torch.distributed.checkpoint import FileSystemReader
 
     if given is not None and type(given) is not FileSystemReader:
         return False  # the caller's own reader (an FsspecReader they built included) is theirs
     location = str(checkpoint_id if checkpoint_id is not None else getattr(given, "path", ""))
     return "://" in location and _local_path(location) is None
+
+
+def remote_reader(checkpoint_id: Any, given: StorageReader | None, planner: RemappingLoadPlanner) -> RemoteDcpReader:
+    """ckptshim's reader for a DCP checkpoint in object storage (where :func:`remote`): its
+    metadata read safely, and its chunks read by ckptshim where the plan remaps keys, by torch's
+    own ``FsspecReader`` data path where it does not (``planner`` says which, once DCP has
+    planned: :class:`~ckptshim.execute.dcp_storage.RemoteDcpReader`).
+
+    :class:`~ckptshim.errors.NoPlan` -- DCP's own load, as without ckptshim -- where ckptshim
+    cannot read the URL: a scheme it does not read, nothing or no DCP metadata below it, its
+    fsspec client missing, unreachable or without credentials (whatever the client raises while
+    listing: no byte of the checkpoint has been parsed yet, and DCP then reports what is wrong in
+    its own words). A listing ckptshim refuses (too many entries, a name leaving the prefix) is
+    a refusal, final as any.
+    """
+    url = str(checkpoint_id if checkpoint_id is not None else getattr(given, "path", ""))
+    try:
+        location = Location.of(url)
+        listed = location.list()
+    except ShimError:
+        raise
+    except Exception as error:  # the client's own failure: see the docstring
+        raise NoPlan(f"{url}: ckptshim does not read it ({describe(error)}); DCP's own reader does") from None
+    if not dcp.metadata_names(info.location.name for info in listed):
+        raise NoPlan(f"{url}: holds no {dcp.METADATA_FILE} that ckptshim could read first; DCP's own reader decides")
+    registry = given.transforms.extension_registry if given is not None else None
+    return RemoteDcpReader(location, registry, listed, lambda: planner.remaps)
 
 
 def _local_path(url: str) -> str | None:
@@ -96,14 +125,16 @@ def _local_path(url: str) -> str | None:
     return None
 
 
-def load_planner(inner: LoadPlanner | None, location: Any = None) -> RemappingLoadPlanner:
+def load_planner(inner: LoadPlanner | None, location: Any = None,
+                 reader: StorageReader | None = None) -> RemappingLoadPlanner:
     """The planner ``dcp.load`` runs: ckptshim's key mapping in front of ``inner`` (or DCP's
-    default), for the checkpoint at ``location`` (a local path, where known)."""
-    return RemappingLoadPlanner(inner, partial(prepare_mapping, location=location))
+    default), for the checkpoint at ``location`` (a local path, where known) that ``reader``
+    reads."""
+    return RemappingLoadPlanner(inner, partial(prepare_mapping, location=location, reader=reader))
 
 
 def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missing: bool,
-                    location: Any = None) -> KeyMapping | None:
+                    location: Any = None, reader: StorageReader | None = None) -> KeyMapping | None:
     """Plan the checkpoint's keys onto the state dict's and check the plan (nothing is read);
     ``None`` where every key the state dict asks for is stored under that name, shape and dtype
     (DCP's own planner plans on the stored metadata), :class:`~ckptshim.errors.NoPlan` where no
@@ -113,7 +144,8 @@ def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missin
     checkpoint key named like a derivable buffer is not dropped as one: like any key the state
     dict has no place for, it is unexpected, and left unread. Where no module is passed, the
     checkpoint's own ``config.json`` (beside it at ``location``; the metadata's ``checkpoint_id``
-    is where it was saved) names the transformers model whose conversion mapping applies.
+    is where it was saved) names the transformers model whose conversion mapping applies: read
+    once, from the checkpoint ckptshim's ``reader`` opened where it read this one.
     """
     if location is None:
         location = getattr(metadata.storage_meta, "checkpoint_id", None)
@@ -124,15 +156,25 @@ def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missin
     source, target, note = _sides(metadata, flat, target_paths, where)
     tensors = {entry.key: flat[entry.location] for entry in target.inventory.values()
                if entry.key not in target.objects}
-    config = model_config(Path(location)) if location is not None and Path(location).exists() else None
-    rules = rules_for(source.inventory, target.inventory, "torch", state_dict_facts(tensors), config)
-    plan = make_plan(source.inventory, target.inventory, rules.extend(drop_derivable=False))
-    plan.require_complete(allow_missing=allow_missing, allow_unexpected=True)
+    context = LoadContext(source.inventory, target.inventory, "dcp", state_dict_facts(tensors),
+                          _model_config(reader, location), producer(location))
+    plan = make_plan(source.inventory, target.inventory, rules_for(context))
+    plan.require_complete(allow_missing=allow_missing, allow_unexpected=True,
+                          lenient="planner=DefaultLoadPlanner(allow_partial_load=True)")
     _check_objects(plan, source, target)
     report_load(HOOK, plan)  # on every rank: each loads its own part
     if note:
         logger.info("%s: %s", HOOK, note)
     return KeyMapping(plan, source, target)
+
+
+def _model_config(reader: StorageReader | None, location: Any) -> dict | None:
+    """The model config of the checkpoint ``reader`` opened (read once, with it); for a reader
+    of the caller's own, the ``config.json`` at ``location``."""
+    opened = getattr(reader, "checkpoint", None) if isinstance(reader, (DcpReader, FormatReader)) else None
+    if opened is not None:
+        return config_of(opened)
+    return model_config(location) if location is not None else None
 
 
 def _stored_as_asked(metadata: Metadata, flat: Mapping[str, Any]) -> bool:

@@ -37,6 +37,7 @@ from ckptshim.formats import deepspeed_pipeline, tensor_parallel
 from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key, split_key
+from ckptshim.layouts import neox
 from ckptshim.loading.report import report_load
 from ckptshim.loading.torch import module_facts, recomputed_buffers, tensor_inventory
 from ckptshim.loading.torch_layout import module_layout
@@ -44,7 +45,10 @@ from ckptshim.log import logger
 from ckptshim.planner import plan as make_plan
 from ckptshim.rules import TargetFacts
 from ckptshim.rules.buffers import derivable_rule
-from ckptshim.rules.profiles import neox, rules_for
+from ckptshim.rules.context import LoadContext
+from ckptshim.rules.profiles import rules_for
+from ckptshim.rules.profiles.neox import HF_MARK, aliases_into_neox, to_neox
+from ckptshim.targets.derived import OwnBuffers
 
 HOOK = "deepspeed PipelineModule.load_state_dir"
 
@@ -96,7 +100,7 @@ def is_neox(source: Checkpoint) -> bool:
     """An HF GPT-NeoX checkpoint, or one whose every tensor is a GPT-NeoX layer's. Other
     pipeline models (Megatron-DeepSpeed's ``self_attention``...) are DeepSpeed's to load: its
     own loader re-shards Megatron names, and ckptshim knows only NeoX's."""
-    if neox.HF_MARK in source.inventory:
+    if HF_MARK in source.inventory:
         return True
     keys = list(source.inventory)
     return bool(keys) and all(key[:1] == (neox.SEQUENTIAL,) and (
@@ -124,7 +128,7 @@ def layer_state_dicts(source: Checkpoint, layers: Mapping[int, nn.Module], rank:
     tensor for derivable buffers the checkpoint lacks; every check runs before this returns.
     """
     source.require_complete()
-    aliases = neox.aliases_into_neox(source.inventory)
+    aliases = aliases_into_neox(source.inventory)
     target, destinations, recomputed, facts = _targets(layers, aliases)
     stage = {str(index) for index in layers}
     full_rows = {role: e.shape[0] * degree for e in target.values()
@@ -132,7 +136,7 @@ def layer_state_dicts(source: Checkpoint, layers: Mapping[int, nn.Module], rank:
     reads: dict[KeyPath, tuple[int | None, KeyPath]] = {}  # rows to resize to, NeoX name
     entries = []
     for entry in source.inventory.values():
-        key = neox.to_neox(entry.key, aliases)
+        key = to_neox(entry.key, aliases)
         if key[:1] == (neox.SEQUENTIAL,) and len(key) > 1 and key[1] not in stage:
             continue  # another pipeline stage's layer
         shape = entry.shape
@@ -143,7 +147,7 @@ def layer_state_dicts(source: Checkpoint, layers: Mapping[int, nn.Module], rank:
         reads[entry.key] = (rows if shape != entry.shape else None, key)
         entries.append(Entry(entry.key, _shard_shape(key, shape, degree), entry.dtype, entry.location))
     checkpoint = Inventory(entries, str(source.path))
-    plan = make_plan(checkpoint, target, rules_for(checkpoint, target, "torch", facts))
+    plan = make_plan(checkpoint, target, rules_for(LoadContext(checkpoint, target, "torch", facts)))
 
     def fetch(key: KeyPath) -> torch.Tensor:
         entry = source.inventory[key]
@@ -155,7 +159,7 @@ def layer_state_dicts(source: Checkpoint, layers: Mapping[int, nn.Module], rank:
         return as_tensor(np.ascontiguousarray(shard).reshape(shard.shape), getattr(torch, entry.dtype))  # 0-d stays 0-d
 
     prepared = prepare(plan, fetch, destinations, allow_missing=not strict, allow_unexpected=not strict,
-                       recomputed=recomputed)
+                       own_buffers=OwnBuffers(recomputed))
     report_load(f"load_state_dir(tp rank {rank}/{degree})", plan.undropped(prepared.unexpected))
     resized = [f"{join_key(k)} -> {rows} rows" for k, (rows, _) in reads.items() if rows is not None]
     if resized:

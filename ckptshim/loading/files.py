@@ -14,13 +14,15 @@ from pathlib import Path
 
 from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
-from ckptshim.formats.hf_dir import model_config
+from ckptshim.formats.hf_dir import config_of, model_config
 from ckptshim.inventory import Entry, Inventory, join_key
 from ckptshim.loading import like as like_spec
+from ckptshim.loading.producers import model_names, producer
 from ckptshim.log import logger
 from ckptshim.planner import Plan
 from ckptshim.planner import plan as make_plan
 from ckptshim.rules import Rules
+from ckptshim.rules.context import LoadContext
 from ckptshim.rules.profiles import rules_for
 
 
@@ -41,12 +43,15 @@ def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None, 
     stores it in takes the stored one: the plan then casts nothing (``convert`` copies bytes).
     """
     target, target_sep = target_layout(like)
+    source_config = config_of(source)
+    like_config = None if like_spec.is_callable_spec(like) else model_config(like)
+    source.inventory.model_type = _model_type(source_config)
+    target.model_type = _model_type(like_config) or target.model_type
     if rules is None:
-        config = model_config(source.path)
-        if config is None and not like_spec.is_callable_spec(like):
-            config = model_config(Path(like))
-        backend = "jax" if "/" in (source.key_sep, target_sep) else "torch"
-        rules = rules_for(source.inventory, target, backend, model_config=config)
+        config = source_config if source_config is not None else like_config
+        call = "jax" if "/" in (source.key_sep, target_sep) else "torch"
+        rules = rules_for(LoadContext(source.inventory, target, call, model_config=config,
+                                      producer=producer(source.path)))
     plan = make_plan(source.inventory, target, rules)
     casts = plan.casts() if stored_dtypes else {}
     if not casts:
@@ -56,5 +61,24 @@ def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None, 
                 len(casts), source.path, join_key(first.target, source.key_sep), first.source_dtype, like,
                 first.target_dtype)
     target = Inventory([Entry(e.key, e.shape, casts[e.key].source_dtype if e.key in casts else e.dtype, e.location)
-                        for e in target.values()], target.source)
+                        for e in target.values()], target.source, target.model_type)
     return make_plan(source.inventory, target, rules)
+
+
+def plan_onto_model(source: Checkpoint) -> Plan | None:
+    """For a checkpoint whose producer stores other names than its model's (Megatron-Core), the
+    plan onto the model's own names (:func:`~ckptshim.loading.producers.model_names`), which
+    ``convert`` writes without ``--like``; ``None`` where the stored names are the model's."""
+    view = model_names(source.path, source.inventory)
+    if view is None:
+        return None
+    target, note = view
+    logger.info("%s: %s", source.path, note)
+    rules = rules_for(LoadContext(source.inventory, target, "torch", producer=producer(source.path)))
+    return make_plan(source.inventory, target, rules)
+
+
+def _model_type(config: dict | None) -> str | None:
+    """The ``model_type`` a ``config.json`` names (``None`` when it names none)."""
+    model_type = (config or {}).get("model_type")
+    return model_type if isinstance(model_type, str) else None

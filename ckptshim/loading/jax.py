@@ -8,8 +8,10 @@ ckptshim does not do (placeholders, padding restore args) -- raises
 byte is read. The caller then asks :func:`native_fits` whether the framework's own restore
 would do the same, and only if not runs :meth:`Prepared.run` (the JAX executor).
 
-Rules for JAX trees: Linen/NNX spellings are aliases; trees laid out like MaxText's decoder get
-its scan axes; rng state may be kept from the target by the opt-in MaxText rule. Checkpoint
+Rules for JAX trees come from :func:`~ckptshim.rules.profiles.rules_for`, given the load's one
+:class:`~ckptshim.rules.context.LoadContext`: Linen/NNX spellings are aliases; trees laid out like
+MaxText's decoder get its scan axes; rng state may be kept from the target by the opt-in MaxText
+profile; PaxML GPT-3 variables MaxText has no place for are its profile's warning. Checkpoint
 keys that the target does not ask for are left on disk (a restore fills the target; the
 checkpoint may hold more, e.g. rng state or a data iterator) and counted in the log line.
 """
@@ -20,24 +22,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptshim import config, progress
-from ckptshim.errors import NoPlan, PlanError, UnknownFormatError, docs_page
+from ckptshim import progress
+from ckptshim.errors import NoPlan, UnknownFormatError
 from ckptshim.execute import jax as executor
-from ckptshim.execute.jax_tree import TargetTree
-from ckptshim.formats.base import Checkpoint
 from ckptshim.formats import hf_dir, safetensors
+from ckptshim.formats.base import Checkpoint
+from ckptshim.formats.orbax import orbax_readers
 from ckptshim.formats.detect import open_checkpoint
-from ckptshim.formats.hf_dir import model_config
-from ckptshim.inventory import Inventory, join_key, unflatten
+from ckptshim.inventory import join_key, unflatten
 from ckptshim.keytext import ranges
 from ckptshim.loading import agreement
 from ckptshim.loading.report import report_load
-from ckptshim.log import logger
 from ckptshim.ops import Cast, Synthesize
 from ckptshim.planner import Plan, plan as make_plan
 from ckptshim.rules import Rules
+from ckptshim.rules.context import LoadContext
 from ckptshim.rules.layers import layer_splits
-from ckptshim.rules.profiles import maxtext, paxml_gpt3, rules_for
+from ckptshim.rules.profiles import maxtext, rules_for
+from ckptshim.targets.jax_tree import TargetTree
 
 SEP = "/"
 
@@ -85,12 +87,10 @@ def prepare(checkpoint: Checkpoint, tree: Any, where: str, restore_args: Any = N
     _require_understood(target, where, own_tree=tree is not None)
     _require_divisible(target, where)
     target_inv = target.inventory(f"given to {where}")
-    config = model_config(checkpoint.path) if checkpoint.format in HF_FORMATS else None
-    rules = rules_for(checkpoint.inventory, target_inv, "jax", model_config=config)
-    plan = _plan(checkpoint.inventory, target_inv, rules)
+    config = hf_dir.config_of(checkpoint) if checkpoint.format in HF_FORMATS else None
+    rules = rules_for(LoadContext(checkpoint.inventory, target_inv, "jax", model_config=config))
+    plan = make_plan(checkpoint.inventory, target_inv, rules)
     _require_fit(plan, rules)
-    if paxml_gpt3.GPT3_LAYOUT in rules.layouts:
-        _report_unmapped(plan)
     for op in plan.ops:
         if op.kind == Synthesize.kind and not target.targets[op.target].concrete:
             raise NoPlan(
@@ -155,7 +155,7 @@ def as_stored(checkpoint: Checkpoint) -> dict:
     from ckptshim.formats.msgpack_tree import Inline
     from ckptshim.formats.base import numpy_dtype
 
-    current = "standard" in checkpoint.orbax_readers
+    current = "standard" in orbax_readers(checkpoint)
 
     def leaf(entry):
         if isinstance(entry.location, Inline) and entry.location.ref is None:
@@ -166,26 +166,6 @@ def as_stored(checkpoint: Checkpoint) -> dict:
         return np.broadcast_to(np.zeros((), dtype), entry.shape)  # a shape, no memory
 
     return unflatten({key: leaf(entry) for key, entry in checkpoint.inventory.items()})
-
-
-def _plan(source: Inventory, target_inv: Inventory, rules: Rules) -> Plan:
-    """The plan; with the opt-in rng rule, rng state the checkpoint cannot fill stays the target's."""
-    keep_rng = config.rng_from_target() and any(map(maxtext.is_rng_state, target_inv))
-    try:
-        result = make_plan(source, target_inv, rules)
-        if not keep_rng or not _rng_unfit(result):
-            return result
-    except PlanError:
-        if not keep_rng:
-            raise
-    rng_targets = [key for key in target_inv if maxtext.is_rng_state(key)]
-    without_rng = Inventory((e for e in source.values() if not maxtext.is_rng_state(e.key)), source.source)
-    return make_plan(without_rng, target_inv, rules.extend(synthesize=rng_targets))
-
-
-def _rng_unfit(plan: Plan) -> bool:
-    return (any(map(maxtext.is_rng_state, plan.missing))
-            or any(maxtext.is_rng_state(m.target) for m in plan.mismatched))
 
 
 def _require_fit(plan: Plan, rules: Rules) -> None:
@@ -201,23 +181,6 @@ def _require_fit(plan: Plan, rules: Rules) -> None:
             + ["Restore into a target with the checkpoint's layer count, or leave those keys out "
                "of the target."]))
     plan.require_complete(SEP, allow_unexpected=True)
-
-
-def _report_unmapped(plan: Plan) -> None:
-    """PaxML model variables MaxText's GPT-3 has no place for change what the model computes once
-    trained (``per_dim_scale`` rescales queries, a logits bias shifts logits): say so, and under
-    ``CKPTSHIM_STRICT`` refuse."""
-    lost = paxml_gpt3.unmapped_variables(plan.unexpected)
-    if not lost:
-        return
-    names = ", ".join(join_key(key, SEP) for key in lost)
-    message = (f"{plan.source.source}: {len(lost)} PaxML model variable(s) have no place in MaxText's "
-               f"GPT-3 model, so the restored model computes without them: {names} "
-               f"(see {docs_page('paxml-gpt3')})")
-    if config.strict():
-        raise PlanError(message + "; CKPTSHIM_STRICT=1 refuses the restore. Restore into a model that "
-                        "has them, or unset CKPTSHIM_STRICT to accept the difference.")
-    logger.warning("%s.", message)
 
 
 def _layer_gaps(plan: Plan, rules: Rules) -> list[str]:

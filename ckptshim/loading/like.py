@@ -83,6 +83,7 @@ def target_inventory(spec: str) -> tuple[Inventory, str]:
                             "name one that takes no arguments and returns a model, a state dict "
                             "or an abstract tree")
         result = function()
+    model_type = getattr(getattr(result, "config", None), "model_type", None)  # a transformers model's
     if callable(getattr(result, "state_dict", None)):  # a torch nn.Module
         result = result.state_dict()
     flat = flatten(result, is_leaf=_is_array)
@@ -90,7 +91,7 @@ def target_inventory(spec: str) -> tuple[Inventory, str]:
     if torch_like:  # state-dict keys are dotted names: "layers.0.w" is three components
         flat = {tuple(p for part in key for p in part.split(".")): v for key, v in flat.items()}
     if not torch_like and "jax" in sys.modules and not isinstance(result, dict):
-        from ckptshim.execute.jax_tree import TargetTree  # pytrees beyond dicts (dataclasses, ...)
+        from ckptshim.targets.jax_tree import TargetTree  # pytrees beyond dicts (dataclasses, ...)
 
         inventory = TargetTree(result).inventory(spec)
     else:
@@ -99,4 +100,6 @@ def target_inventory(spec: str) -> tuple[Inventory, str]:
     if not len(inventory):
         raise LikeError(f"--like {spec}: {function_name}() returned {type(result).__name__} with no "
                         "arrays; return a model, a state dict or an abstract tree")
+    if isinstance(model_type, str):
+        inventory.model_type = model_type
     return inventory, "." if torch_like else "/"

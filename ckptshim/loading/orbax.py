@@ -21,6 +21,7 @@ from typing import Any
 from ckptshim.errors import NoPlan, ShimError
 from ckptshim.formats import orbax_manager
 from ckptshim.formats.detect import detect
+from ckptshim.formats.orbax import orbax_readers
 from ckptshim.loading import agreement, jax as jax_loading
 
 #: What a process decided for a restore, as it tells the others (see :mod:`~ckptshim.loading.agreement`).
@@ -53,7 +54,7 @@ def prepare_item(path: Path, request: Request, where: str, stack: ExitStack) -> 
 
 def fits(prepared: jax_loading.Prepared, request: Request) -> bool:
     """Whether Orbax itself restores this: a layout it reads, keys matching the target's."""
-    readable = request.reader in prepared.checkpoint.orbax_readers
+    readable = request.reader in orbax_readers(prepared.checkpoint)
     return jax_loading.native_fits(prepared, readable=readable, partial=request.partial)
 
 

@@ -5,25 +5,34 @@ from __future__ import annotations
 import logging
 
 from ckptshim.log import logger
-from ckptshim.planner import Plan, explain, summary
+from ckptshim.planner import Plan, explain, summary, table
+
+#: The most rows the INFO table of a load shows; the plan at DEBUG (or ``ckptshim plan``) has all.
+INFO_ROWS = 40
 
 
 def report_load(where: str, plan: Plan, sep: str = ".", *, read_as: str | None = None) -> None:
-    """Log what a load changed: a summary at INFO (only when something changed), the plan at DEBUG,
-    key paths joined with ``sep`` (``/`` for JAX trees, as Orbax spells them).
+    """Log what a load changed: a summary and a table of grouped keys at INFO (only when something
+    changed), the plan at DEBUG, key paths joined with ``sep`` (``/`` for JAX trees, as Orbax
+    spells them).
 
     Called on every process that loads, never only on a coordinator: each rank reads and
     writes its own part, so each says what it did. ``read_as`` names the checkpoint's format
     when ckptshim reads the bytes itself: that is worth its INFO line even when every key
-    already matches (a legacy layout the framework's own reader refuses).
+    already matches (a legacy layout the framework's own reader refuses). What a rule says the
+    load loses is a warning.
     """
+    for warning in plan.warnings:
+        logger.warning("%s.", warning)
     if plan.is_identity:
         if read_as is None:
             logger.debug("%s: checkpoint already matches; nothing to change", where)
         else:
             report_read_as_stored(where, read_as)
         return
-    logger.info("%s: %s", where, summary(plan, sep))
+    if logger.isEnabledFor(logging.INFO):  # one record: its lines stay together between ranks'
+        rows = "".join(f"\n  {line}" for line in table(plan, sep, limit=INFO_ROWS))
+        logger.info("%s: %s%s", where, summary(plan, sep), rows)
     if logger.isEnabledFor(logging.DEBUG):
         for line in explain(plan, sep):
             logger.debug("  %s", line)

@@ -45,8 +45,6 @@ import torch
 from torch import nn
 
 from ckptshim.errors import NoPlan
-from ckptshim.execute.derived import mismatch
-from ckptshim.execute.destinations import values_of
 from ckptshim.execute.torch import prepare
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key, split_key
 from ckptshim.loading.report import report_load
@@ -56,9 +54,12 @@ from ckptshim.ops import Drop, DropIfDerived, Synthesize, Tie
 from ckptshim.planner import plan as make_plan
 from ckptshim.rules import TargetFacts
 from ckptshim.rules.buffers import derivable_rule
+from ckptshim.rules.context import LoadContext
 from ckptshim.rules.prefixes import WRAPPER_SEGMENTS, strip_wrappers
 from ckptshim.rules.profiles import rules_for
-from ckptshim.rules.profiles.transformers_mapping import from_module
+from ckptshim.rules.profiles.transformers_mapping import ConversionLayout, from_module
+from ckptshim.targets.derived import OwnBuffers, mismatch
+from ckptshim.targets.tensors import values_of
 
 def tensor_inventory(items: Iterable[tuple[str, torch.Tensor]], source: str, prefix: KeyPath = ()) -> Inventory:
     """The inventory of named tensors (dotted names split into key paths, under ``prefix``).
@@ -78,7 +79,13 @@ def module_facts(layout: ModuleLayout, module: nn.Module | None = None, prefix: 
         drop=frozenset(prefix + strip_wrappers(split_key(key)) for key in layout.non_persistent),
         synthesize=frozenset(key for key in keys if derivable_rule(strip_wrappers(key)) is not None),
         tied=tied_groups((prefix + split_key(key), tensor) for key, tensor in layout.tensors.items()),
-        conversions=from_module(module) if module is not None else ())
+        layouts=_published_layouts(module))
+
+
+def _published_layouts(module: nn.Module | None) -> tuple[ConversionLayout, ...]:
+    """The layouts a live module publishes for its own checkpoints: transformers' conversion
+    mapping of each transformers model in it."""
+    return tuple(map(ConversionLayout, from_module(module))) if module is not None else ()
 
 
 def recomputed_buffers(layout: ModuleLayout, prefix: KeyPath = ()) -> dict[KeyPath, torch.Tensor]:
@@ -99,7 +106,7 @@ def state_dict_facts(tensors: Mapping[KeyPath, torch.Tensor], model: nn.Module |
                              if (rule := derivable_rule(strip_wrappers(key))) is not None
                              and mismatch(rule, tensor) is None),
         tied=tied_groups(tensors.items()),
-        conversions=from_module(model) if model is not None else ())
+        layouts=_published_layouts(model))
 
 
 def tied_groups(named: Iterable[tuple[KeyPath, torch.Tensor]]) -> frozenset[frozenset[KeyPath]]:
@@ -151,7 +158,7 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
     except ValueError:
         logger.debug("load_state_dict: a dtype ckptshim does not know; leaving the load to torch")
         return native
-    plan = make_plan(source, target, rules_for(source, target, "torch", module_facts(layout, module)))
+    plan = make_plan(source, target, rules_for(LoadContext(source, target, "torch", module_facts(layout, module))))
     if strict and not plan.complete and layout.own_load_logic:
         logger.debug("load_state_dict: the state dict does not fit, but %s transforms its own state "
                      "dict on load; leaving the load to torch", type(module).__name__)
@@ -159,7 +166,7 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
     destinations = {split_key(key): tensor for key, tensor in layout.tensors.items()}
     prepared = prepare(plan, lambda key: state_dict[join_key(key)], destinations,
                        allow_missing=not strict, allow_unexpected=not strict,
-                       recomputed=recomputed_buffers(layout))
+                       own_buffers=OwnBuffers(recomputed_buffers(layout)), lenient="load_state_dict(..., strict=False)")
     plan = plan.undropped(prepared.unexpected)
     if not strict:
         plan = plan.left_undone(TORCH_REPORTS)

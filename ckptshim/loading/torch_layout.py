@@ -87,7 +87,7 @@ def module_layout(root: nn.Module) -> ModuleLayout:
 def _is_activation_wrapper(module: nn.Module) -> bool:
     """Whether ``module`` is torch's activation-checkpoint (or offload) wrapper, whose state-dict
     hooks hide its ``_checkpoint_wrapped_module`` hop. Such a wrapper exists only once its module
-    is imported; a process that never did is not made to (as :func:`~ckptshim.execute.destinations.is_dtensor`)."""
+    is imported; a process that never did is not made to (as :func:`~ckptshim.targets.tensors.is_dtensor`)."""
     wrappers = sys.modules.get("torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
     return wrappers is not None and isinstance(module, wrappers.ActivationWrapper)
 

@@ -35,8 +35,10 @@ from ckptshim.ops import Rename
 from ckptshim.planner import Plan
 from ckptshim.planner import plan as make_plan
 from ckptshim.rules import TargetFacts
+from ckptshim.rules.context import LoadContext
 from ckptshim.rules.prefixes import strip_wrappers
 from ckptshim.rules.profiles import rules_for
+from ckptshim.targets.derived import OwnBuffers
 
 
 @dataclass(frozen=True)
@@ -77,13 +79,13 @@ def prepare(model: nn.Module, state_dict: Mapping[str, Any], strict: bool = True
                               "the given model state dict")
     layout = module_layout(model)
     facts = _model_facts(model, layout, target, {split_key(k): v for k, v in tensors.items()})
-    plan = make_plan(source, target, rules_for(source, target, "torch", facts))
+    plan = make_plan(source, target, rules_for(LoadContext(source, target, "torch", facts)))
     if plan.is_identity or (strict and not plan.complete and layout.own_load_logic):
         return None
     writes = prepare_writes(plan, lambda key: state_dict[join_key(key)],
                             {split_key(k): v for k, v in tensors.items()},
                             allow_missing=not strict, allow_unexpected=not strict,
-                            recomputed=recomputed_buffers(layout))
+                            own_buffers=OwnBuffers(recomputed_buffers(layout)))
     plan = plan.undropped(writes.unexpected)  # left for torch to report (a non-strict load)
     if not strict:
         plan = plan.left_undone(TORCH_REPORTS)

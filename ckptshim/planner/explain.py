@@ -10,8 +10,11 @@ from __future__ import annotations
 from collections import Counter
 
 from ckptshim.inventory import join_key
-from ckptshim.keytext import compress
+from ckptshim.keytext import compress, group_rows, keys_text
 from ckptshim.planner.plan import Plan
+
+#: The columns of :func:`table`.
+HEADERS = ("Key", "Status", "Details")
 
 
 def explain(plan: Plan, sep: str = ".") -> list[str]:
@@ -42,8 +45,9 @@ def summary(plan: Plan, sep: str = ".") -> str:
         by_example[word] = op.summary_by_example
     words = []
     for word, shown in notes.items():
-        if by_example[word]:
-            text = shown[0] + (", ..." if len(shown) > 1 else "")
+        if by_example[word]:  # the first example, per-layer keys grouped (layers.{0..63}.w -> ...)
+            examples = compress(shown)
+            text = examples[0] + (", ..." if len(examples) > 1 else "")
         else:  # notes holding commas of their own (layouts) are set apart by semicolons
             distinct = sorted(set(shown))
             text = ("; " if any("," in n or ";" in n for n in distinct) else ", ").join(distinct)
@@ -54,3 +58,45 @@ def summary(plan: Plan, sep: str = ".") -> str:
         if keys:
             words.append(f"{len(keys)} {kind}")
     return ", ".join(words) if words else "nothing to change"
+
+
+def table(plan: Plan, sep: str = ".", limit: int | None = None) -> list[str]:
+    """What the load changed and what does not fit, as a table of grouped keys (as transformers
+    prints its load report): one row per op that changes something (its kind, and where the
+    value comes from), per missing and unexpected key, and per mismatch (with both shapes or
+    dtypes); keys that differ only in a layer number are one row. Empty for a plan that changes
+    nothing. With ``limit``, at most that many rows, and a line that says how many are left out.
+    """
+    rows: list[tuple[str, str, str]] = []
+    for op in plan.ops:
+        tally = op.tally()
+        if tally is None:
+            continue
+        keys = op.targets if op.produces else op.sources
+        origin = f"from {keys_text(op.sources, sep)}" if op.produces and op.sources and op.sources != keys else ""
+        detail = "" if op.summary_by_example else op.note(sep)
+        rows.append((keys_text(keys, sep), tally[0], f"{origin} ({detail})" if origin and detail else origin or detail))
+    rows += [(join_key(key, sep), "missing", "") for key in plan.missing]
+    rows += [(join_key(key, sep), "unexpected", "") for key in plan.unexpected]
+    for m in plan.mismatched:
+        rows.append((join_key(m.target, sep), "mismatched",
+                     f"{m.why}: checkpoint {_shown(m.source_shape, m.of_dtype)}, target {_shown(m.target_shape, m.of_dtype)}"))
+    if not rows:
+        return []
+    grouped = [cells for cells, _ in group_rows(rows)]
+    left_out = 0 if limit is None else max(len(grouped) - limit, 0)
+    grouped = grouped[:len(grouped) - left_out]
+    widths = [max(len(row[i]) for row in [HEADERS, *grouped]) for i in range(2)]
+    lines = [_row(HEADERS, widths), f"{'-' * widths[0]}-+-{'-' * widths[1]}-+-{'-' * len(HEADERS[2])}"]
+    lines += [_row(row, widths) for row in grouped]
+    if left_out:
+        lines.append(f"({left_out} more rows; `ckptshim plan` or CKPTSHIM_LOG=debug shows every one)")
+    return lines
+
+
+def _row(cells: tuple[str, ...], widths: list[int]) -> str:
+    return f"{cells[0]:<{widths[0]}} | {cells[1]:<{widths[1]}} | {cells[2]}".rstrip()
+
+
+def _shown(value: tuple, of_dtype: bool) -> str:
+    return str(value[0]) if of_dtype else str(value)

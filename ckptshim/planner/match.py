@@ -33,14 +33,15 @@ from ckptshim.errors import AmbiguousNameError, PlanError
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, KeyPath, gc_paused, join_key
 from ckptshim.keytext import ranges
 from ckptshim.ops import (NOT_PERSISTENT, OWN_VALUE, Cast, DropIfDerived, Op, Rename, Scale, Stack, Synthesize, Tie,
-                          Unstack, renames)
+                          Unstack, renames, with_sources)
 from ckptshim.planner import runs
 from ckptshim.planner.names import Names, parent_of
 from ckptshim.planner.plan import DTYPE, Mismatch, Plan
 from ckptshim.planner.runs import Group, Run, key_of
-from ckptshim.rules import DEFAULT_RULES, Rules
+from ckptshim.rules import DEFAULT_RULES, RootPrefix, Rules
 from ckptshim.rules.buffers import derivable_rule
 from ckptshim.rules.layers import stack_root
+from ckptshim.rules.roots import heads
 
 _FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
 _shape_of = attrgetter("shape")
@@ -54,11 +55,90 @@ def plan(source: Inventory, target: Inventory, rules: Rules = DEFAULT_RULES) -> 
     wanted, a stacking axis the shapes and rules leave open); anything that simply does not
     match ends up in the plan's ``missing``/``unexpected``/``mismatched``.
     """
+    if rules.root is not None:
+        return _rooted(source, target, rules)
+    if rules.own_when_unfit is not None:
+        return _own_when_unfit(source, target, rules)
     # Planning allocates about one small, acyclic object per key; with a million keys the
     # collector's passes over everything alive would take a third of the time and free nothing.
     with gc_paused():
         found = _with_layouts(source, target, rules) if rules.layouts else _Planner(source, target, rules).run()
     return _tied(found, rules) if rules.tied and found.missing else found
+
+
+def _rooted(source: Inventory, target: Inventory, rules: Rules) -> Plan:
+    """The plan with the root prefix set aside where the prefix alone makes the two key sets
+    one (the plan then is the root's renames); else the plan without it where that is complete;
+    else the plan with it (every other rule applied to the re-keyed checkpoint) where that one
+    is; else the plan without it, whose answer names what does not match."""
+    plain = dataclasses.replace(rules, root=None)
+    if rules.root.exact(source, target):
+        rooted = _under_root(source, target, plain, rules.root)
+        if rooted is not None and rooted.complete:
+            return rooted
+        return plan(source, target, plain)
+    try:
+        found = plan(source, target, plain)
+    except PlanError as error:
+        found, failure = None, error
+    else:
+        if found.complete:
+            return found
+    rooted = _under_root(source, target, plain, rules.root) if _may_fit(source, target, rules) else None
+    if rooted is not None and rooted.complete:
+        return rooted
+    if found is None:
+        raise failure
+    return found
+
+
+def _may_fit(source: Inventory, target: Inventory, rules: Rules) -> bool:
+    """Whether the plan of the checkpoint re-keyed by ``rules.root`` can be complete at all: with
+    no layout or alias to rename a key's first component, name matching keeps it, so both sides
+    must have the same first components (wrapper components set aside). Saves a partial load
+    whose sides merely share other leading names a second plan."""
+    if rules.layouts or rules.aliases:
+        return True
+    return rules.root.heads(source) == heads(target)
+
+
+def _under_root(source: Inventory, target: Inventory, rules: Rules, root: RootPrefix) -> Plan | None:
+    """The plan of the checkpoint re-keyed by ``root``, its ops naming the checkpoint's own keys;
+    ``None`` where a key falls outside the prefix, two keys become one, or planning fails."""
+    original: dict[KeyPath, KeyPath] = {}
+    entries = []
+    for entry in source.values():
+        key = root.rekey(entry.key)
+        if key is None or original.setdefault(key, entry.key) != entry.key:
+            return None
+        entries.append(Entry(key, entry.shape, entry.dtype, entry.location))
+    try:
+        found = plan(Inventory(entries, source.source), target, rules)
+    except PlanError:
+        return None
+    if all(type(op) is Rename for op in found.ops):  # a million renames: in bulk
+        ops = tuple(renames([original[op.source] for op in found.ops], [op.target for op in found.ops]))
+    else:
+        ops = tuple(with_sources(op, original) for op in found.ops)
+    return Plan(source, target, ops, missing=found.missing,
+                unexpected=tuple(original[key] for key in found.unexpected),
+                mismatched=tuple(dataclasses.replace(m, source=original[m.source]) for m in found.mismatched),
+                hints=found.hints, notes=(root.note, *found.notes), warnings=found.warnings)
+
+
+def _own_when_unfit(source: Inventory, target: Inventory, rules: Rules) -> Plan:
+    """The plan as usual where it fits ``rules.own_when_unfit``'s targets; else the plan with the
+    checkpoint's copies of them set aside and the targets keeping their own values."""
+    own = rules.own_when_unfit
+    plain = dataclasses.replace(rules, own_when_unfit=None)
+    try:
+        found = plan(source, target, plain)
+        if not (own.targets.intersection(found.missing) or any(m.target in own.targets for m in found.mismatched)):
+            return found
+    except PlanError:
+        pass
+    rest = Inventory((entry for entry in source.values() if entry.key not in own.sources), source.source)
+    return plan(rest, target, plain.extend(synthesize=own.targets))
 
 
 def _tied(plan: Plan, rules: Rules) -> Plan:
@@ -81,6 +161,7 @@ def _with_layouts(source: Inventory, target: Inventory, rules: Rules) -> Plan:
     ops: list[Op] = []
     hints: dict[KeyPath, str] = {}
     notes: list[str] = []
+    warnings: list[str] = []
     mismatched: list[Mismatch] = []
     used: set[KeyPath] = set()
     taken: set[KeyPath] = set()
@@ -91,6 +172,7 @@ def _with_layouts(source: Inventory, target: Inventory, rules: Rules) -> Plan:
         hints.update(paired.missing)
         taken.update(paired.missing)
         notes += paired.notes
+        warnings += paired.warnings
         for op in paired.ops:
             used.update(op.sources)
             taken.update(op.targets)
@@ -112,7 +194,7 @@ def _with_layouts(source: Inventory, target: Inventory, rules: Rules) -> Plan:
                     rules).run()
     return Plan(source, target, tuple(ops) + rest.ops, missing=tuple(hints) + rest.missing,
                 unexpected=rest.unexpected, mismatched=tuple(mismatched) + rest.mismatched, hints=hints,
-                notes=tuple(notes))
+                notes=tuple(notes), warnings=tuple(warnings))
 
 
 def _require_expected(op: Op, rules: Rules) -> None:

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from ckptshim.errors import NoPlan, PlanError
 from ckptshim.inventory import Inventory, KeyPath, join_key
+from ckptshim.planner.diagnosis import refusal
 from ckptshim.ops import Cast, DropIfDerived, Op
 
-#: How many keys an error message lists before it summarises the rest.
-MAX_LISTED = 12
 #: The ``why`` of a :class:`Mismatch` in dtype alone.
 DTYPE = "dtype"
 
@@ -63,6 +60,8 @@ class Plan:
     hints: Mapping[KeyPath, str] = field(default_factory=dict, compare=False)
     #: what a rule decided for the load as a whole (a root prefix set aside), said in its summary
     notes: tuple[str, ...] = ()
+    #: what a rule says the load loses (variables the target has no place for), logged as warnings
+    warnings: tuple[str, ...] = ()
     _producers: dict[KeyPath, Op] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -127,61 +126,13 @@ class Plan:
         return counts
 
     def require_complete(self, sep: str = ".", *, allow_missing: bool = False,
-                         allow_unexpected: bool = False) -> None:
-        """Raise :class:`~ckptshim.errors.NoPlan` listing what does not match, with the nearest
-        candidates (a hook turns it into a note on the framework's own error) -- or, where
-        ``CKPTSHIM_STRICT`` forbids a cast, a :class:`~ckptshim.errors.PlanError`: a refusal the
-        user asked for, of a load the framework would carry out with the cast."""
-        lines: list[str] = []
-        shapes = [m for m in self.mismatched if not m.of_dtype]
-        dtypes = [m for m in self.mismatched if m.of_dtype]
-        if shapes:
-            lines.append(f"{len(shapes)} key(s) match by name but not by shape:")
-            lines += [f"  {m.describe(sep)}" for m in shapes[:MAX_LISTED]]
-        if self.missing and not allow_missing:
-            lines.append(f"{len(self.missing)} key(s) the target needs are not in the checkpoint:")
-            for key in self.missing[:MAX_LISTED]:
-                if key in self.hints:
-                    lines.append(f"  {join_key(key, sep)} ({self.hints[key]})")
-                    continue
-                near = nearest(key, self.unexpected or tuple(self.source))
-                hint = f" (nearest in checkpoint: {', '.join(join_key(k, sep) for k in near)})" if near else ""
-                lines.append(f"  {join_key(key, sep)}{hint}")
-        if self.unexpected and not allow_unexpected:
-            lines.append(f"{len(self.unexpected)} checkpoint key(s) the target has no place for:")
-            lines += [f"  {join_key(key, sep)}" for key in self.unexpected[:MAX_LISTED]]
-        advice = []
-        if shapes:
-            advice.append("A key whose shape differs loads in no mode, strict or not: build the target with "
-                          "the checkpoint's configuration, or leave that key out.")
-        if (self.missing and not allow_missing) or (self.unexpected and not allow_unexpected):
-            advice.append("Fix the names (or add a rule), or load non-strictly to accept the difference.")
-        if dtypes:
-            lines.append(f"{len(dtypes)} key(s) match by name and shape but not by dtype, and the "
-                         "cast is not allowed (CKPTSHIM_STRICT=1 refuses every narrowing cast):")
-            lines += [f"  {m.describe(sep)}" for m in dtypes[:MAX_LISTED]]
-            advice.append("Save the checkpoint in the model's dtypes or build the model in the "
-                          "checkpoint's, or unset CKPTSHIM_STRICT to let the values be cast.")
-        if not lines:
-            return
-        more = [] if all(len(group) <= MAX_LISTED for group in (self.missing, self.unexpected, shapes, dtypes)) \
-            else [f"(lists cut at {MAX_LISTED}; `ckptshim plan` shows every key)"]
-        # a cast CKPTSHIM_STRICT forbids is the user's own refusal, made where the framework would
-        # cast silently; the rest is the framework's to load or refuse
-        refusal = PlanError if dtypes else NoPlan
-        raise refusal("\n".join(
-            [f"checkpoint {self.source.source or '(source)'} does not fit target "
-             f"{self.target.source or '(target)'}:"] + lines + more + advice))
-
-
-_MAX_CANDIDATES = 5000
-
-
-def nearest(key: KeyPath, candidates: Sequence[KeyPath], n: int = 3) -> list[KeyPath]:
-    """The candidate keys most like ``key``: same leaf name first, then by text similarity."""
-    same_leaf = [c for c in candidates if c and c[-1] == key[-1]]
-    pool = same_leaf if same_leaf else list(candidates[:_MAX_CANDIDATES])
-    if len(pool) > _MAX_CANDIDATES:
-        pool = pool[:_MAX_CANDIDATES]
-    text = {join_key(c, "/"): c for c in pool}
-    return [text[t] for t in difflib.get_close_matches(join_key(key, "/"), list(text), n=n, cutoff=0.4)]
+                         allow_unexpected: bool = False, lenient: str = "") -> None:
+        """Raise :class:`~ckptshim.errors.NoPlan` saying why the plan does not fit (a hook turns
+        it into a note on the framework's own error) -- or, where ``CKPTSHIM_STRICT`` forbids a
+        cast, a :class:`~ckptshim.errors.PlanError`: a refusal the user asked for, of a load the
+        framework would carry out with the cast. ``lenient`` names the caller's non-strict load,
+        offered in the advice where it helps (:func:`ckptshim.planner.diagnosis.refusal`)."""
+        found = refusal(self, sep, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
+                        lenient=lenient)
+        if found is not None:
+            raise found.error(found.message)

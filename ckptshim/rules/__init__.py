@@ -1,8 +1,9 @@
 """The knowledge ckptshim plans with, as data: one frozen :class:`Rules` value per load.
 
-Every load gets its rules from one place, :func:`ckptshim.rules.profiles.rules_for`: the
-defaults, the backend's conventions, the model profiles that apply to the two inventories, and
-what only the live target knows (:class:`TargetFacts`).
+Every load gets its rules from one place, :func:`ckptshim.rules.profiles.rules_for`, given one
+:class:`~ckptshim.rules.context.LoadContext`: the defaults, then every
+:class:`~ckptshim.rules.context.Profile` that applies to it (the call's conventions, the model
+families), and what only the live target knows (:class:`TargetFacts`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from ckptshim.inventory import Inventory, KeyPath
 from ckptshim.ops import Op
@@ -18,22 +19,23 @@ from ckptshim.rules.aliases import Alias
 from ckptshim.rules.buffers import DERIVABLE_BUFFERS
 from ckptshim.rules.layers import LAYER_LIST_NAMES, ScanAxis
 from ckptshim.rules.prefixes import WRAPPER_SEGMENTS
+from ckptshim.rules.roots import RootPrefix
 
-if TYPE_CHECKING:  # a profile built on these rules; imported for its type only
-    from ckptshim.rules.profiles.transformers_mapping import Conversions
-
-__all__ = ["Alias", "DEFAULT_RULES", "Layout", "NO_FACTS", "Paired", "Rules", "ScanAxis", "TargetFacts"]
+__all__ = ["Alias", "DEFAULT_RULES", "Layout", "NO_FACTS", "OwnWhenUnfit", "Paired", "RootPrefix", "Rules",
+           "ScanAxis", "TargetFacts"]
 
 
 @dataclass(frozen=True)
 class Paired:
     """What a :class:`Layout` decided: producer ops for the keys it maps, the target keys it
-    recognises but the checkpoint cannot fill (each with a hint naming what it would need), and
-    what the load's summary should say about the pairing as a whole."""
+    recognises but the checkpoint cannot fill (each with a hint naming what it would need), what
+    the load's summary should say about the pairing as a whole, and what the load loses that the
+    user should be warned of (the profile refuses it itself under ``CKPTSHIM_STRICT``)."""
 
     ops: tuple[Op, ...] = ()
     missing: Mapping[KeyPath, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
 
 
 class Layout(Protocol):
@@ -46,6 +48,18 @@ class Layout(Protocol):
 
     def pair(self, source: Inventory, target: Inventory, rules: Rules) -> Paired: ...
 
+
+@dataclass(frozen=True)
+class OwnWhenUnfit:
+    """Target keys that keep the target's own value when the checkpoint's copies do not fit them.
+
+    The planner first plans as usual; only where that fails, or leaves one of ``targets`` missing
+    or mismatched, it plans again with ``sources`` (the checkpoint's copies) set aside and
+    ``targets`` synthesized (MaxText's rng state, by the user's opt-in).
+    """
+
+    targets: frozenset[KeyPath]
+    sources: frozenset[KeyPath]
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,10 @@ class Rules:
     - ``layouts``: profiles that pair keys themselves (see :class:`Layout`).
     - ``tied``: groups of target keys whose live tensors share one storage; a key of a group
       that the checkpoint lacks is filled by another of the group that it has.
+    - ``root``: a root prefix one side may carry over the other (:class:`RootPrefix`), taken
+      only where the plan with it is complete and the plan without it is not.
+    - ``own_when_unfit``: target keys that keep their own value when the checkpoint's copies do
+      not fit (:class:`OwnWhenUnfit`).
     """
 
     wrappers: frozenset[str] = WRAPPER_SEGMENTS
@@ -84,6 +102,8 @@ class Rules:
     strict: bool = False
     layouts: tuple[Layout, ...] = ()
     tied: frozenset[frozenset[KeyPath]] = frozenset()
+    root: RootPrefix | None = None
+    own_when_unfit: OwnWhenUnfit | None = None
 
     def extend(self, **more) -> Rules:
         """A copy with collections extended (not replaced; an entry already there is not added
@@ -120,15 +140,16 @@ class TargetFacts:
     - ``aliases``: spellings the target's own names stand for (a GPT-NeoX pipeline stage cannot
       tell from its own keys which naming the checkpoint has);
     - ``tied``: groups of target keys whose live tensors share one storage (tied weights);
-    - ``conversions``: the conversion mapping transformers publishes for each transformers model
-      in the target (:mod:`ckptshim.rules.profiles.transformers_mapping`).
+    - ``layouts``: layouts the target's own model publishes (transformers' conversion mapping of
+      each transformers model in it, :mod:`ckptshim.rules.profiles.transformers_mapping`); where
+      it publishes none, a profile may find them from the checkpoint's model config.
     """
 
     drop: frozenset[KeyPath] = frozenset()
     synthesize: frozenset[KeyPath] = frozenset()
     aliases: tuple[Alias, ...] = ()
     tied: frozenset[frozenset[KeyPath]] = frozenset()
-    conversions: tuple[Conversions, ...] = ()
+    layouts: tuple[Layout, ...] = ()
 
 
 NO_FACTS = TargetFacts()

@@ -6,15 +6,19 @@ and ``gs://`` through fsspec (s3fs, gcsfs); so does ckptshim, with the same file
 configured for those clients (``AWS_ENDPOINT_URL``, ``STORAGE_EMULATOR_HOST``, ``FSSPEC_*``,
 ``~/.aws``, application default credentials). ckptshim handles no credentials.
 
-Reads are byte ranges (``cat_ranges``), at most :data:`MAX_PARALLEL_READS` in flight; a large
-range is split into :data:`PIECE_BYTES` pieces, so a multi-gigabyte tensor is fetched in
-parallel and never held twice. Every read is checked against the size of its object. Listings
-ask the server for at most one entry more than their limit.
+Reads are byte ranges (``cat_ranges``), at most :data:`MAX_PARALLEL_READS` in flight. Ranges of
+one object that overlap or lie within :data:`MERGE_GAP` bytes of each other are fetched as one
+run (a request costs a round trip, and some servers answer each in time proportional to the
+whole object), and a long run is split into :data:`PIECE_BYTES` pieces, so a multi-gigabyte
+tensor is fetched in parallel and never held twice; each answer is copied into every buffer it
+overlaps. Every read is checked against the size of its object. Listings ask the server for at
+most one entry more than their limit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ckptshim.storage.location import ByteRange, Location, ObjectInfo
@@ -22,8 +26,10 @@ from ckptshim.storage.problems import outside, too_many, truncated
 
 #: Byte ranges in flight at once, per call.
 MAX_PARALLEL_READS = 16
-#: The largest single request; bigger ranges are split into pieces of this size.
-PIECE_BYTES = 8 * 2**20
+#: The largest single request; longer runs are split into pieces of this size.
+PIECE_BYTES = 16 * 2**20
+#: Ranges of one object this close (or overlapping) are fetched as one run.
+MERGE_GAP = 64 * 2**10
 
 #: fsspec's protocol and the package that provides it, for each scheme a Location accepts.
 CLIENTS = {"s3": ("s3", "s3fs"), "gs": ("gcs", "gcsfs")}
@@ -84,28 +90,33 @@ class FsspecObjects:
                 size = self.stat(where.location).size
                 if where.start > size:
                     raise truncated(where.location, where.start, where.end, size)
-        pieces = [piece for where, buffer in zip(ranges, buffers) for piece in _pieces(where, buffer)]
+        pieces = [piece for run in _runs(ranges, buffers) for piece in _pieces(run)]
         for batch in range(0, len(pieces), MAX_PARALLEL_READS):
             self._fetch(pieces[batch:batch + MAX_PARALLEL_READS])
 
-    def _fetch(self, pieces: list[tuple[ByteRange, ByteRange, memoryview]]) -> None:
-        """One batch of pieces in parallel; each ``(whole range, piece, where its bytes go)``."""
-        answers = self.fs.cat_ranges([_path(piece.location) for _, piece, _ in pieces],
-                                     [piece.start for _, piece, _ in pieces],
-                                     [piece.end for _, piece, _ in pieces],
+    def _fetch(self, pieces: list[tuple[_Run, ByteRange]]) -> None:
+        """One batch of pieces in parallel; each ``(its run, the piece)``."""
+        answers = self.fs.cat_ranges([_path(piece.location) for _, piece in pieces],
+                                     [piece.start for _, piece in pieces],
+                                     [piece.end for _, piece in pieces],
                                      on_error="return", batch_size=MAX_PARALLEL_READS)
-        for (whole, piece, target), answer in zip(pieces, answers):
+        for (run, piece), answer in zip(pieces, answers):
             if isinstance(answer, FileNotFoundError | PermissionError):
                 raise answer
             if isinstance(answer, BaseException) or len(answer) != piece.length:
-                size = self.stat(whole.location).size
-                if whole.end > size:
-                    raise truncated(whole.location, whole.start, whole.end, size)
+                size = self.stat(piece.location).size
+                for where, _ in run.parts:
+                    if where.end > size:
+                        raise truncated(where.location, where.start, where.end, size)
                 if isinstance(answer, BaseException):
                     raise answer
-                raise OSError(f"{whole.location}: asked for {piece.length} bytes at {piece.start}, "
+                raise OSError(f"{piece.location}: asked for {piece.length} bytes at {piece.start}, "
                               f"got {len(answer)} from a {size}-byte object; retry the load")
-            target[:] = answer
+            data = memoryview(answer)
+            for where, target in run.parts:
+                begin, end = max(where.start, piece.start), min(where.end, piece.end)
+                if begin < end:
+                    target[begin - where.start:end - where.start] = data[begin - piece.start:end - piece.start]
 
 
 def _path(location: Location) -> str:
@@ -113,10 +124,44 @@ def _path(location: Location) -> str:
     return f"{location.bucket}/{location.key}" if location.key else location.bucket
 
 
-def _pieces(where: ByteRange, buffer: memoryview) -> Iterator[tuple[ByteRange, ByteRange, memoryview]]:
-    for start in range(0, where.length, PIECE_BYTES):
-        stop = min(start + PIECE_BYTES, where.length)
-        yield where, ByteRange(where.location, where.start + start, stop - start), buffer[start:stop]
+@dataclass(frozen=True)
+class _Run:
+    """Bytes ``start..end`` of one object, fetched together for the ranges in ``parts`` (each
+    with the buffer its bytes go to)."""
+
+    location: Location
+    start: int
+    end: int
+    parts: list[tuple[ByteRange, memoryview]]
+
+
+def _runs(ranges: Sequence[ByteRange], buffers: Sequence[memoryview]) -> list[_Run]:
+    """The non-empty ranges, grouped into runs: per object, those that overlap or lie within
+    :data:`MERGE_GAP` of each other."""
+    by_object: dict[Location, list[tuple[ByteRange, memoryview]]] = {}
+    for where, buffer in zip(ranges, buffers):
+        if where.length:
+            by_object.setdefault(where.location, []).append((where, buffer))
+    runs: list[_Run] = []
+    for location, parts in by_object.items():
+        parts.sort(key=lambda part: part[0].start)
+        current: list[tuple[ByteRange, memoryview]] = []
+        start = end = 0
+        for where, buffer in parts:
+            if current and where.start > end + MERGE_GAP:
+                runs.append(_Run(location, start, end, current))
+                current = []
+            if not current:
+                start, end = where.start, where.end
+            current.append((where, buffer))
+            end = max(end, where.end)
+        runs.append(_Run(location, start, end, current))
+    return runs
+
+
+def _pieces(run: _Run) -> Iterator[tuple[_Run, ByteRange]]:
+    for start in range(run.start, run.end, PIECE_BYTES):
+        yield run, ByteRange(run.location, start, min(start + PIECE_BYTES, run.end) - start)
 
 
 def _bounded_listing(fs: Any, scheme: str, path: str, most: int, recursive: bool) -> list[dict]:

@@ -605,12 +605,13 @@ class PlannerDeepKeysTarget:
     def __call__(self, source: list[tuple[str, ...]], target: list[tuple[str, ...]]) -> None:
         from ckptshim.inventory import Entry, Inventory
         from ckptshim.planner import explain, plan
+        from ckptshim.rules.context import LoadContext
         from ckptshim.rules.profiles import rules_for
 
         def run() -> None:
             left = Inventory([Entry(k, (2,), "float32", i) for i, k in enumerate(dict.fromkeys(source))], "checkpoint")
             right = Inventory([Entry(k, (2,), "float32", i) for i, k in enumerate(dict.fromkeys(target))], "target")
-            explain(plan(left, right, rules_for(left, right, "torch")))
+            explain(plan(left, right, rules_for(LoadContext(left, right, "torch"))))
         guarded(run, sum(map(len, source)) + sum(map(len, target)), self.limits)
 
 

@@ -98,6 +98,7 @@ def test_keys_60000_components_deep_plan_in_linear_time(side):
     outcome = confined(f"""
         from ckptshim.inventory import Entry, Inventory
         from ckptshim.planner import explain, plan
+        from ckptshim.rules.context import LoadContext
         from ckptshim.rules.profiles import rules_for
         deep = tuple(f"c{{i}}" for i in range(60_000))
         inner = [deep + ("a",), deep + ("b",)]
@@ -105,7 +106,7 @@ def test_keys_60000_components_deep_plan_in_linear_time(side):
         source, target = (outer, inner) if {side!r} == "checkpoint" else (inner, outer)
         source = Inventory([Entry(k, (2,), "float32", i) for i, k in enumerate(source)], "checkpoint")
         target = Inventory([Entry(k, (2,), "float32", i) for i, k in enumerate(target)], "target")
-        found = plan(source, target, rules_for(source, target, "torch"))
+        found = plan(source, target, rules_for(LoadContext(source, target, "torch")))
         print("PLANNED", len(found.ops), len(found.missing), len(found.unexpected), found.notes)
         """, memory_mb=2048, seconds=30)
     assert not outcome.timed_out, "planning did not finish in 30 s"

@@ -154,9 +154,26 @@ def serving(scheme: str) -> Iterator[ObjectStore]:
 
             patch.setattr(fsspec.config, "conf", {k: dict(v) for k, v in fsspec.config.conf.items()})
             fsspec.config.set_conf_env(fsspec.config.conf)
-            yield store
+            _forget_clients()
+            try:
+                yield store
+            finally:
+                _forget_clients()
     finally:
         store.stop()
+
+
+def _forget_clients() -> None:
+    """Drop the fsspec instances made so far: each keeps the endpoint its botocore or gcsfs
+    session read from the environment when it first connected (a test run before the server
+    started, pointing at the real AWS, would otherwise keep the later ones there)."""
+    import fsspec
+
+    for protocol in ("s3", "gcs"):
+        try:
+            fsspec.get_filesystem_class(protocol).clear_instance_cache()
+        except ImportError:
+            pass
 
 
 def _require_plain_gcsfs() -> None:

@@ -20,7 +20,7 @@ def flat(tree) -> dict[str, object]:
     """``{"a/b/0/c": leaf}`` with Orbax's spelling of JAX key paths."""
     import jax
 
-    from ckptshim.execute.jax_tree import key_name
+    from ckptshim.targets.jax_tree import key_name
 
     return {"/".join(key_name(p) for p in path): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}

@@ -183,8 +183,46 @@ def case_shape_mismatch(mesh, out: Path) -> None:
         assert torch.equal(local, before[key]), f"{key} changed although the load failed"
 
 
+def case_zero3_into_fsdp2(mesh, out: Path) -> None:
+    """A DeepSpeed ZeRO-3 save dir (3 data-parallel ranks) into an FSDP2 model on these 2 ranks:
+    each rank's rows of every fp32 master, gathered from the partitions; whole, each tensor is
+    DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint`` value, bit for bit."""
+    from support.fixtures import array_sha256, expected_arrays
+
+    model = fixture_module("deepspeed_zero/produce.py").build_model()
+    fully_shard(model, mesh=mesh)
+    state_dict = model.state_dict()
+    assert isinstance(state_dict["proj.weight"], DTensor)
+    dcp.load(state_dict, checkpoint_id=FIXTURES / "deepspeed_zero" / "ws3" / "zero3_fp32")
+    reference = expected_arrays("deepspeed_zero")
+    for key, value in state_dict.items():
+        whole = value.full_tensor() if isinstance(value, DTensor) else value
+        expected = reference[f"ws3/zero3_fp32/fp32/{key}"]
+        assert array_sha256(whole.to(getattr(torch, expected["dtype"])).view(
+            torch.uint16 if expected["dtype"] == "bfloat16" else whole.dtype).numpy()) == expected["sha256"], key
+
+
+def case_megatron_tp2_pp2_into_fsdp2(mesh, out: Path) -> None:
+    """A Megatron-Core torch_dist folder (TP2 x PP2) into an FSDP2 model of GPTModel.state_dict()
+    names on these 2 ranks: each rank its rows of each layer; whole, Megatron-Core's own load."""
+    from support.fixtures import array_sha256, expected_arrays
+    from test_megatron_core_profile import _plain_model
+
+    variant = "torch_dist/tp2_pp2"
+    model = _plain_model(variant)
+    fully_shard(model, mesh=mesh)
+    state_dict = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    assert isinstance(state_dict["decoder.layers.1.self_attention.linear_qkv.weight"], DTensor)
+    dcp.load(state_dict, checkpoint_id=FIXTURES / "megatron_core" / variant)
+    reference = expected_arrays("megatron_core")
+    for key, value in state_dict.items():
+        whole = value.full_tensor() if isinstance(value, DTensor) else value
+        assert array_sha256(whole.numpy()) == reference[f"{variant}/{key}"]["sha256"], key
+
+
 CASES = [case_fsdp2_compiled, case_tensor_parallel_compiled, case_save_two_ranks,
-         case_missing_file_of_one_rank, case_truncated_file, case_tampered_metadata, case_shape_mismatch]
+         case_missing_file_of_one_rank, case_truncated_file, case_tampered_metadata, case_shape_mismatch,
+         case_zero3_into_fsdp2, case_megatron_tp2_pp2_into_fsdp2]
 
 
 def main(out: Path) -> None:

@@ -1,5 +1,5 @@
 """Runs with ``CKPTSHIM_DISABLE=1``: the errors the frameworks themselves raise on the fixtures
-the docs quote (docs/paxml.md, docs/gpt-neox.md). Usage: ``python native_errors_worker.py DIR``
+the docs quote (docs/paxml.md, docs/gpt-neox.md, docs/deepspeed.md, docs/megatron-core.md). Usage: ``python native_errors_worker.py DIR``
 (``DIR`` a scratch folder); prints one JSON line, case -> ``"Type: message"``."""
 
 from __future__ import annotations
@@ -19,11 +19,37 @@ from test_neox import NEOX, _neox_state_dict
 
 
 def error_of(load) -> str:
+    from torch.distributed.checkpoint import CheckpointException
+
     try:
         load()
+    except CheckpointException as error:  # DCP's: every rank's own error, with its traceback
+        return "\n".join(f"{type(exc).__name__}: {exc}" for exc, _ in error.failures.values())
     except Exception as error:  # the framework's own error, as a user reads it
         return f"{type(error).__name__}: {error}"
     return "loads"
+
+
+def torch_cases() -> dict[str, str]:
+    """DeepSpeed ZeRO and Megatron-Core checkpoints (docs/deepspeed.md, docs/megatron-core.md)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from support.fixtures import expected_arrays, fixture_module
+
+    zero = FIXTURES / "deepspeed_zero" / "ws2" / "zero3_fp32"
+    model = fixture_module("deepspeed_zero/produce.py").build_model()
+    stage = zero / "global_step2"
+    megatron = {key.split("/", 2)[2]: torch.zeros(row["shape"]) for key, row in expected_arrays("megatron_core").items()
+                if key.startswith("torch_dist/tp1_pp1/")}
+    return {
+        "zero dcp": error_of(lambda: dcp.load(model.state_dict(), checkpoint_id=zero)),
+        "zero3 module": error_of(lambda: model.load_state_dict(
+            torch.load(stage / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)["module"])),
+        "zero torch.load": error_of(lambda: torch.load(stage / "zero_pp_rank_0_mp_rank_00_optim_states.pt")),
+        "megatron dcp": error_of(lambda: dcp.load(megatron, checkpoint_id=FIXTURES / "megatron_core" / "torch_dist"
+                                                  / "tp1_pp1")),
+    }
 
 
 def main() -> None:
@@ -38,6 +64,7 @@ def main() -> None:
         "paxml manager": error_of(lambda: ocp.CheckpointManager(root).restore(1)),
         "neox into hf": error_of(lambda: transformers.GPTNeoXForCausalLM(config).load_state_dict(
             _neox_state_dict("pp1_mp1"))),
+        **torch_cases(),
     }))
 
 

@@ -39,6 +39,7 @@ from ckptshim.errors import PlanError, docs_page
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key, split_key
 from ckptshim.ops import Op, Reshape, Scale, axis_groups, float32, rsqrt_float32
 from ckptshim.rules import Paired, Rules
+from ckptshim.rules.context import LoadContext
 from ckptshim.rules.profiles import maxtext
 
 _LAYER = re.compile(r"layers_(\d+)")
@@ -207,6 +208,31 @@ class HfMaxTextLayout:
             ops = [op.inverse() for op in ops]
             missing = {}
         return Paired(tuple(ops), missing)
+
+
+@dataclass(frozen=True)
+class HfMaxTextProfile:
+    """A Hugging Face Llama 3 / Qwen3 into a MaxText tree, or back, by the model config (the
+    checkpoint's, or, going back, the Hugging Face side's)."""
+
+    name: str = "Hugging Face <-> MaxText"
+
+    def applies(self, context: LoadContext) -> bool:
+        return context.backend == "jax" and bool(self._directions(context))
+
+    def rules(self, context: LoadContext) -> Mapping[str, Any]:
+        return {"layouts": tuple(HfMaxTextLayout(context.model_config, f"config.json of {hf.source}", reverse)
+                                 for reverse, hf in self._directions(context))}
+
+    @staticmethod
+    def _directions(context: LoadContext) -> list[tuple[bool, Inventory]]:
+        """``(reverse, the Hugging Face side)`` for each way round this pairing applies."""
+        return [(reverse, hf) for reverse, (hf, mt) in ((False, (context.source, context.target)),
+                                                         (True, (context.target, context.source)))
+                if applies(hf, mt)]
+
+
+PROFILE = HfMaxTextProfile()
 
 
 def _recognise(entry: Entry, rows: Mapping[KeyPath, Row]) -> tuple[Row, int | None] | None:

@@ -17,9 +17,14 @@ concrete arrays (an initialised state), not abstract shapes.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
+from ckptshim import config
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Inventory, KeyPath, join_key
+from ckptshim.rules import OwnWhenUnfit
+from ckptshim.rules.context import LoadContext, MarkedProfile
 from ckptshim.rules.layers import ScanAxis, layer_splits
 
 #: First match wins: rng state on axis 0, everything else under a layer list on axis 1.
@@ -66,3 +71,23 @@ def common_scan_axis(fits: Mapping[KeyPath, set[int]], strict: bool) -> int:
                     "(some dimensions equal the layer count), so the shapes do not say which is "
                     "param_scan_axis" + (" and CKPTSHIM_STRICT=1 forbids assuming MaxText's default 1" if strict else "")
                     + ". Build the target with distinct dimensions, or unset CKPTSHIM_STRICT.")
+
+
+@dataclass(frozen=True)
+class RngFromTarget:
+    """By the user's opt-in (``CKPTSHIM_RNG_FROM_TARGET=1``), rng state the checkpoint's cannot
+    fill keeps the target's own (see the module docstring)."""
+
+    name: str = "rng state from the target"
+
+    def applies(self, context: LoadContext) -> bool:
+        return context.backend == "jax" and config.rng_from_target() and any(map(is_rng_state, context.target))
+
+    def rules(self, context: LoadContext) -> Mapping[str, Any]:
+        return {"own_when_unfit": OwnWhenUnfit(frozenset(filter(is_rng_state, context.target)),
+                                               frozenset(filter(is_rng_state, context.source)))}
+
+
+#: MaxText's scan axes, for trees laid out like its decoder.
+PROFILE = MarkedProfile("MaxText", "jax", applies, {"scan_axes": SCAN_AXES})
+RNG_PROFILE = RngFromTarget()

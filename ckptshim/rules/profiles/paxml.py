@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ckptshim.inventory import Inventory
 from ckptshim.rules.aliases import Alias
+from ckptshim.rules.context import MarkedProfile
 from ckptshim.rules.layers import ScanAxis
 
 REPEAT = ("repeat", "sub", "x_layers_0")
@@ -23,3 +24,7 @@ def applies(*inventories: Inventory) -> bool:
     """Whether a tree holds a PaxML ``Repeat`` stack (``.../repeat/sub/x_layers_0/...``)."""
     return any(key[i:i + 3] == REPEAT for inventory in inventories for key in inventory
                for i in range(len(key) - 2) if key[i] == "repeat")
+
+
+#: PaxML ``Repeat`` stacks, where either tree holds one.
+PROFILE = MarkedProfile("PaxML Repeat", "jax", applies, {"aliases": ALIASES, "scan_axes": SCAN_AXES})

@@ -27,10 +27,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import product
 
-from ckptshim.errors import PlanError
+from ckptshim.errors import PlanError, docs_page
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key
 from ckptshim.ops import Rename, Split, Transpose, Unstack
 from ckptshim.rules import Paired, Rules
+from ckptshim.rules.context import MarkedProfile
 from ckptshim.rules.profiles import maxtext
 
 LAYERS: KeyPath = ("decoder", "layers")
@@ -110,7 +111,12 @@ class _Want:
 
 
 class Gpt3Layout:
-    """The :class:`ckptshim.rules.Layout` for PaxML GPT-3 into MaxText GPT-3."""
+    """The :class:`ckptshim.rules.Layout` for PaxML GPT-3 into MaxText GPT-3.
+
+    PaxML model variables MaxText's GPT-3 has no place for change what the model computes once
+    trained (``per_dim_scale`` rescales queries, a logits bias shifts logits): the pairing warns
+    of them, and under ``CKPTSHIM_STRICT`` refuses.
+    """
 
     def pair(self, source: Inventory, target: Inventory, rules: Rules) -> Paired:
         sources = _source_index(source)
@@ -130,10 +136,30 @@ class Gpt3Layout:
         axis = _scan_axis(scanned, rules.strict)
         ops = [_op(sources[group[0].kind, group[0].row.source], group, axis) for group in groups.values()]
         ops += _count(source, target, wants)
-        return Paired(tuple(ops), missing)
+        return Paired(tuple(ops), missing, warnings=_unmapped_warning(source, rules.strict))
 
 
 GPT3_LAYOUT = Gpt3Layout()
+
+
+def _unmapped_warning(source: Inventory, strict: bool) -> tuple[str, ...]:
+    """The warning that PaxML model variables in ``source`` have no place in MaxText's GPT-3;
+    under ``CKPTSHIM_STRICT``, the refusal."""
+    lost = unmapped_variables(source)
+    if not lost:
+        return ()
+    names = ", ".join(join_key(key, "/") for key in lost)
+    message = (f"{source.source}: {len(lost)} PaxML model variable(s) have no place in MaxText's "
+               f"GPT-3 model, so the restored model computes without them: {names} "
+               f"(see {docs_page('paxml-gpt3')})")
+    if strict:
+        raise PlanError(message + "; CKPTSHIM_STRICT=1 refuses the restore. Restore into a model that "
+                        "has them, or unset CKPTSHIM_STRICT to accept the difference.")
+    return (message,)
+
+
+#: PaxML GPT-3 into a MaxText-shaped tree: :data:`GPT3_LAYOUT`.
+PROFILE = MarkedProfile("PaxML GPT-3 -> MaxText", "jax", applies, {"layouts": (GPT3_LAYOUT,)})
 
 
 def _source_index(source: Inventory) -> dict[tuple[str, KeyPath], Entry]:

@@ -30,6 +30,7 @@ from ckptshim.errors import PlanError
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key
 from ckptshim.ops import Op, Rename, Reorder
 from ckptshim.rules import Paired, Rules
+from ckptshim.rules.context import LoadContext
 from ckptshim.rules.prefixes import strip_wrappers
 
 HF_LAYERS: KeyPath = ("model", "layers")
@@ -218,3 +219,20 @@ def _positive(config: Mapping[str, Any], key: str, origin: str, default: int | N
         raise PlanError(f"{origin}: {key} is {value!r:.40}, not a positive whole number; torchtitan's converter "
                         "needs it to permute wq/wk per head. Keep the folder's own config.json.")
     return value
+
+
+@dataclass(frozen=True)
+class TorchtitanProfile:
+    """Hugging Face Llama/Qwen3 names <-> torchtitan's, when one side is each (heads from the
+    Hugging Face folder's config.json)."""
+
+    name: str = "torchtitan"
+
+    def applies(self, context: LoadContext) -> bool:
+        return context.backend == "torch" and applies(context.source, context.target)
+
+    def rules(self, context: LoadContext) -> Mapping[str, Any]:
+        return {"layouts": (TorchtitanLayout(context.model_config, "the Hugging Face folder's config.json"),)}
+
+
+PROFILE = TorchtitanProfile()

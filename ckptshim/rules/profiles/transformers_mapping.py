@@ -36,6 +36,8 @@ from ckptshim.errors import PlanError
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key, split_key
 from ckptshim.ops import Chunk, Concat, Op, Rename, Reorder, Stack, Transpose, fits
 from ckptshim.rules import Paired, Rules
+from ckptshim.rules.context import LoadContext
+from ckptshim.rules.profiles import torchtitan
 from ckptshim.rules.prefixes import WRAPPER_SEGMENTS, strip_wrappers
 
 #: A key component holding one index: ``3``, ``shard_3``.
@@ -441,3 +443,27 @@ def _require_shapes(op: Op, group: Collected) -> None:
         shown = ", ".join(f"{join_key(key)} {group.shape(key)}" for key in (*op.sources[:2], *op.targets[:2]))
         raise PlanError(f"{join_key(op.targets[0])}: transformers' {' + '.join(chain(group.converter))} does not "
                         f"fit these shapes ({shown}, ...). Build the model with the checkpoint's config.")
+
+
+@dataclass(frozen=True)
+class TransformersProfile:
+    """The layouts the target's own model publishes (transformers' conversion mapping of each
+    transformers model in it: :func:`from_module`); where it publishes none, the mapping of the
+    model the checkpoint's model config names (:func:`from_config`). Not beside torchtitan's
+    layout, whose names are no transformers model's."""
+
+    name: str = "transformers conversion mapping"
+
+    def applies(self, context: LoadContext) -> bool:
+        return context.backend == "torch" and not torchtitan.applies(context.source, context.target)
+
+    def rules(self, context: LoadContext) -> Mapping[str, Any]:
+        if context.facts.layouts:
+            return {"layouts": context.facts.layouts}
+        if context.model_config is None:
+            return {}
+        found = from_config(context.model_config, f"config.json of {context.source.source}")
+        return {"layouts": (ConversionLayout(found),)} if found is not None else {}
+
+
+PROFILE = TransformersProfile()

@@ -1,5 +1,9 @@
 """Buffers a target computes itself, on real tensors: whether a value is one, and rebuilding one.
 
+:class:`OwnBuffers` is what a live target computes itself, described once by the loading layer
+and handed to the torch executor, which asks it whether a checkpoint's copy of a buffer may be
+dropped (the executor decides nothing about buffers itself).
+
 :data:`ckptshim.rules.buffers.HOLDS` says what each derivable buffer holds; this module checks it
 on a tensor, for the torch executor (a checkpoint's copy of such a buffer is dropped only when
 :func:`mismatch` finds nothing) and for the loading layer (a state dict's entry may keep its own
@@ -18,8 +22,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from ckptshim.inventory import KeyPath
 from ckptshim.ops import NOT_PERSISTENT
-from ckptshim.rules.buffers import CAUSAL_MASK, FAMILY_CONSTANT, HOLDS, MASKED_BIAS_VALUES, POSITIONS, TARGETS_OWN
+from ckptshim.rules.buffers import (CAUSAL_MASK, FAMILY_CONSTANT, HOLDS, MASKED_BIAS_VALUES, POSITIONS, TARGETS_OWN,
+                                    derivable_rule)
+from ckptshim.rules.prefixes import strip_wrappers
 
 
 def _positions(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -89,3 +96,39 @@ def _describe(tensors: Sequence[torch.Tensor]) -> str:
 REBUILDABLE: Mapping[str, Callable[[torch.Size, torch.dtype, torch.device], torch.Tensor]] = {
     rule: _positions for rule, holds in HOLDS.items() if holds == POSITIONS
 }
+
+
+class OwnBuffers:
+    """The buffers a target computes itself and does not load (a module's non-persistent
+    buffers, by key), and the one question the executor asks of them: is a checkpoint's value,
+    planned as a drop of ``rule`` (:class:`~ckptshim.ops.DropIfDerived`), that buffer?"""
+
+    def __init__(self, recomputed: Mapping[KeyPath, torch.Tensor] | None = None) -> None:
+        self.recomputed = dict(recomputed or {})
+        self._by_rule: dict[str, list[torch.Tensor]] = {}  # rule -> the target's own buffers of that rule
+        self._by_name: dict[KeyPath, list[torch.Tensor]] = {}  # wrapper-free key, or leaf -> buffers
+        for key, tensor in self.recomputed.items():
+            rule = derivable_rule(key)
+            if rule is not None:
+                self._by_rule.setdefault(rule, []).append(tensor)
+            self._by_name.setdefault(strip_wrappers(key), []).append(tensor)
+            self._by_name.setdefault(key[-1:], []).append(tensor)
+
+    def problem(self, rule: str, source: KeyPath, value: torch.Tensor) -> str | None:
+        """``None`` when the checkpoint's ``value`` at ``source`` is the buffer ``rule`` says;
+        else what it is not, in words."""
+        if rule != NOT_PERSISTENT:
+            return mismatch(rule, value, self._by_rule.get(rule, ()))
+        if source in self.recomputed and strip_wrappers(source) == source:
+            # the very buffer (its name has one reading), as an older version persisted it
+            return mismatch(rule, value, [self.recomputed[source]])
+        # a name with wrapper components has two readings: the other may be another tensor's
+        return not_equal(value, self._named(source), "the target's own buffer")
+
+    def _named(self, source: KeyPath) -> list[torch.Tensor]:
+        """The target's non-persistent buffer the planner took ``source`` for: the one of the same
+        name without wrapper components, else (a name an alias changed) those of the same leaf."""
+        return self._by_name.get(strip_wrappers(source)) or self._by_name.get(source[-1:], [])
+
+
+NO_OWN_BUFFERS = OwnBuffers()

@@ -1,0 +1,40 @@
+"""What wrote a checkpoint, where its own metadata says so: the ``producer`` rules are chosen by.
+
+Some producers store keys that are not their model's own names (Megatron-Core stacks the
+transformer layers under one key); a profile maps them only when the checkpoint says who wrote
+it, never because names look like that producer's. Read here, from the checkpoint's files,
+because the rules (below the formats) read no files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ckptshim.formats import megatron_core as megatron_core_format
+from ckptshim.inventory import Inventory
+from ckptshim.loading.paths import local_path
+from ckptshim.rules.profiles import megatron_core
+
+
+def producer(location: Any) -> str | None:
+    """:data:`megatron_core.PRODUCER <ckptshim.rules.profiles.megatron_core.PRODUCER>` for a folder
+    whose ``metadata.json`` names a Megatron-Core sharded backend (``torch_dist``, ``zarr``);
+    ``None`` for anything else (a URL included: ckptshim does not read those here)."""
+    path = None if location is None else local_path(location)
+    if path is None or not Path(path).is_dir():
+        return None
+    return megatron_core.PRODUCER if megatron_core_format.config(path) is not None else None
+
+
+def model_names(location: Any, stored: Inventory) -> tuple[Inventory, str] | None:
+    """For a checkpoint whose producer stores other names than its model's, the inventory the
+    model has (what ``inspect`` lists and ``convert`` writes without ``--like``) and a line that
+    says so; ``None`` where the stored names are the model's."""
+    if producer(location) != megatron_core.PRODUCER:
+        return None
+    names, objects = megatron_core.model_names(stored)
+    note = ("listed as the model names them (GPTModel.state_dict()): Megatron-Core's stacked layers "
+            "one per global layer index, the local spec's layer norms under their own names"
+            + (f"; {objects} stored _extra_state object(s) left out" if objects else ""))
+    return names, note
