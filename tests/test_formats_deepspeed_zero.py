@@ -49,6 +49,16 @@ def test_every_parameter_is_deepspeeds_own_fp32_state_dict(variant: str) -> None
     checkpoint.close()
 
 
+def _assert_masters_and_moments_are_the_engines(checkpoint: deepspeed_zero.ZeroCheckpoint, variant: str) -> None:
+    """Every trainable parameter's master and Adam moments as the live engine gathered them."""
+    for name in checkpoint.slots:
+        assert array_sha256(checkpoint.read(checkpoint.inventory[tuple(name.split("."))])) == \
+            REFERENCE[f"{variant}/master/{name}"]["sha256"]
+        for state in deepspeed_zero.MOMENTS:
+            assert array_sha256(checkpoint.read_optimizer_state(name, state)) == \
+                REFERENCE[f"{variant}/{state}/{name}"]["sha256"], (name, state)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_masters_and_adam_moments_are_the_engines(variant: str) -> None:
     """Each trainable parameter's master and moments, assembled from the partitions, equal what
@@ -56,13 +66,21 @@ def test_masters_and_adam_moments_are_the_engines(variant: str) -> None:
     checkpoint = open_checkpoint(ZERO / variant)
     assert set(checkpoint.slots) == {"embed.weight", "proj.weight", "proj.bias", "norm.weight", "norm.bias",
                                      "out.weight", "out.bias"}
-    for name in checkpoint.slots:
-        assert array_sha256(checkpoint.read(checkpoint.inventory[tuple(name.split("."))])) == \
-            REFERENCE[f"{variant}/master/{name}"]["sha256"]
-        for state in deepspeed_zero.MOMENTS:
-            assert array_sha256(checkpoint.read_optimizer_state(name, state)) == \
-                REFERENCE[f"{variant}/{state}/{name}"]["sha256"], (name, state)
+    _assert_masters_and_moments_are_the_engines(checkpoint, variant)
     assert {float(rank.step.storage.numel) for rank in checkpoint.ranks.values()} == {1.0}  # a 0-d tensor
+
+
+@pytest.mark.parametrize("variant", ["ws2/zero3_fp32", "ws3/zero2_bf16", "ws3/zero1_fp32"])
+def test_masters_and_moments_are_read_without_mapping_the_files(variant: str, monkeypatch) -> None:
+    """Masters and moments are read from the partitions into their places (``pread``), never
+    through a memory map of the rank files, whose touched pages would stay resident beside the
+    destination (``bench/bench_zero.py``: a load's peak is the model's bytes, not twice them)."""
+    checkpoint = open_checkpoint(ZERO / variant)
+
+    def mapped(self, entry):
+        raise AssertionError(f"{self.path} was memory-mapped")
+    monkeypatch.setattr(torch_pickle.TorchPickleCheckpoint, "read", mapped)
+    _assert_masters_and_moments_are_the_engines(checkpoint, variant)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

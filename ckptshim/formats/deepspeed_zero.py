@@ -60,7 +60,9 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import deepspeed_pipeline, safe_pickle, torch_globals, torch_pickle
-from ckptshim.formats.base import Checkpoint, FileInfo, Piece, file_info, reader, refuse_links_leaving
+from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, open_regular, reader,
+                                   refuse_links_leaving)
+from ckptshim.formats.dcp import read_exact
 from ckptshim.formats.kvstore import regular_size
 from ckptshim.formats.torch_globals import TensorRef
 from ckptshim.inventory import Entry, Inventory, split_key
@@ -187,10 +189,12 @@ class Slot:
 @dataclass(frozen=True)
 class Flat:
     """One rank's flat partition of one group (under ZeRO-3, of all its sub-groups): its 1-D
-    tensors in order, each read from the rank's file."""
+    tensors in order, each read from the rank's file, whose storages' bytes begin at
+    ``storage_starts`` (the archive's offsets)."""
 
     part: torch_pickle.TorchPickleCheckpoint
     refs: tuple[TensorRef, ...]
+    storage_starts: Mapping[str, int]
 
     @property
     def numel(self) -> int:
@@ -202,13 +206,24 @@ class Flat:
                 for ref in self.refs]
 
     def copy(self, start: int, stop: int, out: np.ndarray) -> None:
-        """Elements ``start .. stop`` of the concatenated tensors into ``out`` (1-D, that long)."""
+        """Elements ``start .. stop`` of the concatenated tensors into ``out`` (1-D float32, that
+        long): a ``pread`` straight into ``out`` per tensor it spans, so that no page of the file
+        stays mapped (a load's memory is its destination); a tensor that is not one run of its
+        storage is copied from the memory map."""
         base = 0
-        for view in self.views():
-            size = view.shape[0]
+        for ref in self.refs:
+            size = ref.shape[0]
             lo, hi = max(start, base), min(stop, base + size)
             if lo < hi:
-                out[lo - start:hi - start] = view[lo - base:hi - base]
+                target = out[lo - start:hi - start]
+                begin = self.storage_starts.get(ref.storage.key)
+                if begin is not None and ref.stride == (1,) and ref.offset + size <= ref.storage.numel:
+                    with open_regular(self.part.path) as raw:
+                        read_exact(raw, memoryview(target.view(np.uint8)),
+                                   begin + (ref.offset + lo - base) * target.itemsize, str(self.part.path))
+                else:
+                    view = self.part.read(Entry(("flat",), ref.shape, ref.storage.dtype, (str(self.part.path), ref)))
+                    target[:] = view[lo - base:hi - base]
             base += size
         if stop > base:
             raise CorruptCheckpointError(f"{self.part.path}: a partition of {base} elements has no elements "
@@ -393,6 +408,7 @@ class _Archive:
     tree: dict
     part: torch_pickle.TorchPickleCheckpoint
     info: FileInfo
+    offsets: Mapping[str, int]  # where each storage's bytes begin in the file
 
 
 def _read(file: Path, step: Path, extra: torch_globals.ExtraGlobals, writer: str) -> _Archive:
@@ -412,7 +428,8 @@ def _read(file: Path, step: Path, extra: torch_globals.ExtraGlobals, writer: str
     ends = [archive.offsets[leaf.storage.key] + leaf.storage.nbytes
             for leaf in torch_pickle.flat_tree(archive.tree, str(file)).values()
             if isinstance(leaf, TensorRef) and leaf.storage.key in archive.offsets]
-    return _Archive(archive.tree, part, file_info(file, max(ends, default=None), root=step, writer=writer))
+    return _Archive(archive.tree, part, file_info(file, max(ends, default=None), root=step, writer=writer),
+                    archive.offsets)
 
 
 def read_state_file(file: Path, step: Path) -> None:
@@ -525,7 +542,7 @@ def _optimizer_partitions(step: Path, layout: _Layout) -> None:
             continue
         layout.parts.append(archive.part)
         layout.files.append(archive.info)
-        layout.ranks[rank] = _rank(file, archive.tree.get("optimizer_state_dict"), archive.part, layout.world)
+        layout.ranks[rank] = _rank(file, archive.tree.get("optimizer_state_dict"), archive, layout.world)
     stages = {rank.optimizer["zero_stage"] for rank in layout.ranks.values()}
     if len(stages) > 1:
         raise CorruptCheckpointError(f"{step}: optimizer partitions of ZeRO stages {sorted(stages)}; the files "
@@ -533,7 +550,7 @@ def _optimizer_partitions(step: Path, layout: _Layout) -> None:
     _list_missing(step, partitions, min(prefixes) + "zero_pp_rank_{}_mp_rank_00_optim_states.pt", layout)
 
 
-def _rank(file: Path, optimizer: Any, part: torch_pickle.TorchPickleCheckpoint, world: int) -> Rank:
+def _rank(file: Path, optimizer: Any, archive: _Archive, world: int) -> Rank:
     if not isinstance(optimizer, dict) or optimizer.get("zero_stage") not in _FP32_GROUPS:
         raise CorruptCheckpointError(f"{file}: no ZeRO optimizer state (optimizer_state_dict.zero_stage 1, 2 "
                                      "or 3); not a DeepSpeed ZeRO partition file")
@@ -550,7 +567,9 @@ def _rank(file: Path, optimizer: Any, part: torch_pickle.TorchPickleCheckpoint, 
                               len(groups), file)
 
     def flats(refs: list) -> tuple[Flat, ...]:
-        return (Flat(part, tuple(refs)),) if stage == 3 else tuple(Flat(part, (ref,)) for ref in refs)
+        if stage == 3:
+            return (Flat(archive.part, tuple(refs), archive.offsets),)
+        return tuple(Flat(archive.part, (ref,), archive.offsets) for ref in refs)
 
     states = {name: flats([state.get(name) for state in per_group]) for name in MOMENTS
               if all(_is_flat(state.get(name)) for state in per_group)}
