@@ -53,7 +53,7 @@ FORMATS: tuple[Format, ...] = ranked((hf_dir, dcp, megatron_core, deepspeed_zero
 #: The backends whose load calls name a checkpoint (see each format's ``READERS``).
 BACKENDS = ("torch", "jax")
 #: The formats whose ``open_checkpoint`` reads a remote :class:`~ckptshim.storage.Location`.
-REMOTE_FORMATS: tuple[Format, ...] = (dcp,)
+REMOTE_FORMATS: tuple[Format, ...] = (dcp, orbax)
 
 
 def remote_location(path: str | os.PathLike | Location) -> Location | None:
@@ -77,6 +77,8 @@ def _detect_remote(where: Location, backend: str | None) -> Format:
     candidates = [fmt for fmt in REMOTE_FORMATS if backend is None or backend in fmt.READERS]
     if dcp in candidates and dcp.metadata_names(names):
         return dcp
+    if orbax in candidates and orbax.METADATA in names and orbax.OCDBT_MANIFEST in names:
+        return orbax  # Orbax's default layout; T5X and PaxML write no _METADATA
     raise UnknownFormatError(
         f"{where} is not a checkpoint ckptshim reads from object storage (so far: "
         f"{', '.join(fmt.NAME for fmt in candidates) or 'none for this backend'}). Copy it to a local "

@@ -23,6 +23,7 @@ from ckptshim.formats import orbax_manager
 from ckptshim.formats.detect import detect
 from ckptshim.formats.orbax import orbax_readers
 from ckptshim.loading import agreement, jax as jax_loading
+from ckptshim.storage import Location
 
 #: What a process decided for a restore, as it tells the others (see :mod:`~ckptshim.loading.agreement`).
 NATIVE, SHIM = "orbax restores it", "ckptshim restores it"
@@ -43,7 +44,7 @@ class Request:
     partial: bool = False
 
 
-def prepare_item(path: Path, request: Request, where: str, stack: ExitStack) -> jax_loading.Prepared | None:
+def prepare_item(path: Path | Location, request: Request, where: str, stack: ExitStack) -> jax_loading.Prepared | None:
     """Open and plan one item (closed when ``stack`` exits); ``None`` if ckptshim cannot read it."""
     checkpoint = jax_loading.open_item(path)
     if checkpoint is None:
@@ -58,7 +59,7 @@ def fits(prepared: jax_loading.Prepared, request: Request) -> bool:
     return jax_loading.native_fits(prepared, readable=readable, partial=request.partial)
 
 
-def restore_item(path: Path, request: Request | None, where: str, native: Callable[[], Any]) -> Any:
+def restore_item(path: Path | Location, request: Request | None, where: str, native: Callable[[], Any]) -> Any:
     """One item at ``path``: restored by ckptshim, or by ``native()`` where Orbax can do it itself
     (or where the request is not one ckptshim understands: ``None``)."""
     with ExitStack() as stack:

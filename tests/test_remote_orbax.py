@@ -1,0 +1,145 @@
+"""Orbax items in ``gs://`` read by ckptshim, against the real local GCS emulator.
+
+MaxText's two tiny runs (``scan_layers`` on and off, real Orbax saves) are uploaded to a fresh
+bucket as they are. Where ckptshim has a plan (unscanned -> scanned), the restore from the bucket
+must equal, bit for bit, the same restore from the local copy; where the names match, Orbax's own
+restore runs; a folder without ``commit_success.txt`` is refused as Orbax refuses it; and an OCDBT
+index pointing outside the item's prefix is refused.
+"""
+
+from __future__ import annotations
+
+import jax
+import orbax.checkpoint as ocp
+import pytest
+
+import ckptshim
+from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
+from ckptshim.formats import detect, kvstore, orbax
+from ckptshim.loading import jax as jax_loading
+from ckptshim.storage import Location
+from support.fixtures import copy_fixture
+from support.markers import QUIET
+from support.trees import assert_same, flat
+
+pytestmark = [QUIET, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+RUNS = ("tiny_scanned", "tiny_unscanned")
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    root = copy_fixture("maxtext_runs", tmp_path_factory.mktemp("maxtext"))
+    return {name: root / name / "checkpoints" / "1" / "items" for name in RUNS}
+
+
+@pytest.fixture(scope="module")
+def remote(gcs_server, local):
+    """The same items, uploaded to a fresh bucket of the emulator as plain objects."""
+    import fsspec
+
+    bucket = gcs_server.new_bucket()
+    fs = fsspec.filesystem("gs")
+    urls = {}
+    for name, folder in local.items():
+        urls[name] = f"{bucket}/{name}/checkpoints/1/items"
+        fs.put(str(folder), urls[name], recursive=True)
+    fs.invalidate_cache()
+    return urls
+
+
+@pytest.fixture(scope="module")
+def native(local):
+    """Each run as Orbax restores it from the local copy (layout matches: untouched)."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        return {name: checkpointer.restore(path) for name, path in local.items()}
+
+
+def train_state(state):
+    return {"params": state["params"], "opt_state": state["opt_state"], "step": state["step"]}
+
+
+def key_data(tree):
+    """Typed PRNG keys as their uint32 data (what Orbax stores), other leaves unchanged."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, tree)
+
+
+def abstract(tree):
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def test_unscanned_into_scanned_from_gs_equals_the_local_restore(local, remote, native, monkeypatch):
+    opened = []
+    monkeypatch.setattr(jax_loading.Prepared, "run", _recording(jax_loading.Prepared.run, opened))
+    target = abstract(train_state(native["tiny_scanned"]))
+    with ocp.StandardCheckpointer() as checkpointer:
+        from_bucket = checkpointer.restore(remote["tiny_unscanned"], target)
+        from_disk = checkpointer.restore(local["tiny_unscanned"], target)
+    assert [str(where) for where in opened] == [remote["tiny_unscanned"], str(local["tiny_unscanned"])]
+    assert_same(flat(from_bucket), flat(from_disk))
+    leaf = from_bucket["params"]["params"]["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]
+    assert isinstance(leaf, jax.Array) and leaf.shape == (32, 3, 64)
+
+
+def _recording(run, opened):
+    def recorded(self):
+        opened.append(self.checkpoint.path)
+        return run(self)
+    return recorded
+
+
+def test_matching_names_from_gs_are_orbaxs_own_restore(remote, native, monkeypatch):
+    def refuse(self):
+        raise AssertionError("ckptshim restored a checkpoint Orbax reads itself")
+
+    monkeypatch.setattr(jax_loading.Prepared, "run", refuse)
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(remote["tiny_scanned"], abstract(native["tiny_scanned"]))
+    assert_same(flat(key_data(restored)), flat(key_data(native["tiny_scanned"])))
+
+
+def test_missing_commit_file_is_refused_as_orbax_refuses_it(gcs_server, local, native):
+    import fsspec
+
+    url = f"{gcs_server.new_bucket()}/items"
+    fs = fsspec.filesystem("gs")
+    fs.put(str(local["tiny_unscanned"]), url, recursive=True)
+    fs.rm(f"{url}/{orbax.COMMIT_SUCCESS}")
+    fs.invalidate_cache()
+    target = abstract(train_state(native["tiny_scanned"]))
+    errors = []
+    for hooked in (False, True):
+        (ckptshim.install if hooked else ckptshim.uninstall)()
+        with ocp.StandardCheckpointer() as checkpointer, pytest.raises(ValueError) as raised:
+            checkpointer.restore(url, target)
+        errors.append((type(raised.value), str(raised.value)))
+    assert errors[0] == errors[1] and "Found incomplete checkpoint" in errors[0][1]
+    # ckptshim's own reading says so too (ckptshim inspect, a restore past Orbax's check)
+    checkpoint = detect.open_checkpoint(url, backend="jax")
+    assert any(orbax.COMMIT_SUCCESS in problem for problem in checkpoint.all_problems())
+    with pytest.raises(CorruptCheckpointError, match="commit_success.txt"):
+        checkpoint.require_complete()
+
+
+def test_remote_item_is_opened_as_the_local_copy(local, remote):
+    there = detect.open_checkpoint(remote["tiny_unscanned"], backend="jax")
+    here = detect.open_checkpoint(local["tiny_unscanned"], backend="jax")
+    assert (there.format, there.version) == (here.format, here.version)
+    assert [(e.key, e.shape, e.dtype) for e in there.inventory.values()] == \
+        [(e.key, e.shape, e.dtype) for e in here.inventory.values()]
+    assert [(f.path, f.size, f.expected_size) for f in there.files] == \
+        [(f.path, f.size, f.expected_size) for f in here.files]
+    assert there.complete
+
+
+def test_an_index_leaving_the_prefix_is_refused(remote):
+    """OCDBT names its files relative to the item; one that climbs out of the prefix (``..``) is
+    refused before tensorstore reads it, remotely as locally; and a kvstore spec naming another
+    bucket or prefix than the item's is refused by the item's location."""
+    root = Location.of(remote["tiny_unscanned"])
+    with pytest.raises(CorruptCheckpointError, match="not a file inside the checkpoint"):
+        kvstore._Locations(root).reference("value:..%2F..%2Fother%2F:d/abc:0:10")
+    with pytest.raises(UnsafeCheckpointError, match="outside the checkpoint"):
+        root.require_kvstore_inside({"driver": "ocdbt", "base": {"driver": "gcs", "bucket": root.bucket,
+                                                                 "path": "tiny_scanned/checkpoints/1/items/"}})
+    assert root.require_kvstore_inside(root.kvstore_spec(ocdbt=True)) == root
