@@ -9,13 +9,15 @@ index pointing outside the item's prefix is refused.
 
 from __future__ import annotations
 
+import json
+
 import jax
 import orbax.checkpoint as ocp
 import pytest
 
 import ckptshim
 from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
-from ckptshim.formats import detect, kvstore, orbax
+from ckptshim.formats import base as formats_base, detect, kvstore, orbax
 from ckptshim.loading import jax as jax_loading
 from ckptshim.storage import Location
 from support.fixtures import copy_fixture
@@ -143,3 +145,27 @@ def test_an_index_leaving_the_prefix_is_refused(remote):
         root.require_kvstore_inside({"driver": "ocdbt", "base": {"driver": "gcs", "bucket": root.bucket,
                                                                  "path": "tiny_scanned/checkpoints/1/items/"}})
     assert root.require_kvstore_inside(root.kvstore_spec(ocdbt=True)) == root
+
+
+def test_metadata_larger_than_the_cap_is_not_fetched(remote, monkeypatch):
+    monkeypatch.setattr(formats_base, "ALLOWANCE_BYTES", 64)  # what metadata_limit allows beyond the arrays
+    with pytest.raises(CorruptCheckpointError, match="_METADATA is .* more than the"):
+        detect.open_checkpoint(remote["tiny_unscanned"], backend="jax")
+
+
+def test_cli_inspects_and_plans_a_gs_item_as_its_local_copy(local, remote, capsys):
+    from ckptshim import cli
+
+    answers = []
+    for where in (remote["tiny_unscanned"], str(local["tiny_unscanned"])):
+        assert cli.main(["inspect", "--json", where]) == 0
+        answers.append(json.loads(capsys.readouterr().out))
+    there, here = answers
+    assert there["path"] == remote["tiny_unscanned"] and there["format"] == "orbax" and there["complete"]
+    for field in ("entries", "total_bytes", "files", "writers", "problems", "version"):
+        assert there[field] == here[field], field
+    plans = []  # the whole train state: its rng state cannot be stacked, and both say so alike
+    for where in (remote["tiny_unscanned"], str(local["tiny_unscanned"])):
+        code = cli.main(["plan", where, "--like", remote["tiny_scanned"]])
+        plans.append((code, capsys.readouterr().out.replace(where, "SOURCE")))
+    assert plans[0] == plans[1] and "layers_{0..2}.mlp.wi_0.kernel -> stack(axis=1)" in plans[0][1]
