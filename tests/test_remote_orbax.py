@@ -169,3 +169,16 @@ def test_cli_inspects_and_plans_a_gs_item_as_its_local_copy(local, remote, capsy
         code = cli.main(["plan", where, "--like", remote["tiny_scanned"]])
         plans.append((code, capsys.readouterr().out.replace(where, "SOURCE")))
     assert plans[0] == plans[1] and "layers_{0..2}.mlp.wi_0.kernel -> stack(axis=1)" in plans[0][1]
+
+
+def test_cli_converts_a_gs_item_as_its_local_copy(local, remote, tmp_path):
+    from safetensors.numpy import load_file
+
+    from ckptshim import cli
+
+    outs = [tmp_path / "there.safetensors", tmp_path / "here.safetensors"]
+    for where, out in zip((remote["tiny_unscanned"], str(local["tiny_unscanned"])), outs):
+        assert cli.main(["convert", where, str(out), "--to", "safetensors"]) == 0
+    there, here = (load_file(out) for out in outs)
+    assert there.keys() == here.keys() and len(there) > 0
+    assert all(there[key].dtype == here[key].dtype and there[key].tobytes() == here[key].tobytes() for key in here)
