@@ -21,17 +21,16 @@ from ckptshim.formats import base as formats_base, detect, kvstore, orbax
 from ckptshim.loading import jax as jax_loading
 from ckptshim.storage import Location
 from support.fixtures import copy_fixture
+from support.maxtext_states import LAYERS, abstract, items, key_data, restored_natively, train_state
 from support.markers import QUIET
 from support.trees import assert_same, flat
 
 pytestmark = [QUIET, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
-RUNS = ("tiny_scanned", "tiny_unscanned")
 
 
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
-    root = copy_fixture("maxtext_runs", tmp_path_factory.mktemp("maxtext"))
-    return {name: root / name / "checkpoints" / "1" / "items" for name in RUNS}
+    return items(copy_fixture("maxtext_runs", tmp_path_factory.mktemp("maxtext")))
 
 
 @pytest.fixture(scope="module")
@@ -51,23 +50,7 @@ def remote(gcs_server, local):
 
 @pytest.fixture(scope="module")
 def native(local):
-    """Each run as Orbax restores it from the local copy (layout matches: untouched)."""
-    with ocp.StandardCheckpointer() as checkpointer:
-        return {name: checkpointer.restore(path) for name, path in local.items()}
-
-
-def train_state(state):
-    return {"params": state["params"], "opt_state": state["opt_state"], "step": state["step"]}
-
-
-def key_data(tree):
-    """Typed PRNG keys as their uint32 data (what Orbax stores), other leaves unchanged."""
-    return jax.tree_util.tree_map(
-        lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, tree)
-
-
-def abstract(tree):
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    return restored_natively(local)
 
 
 def test_unscanned_into_scanned_from_gs_equals_the_local_restore(local, remote, native, monkeypatch):
@@ -80,7 +63,7 @@ def test_unscanned_into_scanned_from_gs_equals_the_local_restore(local, remote, 
     assert [str(where) for where in opened] == [remote["tiny_unscanned"], str(local["tiny_unscanned"])]
     assert_same(flat(from_bucket), flat(from_disk))
     leaf = from_bucket["params"]["params"]["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]
-    assert isinstance(leaf, jax.Array) and leaf.shape == (32, 3, 64)
+    assert isinstance(leaf, jax.Array) and leaf.shape == (32, LAYERS, 64)
 
 
 def _recording(run, opened):
