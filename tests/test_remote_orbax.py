@@ -41,9 +41,9 @@ def remote(gcs_server, local):
     bucket = gcs_server.new_bucket()
     fs = fsspec.filesystem("gs")
     urls = {}
-    for name, folder in local.items():
+    for name, folder in local.items():  # the run's checkpoints/ (steps 0 and 1, each with commit_success.txt)
         urls[name] = f"{bucket}/{name}/checkpoints/1/items"
-        fs.put(str(folder), urls[name], recursive=True)
+        fs.put(str(folder.parent.parent), f"{bucket}/{name}/checkpoints", recursive=True)
     fs.invalidate_cache()
     return urls
 
@@ -64,6 +64,33 @@ def test_unscanned_into_scanned_from_gs_equals_the_local_restore(local, remote, 
     assert_same(flat(from_bucket), flat(from_disk))
     leaf = from_bucket["params"]["params"]["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]
     assert isinstance(leaf, jax.Array) and leaf.shape == (32, LAYERS, 64)
+
+
+def test_maxtext_manager_restore_from_gs_equals_the_local_restore(local, remote, native, monkeypatch):
+    """MaxText's own restore: a ``CheckpointManager`` over the run's ``checkpoints`` prefix, item
+    ``items``, the unscanned run into a scanned train state."""
+    opened = []
+    monkeypatch.setattr(jax_loading.Prepared, "run", _recording(jax_loading.Prepared.run, opened))
+    target = abstract(train_state(native["tiny_scanned"]))
+    restored = []
+    for item in (remote["tiny_unscanned"], str(local["tiny_unscanned"])):
+        root = item.rsplit("/", 2)[0]  # .../checkpoints
+        with ocp.CheckpointManager(root, item_names=("items",)) as manager:
+            restored.append(manager.restore(1, args=ocp.args.Composite(items=ocp.args.StandardRestore(target))))
+    assert [str(where) for where in opened] == [remote["tiny_unscanned"], str(local["tiny_unscanned"])]
+    assert_same(flat(restored[0]["items"]), flat(restored[1]["items"]))
+
+
+def test_manager_restore_of_matching_names_from_gs_is_orbaxs_own(remote, native, monkeypatch):
+    def refuse(self):
+        raise AssertionError("ckptshim restored a checkpoint Orbax reads itself")
+
+    monkeypatch.setattr(jax_loading.Prepared, "run", refuse)
+    root = remote["tiny_scanned"].rsplit("/", 2)[0]
+    with ocp.CheckpointManager(root, item_names=("items",)) as manager:
+        restored = manager.restore(1, args=ocp.args.Composite(items=ocp.args.StandardRestore(
+            abstract(native["tiny_scanned"]))))
+    assert_same(flat(key_data(restored["items"])), flat(key_data(native["tiny_scanned"])))
 
 
 def _recording(run, opened):

@@ -77,7 +77,7 @@ def _detect_remote(where: Location, backend: str | None) -> Format:
     candidates = [fmt for fmt in REMOTE_FORMATS if backend is None or backend in fmt.READERS]
     if dcp in candidates and dcp.metadata_names(names):
         return dcp
-    if orbax in candidates and orbax.METADATA in names and orbax.OCDBT_MANIFEST in names:
+    if orbax in candidates and orbax.sniff_listed(set(names)):
         return orbax  # Orbax's default layout; T5X and PaxML write no _METADATA
     raise UnknownFormatError(
         f"{where} is not a checkpoint ckptshim reads from object storage (so far: "

@@ -57,6 +57,12 @@ def sniff(path: Path) -> bool:
 READERS = {"jax": sniff}
 
 
+def sniff_listed(names: set[str] | frozenset[str]) -> bool:
+    """Whether the names one listing of a prefix found are those of an Orbax item in the layout
+    ckptshim reads from object storage (``_METADATA`` and an OCDBT database)."""
+    return METADATA in names and OCDBT_MANIFEST in names
+
+
 def orbax_readers(checkpoint: Checkpoint) -> frozenset[str]:
     """The restore args of today's Orbax (``"standard"``, ``"pytree"``) that read ``checkpoint``'s
     layout unaided: where the caller's args are among them and the keys fit, the Orbax hook lets
@@ -181,7 +187,7 @@ def _open_remote(root: Location) -> OrbaxCheckpoint:
     restore of one without it ("Found incomplete checkpoint"): it is part of completeness here.
     Another layout (per-leaf zarr, the legacy aggregate) is not read remotely yet."""
     listed = {info.location.relative_to(root): info for info in root.list(recursive=True) if info.kind == "file"}
-    if METADATA not in listed or OCDBT_MANIFEST not in listed:
+    if not sniff_listed(listed.keys()):
         raise UnknownFormatError(
             f"{root} holds no {METADATA} and {OCDBT_MANIFEST}; ckptshim reads Orbax items in object "
             "storage in Orbax's default layout (OCDBT) only so far.")

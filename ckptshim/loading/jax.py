@@ -76,7 +76,7 @@ def open_item(path: Path | Location) -> Checkpoint | None:
     In object storage, ``None`` too where ckptshim cannot reach it: what the client raises
     asking for the item's first file (missing, unreachable, without credentials) comes before
     any byte of it is parsed, and the framework's own restore then reports it in its words."""
-    if isinstance(path, Location) and path.is_remote and not _reachable(path):
+    if isinstance(path, Location) and path.is_remote and not reachable(path):
         return None
     try:
         return open_checkpoint(path, backend="jax")
@@ -84,7 +84,7 @@ def open_item(path: Path | Location) -> Checkpoint | None:
         return None
 
 
-def _reachable(root: Location) -> bool:
+def reachable(root: Location) -> bool:
     """Whether the client of ``root``'s scheme finds something there (one request)."""
     try:
         root.stat()

@@ -71,7 +71,7 @@ def restore_item(path: Path | Location, request: Request | None, where: str, nat
         return prepared.run()
 
 
-def restore_items(step_dir: Path, requested: Mapping[str, Request | None], where: str,
+def restore_items(step_dir: Path | Location, requested: Mapping[str, Request | None], where: str,
                   native: Callable[[list[str]], Mapping[str, Any]],
                   *, force: bool = False) -> dict[str, Any] | None:
     """Restore the named items of ``step_dir``, or ``None`` when Orbax can do it all itself.
@@ -81,8 +81,11 @@ def restore_items(step_dir: Path, requested: Mapping[str, Request | None], where
     for (``state`` vs ``default`` vs ``items``: :func:`match_items`). Items that are not array
     trees (JSON metadata, ...) and requests ckptshim does not understand are restored by
     ``native(names)``, first. ``force``: restore the array items here even where Orbax could
-    (used after Orbax failed to).
+    (used after Orbax failed to). A step in object storage that the client cannot reach is
+    Orbax's (``None``), as for one item (:func:`~ckptshim.loading.jax.open_item`).
     """
+    if isinstance(step_dir, Location) and not jax_loading.reachable(step_dir):
+        return None
     with ExitStack() as stack:
         with agreement.agreeing(where, "planning") as planned:
             folders = match_items(step_dir, requested)
@@ -108,7 +111,7 @@ def restore_items(step_dir: Path, requested: Mapping[str, Request | None], where
 STATE_ITEMS = frozenset({"default", "state", "items"})
 
 
-def match_items(step_dir: Path, requested: Iterable[str]) -> dict[str, Path]:
+def match_items(step_dir: Path | Location, requested: Iterable[str]) -> dict[str, Path | Location]:
     """Requested item name -> array item folder on disk (only for names that have one).
 
     A train-state name the step lacks (:data:`STATE_ITEMS`) stands for the one train-state item
@@ -118,7 +121,7 @@ def match_items(step_dir: Path, requested: Iterable[str]) -> dict[str, Path]:
     """
     on_disk = array_items(step_dir)
     spare = [name for name in on_disk if name not in requested and name in STATE_ITEMS]
-    out: dict[str, Path] = {}
+    out: dict[str, Path | Location] = {}
     for name in requested:
         if name in on_disk:
             out[name] = on_disk[name]
@@ -135,11 +138,13 @@ def match_items(step_dir: Path, requested: Iterable[str]) -> dict[str, Path]:
     return out
 
 
-def array_items(step_dir: Path) -> dict[str, Path]:
+def array_items(step_dir: Path | Location) -> dict[str, Path | Location]:
     """Item name -> folder, for the items of a step folder that hold arrays ckptshim reads: Orbax
     PyTree items, and folders in a format a JAX restore takes (a Hugging Face folder standing in
-    for MaxText's ``items``)."""
-    found = dict(orbax_manager.items(step_dir))
+    for MaxText's ``items``). In object storage: the Orbax items ckptshim reads there."""
+    if isinstance(step_dir, Location):
+        return dict(orbax_manager.remote_items(step_dir))
+    found: dict[str, Path | Location] = dict(orbax_manager.items(step_dir))
     if step_dir.is_dir():
         found.update((child.name, child) for child in sorted(step_dir.iterdir())
                      if child.name not in found and child.is_dir() and _foreign_array_item(child))
