@@ -297,7 +297,7 @@ def test_a_fifo_is_refused_without_blocking(tmp_path):
     reader.start()
     reader.join(10)
     assert not reader.is_alive(), "reading a FIFO blocked"
-    assert isinstance(outcome[0], UnsafeCheckpointError) and "is a fifo, not a regular file" in str(outcome[0])
+    assert isinstance(outcome[0], UnsafeCheckpointError) and "is a named pipe (FIFO), not a regular file" in str(outcome[0])
 
 
 def test_a_folder_is_no_file_to_read(tmp_path):

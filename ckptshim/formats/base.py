@@ -28,6 +28,9 @@ import numpy as np
 from ckptshim import extras
 from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError, describe
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory
+from ckptshim.storage import Location, local
+from ckptshim.storage.local import kind
+from ckptshim.storage.problems import KIND_WORDS, not_regular
 
 _NO_NUMPY_TYPE = {"bfloat16": "<u2", "float8_e4m3fn": "u1", "float8_e5m2": "u1",
                   "float8_e4m3fnuz": "u1", "float8_e5m2fnuz": "u1"}
@@ -194,12 +197,12 @@ def refuse_links_leaving(root: Path, also: tuple[Path, ...] = ()) -> None:
     for entry in _entries(root):
         if entry.is_symlink():
             _require_target_inside(Path(entry.path), allowed, root)
-            _require_plain(Path(entry.path), _target_mode(entry.path))
+            require_plain(Path(entry.path), target_mode(entry.path))
         elif not (entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False)):
-            _require_plain(Path(entry.path), entry.stat(follow_symlinks=False).st_mode)
+            require_plain(Path(entry.path), entry.stat(follow_symlinks=False).st_mode)
 
 
-def _target_mode(path: str) -> int | None:
+def target_mode(path: str | os.PathLike) -> int | None:
     """The mode of what a link points at; ``None`` for a dangling link (reported as missing
     wherever the format needs the file)."""
     try:
@@ -208,17 +211,11 @@ def _target_mode(path: str) -> int | None:
         return None
 
 
-def _require_plain(path: Path, mode: int | None) -> None:
+def require_plain(path: Path, mode: int | None) -> None:
+    """Refuse ``path`` when ``mode`` (what it is; ``None``: nothing there) is neither a regular
+    file nor a folder."""
     if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        raise not_regular(path, mode)
-
-
-def not_regular(path: object, mode: int) -> UnsafeCheckpointError:
-    """The refusal of ``path``, which is something other than a regular file (``mode``)."""
-    return UnsafeCheckpointError(
-        f"{path} is a {_kind(mode)}, not a regular file; ckptshim reads only regular files inside a "
-        "checkpoint (opening a pipe or device can block forever, or read what no checkpoint holds). "
-        "Replace it with the file it stands for.")
+        raise not_regular(path, kind(mode))
 
 
 # -- opening the files of a checkpoint -----------------------------------------------------------
@@ -227,27 +224,11 @@ def not_regular(path: object, mode: int) -> UnsafeCheckpointError:
 def open_regular(path: str | os.PathLike, buffering: int = -1) -> BinaryIO:
     """Open ``path``, a file of a checkpoint, for reading -- refusing, without blocking, anything
     but a regular file (a link is followed; where it may lead is checked when the checkpoint is
-    opened, see :func:`refuse_links_leaving`).
-
-    Every file ckptshim itself opens in a checkpoint is opened here: the type is checked with a
-    ``stat`` before the open (a device is never opened), and again on the open descriptor, which
-    is opened with ``O_NONBLOCK`` so that a FIFO swapped in between cannot block the open
-    either. ``OSError`` (a missing file, no permission) passes to the caller, which knows what
-    the file is for; a file of the wrong type is an :class:`UnsafeCheckpointError` naming it.
-    """
-    mode = os.stat(path).st_mode
-    if not stat.S_ISREG(mode):
-        raise not_regular(path, mode)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise not_regular(path, mode)
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb", buffering=buffering)
-    except BaseException:
-        os.close(fd)
-        raise
+    opened, see :func:`refuse_links_leaving`). Every file ckptshim itself opens in a checkpoint
+    is opened here, through :func:`ckptshim.storage.local.open_regular`. ``OSError`` (a missing
+    file, no permission) passes to the caller, which knows what the file is for; a file of the
+    wrong type is an :class:`UnsafeCheckpointError` naming it."""
+    return local.open_regular(Location.of(path), buffering)
 
 
 def read_regular(path: str | os.PathLike, limit: int | None = None) -> bytes:
@@ -346,7 +327,7 @@ class FileInfo:
         if self.size is None:
             return f"{self.path}: missing"
         if self.kind != "file":
-            return f"{self.path}: a {self.kind}, not a regular file"
+            return f"{self.path}: a {KIND_WORDS.get(self.kind, self.kind)}, not a regular file"
         if self.expected_size is not None and self.size < self.expected_size:
             return f"{self.path}: {self.size} bytes, but its metadata needs {self.expected_size}"
         return None
@@ -449,17 +430,7 @@ def file_info(path: Path, expected_size: int | None = None, root: Path | None = 
         found = path.stat()
     except (FileNotFoundError, NotADirectoryError):
         return FileInfo(shown, None, expected_size, pieces=pieces, writer=writer)
-    return FileInfo(shown, found.st_size, expected_size, pieces=pieces, writer=writer, kind=_kind(found.st_mode))
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISREG(mode):
-        return "file"
-    if stat.S_ISDIR(mode):
-        return "directory"
-    if stat.S_ISFIFO(mode):
-        return "named pipe (FIFO)"
-    return "socket" if stat.S_ISSOCK(mode) else "device or other special file"
+    return FileInfo(shown, found.st_size, expected_size, pieces=pieces, writer=writer, kind=kind(found.st_mode))
 
 
 def check_view(entry: Entry, begin: int, end: int, available: int, where: str) -> None:

@@ -11,14 +11,13 @@ a restore reads them. A folder of such files reads as its latest step, ordered t
 from __future__ import annotations
 
 import re
-import stat
 from pathlib import Path
 
 import numpy as np
 
 from ckptshim.formats import msgpack_tree
-from ckptshim.formats.base import (Checkpoint, file_info, not_regular, numpy_dtype, reader, require_inside,
-                                   storage_dtype)
+from ckptshim.formats.base import (Checkpoint, file_info, numpy_dtype, reader, require_inside, require_plain,
+                                   storage_dtype, target_mode)
 from ckptshim.inventory import Entry, Inventory
 
 NAME = "flax-msgpack"
@@ -37,19 +36,10 @@ def step_files(folder: Path, prefix: str = PREFIX) -> list[Path]:
         suffix = child.name[len(prefix):] if child.name.startswith(prefix) else ""
         if not _STEP.match(suffix):
             continue
-        mode = _mode(child)
-        if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise not_regular(child, mode)
+        require_plain(child, target_mode(child))  # a dangling link: no step
         if msgpack_tree.is_msgpack_file(child):
             found.append((float(suffix), child))
     return [path for _, path in sorted(found)]
-
-
-def _mode(path: Path) -> int | None:
-    try:
-        return path.stat().st_mode
-    except OSError:  # gone, or a dangling link: no step
-        return None
 
 
 def sniff(path: Path) -> bool:

@@ -32,10 +32,16 @@ def too_large(location: object, size: int, limit: int) -> CorruptCheckpointError
         "is not what its name says, or it was built to exhaust memory.")
 
 
+#: How errors name each kind of :attr:`ObjectInfo.kind <ckptshim.storage.location.ObjectInfo.kind>`
+#: that is not a regular file, where the short word alone would puzzle ("a fifo").
+KIND_WORDS = {"fifo": "named pipe (FIFO)", "device": "device or other special file",
+              "special file": "device or other special file"}
+
+
 def not_regular(location: object, kind: str) -> UnsafeCheckpointError:
     """The refusal of something that is not a regular file (a FIFO, socket, device, folder)."""
     return UnsafeCheckpointError(
-        f"{location} is a {kind}, not a regular file; ckptshim reads only regular files inside a "
+        f"{location} is a {KIND_WORDS.get(kind, kind)}, not a regular file; ckptshim reads only regular files inside a "
         "checkpoint (opening a pipe or device can block forever, or read what no checkpoint holds). "
         "Replace it with the file it stands for.")
 
