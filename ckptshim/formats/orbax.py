@@ -42,6 +42,8 @@ OCDBT_MANIFEST = "manifest.ocdbt"
 #: ``CommitFileTemporaryPath``, the default for ``gs://``), by scheme: Orbax saves to gs:// only.
 COMMIT_SUCCESS = "commit_success.txt"
 REMOTE_COMMIT_FILE = {"gs": COMMIT_SUCCESS, "gcs": COMMIT_SUCCESS}
+#: How many arrays a restore from object storage builds at once (see execute.jax.build).
+REMOTE_TARGET_WORKERS = 8
 _ARRAY_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
 
 
@@ -83,12 +85,16 @@ class OrbaxCheckpoint(Checkpoint):
     """An Orbax item folder; entry locations are :class:`StoredArray` or :class:`msgpack_tree.Inline`."""
 
     key_sep = "/"
+    #: How many target arrays a restore builds at once (more for a remote item).
+    target_workers = 1
 
     def __init__(self, path: Path | Location, version: str, inventory: Inventory, files, problems,
                  *, ocdbt: bool, native: bool, aggregate=None) -> None:
         super().__init__(path, NAME, version, inventory, tuple(files), tuple(problems))
         self.native = native
         self._arrays = TensorstoreArrays(path, ocdbt)
+        if isinstance(path, Location) and path.is_remote:  # each read a round trip: build a few at once
+            self.target_workers = REMOTE_TARGET_WORKERS
         self._aggregate = aggregate
 
     @property
