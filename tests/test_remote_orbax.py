@@ -214,3 +214,19 @@ def test_a_layout_not_read_remotely_is_orbaxs_own(gcs_server):
                 checkpointer.restore(url, {"layers": {"w": jax.ShapeDtypeStruct((2, 6), jnp.float32)}})
         outcomes.append((type(raised.value), str(raised.value)))
     assert outcomes[0] == outcomes[1] and "Structure mismatch" in outcomes[0][1]
+
+
+def test_a_missing_data_file_is_refused_before_any_read(gcs_server, local, native):
+    """Completeness as locally: every file the OCDBT index names must be in the listing, as large
+    as the index says; the error names the file and the arrays it held."""
+    import fsspec
+
+    url = f"{gcs_server.new_bucket()}/items"
+    fs = fsspec.filesystem("gs")
+    fs.put(str(local["tiny_unscanned"]), url, recursive=True)
+    lost = sorted(name for name in fs.find(f"{url}/d") if fs.size(name) > 0)[-1]
+    fs.rm(lost)
+    fs.invalidate_cache()
+    with ocp.StandardCheckpointer() as checkpointer, pytest.raises(CorruptCheckpointError) as raised:
+        checkpointer.restore(url, abstract(train_state(native["tiny_scanned"])))
+    assert f"d/{lost.rsplit('/', 1)[1]}: missing" in str(raised.value)
