@@ -131,6 +131,14 @@ def test_missing_commit_file_is_refused_as_orbax_refuses_it(gcs_server, local, n
     assert any(orbax.COMMIT_SUCCESS in problem for problem in checkpoint.all_problems())
     with pytest.raises(CorruptCheckpointError, match="commit_success.txt"):
         checkpoint.require_complete()
+    # an item of a manager's step that its step's commit file marks complete (what Orbax checks
+    # when its manager restores the step) is complete
+    step = url.rsplit("/", 1)[0] + "/1"
+    fs.put(str(local["tiny_unscanned"]), f"{step}/items", recursive=True)
+    fs.rm(f"{step}/items/{orbax.COMMIT_SUCCESS}")
+    fs.pipe(f"{step}/{orbax.COMMIT_SUCCESS}", b"Checkpoint commit was successful")
+    fs.invalidate_cache()
+    assert detect.open_checkpoint(f"{step}/items", backend="jax").complete
 
 
 def test_remote_item_is_opened_as_the_local_copy(local, remote):

@@ -190,8 +190,9 @@ def _open_remote(root: Location) -> OrbaxCheckpoint:
     and an OCDBT database, which tensorstore reads through its ``gcs``/``s3`` kvstore. One bounded
     listing gives every file's size (an object store has no links to refuse). On GCS Orbax
     writes ``commit_success.txt`` into a folder once its save is complete, and refuses a
-    restore of one without it ("Found incomplete checkpoint"): it is part of completeness here.
-    Another layout (per-leaf zarr, the legacy aggregate) is not read remotely yet."""
+    restore of one without it ("Found incomplete checkpoint"): it is part of completeness here
+    (:func:`_uncommitted`). Another layout (per-leaf zarr, the legacy aggregate) is not read
+    remotely yet."""
     listed = {info.location.relative_to(root): info for info in root.list(recursive=True) if info.kind == "file"}
     if not sniff_listed(listed.keys()):
         raise UnknownFormatError(
@@ -208,12 +209,22 @@ def _open_remote(root: Location) -> OrbaxCheckpoint:
     def info(name: str, size: int | None, **kw) -> FileInfo:
         return FileInfo(name, size_of(name), size, **kw)
 
-    problems = [] if COMMIT_SUCCESS in listed or REMOTE_COMMIT_FILE.get(root.scheme) is None else [
-        f"{COMMIT_SUCCESS}: missing. Orbax writes it into {root} when a save to {root.scheme}:// is "
-        "complete and refuses to restore a folder without it (\"Found incomplete checkpoint\"); the "
-        "save was interrupted or is still running. Restore another step, or save this one again."]
     return _checkpoint(root, leaves, meta, _Store.ocdbt(root, size_of), ocdbt=True, native=True,
-                       info=info, problems=problems)
+                       info=info, problems=_uncommitted(root, listed))
+
+
+def _uncommitted(root: Location, listed: dict) -> list[str]:
+    """The problem of an item in object storage that no commit file marks complete: neither its
+    own nor (an item of a manager's step) its step's. Orbax checks the folder its restore is
+    given, a step or an item; ckptshim, reading an item, takes either, so as never to refuse
+    what Orbax restores."""
+    marker = REMOTE_COMMIT_FILE.get(root.scheme)
+    if marker is None or marker in listed or (root.parent / marker).is_file():
+        return []
+    return [f"{marker}: missing. Orbax writes it into {root} (and its step) when a save to "
+            f"{root.scheme}:// is complete, and refuses to restore a folder without it (\"Found "
+            "incomplete checkpoint\"); the save was interrupted or is still running. Restore another "
+            "step, or save this one again."]
 
 
 def _checkpoint(path: Path | Location, leaves: list[tuple[KeyPath, object]], meta: dict, store: _Store, *,
