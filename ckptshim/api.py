@@ -9,6 +9,7 @@ from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.planner import Plan
 from ckptshim.rules import Rules
+from ckptshim.storage import Location
 
 
 def inspect(path: str | Path) -> Checkpoint:
@@ -101,16 +102,19 @@ def describe(checkpoint: Checkpoint) -> dict:
 
 
 def convert(source: str | Path, destination: str | Path, to: str, like: str | Path | None = None,
-            *, force: bool = False, progress: bool | None = None) -> Path:
+            *, force: bool = False, progress: bool | None = None) -> Path | Location:
     """Write ``source``'s arrays to ``destination`` in another format, bit for bit (never cast).
 
     What ``ckptshim convert`` does: the arrays stream one at a time into a temporary sibling of
-    ``destination`` that is renamed into place only when complete; ``source`` is only read.
+    ``destination`` that is renamed into place only when complete (in an ``s3://``/``gs://``
+    bucket: a temporary prefix copied into place, a folder marked complete last; see
+    docs/object-storage.md); ``source`` is only read.
 
     Args:
         source: The checkpoint to read (any format [`inspect`][ckptshim.inspect] reads); it must be complete.
         destination: Where to write: a folder, or for ``"safetensors"`` a file ending in
-            ``.safetensors`` (else ``model.safetensors`` inside the folder).
+            ``.safetensors`` (else ``model.safetensors`` inside the folder); locally, or an
+            ``s3://``/``gs://`` URL for ``"safetensors"`` and ``"dcp"``.
         to: ``"safetensors"``; ``"dcp"`` (written by torch's own ``FileSystemWriter``; needs
             torch); or ``"orbax"`` (written by Orbax's own PyTree handler, as
             ``StandardCheckpointer.save`` writes it; needs jax and orbax-checkpoint).
@@ -121,7 +125,7 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
             when stderr is a terminal and ``CKPTSHIM_PROGRESS`` is not ``0``.
 
     Returns:
-        Path: The path written.
+        Path | Location: The path written (a ``ckptshim.storage.Location`` for a URL).
 
     Raises:
         ConvertError: ``destination`` exists (without ``force``) or overlaps ``source``, or

@@ -1,7 +1,8 @@
 """``ckptshim convert SRC DST --to {safetensors,dcp,orbax}``: rewrite a checkpoint in another format.
 
 The arrays stream one at a time from SRC (usually straight from a memory map) into a temporary
-sibling of DST, which is renamed into place only when everything is written; SRC is opened once
+sibling of DST, which is renamed into place only when everything is written (in a bucket,
+copied into place and marked complete: :mod:`ckptshim.conversion.bucket`); SRC is opened once
 and only ever read. A convert that dies leaves no DST, and the next convert to the same DST
 removes the dead one's temporary folder. With ``like``, the arrays are first mapped onto another
 checkpoint's layout (or a ``module:function``'s) by the same plan a load would use, every op
@@ -18,17 +19,22 @@ from pathlib import Path
 
 from ckptshim import extras
 from ckptshim.conversion.atomic import atomic_destination
+from ckptshim.conversion.bucket import bucket_destination
 from ckptshim.conversion.progress import tracking
 from ckptshim.errors import ShimError
 from ckptshim.execute.arrays import PlannedArrays
 from ckptshim.formats.detect import open_checkpoint, remote_location
 from ckptshim.loading.files import plan_onto, plan_onto_model
 from ckptshim.planner import Plan
+from ckptshim.storage import Location
 
 #: Output format -> module ``ckptshim.conversion.<format>_writer`` with
 #: ``write(arrays, folder, destination_name, progress) -> None`` and ``NEEDS``, the modules it
 #: imports to write (checked before anything is opened: a missing one names its extra).
 WRITERS = ("safetensors", "dcp", "orbax")
+#: The output formats written to object storage (Orbax writes gs:// through tensorstore, which
+#: a temporary prefix copied into place does not suit yet).
+BUCKET_WRITERS = ("safetensors", "dcp")
 
 
 class ConvertError(ShimError):
@@ -37,12 +43,14 @@ class ConvertError(ShimError):
 
 def convert(source: str | Path, destination: str | Path, to: str, like: str | Path | None = None,
             *, force: bool = False, progress: bool | None = None,
-            on_array: Callable[[str], None] | None = None) -> Path:
+            on_array: Callable[[str], None] | None = None) -> Path | Location:
     """Write ``source``'s arrays (in ``like``'s layout, if given) to ``destination`` as ``to``.
 
     ``progress=None`` shows a bar (bytes, array by array, on stderr) only when stderr is a
     terminal and ``CKPTSHIM_PROGRESS`` is not ``0``. ``on_array`` is called after each array
-    is written, with its key. Returns the destination path.
+    is written, with its key. Returns the destination: a path, or for an ``s3://``/``gs://``
+    destination its :class:`~ckptshim.storage.Location` (written as
+    :mod:`ckptshim.conversion.bucket` describes).
     """
     if to not in WRITERS:
         raise ConvertError(f"cannot convert to {to!r}; choose one of {', '.join(WRITERS)}")
@@ -50,16 +58,25 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
     # a hub cache's snapshots/ and blobs/); resolved only to compare it with the destination
     remote = remote_location(source)
     given = remote if remote is not None else Path(source)
-    if remote_location(destination) is not None:
-        raise ConvertError(f"{destination}: ckptshim writes conversions to local folders only so far; "
-                           "convert to a local folder, then copy it (gcloud storage cp -r, aws s3 cp --recursive)")
-    # DST itself is never resolved: a link there is what --force replaces, never its target
-    destination = Path(destination).parent.resolve() / Path(destination).name
-    resolved = destination.resolve()
-    if remote is None:  # a bucket never overlaps a local folder
-        source = Path(source).resolve()
-        if resolved == source or source in resolved.parents or resolved in source.parents:
-            raise ConvertError(f"{destination} overlaps the source {source}; write somewhere else")
+    bucket = remote_location(destination)
+    if bucket is not None:
+        if to not in BUCKET_WRITERS:
+            raise ConvertError(f"{destination}: ckptshim writes {' and '.join(BUCKET_WRITERS)} to object "
+                               f"storage, not {to}; convert to a local folder, then copy it up "
+                               "(gcloud storage cp -r, aws s3 cp --recursive)")
+        if remote is not None and (bucket.inside(remote) or remote.inside(bucket)):
+            raise ConvertError(f"{destination} overlaps the source {remote}; write somewhere else")
+        target: Path | Location = bucket
+        place = bucket_destination(bucket, force=force)
+    else:
+        # DST itself is never resolved: a link there is what --force replaces, never its target
+        target = Path(destination).parent.resolve() / Path(destination).name
+        resolved = target.resolve()
+        if remote is None:  # a bucket never overlaps a local folder
+            source = Path(source).resolve()
+            if resolved == source or source in resolved.parents or resolved in source.parents:
+                raise ConvertError(f"{target} overlaps the source {source}; write somewhere else")
+        place = atomic_destination(target, force=force)
     from importlib import import_module
 
     writer = import_module(f"ckptshim.conversion.{to}_writer")
@@ -71,13 +88,12 @@ def convert(source: str | Path, destination: str | Path, to: str, like: str | Pa
         if plan is not None:
             plan.require_complete(checkpoint.key_sep, allow_missing=False, allow_unexpected=True)
         arrays = PlannedArrays(checkpoint, plan, checkpoint.key_sep)
-        with atomic_destination(destination, force=force) as tmp, \
-                tracking(arrays.total_bytes, destination.name, arrays.sep, enabled=progress,
-                         on_array=on_array) as reporting:
-            writer.write(arrays, tmp, destination.name, reporting)
+        with place as tmp, tracking(arrays.total_bytes, target.name, arrays.sep, enabled=progress,
+                                    on_array=on_array) as reporting:
+            writer.write(arrays, tmp, target.name, reporting)
     finally:
         checkpoint.close()
-    return destination
+    return target
 
 
 def _plan_onto(checkpoint, like: str | Path) -> Plan:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from ckptshim.errors import ShimError
 
-_TAG = ".ckptshim-tmp-"
+#: What names a temporary folder (or bucket prefix) of a convert in progress, after DST's name.
+TEMP_TAG = ".ckptshim-tmp-"
 _NOREPLACE, _EXCHANGE = 1, 2  # renameat2 flags (linux/fs.h)
 _AT_FDCWD = -100
 
@@ -38,7 +39,7 @@ class DestinationError(ShimError):
 
 
 def temp_name(destination: Path, pid: int) -> Path:
-    return destination.with_name(f".{destination.name}{_TAG}{pid}")
+    return destination.with_name(f".{destination.name}{TEMP_TAG}{pid}")
 
 
 def _alive(pid: int) -> bool:
@@ -54,8 +55,8 @@ def _alive(pid: int) -> bool:
 def clean_stale(destination: Path) -> list[Path]:
     """Remove temporary siblings of ``destination`` left by writers that no longer run."""
     removed = []
-    for candidate in destination.parent.glob(f".{destination.name}{_TAG}*"):
-        pid = candidate.name.rsplit(_TAG, 1)[1].split(".")[0]
+    for candidate in destination.parent.glob(f".{destination.name}{TEMP_TAG}*"):
+        pid = candidate.name.rsplit(TEMP_TAG, 1)[1].split(".")[0]
         if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
             continue
         _remove(candidate)

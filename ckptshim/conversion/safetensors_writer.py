@@ -14,10 +14,12 @@ from pathlib import Path
 import numpy as np
 
 from ckptshim.execute.arrays import PlannedArrays
+from ckptshim.conversion.bucket import open_for_writing
 from ckptshim.conversion.progress import Progress
 from ckptshim.formats.base import storage_dtype
 from ckptshim.formats.safetensors_header import DTYPES
 from ckptshim.inventory import join_key
+from ckptshim.storage import Location
 
 #: What writing needs beyond ckptshim's own dependencies (see ckptshim.conversion.WRITERS).
 NEEDS: tuple[str, ...] = ()
@@ -55,13 +57,17 @@ def header(arrays: PlannedArrays) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
-def write(arrays: PlannedArrays, folder: Path, destination_name: str, progress: Progress) -> None:
+def write(arrays: PlannedArrays, folder: Path | Location, destination_name: str, progress: Progress) -> None:
+    """Write the file into ``folder``: a local one, or a bucket prefix (through the fsspec client,
+    as one upload that becomes an object only when complete)."""
     path = folder / file_name(destination_name)
-    with open(path, "wb") as out:
+    remote = isinstance(path, Location) and path.is_remote
+    with (open_for_writing(path) if remote else open(path, "wb")) as out:
         out.write(header(arrays))
         for entry in arrays.entries:
             value = np.ascontiguousarray(arrays.read(entry), dtype=storage_dtype(entry.dtype))
             out.write(memoryview(value.reshape(-1)).cast("B"))
-            out.flush()  # handed to the OS before it counts as written
+            out.flush()  # handed to the OS (or the upload) before it counts as written
             progress.written(entry)
-        os.fsync(out.fileno())
+        if not remote:
+            os.fsync(out.fileno())

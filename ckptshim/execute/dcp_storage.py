@@ -37,6 +37,7 @@ as it is, so the caller's ``CheckpointException`` holds ckptshim's own error on 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -72,7 +73,7 @@ from ckptshim.formats.base import Checkpoint, Format, open_regular, storage_dtyp
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, dtype_name, join_key, split_key
 from ckptshim.log import logger
-from ckptshim.storage import ByteRange, Location, ObjectInfo, read_ranges
+from ckptshim.storage import ByteRange, Location, ObjectInfo, UnsupportedLocation, read_ranges
 from ckptshim.storage.ranged import RangedFile, archive_spans
 from ckptshim.targets.tensors import values_of
 
@@ -479,6 +480,19 @@ def _raw_view(destination: torch.Tensor, entry: Entry) -> np.ndarray | None:
     return tensor.numpy()
 
 
+def _checkpoint_path(where: str | os.PathLike | Location) -> Path | Location:
+    """An ``s3://``/``gs://`` URL as a :class:`~ckptshim.storage.Location` (``pathlib`` would
+    collapse it to ``s3:/...``); anything else as the local path it names."""
+    if isinstance(where, Location):
+        return where
+    if isinstance(where, str) and "://" in where:
+        with contextlib.suppress(UnsupportedLocation, ValueError):
+            found = Location.of(where)
+            if found.is_remote:
+                return found
+    return Path(where)
+
+
 class FormatReader(StorageReader):
     """``dcp.load`` from a ``torch.save`` file, a safetensors file or a Hugging Face directory:
     each tensor is one chunk. Every entry a rank reads is located first (a view of a memory map,
@@ -492,9 +506,9 @@ class FormatReader(StorageReader):
     detection); ``None`` for a file no format recognises, which :meth:`read_metadata` then
     refuses in the detector's words."""
 
-    def __init__(self, path: str | os.PathLike, fmt: Format | None = None, hook: str = "dcp.load") -> None:
+    def __init__(self, path: str | os.PathLike | Location, fmt: Format | None = None, hook: str = "dcp.load") -> None:
         super().__init__()
-        self.path = Path(path)
+        self.path = _checkpoint_path(path)
         self._hook = hook
         self.load_id = str(uuid.uuid4())
         self._format = fmt
@@ -507,11 +521,11 @@ class FormatReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
-            self.path = Path(checkpoint_id)
+            self.path = _checkpoint_path(checkpoint_id)
         self.load_id = str(uuid.uuid4())
 
     @property
-    def checkpoint_id(self) -> Path:
+    def checkpoint_id(self) -> Path | Location:
         return self.path
 
     @classmethod

@@ -7,7 +7,8 @@ only what a load call of that backend can be given, as each format's ``READERS``
 (an Orbax, Flax or T5X restore) one restorable item.
 
 A checkpoint in object storage (``s3://``, ``gs://``) is recognised from one bounded listing of
-its prefix, among the formats that read remote locations so far (:data:`REMOTE_FORMATS`).
+its prefix (or, for a ``.safetensors`` object, from its name), among the formats that read
+remote locations so far (:data:`REMOTE_FORMATS`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ FORMATS: tuple[Format, ...] = ranked((hf_dir, dcp, megatron_core, deepspeed_zero
 #: The backends whose load calls name a checkpoint (see each format's ``READERS``).
 BACKENDS = ("torch", "jax")
 #: The formats whose ``open_checkpoint`` reads a remote :class:`~ckptshim.storage.Location`.
-REMOTE_FORMATS: tuple[Format, ...] = (dcp, orbax)
+REMOTE_FORMATS: tuple[Format, ...] = (hf_dir, dcp, orbax, safetensors)
 
 
 def remote_location(path: str | os.PathLike | Location) -> Location | None:
@@ -68,16 +69,24 @@ def remote_location(path: str | os.PathLike | Location) -> Location | None:
 
 
 def _detect_remote(where: Location, backend: str | None) -> Format:
-    """The format of the checkpoint below the prefix ``where`` (see the module docstring)."""
+    """The format of the checkpoint at ``where``: a prefix, recognised from one bounded listing
+    (a Hugging Face folder before DCP, as locally), or a ``.safetensors`` object."""
+    candidates = [fmt for fmt in REMOTE_FORMATS if backend is None or backend in fmt.READERS]
     with reading(where, "recognising its format"):
         try:
-            names = [info.location.name for info in where.list()]
+            names: set[str] | None = {info.location.name for info in where.list()}
         except FileNotFoundError:
-            raise CorruptCheckpointError(f"{where}: no such object or prefix") from None
-    candidates = [fmt for fmt in REMOTE_FORMATS if backend is None or backend in fmt.READERS]
-    if dcp in candidates and dcp.metadata_names(names):
+            names = None  # no prefix: an object, or nothing
+        if names is None:
+            if safetensors in candidates and where.name.endswith(".safetensors") and where.is_file():
+                return safetensors
+            if not where.exists():
+                raise CorruptCheckpointError(f"{where}: no such object or prefix")
+    if names is not None and hf_dir in candidates and hf_dir.sniff_remote(names):
+        return hf_dir
+    if names is not None and dcp in candidates and dcp.metadata_names(names):
         return dcp
-    if orbax in candidates and orbax.sniff_listed(set(names)):
+    if names is not None and orbax in candidates and orbax.sniff_listed(names):
         return orbax  # Orbax's default layout; T5X and PaxML write no _METADATA
     raise UnknownFormatError(
         f"{where} is not a checkpoint ckptshim reads from object storage (so far: "

@@ -5,7 +5,8 @@ Weights come as ``model.safetensors`` or ``pytorch_model.bin``, or as shards lis
 model re-saved as safetensors beside its old ``.bin`` shards); ckptshim reads the one
 transformers' ``from_pretrained`` reads (:func:`weights_file`), never another. The directory
 reads as one checkpoint whose entries delegate to the file that holds them; a shard the index
-names but the directory lacks is reported, not skipped. :func:`model_config` reads the
+names but the directory lacks is reported, not skipped. A folder in a bucket is read the same
+way when its weights are safetensors files (:func:`sniff_remote`), by byte ranges. :func:`model_config` reads the
 ``config.json`` that names the model a checkpoint holds (its ``model_type`` and
 ``architectures``, and the weights file it may name).
 """
@@ -14,17 +15,18 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Collection, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 
-from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
+from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats import safetensors, torch_pickle
 from ckptshim.formats.base import (UNREAD, Checkpoint, FileInfo, file_info, read_regular, reader,
                                    refuse_links_leaving, require_inside, strict_json)
 from ckptshim.inventory import Entry, Inventory
-from ckptshim.storage import Location, UnsupportedLocation
+from ckptshim.storage import Location, ObjectInfo, UnsupportedLocation
 
 NAME = "hf-dir"
 #: What a Hugging Face model folder holds its weights in, in the order transformers' ``from_pretrained``
@@ -177,8 +179,86 @@ def _explicit_weights_file(path: Path, settings: dict | None) -> str | None:
     return named
 
 
+def _shards(index: bytes, where: object) -> list[str]:
+    """The shard files the weight index ``index`` (read from ``where``) names, each once."""
+    try:
+        return sorted(set(strict_json(index)["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:  # UnicodeDecodeError too
+        raise CorruptCheckpointError(
+            f"{where}: not a valid weight index ({type(error).__name__}: {error}); "
+            "re-copy it from the original.") from None
+
+
+def _named_inside(shard: object) -> bool:
+    """Whether an index names ``shard`` as a file inside the folder (relative, no ``..``)."""
+    return not PurePosixPath(shard).is_absolute() and ".." not in PurePosixPath(shard).parts
+
+
+#: The weights files ckptshim reads from object storage: safetensors ones (a ``torch.save``
+#: archive there is left to the framework, read from a local copy).
+REMOTE_WEIGHT_FILES = tuple(name for name in WEIGHT_FILES if ".safetensors" in name)
+
+
+def sniff_remote(names: Collection[str]) -> bool:
+    """Whether a bucket prefix whose listing holds ``names`` is a Hugging Face folder whose
+    weights ckptshim reads remotely (a ``transformers_weights`` in its config.json is honoured
+    when opening)."""
+    present = [name for name in WEIGHT_FILES if name in names]
+    return bool(present) and present[0] in REMOTE_WEIGHT_FILES
+
+
+def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoint:
+    """The Hugging Face folder below a bucket prefix: one bounded listing gives every object and
+    its size; config.json, the index and each shard's header are fetched by byte ranges."""
+    listed = {info.location.name: info for info in listing if info.kind == "file"}
+    settings = model_config(root)
+    chosen = _explicit_weights_file(root, settings) or next((name for name in WEIGHT_FILES if name in listed), None)
+    if chosen is None or not chosen.endswith((".safetensors", ".safetensors" + _INDEX_SUFFIX)):
+        raise UnknownFormatError(
+            f"{root}: its weights are {chosen or 'missing'}; ckptshim reads Hugging Face folders in object "
+            "storage only with safetensors weights so far. Copy the folder to a local one and point at the copy.")
+    if chosen.endswith(_INDEX_SUFFIX):
+        index = root.child(chosen)
+        shards = _shards(index.read_bytes(MAX_CONFIG_BYTES), index)
+    else:
+        shards = [chosen]
+    parts: dict[str, Checkpoint] = {}
+    files: list[FileInfo] = []
+    problems: list[str] = []
+    for shard in shards:
+        if not isinstance(shard, str) or not shard or not _named_inside(shard):
+            raise CorruptCheckpointError(f"{root / chosen}: shard {shard!r:.100} lies outside the directory")
+        found = listed.get(shard) or _in_subfolder(root, shard)
+        if found is None:
+            files.append(FileInfo(shard, None))
+            continue
+        part = parts[shard] = safetensors.open_checkpoint(found.location, found.size)
+        files += [FileInfo(shard, f.size, f.expected_size) for f in part.files]
+        problems += [f"{shard}: {p}" for p in part.problems]
+    checkpoint = HFDirCheckpoint(root, chosen, parts, files, problems)
+    checkpoint.model_config = settings
+    return checkpoint
+
+
+def _in_subfolder(root: Location, shard: str) -> ObjectInfo | None:
+    """The object ``shard`` names below ``root`` where the listing, of the first level only,
+    cannot hold it (a name with ``/``); ``None`` when there is none. A name that would leave
+    the prefix is refused (:meth:`~ckptshim.storage.Location.child`), never reported missing."""
+    where = root.child(shard)
+    if "/" not in shard:
+        return None
+    try:
+        found = where.stat()
+    except FileNotFoundError:
+        return None
+    return found if found.kind == "file" else None
+
+
 @reader
-def open_checkpoint(path: Path) -> HFDirCheckpoint:
+def open_checkpoint(path: Path | Location, listed: Sequence[ObjectInfo] | None = None) -> HFDirCheckpoint:
+    """The folder ``path`` (or bucket prefix, whose listing ``listed`` may already be at hand)."""
+    if isinstance(path, Location) and path.is_remote:
+        return _open_remote(path, path.list() if listed is None else listed)
     roots = _roots(path)
     refuse_links_leaving(path, also=roots[1:])
     settings = model_config(path)  # read once: the weights file it names, and the load's model config
@@ -190,20 +270,13 @@ def open_checkpoint(path: Path) -> HFDirCheckpoint:
         shards = [chosen]
         version = chosen
     else:
-        try:
-            weight_map = strict_json(read_regular(path / index_name))["weight_map"]
-            shards = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as error:  # UnicodeDecodeError too
-            raise CorruptCheckpointError(
-                f"{path / index_name}: not a valid weight index ({type(error).__name__}: {error}); "
-                "re-copy it from the original.") from None
+        shards = _shards(read_regular(path / index_name), path / index_name)
         version = index_name
     parts: dict[str, Checkpoint] = {}
     for shard in shards:
         try:
             shard_path = (path / shard).resolve()
-            named_inside = not PurePosixPath(shard).is_absolute() and ".." not in PurePosixPath(shard).parts
-            outside = not named_inside or not any(root in shard_path.parents for root in roots)
+            outside = not _named_inside(shard) or not any(root in shard_path.parents for root in roots)
             present = not outside and shard_path.is_file()
         except (OSError, ValueError, TypeError) as error:  # not a string, too long, a NUL byte
             raise CorruptCheckpointError(f"{path / index_name}: shard {shard!r:.100} is not a file "

@@ -4,6 +4,10 @@ The header is parsed without the safetensors library and refused wherever the li
 it (:mod:`~ckptshim.formats.safetensors_header`); arrays are read-only views of one memory map of
 the file, and a contiguous range of one is read with one
 ``pread`` straight into the caller's buffer (:meth:`SafetensorsCheckpoint.read_into`).
+
+A file in a bucket (a remote :class:`~ckptshim.storage.Location`) is read the same way by byte
+ranges: the header by two (its length, then itself), validated by the same code; each array, or
+contiguous range of one, by exactly its bytes (fetched in parallel pieces by the store).
 """
 
 from __future__ import annotations
@@ -11,15 +15,18 @@ from __future__ import annotations
 import math
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, brief
 from ckptshim.formats import safetensors_header
-from ckptshim.formats.base import Checkpoint, check_view, file_info, numpy_dtype, open_regular, reader, storage_dtype
+from ckptshim.formats.base import (Checkpoint, FileInfo, check_view, file_info, numpy_dtype, open_regular, reader,
+                                   storage_dtype)
 from ckptshim.formats.safetensors_header import MAX_HEADER, Header
 from ckptshim.inventory import Entry, Inventory, split_key
+from ckptshim.storage import Location
 
 NAME = "safetensors"
 #: The most a read into a view (a transposed block) or another dtype holds in its own buffer at once.
@@ -34,24 +41,35 @@ def sniff(path: Path) -> bool:
 READERS = {"torch": sniff, "jax": sniff}
 
 
-def read_header(path: Path) -> tuple[Header, int]:
+def read_header(path: Path | Location, size: int | None = None) -> tuple[Header, int]:
     """The header, validated as the safetensors library validates it
-    (:mod:`~ckptshim.formats.safetensors_header`), and the offset where tensor data starts."""
+    (:mod:`~ckptshim.formats.safetensors_header`), and the offset where tensor data starts. A
+    remote file's header is fetched by two byte ranges (its length, then the header itself);
+    ``size`` is its size when already known (from a listing)."""
+    if isinstance(path, Location) and path.is_remote:
+        size = path.stat().size if size is None else size
+        return _parse_header(path, size, lambda start, count: path.read(start, min(count, size - start)))
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise CorruptCheckpointError(f"{path}: {size} bytes is too short for a safetensors header")
-        (length,) = struct.unpack("<Q", raw)
-        if length > MAX_HEADER:
-            raise CorruptCheckpointError(
-                f"{path}: header claims {length} bytes, more than the {MAX_HEADER:,} safetensors reads; "
-                "it is not a safetensors file, or a damaged one.")
-        if length > size - 8:
-            raise CorruptCheckpointError(
-                f"{path}: header claims {length} bytes but the file has {size}; it is truncated "
-                "or not a safetensors file.")
-        data = f.read(length)
+        return _parse_header(path, size, lambda start, count: f.read(count))
+
+
+def _parse_header(path: object, size: int, read: Callable[[int, int], bytes]) -> tuple[Header, int]:
+    """The header of the ``size``-byte file ``path``, whose bytes ``read(start, count)`` gives
+    (at most ``count``: fewer at its end), asked for in order."""
+    raw = read(0, 8)
+    if len(raw) < 8:
+        raise CorruptCheckpointError(f"{path}: {size} bytes is too short for a safetensors header")
+    (length,) = struct.unpack("<Q", raw)
+    if length > MAX_HEADER:
+        raise CorruptCheckpointError(
+            f"{path}: header claims {length} bytes, more than the {MAX_HEADER:,} safetensors reads; "
+            "it is not a safetensors file, or a damaged one.")
+    if length > size - 8:
+        raise CorruptCheckpointError(
+            f"{path}: header claims {length} bytes but the file has {size}; it is truncated "
+            "or not a safetensors file.")
+    data = read(8, length)
     try:
         header = safetensors_header.parse(data, size - 8 - length)
     except ValueError as error:  # HeaderError, or the JSON budget
@@ -65,7 +83,7 @@ def read_header(path: Path) -> tuple[Header, int]:
     return header, 8 + length
 
 
-def entries(path: Path, header: Header, data_start: int, key_sep: str = ".") -> list[Entry]:
+def entries(path: Path | Location, header: Header, data_start: int, key_sep: str = ".") -> list[Entry]:
     """One entry per tensor of ``header``, located in ``path``'s data (starting at ``data_start``)."""
     out = []
     for name, info in header.tensors.items():
@@ -103,18 +121,36 @@ class SafetensorsCheckpoint(Checkpoint):
     #: same size (a block read of a ``Reshape`` splits axes into factors)
     row_major = True
 
-    def __init__(self, path: Path, inventory: Inventory, files, problems=(), fmt: str = NAME) -> None:
+    def __init__(self, path: Path | Location, inventory: Inventory, files, problems=(), fmt: str = NAME) -> None:
         super().__init__(path, fmt, "1", inventory, tuple(files), tuple(problems))
         self._maps: dict[str, np.memmap] = {}
+        #: a remote file by its name in the entries' locations, with its size (from the listing)
+        self._objects: dict[str, tuple[Location, int]] = {}
+        if isinstance(path, Location) and path.is_remote:
+            self._objects[str(path)] = (path, self.files[0].size or 0)
 
     def read(self, entry: Entry) -> np.ndarray:
         file, begin, end = entry.location
+        if file in self._objects:  # remote: exactly the tensor's bytes, by one (parallel) range read
+            where, size = self._objects[file]
+            check_view(entry, begin, end, size, file)
+            data = np.empty(end - begin, np.uint8)
+            where.read_into(begin, data)
+            return data.view(storage_dtype(entry.dtype)).reshape(entry.shape)
         data = self._maps.get(file)
         if data is None:
             with open_regular(file) as raw:
                 data = self._maps[file] = np.memmap(raw, dtype=np.uint8, mode="r")
         check_view(entry, begin, end, len(data), file)
         return data[begin:end].view(storage_dtype(entry.dtype)).reshape(entry.shape)
+
+    def check_entry(self, entry: Entry) -> None:
+        """A remote entry's range is checked against its object's size, never fetched."""
+        file, begin, end = entry.location
+        if file in self._objects:
+            check_view(entry, begin, end, self._objects[file][1], file)
+        else:
+            super().check_entry(entry)
 
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray) -> None:
         """``entry[index]`` into ``out``: one ``pread`` of exactly its bytes when the range is
@@ -127,14 +163,19 @@ class SafetensorsCheckpoint(Checkpoint):
         span = _contiguous(entry.shape, index)
         if span is None:
             return super().read_into(entry, index, out)
-        check_view(entry, begin, end, os.path.getsize(file), file)
+        remote = self._objects.get(file)
+        check_view(entry, begin, end, os.path.getsize(file) if remote is None else remote[1], file)
         first, count = span
         stored = storage_dtype(entry.dtype)
         direct = out.dtype == stored and out.flags.c_contiguous
         if not direct and count * stored.itemsize > BUFFER_BYTES:
             return self._read_in_parts(entry, index, out, count * stored.itemsize)
         buffer = out if direct else np.empty(out.shape, stored)
-        _pread(file, begin + first * stored.itemsize, memoryview(buffer.reshape(-1).view(np.uint8)), entry)
+        target = memoryview(buffer.reshape(-1).view(np.uint8))
+        if remote is None:
+            _pread(file, begin + first * stored.itemsize, target, entry)
+        else:
+            remote[0].read_into(begin + first * stored.itemsize, target)
         if not direct:
             np.copyto(out, buffer if out.dtype == stored else buffer.view(numpy_dtype(entry.dtype)), casting="unsafe")
         return None
@@ -188,7 +229,14 @@ def _contiguous(shape: tuple[int, ...], index: tuple) -> tuple[int, int] | None:
 
 
 @reader
-def open_checkpoint(path: Path) -> SafetensorsCheckpoint:
-    header, start = read_header(path)
+def open_checkpoint(path: Path | Location, size: int | None = None) -> SafetensorsCheckpoint:
+    """The file ``path``, local or an object in a bucket (its header fetched by byte ranges;
+    ``size`` its size when a listing already gave it)."""
+    remote = isinstance(path, Location) and path.is_remote
+    if remote and size is None:
+        size = path.stat().size
+    header, start = read_header(path, size)
     found = entries(path, header, start)
-    return SafetensorsCheckpoint(path, Inventory(found, str(path)), [file_info(path, start + header.data_length)])
+    expected = start + header.data_length
+    info = FileInfo(str(path), size, expected) if remote else file_info(path, expected)
+    return SafetensorsCheckpoint(path, Inventory(found, str(path)), [info])

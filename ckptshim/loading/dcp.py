@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from ckptshim.errors import NoPlan, PlanError, ShimError, UnknownFormatError, describe
 from ckptshim.execute.dcp_planner import FlatKeys, KeyMapping, RemappingLoadPlanner
 from ckptshim.execute.dcp_storage import DcpReader, FormatReader, RemoteDcpReader
-from ckptshim.formats import dcp
+from ckptshim.formats import dcp, hf_dir, safetensors
 from ckptshim.formats.detect import detect
 from ckptshim.formats.hf_dir import config_of, model_config
 from ckptshim.inventory import Entry, Inventory, dtype_name, join_key, split_key
@@ -88,31 +88,43 @@ def remote(checkpoint_id: Any, given: StorageReader | None) -> bool:
     return "://" in location and _local_path(location) is None
 
 
-def remote_reader(checkpoint_id: Any, given: StorageReader | None, planner: RemappingLoadPlanner) -> RemoteDcpReader:
-    """ckptshim's reader for a DCP checkpoint in object storage (where :func:`remote`): its
-    metadata read safely, and its chunks read by ckptshim where the plan remaps keys, by torch's
-    own ``FsspecReader`` data path where it does not (``planner`` says which, once DCP has
-    planned: :class:`~ckptshim.execute.dcp_storage.RemoteDcpReader`).
+def remote_reader(checkpoint_id: Any, given: StorageReader | None,
+                  planner: RemappingLoadPlanner) -> RemoteDcpReader | FormatReader:
+    """ckptshim's reader for a checkpoint in object storage (where :func:`remote`). A DCP
+    checkpoint: its metadata read safely, and its chunks read by ckptshim where the plan remaps
+    keys, by torch's own ``FsspecReader`` data path where it does not (``planner`` says which,
+    once DCP has planned: :class:`~ckptshim.execute.dcp_storage.RemoteDcpReader`). A safetensors
+    object or a Hugging Face folder of safetensors weights, which DCP cannot read: a
+    :class:`~ckptshim.execute.dcp_storage.FormatReader` reading each tensor by its byte range.
 
     :class:`~ckptshim.errors.NoPlan` -- DCP's own load, as without ckptshim -- where ckptshim
-    cannot read the URL: a scheme it does not read, nothing or no DCP metadata below it, its
-    fsspec client missing, unreachable or without credentials (whatever the client raises while
-    listing: no byte of the checkpoint has been parsed yet, and DCP then reports what is wrong in
-    its own words). A listing ckptshim refuses (too many entries, a name leaving the prefix) is
-    a refusal, final as any.
+    cannot read the URL: a scheme it does not read, nothing or no checkpoint it knows below it,
+    its fsspec client missing, unreachable or without credentials (whatever the client raises
+    while listing: no byte of the checkpoint has been parsed yet, and DCP then reports what is
+    wrong in its own words). A listing ckptshim refuses (too many entries, a name leaving the
+    prefix) is a refusal, final as any.
     """
     url = str(checkpoint_id if checkpoint_id is not None else getattr(given, "path", ""))
     try:
         location = Location.of(url)
-        listed = location.list()
+        try:
+            listed = location.list()
+        except FileNotFoundError:  # no prefix: a safetensors object, or nothing
+            if location.name.endswith(".safetensors") and location.is_file():
+                return FormatReader(location, safetensors, hook=HOOK)
+            raise
     except ShimError:
         raise
     except Exception as error:  # the client's own failure: see the docstring
         raise NoPlan(f"{url}: ckptshim does not read it ({describe(error)}); DCP's own reader does") from None
-    if not dcp.metadata_names(info.location.name for info in listed):
-        raise NoPlan(f"{url}: holds no {dcp.METADATA_FILE} that ckptshim could read first; DCP's own reader decides")
-    registry = given.transforms.extension_registry if given is not None else None
-    return RemoteDcpReader(location, registry, listed, lambda: planner.remaps)
+    names = [info.location.name for info in listed]
+    if dcp.metadata_names(names):
+        registry = given.transforms.extension_registry if given is not None else None
+        return RemoteDcpReader(location, registry, listed, lambda: planner.remaps)
+    if hf_dir.sniff_remote(names):
+        return FormatReader(location, hf_dir, hook=HOOK)
+    raise NoPlan(f"{url}: holds no {dcp.METADATA_FILE} nor Hugging Face weights that ckptshim could read first; "
+                 "DCP's own reader decides")
 
 
 def _local_path(url: str) -> str | None:

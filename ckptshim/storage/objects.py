@@ -60,14 +60,14 @@ class FsspecObjects:
         return filesystem(self.scheme)
 
     def stat(self, location: Location) -> ObjectInfo:
-        info = self.fs.info(_path(location))
+        info = self.fs.info(fsspec_path(location))
         kind = "directory" if info.get("type") == "directory" else "file"
         return ObjectInfo(location, int(info.get("size") or 0), kind)
 
     def list(self, location: Location, limit: int, recursive: bool) -> list[ObjectInfo]:
-        prefix = _path(location).rstrip("/") + "/"
+        prefix = fsspec_path(location).rstrip("/") + "/"
         found = []
-        for info in _bounded_listing(self.fs, self.scheme, _path(location), limit + 1, recursive):
+        for info in _bounded_listing(self.fs, self.scheme, fsspec_path(location), limit + 1, recursive):
             name = info["name"].rstrip("/")
             if not name.startswith(prefix) or name == prefix.rstrip("/"):
                 continue  # the folder itself, or a marker object of it
@@ -96,7 +96,7 @@ class FsspecObjects:
 
     def _fetch(self, pieces: list[tuple[_Run, ByteRange]]) -> None:
         """One batch of pieces in parallel; each ``(its run, the piece)``."""
-        answers = self.fs.cat_ranges([_path(piece.location) for _, piece in pieces],
+        answers = self.fs.cat_ranges([fsspec_path(piece.location) for _, piece in pieces],
                                      [piece.start for _, piece in pieces],
                                      [piece.end for _, piece in pieces],
                                      on_error="return", batch_size=MAX_PARALLEL_READS)
@@ -119,7 +119,7 @@ class FsspecObjects:
                     target[begin - where.start:end - where.start] = data[begin - piece.start:end - piece.start]
 
 
-def _path(location: Location) -> str:
+def fsspec_path(location: Location) -> str:
     """The fsspec path of a location: ``bucket/key``."""
     return f"{location.bucket}/{location.key}" if location.key else location.bucket
 

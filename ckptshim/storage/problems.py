@@ -41,9 +41,9 @@ KIND_WORDS = {"fifo": "named pipe (FIFO)", "device": "device or other special fi
 def not_regular(location: object, kind: str) -> UnsafeCheckpointError:
     """The refusal of something that is not a regular file (a FIFO, socket, device, folder)."""
     return UnsafeCheckpointError(
-        f"{location} is a {KIND_WORDS.get(kind, kind)}, not a regular file; ckptshim reads only regular files inside a "
-        "checkpoint (opening a pipe or device can block forever, or read what no checkpoint holds). "
-        "Replace it with the file it stands for.")
+        f"{location} is a {KIND_WORDS.get(kind, kind)}, not a regular file; ckptshim reads only "
+        "regular files inside a checkpoint (opening a pipe or device can block forever, or read "
+        "what no checkpoint holds). Replace it with the file it stands for.")
 
 
 def outside(location: object, root: object, why: str) -> UnsafeCheckpointError:

@@ -121,7 +121,7 @@ def test_read_only_destination_is_a_clear_error(tmp_path, monkeypatch, capsys):
     real_mkdir = Path.mkdir
 
     def read_only(self, *args, **kwargs):
-        if atomic._TAG in self.name:
+        if atomic.TEMP_TAG in self.name:
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
         return real_mkdir(self, *args, **kwargs)
 
