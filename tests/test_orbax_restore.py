@@ -18,42 +18,23 @@ import ckptshim
 from ckptshim.errors import ShimError
 from ckptshim.loading import jax as jax_loading
 from support.fixtures import copy_fixture
+from support.maxtext_states import LAYERS, abstract, items, key_data, restored_natively, train_state
 from support.native import diagnosis
 from support.trees import assert_same, flat, scanned_expected, unscanned_expected
-
-LAYERS = 3
-
-
-def axis_of(key: str) -> int:
-    return 0 if "/rngs/" in key else 1
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = copy_fixture("maxtext_runs", tmp_path_factory.mktemp("maxtext"))
-    return {name: root / name / "checkpoints" / "1" / "items" for name in ("tiny_scanned", "tiny_unscanned")}
+    return items(copy_fixture("maxtext_runs", tmp_path_factory.mktemp("maxtext")))
 
 
 @pytest.fixture(scope="module")
 def native(runs):
-    """Each run's step-1 train state as Orbax restores it itself (layout matches: untouched)."""
-    with ocp.StandardCheckpointer() as checkpointer:
-        return {name: checkpointer.restore(path) for name, path in runs.items()}
+    return restored_natively(runs)
 
 
-def train_state(state):
-    """What the issue's target holds: params, optimizer state (mu/nu), step."""
-    return {"params": state["params"], "opt_state": state["opt_state"], "step": state["step"]}
-
-
-def key_data(tree):
-    """Typed PRNG keys as their uint32 data (what Orbax stores), other leaves unchanged."""
-    return jax.tree_util.tree_map(
-        lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, tree)
-
-
-def abstract(tree):
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+def axis_of(key: str) -> int:
+    return 0 if "/rngs/" in key else 1
 
 
 @pytest.mark.parametrize("kind", ["abstract", "concrete"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,15 @@ def build(source: blocks.SliceSource, plan: Plan, targets: Mapping[KeyPath, Targ
     """Restored values for every target key the plan produces (all of them, or an exception)."""
     require_kinds(plan.ops, KINDS, "JAX executor", sep=sep)
     scales = blocks.scales(plan)
-    return {key: _build(source, plan, target, sep, scales.get(key)) for key, target in targets.items()}
+    workers = getattr(source, "target_workers", 1)
+    if workers <= 1 or len(targets) <= 1:
+        return {key: _build(source, plan, target, sep, scales.get(key)) for key, target in targets.items()}
+    # a source whose every read is a round trip (a bucket): a few targets built at once, each
+    # still bounded by blocks.IN_FLIGHT_BYTES; the first error, in target order, is raised
+    with ThreadPoolExecutor(min(workers, len(targets)), thread_name_prefix="ckptshim-restore") as pool:
+        futures = {key: pool.submit(_build, source, plan, target, sep, scales.get(key))
+                   for key, target in targets.items()}
+        return {key: future.result() for key, future in futures.items()}
 
 
 def _build(source: blocks.SliceSource, plan: Plan, target: TargetLeaf, sep: str, scale: Scale | None) -> Any:

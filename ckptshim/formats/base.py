@@ -137,6 +137,14 @@ ALLOWANCE_BYTES = 256 * 2**20
 NODE_BYTES = 64
 
 
+def metadata_limit(array_bytes: int) -> int:
+    """The most bytes a metadata file of a checkpoint whose files hold ``array_bytes`` may have:
+    the allowance of :class:`Budget`, plus a byte for each object it
+    credits for the arrays (one per ``NODE_BYTES``): metadata describes structure, which grows with
+    the arrays' count, not their bytes. A remote one larger is refused before it is fetched."""
+    return ALLOWANCE_BYTES + max(array_bytes, 0) // NODE_BYTES
+
+
 class Budget:
     """The objects a parser may build from one file: :data:`ALLOWANCE_BYTES` worth, plus one
     per :data:`NODE_BYTES` of array data the file holds (:meth:`credit`), each object counted

@@ -44,7 +44,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError, brief, describe
 from ckptshim.formats import safe_pickle
-from ckptshim.formats.base import (ALLOWANCE_BYTES, NODE_BYTES, Budget, Checkpoint, FileInfo, Piece, file_info,
+from ckptshim.formats.base import (Budget, Checkpoint, FileInfo, Piece, file_info, metadata_limit,
                                    open_regular, read_regular, reader, reading, refuse_links_leaving,
                                    storage_dtype)
 from ckptshim.formats.torch_globals import ExtraGlobals, Globals, Layout, Size, TensorRef, dtype_of, members
@@ -296,14 +296,6 @@ def parse_metadata(root: Any) -> DcpMetadata:
     return DcpMetadata(tensors, frozenset(objects), storage,
                        {(key := _text(k, "a key")): _path_of(v, key) for k, v in planner_data.items()},
                        None if version is None else _text(version, "the version"), root)
-
-
-def metadata_limit(array_bytes: int) -> int:
-    """The most bytes a metadata file of a checkpoint whose files hold ``array_bytes`` may have:
-    the allowance of :class:`~ckptshim.formats.base.Budget`, plus a byte for each object it
-    credits for the arrays (one per ``NODE_BYTES``): metadata describes structure, which grows with
-    the arrays' count, not their bytes. A remote one larger is refused before it is fetched."""
-    return ALLOWANCE_BYTES + max(array_bytes, 0) // NODE_BYTES
 
 
 def load_metadata(file: Path | Location, array_bytes: int = 0) -> DcpMetadata:

@@ -54,7 +54,7 @@ FORMATS: tuple[Format, ...] = ranked((hf_dir, dcp, megatron_core, deepspeed_zero
 #: The backends whose load calls name a checkpoint (see each format's ``READERS``).
 BACKENDS = ("torch", "jax")
 #: The formats whose ``open_checkpoint`` reads a remote :class:`~ckptshim.storage.Location`.
-REMOTE_FORMATS: tuple[Format, ...] = (hf_dir, dcp, safetensors)
+REMOTE_FORMATS: tuple[Format, ...] = (hf_dir, dcp, orbax, safetensors)
 
 
 def remote_location(path: str | os.PathLike | Location) -> Location | None:
@@ -86,6 +86,8 @@ def _detect_remote(where: Location, backend: str | None) -> Format:
         return hf_dir
     if names is not None and dcp in candidates and dcp.metadata_names(names):
         return dcp
+    if names is not None and orbax in candidates and orbax.sniff_listed(names):
+        return orbax  # Orbax's default layout; T5X and PaxML write no _METADATA
     raise UnknownFormatError(
         f"{where} is not a checkpoint ckptshim reads from object storage (so far: "
         f"{', '.join(fmt.NAME for fmt in candidates) or 'none for this backend'}). Copy it to a local "

@@ -6,13 +6,17 @@ and the b-tree (metadata only) and returns every key with its value or the byte 
 holds it, and every index node, so that a deleted, truncated or replaced file (including one
 in a per-process ``ocdbt.process_N/`` folder) is reported, with what it costs, before any read
 is attempted.
+
+A store's root is a local folder (a :class:`~pathlib.Path`) or a prefix in a bucket (a remote
+:class:`~ckptshim.storage.Location`): tensorstore then reads the same database through its
+``gcs``/``s3`` kvstore, and the sizes of the files come from the caller's bounded listing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,12 @@ from urllib.parse import unquote
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats.base import open_regular, regular_size
+from ckptshim.storage import Location
+
+#: Where a store lies: a local folder, or a prefix in a bucket.
+Root = Path | Location
+#: The size of a file of a store, by its name relative to the root (``None``: not a regular file).
+SizeOf = Callable[[str], "int | None"]
 
 
 def _ts():
@@ -32,8 +42,15 @@ def file_url(path: Path) -> str:
     return "file://" + str(path.resolve()) + "/"
 
 
-def kvstore_spec(root: Path, ocdbt: bool) -> dict[str, Any]:
+def base_spec(root: Root) -> str | dict[str, Any]:
+    """The kvstore spec of the files of ``root`` itself (the base an OCDBT database sits on)."""
+    return root.kvstore_spec() if isinstance(root, Location) else file_url(root)
+
+
+def kvstore_spec(root: Root, ocdbt: bool) -> dict[str, Any]:
     """The tensorstore kvstore spec for a checkpoint folder (OCDBT database or plain files)."""
+    if isinstance(root, Location):
+        return root.kvstore_spec(ocdbt)
     if ocdbt:
         return {"driver": "ocdbt", "base": file_url(root)}
     return {"driver": "file", "path": str(root.resolve()) + "/"}
@@ -132,7 +149,7 @@ class OcdbtIndex:
             self.files[where.file] = where.end
 
 
-def ocdbt_index(root: Path, keep: tuple[str, ...] = ()) -> OcdbtIndex:
+def ocdbt_index(root: Root, keep: tuple[str, ...] = (), size_of: SizeOf | None = None) -> OcdbtIndex:
     """Walk the latest version of the OCDBT database at ``root``: its manifest, then each b-tree
     node it reaches, with tensorstore's own decoder (``ts.ocdbt.dump``); keep the values of the
     keys that end with one of ``keep``.
@@ -141,12 +158,15 @@ def ocdbt_index(root: Path, keep: tuple[str, ...] = ()) -> OcdbtIndex:
     the root's index points into after a multi-process save). A node whose file is missing, not
     a regular file or too short is recorded and skipped, so the walk goes on and the report
     can say what it costs; a manifest or node that is there but cannot be decoded raises
-    :class:`CorruptCheckpointError`.
+    :class:`CorruptCheckpointError`. ``size_of`` gives a file's size (by default, of a local
+    regular file: a remote root's come from its listing).
     """
     index = OcdbtIndex()
     locations = _Locations(root)
     keys, kept, files = index.keys, index.kept, index.files
-    for node, dumped in _walk(root, locations, index.nodes):
+    if size_of is None:
+        size_of = lambda name: regular_size(root / name)  # noqa: E731 - a local root's files
+    for node, dumped in _walk(root, locations, index.nodes, size_of):
         index._need(node.where)
         if dumped is None or not node.leaf:
             continue
@@ -171,11 +191,11 @@ def ocdbt_index(root: Path, keep: tuple[str, ...] = ()) -> OcdbtIndex:
     return index
 
 
-def references_into(root: Path, index: OcdbtIndex, files: set[str]) -> Iterator[tuple[str, Reference]]:
+def references_into(root: Root, index: OcdbtIndex, files: set[str]) -> Iterator[tuple[str, Reference]]:
     """``(key, where its value lies)`` for every value the index stores in one of ``files``:
     the leaf nodes walked again (only a report of what a damaged file costs asks this)."""
     ts = _ts()
-    base = ts.KvStore.open(file_url(root)).result()
+    base = ts.KvStore.open(base_spec(root)).result()
     locations = _Locations(root)
     for node in index.nodes:
         if not (node.leaf and node.read):
@@ -189,8 +209,10 @@ def references_into(root: Path, index: OcdbtIndex, files: set[str]) -> Iterator[
                     yield (node.prefix + entry["key"]).decode("utf-8", "replace"), where
 
 
-def read_reference(root: Path, where: Reference) -> bytes:
+def read_reference(root: Root, where: Reference) -> bytes:
     """The bytes of one value stored out of line (OCDBT stores values uncompressed)."""
+    if isinstance(root, Location):  # a name :class:`_Locations` checked; the read checks the size
+        return root.child(where.file).read(where.offset, where.length)
     try:
         with open_regular(root / where.file) as f:
             data = os.pread(f.fileno(), where.length, where.offset)
@@ -203,13 +225,14 @@ def read_reference(root: Path, where: Reference) -> bytes:
     return data
 
 
-def _walk(root: Path, locations: _Locations, nodes: list[IndexNode]) -> Iterator[tuple[IndexNode, dict | None]]:
+def _walk(root: Root, locations: _Locations, nodes: list[IndexNode],
+          size_of: SizeOf) -> Iterator[tuple[IndexNode, dict | None]]:
     """Each index node of the latest version, depth first, with its dump (``None`` when its
     file cannot hold it); interior nodes' children are queued with their key ranges and key
     prefixes. Each node is visited once, at the height its parent says: one reached again, or
     at another height (its checksums may all be valid), is refused."""
     ts = _ts()
-    base = ts.KvStore.open(file_url(root)).result()
+    base = ts.KvStore.open(base_spec(root)).result()
     sizes: dict[str, int | None] = {}
     with _decoding(root):
         manifest = ts.ocdbt.dump(base).result()
@@ -230,7 +253,7 @@ def _walk(root: Path, locations: _Locations, nodes: list[IndexNode]) -> Iterator
                 "b-tree, and walking it would not end. Re-copy the checkpoint from the original.")
         seen.add(where)
         if where.file not in sizes:
-            sizes[where.file] = regular_size(root / where.file)
+            sizes[where.file] = size_of(where.file)
         readable = sizes[where.file] is not None and sizes[where.file] >= where.end
         if not readable:
             node = IndexNode(where, location, first, end, False, height == 0, prefix)
@@ -257,7 +280,7 @@ def _walk(root: Path, locations: _Locations, nodes: list[IndexNode]) -> Iterator
 
 
 @contextlib.contextmanager
-def _decoding(root: Path) -> Iterator[None]:
+def _decoding(root: Root) -> Iterator[None]:
     try:
         yield
     except (ValueError, OSError, KeyError, TypeError) as error:
@@ -279,7 +302,7 @@ class _Locations:
     is refused (tensorstore would read it relative to the folder, wherever that leads).
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Root) -> None:
         self._root = root
         self._files: dict[str, str] = {}
 

@@ -19,6 +19,7 @@ completeness from the OCDBT index and the listing of chunk keys.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -26,15 +27,23 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import kvstore, msgpack_tree, zarr
-from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, numpy_dtype, read_regular,
-                                   reader, refuse_links_leaving, storage_dtype, strict_json)
+from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, metadata_limit, numpy_dtype,
+                                   read_regular, reader, refuse_links_leaving, storage_dtype, strict_json)
 from ckptshim.formats.ts_arrays import TensorstoreArrays
 from ckptshim.inventory import Entry, Inventory, KeyPath
+from ckptshim.storage import Location
 
 NAME = "orbax"
 METADATA = "_METADATA"
 AGGREGATE = "checkpoint"
 PLACEHOLDER = "PLACEHOLDER://"
+OCDBT_MANIFEST = "manifest.ocdbt"
+#: What Orbax writes into a folder in object storage once its save is complete (its
+#: ``CommitFileTemporaryPath``, the default for ``gs://``), by scheme: Orbax saves to gs:// only.
+COMMIT_SUCCESS = "commit_success.txt"
+REMOTE_COMMIT_FILE = {"gs": COMMIT_SUCCESS, "gcs": COMMIT_SUCCESS}
+#: How many arrays a restore from object storage builds at once (see execute.jax.build).
+REMOTE_TARGET_WORKERS = 8
 _ARRAY_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
 
 
@@ -42,12 +51,18 @@ def sniff(path: Path) -> bool:
     """Cheap: does ``path`` look like one Orbax PyTree item (any layout)?"""
     if not path.is_dir():
         return False
-    if (path / METADATA).is_file() or (path / "manifest.ocdbt").is_file():
+    if (path / METADATA).is_file() or (path / OCDBT_MANIFEST).is_file():
         return True
     return msgpack_tree.is_msgpack_file(path / AGGREGATE)
 
 
 READERS = {"jax": sniff}
+
+
+def sniff_listed(names: set[str] | frozenset[str]) -> bool:
+    """Whether the names one listing of a prefix found are those of an Orbax item in the layout
+    ckptshim reads from object storage (``_METADATA`` and an OCDBT database)."""
+    return METADATA in names and OCDBT_MANIFEST in names
 
 
 def orbax_readers(checkpoint: Checkpoint) -> frozenset[str]:
@@ -70,12 +85,16 @@ class OrbaxCheckpoint(Checkpoint):
     """An Orbax item folder; entry locations are :class:`StoredArray` or :class:`msgpack_tree.Inline`."""
 
     key_sep = "/"
+    #: How many target arrays a restore builds at once (more for a remote item).
+    target_workers = 1
 
-    def __init__(self, path: Path, version: str, inventory: Inventory, files, problems,
+    def __init__(self, path: Path | Location, version: str, inventory: Inventory, files, problems,
                  *, ocdbt: bool, native: bool, aggregate=None) -> None:
         super().__init__(path, NAME, version, inventory, tuple(files), tuple(problems))
         self.native = native
         self._arrays = TensorstoreArrays(path, ocdbt)
+        if isinstance(path, Location) and path.is_remote:  # each read a round trip: build a few at once
+            self.target_workers = REMOTE_TARGET_WORKERS
         self._aggregate = aggregate
 
     @property
@@ -105,12 +124,12 @@ class OrbaxCheckpoint(Checkpoint):
 # -- listing ------------------------------------------------------------------------------------
 
 
-def _metadata_leaves(path: Path) -> tuple[list[tuple[KeyPath, str]], dict]:
-    """``_METADATA`` -> [(key path, zarr array name)] for array leaves, and the file's other fields
-    (its options)."""
-    where = path / METADATA
+def _metadata_leaves(where: object, read: Callable[[], bytes],
+                     array_bytes: int) -> tuple[list[tuple[KeyPath, str]], dict]:
+    """``_METADATA`` (at ``where``, its bytes from ``read()``) -> [(key path, zarr array name)]
+    for array leaves, and the file's other fields (its options)."""
     try:
-        meta = strict_json(read_regular(where), folder_bytes(path))
+        meta = strict_json(read(), array_bytes)
         tree = meta["tree_metadata"]
         leaves = []
         for record in tree.values():
@@ -138,18 +157,18 @@ def _require_plain_names(path: Path, leaves: list[tuple[KeyPath, object]]) -> No
 
 
 @reader
-def open_checkpoint(path: Path) -> OrbaxCheckpoint:
+def open_checkpoint(path: Path | Location) -> OrbaxCheckpoint:
+    """The Orbax item folder ``path``, or, in a bucket, the item below the prefix ``path``."""
+    if isinstance(path, Location) and path.is_remote:
+        return _open_remote(path)
     refuse_links_leaving(path)  # array folders, chunks, OCDBT data files: tensorstore follows links
     native = (path / METADATA).is_file()
-    ocdbt = (path / "manifest.ocdbt").is_file()
+    ocdbt = (path / OCDBT_MANIFEST).is_file()
     aggregate = None
-    fill_stored = False
     if native:
-        leaves, meta = _metadata_leaves(path)
-        fill_stored = bool(meta.get("store_array_data_equal_to_fill_value", False))
-        version = f"{'ocdbt' if meta.get('use_ocdbt', ocdbt) else 'per-leaf'} " \
-                  f"{'zarr3' if meta.get('use_zarr3') else 'zarr2'}"
+        leaves, meta = _metadata_leaves(path / METADATA, lambda: read_regular(path / METADATA), folder_bytes(path))
     else:
+        meta = {}
         aggregate = msgpack_tree.map_file(path / AGGREGATE)
         tree = msgpack_tree.read_tree(aggregate, str(path / AGGREGATE))
         found = msgpack_tree.leaves(tree)
@@ -161,13 +180,70 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
         leaves = [(key, leaf[len(PLACEHOLDER):] if isinstance(leaf, str) else leaf)
                   for key, leaf in found.items() if not isinstance(leaf, str) or leaf.startswith(PLACEHOLDER)]
         _require_plain_names(path, leaves)
-        version = f"legacy aggregate{' + ocdbt' if ocdbt else ''}"
     store = _Store.ocdbt(path) if ocdbt else _Store.folders(path)
+    return _checkpoint(path, leaves, meta, store, ocdbt=ocdbt, native=native, aggregate=aggregate,
+                       info=lambda name, size, **kw: file_info(path / name, size, root=path, **kw))
+
+
+def _open_remote(root: Location) -> OrbaxCheckpoint:
+    """An item below a bucket prefix, in the layout Orbax writes there by default: ``_METADATA``
+    and an OCDBT database, which tensorstore reads through its ``gcs``/``s3`` kvstore. One bounded
+    listing gives every file's size (an object store has no links to refuse). On GCS Orbax
+    writes ``commit_success.txt`` into a folder once its save is complete, and refuses a
+    restore of one without it ("Found incomplete checkpoint"): it is part of completeness here
+    (:func:`_uncommitted`). Another layout (per-leaf zarr, the legacy aggregate) is not read
+    remotely yet."""
+    listed = {info.location.relative_to(root): info for info in root.list(recursive=True) if info.kind == "file"}
+    if not sniff_listed(listed.keys()):
+        raise UnknownFormatError(
+            f"{root} holds no {METADATA} and {OCDBT_MANIFEST}; ckptshim reads Orbax items in object "
+            "storage in Orbax's default layout (OCDBT) only so far.")
+    array_bytes = sum(info.size for info in listed.values())
+    meta_file = root.child(METADATA)
+    leaves, meta = _metadata_leaves(meta_file, lambda: meta_file.read_bytes(metadata_limit(array_bytes)), array_bytes)
+
+    def size_of(name: str) -> int | None:
+        found = listed.get(name)
+        return None if found is None else found.size
+
+    def info(name: str, size: int | None, **kw) -> FileInfo:
+        return FileInfo(name, size_of(name), size, **kw)
+
+    return _checkpoint(root, leaves, meta, _Store.ocdbt(root, size_of), ocdbt=True, native=True,
+                       info=info, problems=_uncommitted(root, listed))
+
+
+def _uncommitted(root: Location, listed: dict) -> list[str]:
+    """The problem of an item in object storage that no commit file marks complete: neither its
+    own nor (an item of a manager's step) its step's. Orbax checks the folder its restore is
+    given, a step or an item; ckptshim, reading an item, takes either, so as never to refuse
+    what Orbax restores."""
+    marker = REMOTE_COMMIT_FILE.get(root.scheme)
+    if marker is None or marker in listed or (root.parent / marker).is_file():
+        return []
+    return [f"{marker}: missing. Orbax writes it into {root} (and its step) when a save to "
+            f"{root.scheme}:// is complete, and refuses to restore a folder without it (\"Found "
+            "incomplete checkpoint\"); the save was interrupted or is still running. Restore another "
+            "step, or save this one again."]
+
+
+def _checkpoint(path: Path | Location, leaves: list[tuple[KeyPath, object]], meta: dict, store: _Store, *,
+                ocdbt: bool, native: bool, info: Callable[..., FileInfo], aggregate=None,
+                problems: list[str] | None = None) -> OrbaxCheckpoint:
+    """The item whose leaves (key path -> array name, or an inline value) ``store`` holds, with
+    the completeness of its arrays and files; ``info(name, needed, writer=, pieces=)`` says what
+    is at a file of the item."""
+    fill_stored = bool(meta.get("store_array_data_equal_to_fill_value", False))
+    if native:
+        version = f"{'ocdbt' if meta.get('use_ocdbt', ocdbt) else 'per-leaf'} " \
+                  f"{'zarr3' if meta.get('use_zarr3') else 'zarr2'}"
+    else:
+        version = f"legacy aggregate{' + ocdbt' if ocdbt else ''}"
     wanted = [name for _, name in leaves if isinstance(name, str)]
     raw = store.metadata(wanted)
 
     entries: list[Entry] = []
-    problems: list[str] = []
+    problems = list(problems or ())
     arrays: dict[str, zarr.ZarrArray] = {}
     parsed: dict[bytes, zarr.ZarrArray] = {}
     files: list[FileInfo] = []
@@ -175,14 +251,14 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
         if not isinstance(leaf, str):
             entries.append(msgpack_tree.inline_entry(key, leaf))
             continue
-        meta_key, meta = raw.get(leaf, (None, None))
-        if meta is None:
+        meta_key, array_meta = raw.get(leaf, (None, None))
+        if array_meta is None:
             problems.append(f"{leaf}: array metadata (.zarray or zarr.json) missing; the array "
                             "cannot be read")
             continue
-        array = parsed.get(meta)
+        array = parsed.get(array_meta)
         if array is None:  # the layers of a model share their metadata: parse each text once
-            array = parsed[meta] = zarr.parse(meta, f"{path}/{meta_key}")
+            array = parsed[array_meta] = zarr.parse(array_meta, f"{path}/{meta_key}")
         entries.append(Entry(key, array.shape, array.dtype, StoredArray(leaf, array.driver)))
         arrays[leaf] = array
         present = store.by_array.get(leaf, set())
@@ -198,7 +274,7 @@ def open_checkpoint(path: Path) -> OrbaxCheckpoint:
         problems += found
     if ocdbt:
         names = {name: "/".join(key) for key, name in leaves if isinstance(name, str)}
-        files = ocdbt_files(path, store.index, names, arrays)
+        files = ocdbt_files(path, store.index, names, arrays, info)
     return OrbaxCheckpoint(path, version, Inventory(entries, str(path)), files, problems,
                            ocdbt=ocdbt, native=native, aggregate=aggregate)
 
@@ -208,12 +284,13 @@ class _Store:
     metadata: from the OCDBT index (one walk; Orbax stores metadata inline), or by listing and
     reading a folder of per-leaf arrays."""
 
-    def __init__(self, root: Path, by_array: dict[str, set[str]], index: kvstore.OcdbtIndex | None) -> None:
+    def __init__(self, root: Path | Location, by_array: dict[str, set[str]],
+                 index: kvstore.OcdbtIndex | None) -> None:
         self.root, self.by_array, self.index = root, by_array, index
 
     @classmethod
-    def ocdbt(cls, root: Path) -> _Store:
-        index = kvstore.ocdbt_index(root, keep=_METADATA_SUFFIXES)
+    def ocdbt(cls, root: Path | Location, size_of: kvstore.SizeOf | None = None) -> _Store:
+        index = kvstore.ocdbt_index(root, keep=_METADATA_SUFFIXES, size_of=size_of)
         return cls(root, index.keys, index)
 
     @classmethod
@@ -241,14 +318,14 @@ class _Store:
 _METADATA_SUFFIXES = tuple(f"/{name}" for name in zarr.METADATA_FILES)
 
 
-def ocdbt_files(root: Path, index: kvstore.OcdbtIndex, names: dict[str, str],
-                arrays: dict[str, zarr.ZarrArray]) -> list[FileInfo]:
+def ocdbt_files(root: Path | Location, index: kvstore.OcdbtIndex, names: dict[str, str],
+                arrays: dict[str, zarr.ZarrArray], info: Callable[..., FileInfo]) -> list[FileInfo]:
     """Every file the OCDBT index of ``root`` references, with the bytes it must hold and the
     process folder that wrote it; a file with a problem lists what it costs (the chunks it
     holds, the arrays an unreadable index node indexes). ``names`` spells each stored array's
-    name as a key; ``arrays`` has the zarr metadata of those the index let us read."""
-    files = [file_info(root / name, size, root=root, writer=_writer(name))
-             for name, size in sorted(index.files.items())]
+    name as a key; ``arrays`` has the zarr metadata of those the index let us read;
+    ``info(name, needed, writer=)`` says what is at a file of the item."""
+    files = [info(name, size, writer=_writer(name)) for name, size in sorted(index.files.items())]
     lost = {f.path for f in files if f.problem is not None}
     if not lost:
         return files

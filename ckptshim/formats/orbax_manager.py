@@ -20,6 +20,7 @@ from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import orbax
 from ckptshim.formats.base import Checkpoint, reader, step_folders
 from ckptshim.inventory import Entry, Inventory
+from ckptshim.storage import Location
 
 NAME = "orbax-manager"
 _STEP = re.compile(r"^(?:.*_)?(\d+)$")
@@ -30,6 +31,21 @@ def items(step_dir: Path) -> dict[str, Path]:
     if not step_dir.is_dir() or orbax.sniff(step_dir):
         return {}
     return {child.name: child for child in sorted(step_dir.iterdir()) if orbax.sniff(child)}
+
+
+def remote_items(step: Location) -> dict[str, Location]:
+    """Item name -> prefix, for the Orbax items ckptshim reads from object storage (see
+    :func:`~ckptshim.formats.orbax.sniff_listed`) in one step prefix: a listing of the step,
+    then one of each folder in it (a step holds a few items)."""
+    listed = step.list()
+    if orbax.sniff_listed({info.location.name for info in listed if info.kind == "file"}):
+        return {}  # an item itself, not a step
+    found = {}
+    for info in listed:
+        if info.kind == "directory" and orbax.sniff_listed(
+                {child.location.name for child in info.location.list() if child.kind == "file"}):
+            found[info.location.name] = info.location
+    return found
 
 
 def steps(root: Path) -> dict[int, Path]:

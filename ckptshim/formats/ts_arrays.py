@@ -11,12 +11,21 @@ once); the OCDBT index is, as Orbax does.
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ckptshim.formats.kvstore import kvstore_spec
+from ckptshim.formats.kvstore import Root, kvstore_spec
+from ckptshim.storage import Location
+
+#: What Orbax adds to an OCDBT store in object storage: byte ranges of one data file asked for
+#: within a millisecond of each other fetched in one request (Orbax: "could reduce I/O ops by a
+#: factor of 10"), as each request to a bucket costs a round trip.
+REMOTE_OCDBT_READS = {
+    "experimental_read_coalescing_threshold_bytes": 1_000_000,
+    "experimental_read_coalescing_merged_bytes": 500_000_000_000,
+    "experimental_read_coalescing_interval": "1ms",
+}
 
 _CONTEXT_SPEC = {
     "cache_pool": {"total_bytes_limit": 0},
@@ -28,7 +37,7 @@ _CONTEXT_SPEC = {
 class TensorstoreArrays:
     """Zarr arrays stored under ``root`` (plain folders or OCDBT), opened once each, on demand."""
 
-    def __init__(self, root: Path, ocdbt: bool) -> None:
+    def __init__(self, root: Root, ocdbt: bool) -> None:
         import tensorstore as ts
 
         self._ts = ts
@@ -44,6 +53,8 @@ class TensorstoreArrays:
             kvstore = dict(kvstore_spec(self._root, self._ocdbt))
             if self._ocdbt:
                 kvstore.update(path=name, cache_pool="cache_pool#ocdbt")
+                if isinstance(self._root, Location) and self._root.is_remote:
+                    kvstore.update(REMOTE_OCDBT_READS)
             else:
                 kvstore["path"] += name + "/"
             spec = {"driver": driver, "kvstore": kvstore, "recheck_cached_data": False,

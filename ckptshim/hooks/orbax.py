@@ -19,20 +19,24 @@ items its checkpointer restores come through the first seam.
 
 The hook reads the call's args into :class:`~ckptshim.loading.orbax.Request`\\ s and leaves every
 decision to :mod:`ckptshim.loading.orbax`. Args it does not understand (other handlers,
-``transforms``, ``StandardRestore(strict=False)``) go to Orbax unchanged, and so does a URL
-(``gs://...``), which Orbax reads through its own file systems.
+``transforms``, ``StandardRestore(strict=False)``) go to Orbax unchanged. A ``gs://`` item, or
+the named items of a ``gs://`` step, are read by ckptshim where it has a plan (tensorstore's
+``gcs`` kvstore under the same readers); a restore of every item of a ``gs://`` step without
+args, the manager's own item renames there, and URLs of other schemes are Orbax's, which reads
+them through its own file systems.
 """
 
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from ckptshim.errors import NoPlan, ShimError, add_diagnosis
 from ckptshim.hooks.seam import FrameworkRaised, Patches, Seam, bind, framework_call, guarded
 from ckptshim.loading import orbax as loading
-from ckptshim.loading.paths import local_path
+from ckptshim.loading.paths import item_location, local_path
 from ckptshim.log import logger
 
 SEAM = Seam("orbax", "orbax", falls_back=True)
@@ -113,15 +117,17 @@ def _shim_restore(wrapped, instance, args, kwargs) -> Any:
     import orbax.checkpoint as ocp
 
     call = bind(wrapped, args, kwargs)
-    directory = None if call is None else local_path(call["directory"])
-    if directory is None:  # a URL: Orbax reads it through its own file systems
+    found = None if call is None else item_location(call["directory"])
+    if found is None:  # a URL ckptshim does not read: Orbax reads it through its own file systems
         return _passthrough(wrapped, args, kwargs)
     ckpt_args = call["args"]
-    where = f"orbax {type(instance).__name__}.restore({directory})"
+    where = f"orbax {type(instance).__name__}.restore({found})"
     if not isinstance(ckpt_args, ocp.args.Composite):
-        return loading.restore_item(directory, request_of(ckpt_args), where,
+        return loading.restore_item(found, request_of(ckpt_args), where,
                                     lambda: _passthrough(wrapped, args, kwargs))
     requested = dict(ckpt_args.items())
+    if not requested and not isinstance(found, Path):
+        return _passthrough(wrapped, args, kwargs)  # every item of a step in a bucket: Orbax's
 
     @framework_call
     def native(names: list[str]) -> dict[str, Any]:
@@ -129,8 +135,8 @@ def _shim_restore(wrapped, instance, args, kwargs) -> Any:
             return wrapped(call["directory"], args=ocp.args.Composite(**{n: requested.get(n) for n in names}))
 
     if not requested:
-        return _restore_every_item(directory, where, native, lambda: _passthrough(wrapped, args, kwargs))
-    done = loading.restore_items(directory, _requests(requested), where, native)
+        return _restore_every_item(found, where, native, lambda: _passthrough(wrapped, args, kwargs))
+    done = loading.restore_items(found, _requests(requested), where, native)
     return _passthrough(wrapped, args, kwargs) if done is None else ocp.args.Composite(**done)
 
 

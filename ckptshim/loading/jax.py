@@ -39,6 +39,7 @@ from ckptshim.rules import Rules
 from ckptshim.rules.context import LoadContext
 from ckptshim.rules.layers import layer_splits
 from ckptshim.rules.profiles import maxtext, rules_for
+from ckptshim.storage import Location
 from ckptshim.targets.jax_tree import TargetTree
 
 SEP = "/"
@@ -69,12 +70,27 @@ class Prepared:
         return self.target.rebuild(built)
 
 
-def open_item(path: Path) -> Checkpoint | None:
-    """The checkpoint a JAX restore call names, if ckptshim reads its layout (metadata only)."""
+def open_item(path: Path | Location) -> Checkpoint | None:
+    """The checkpoint a JAX restore call names, if ckptshim reads its layout (metadata only).
+
+    In object storage, ``None`` too where ckptshim cannot reach it: what the client raises
+    asking for the item's first file (missing, unreachable, without credentials) comes before
+    any byte of it is parsed, and the framework's own restore then reports it in its words."""
+    if isinstance(path, Location) and path.is_remote and not reachable(path):
+        return None
     try:
         return open_checkpoint(path, backend="jax")
     except UnknownFormatError:
         return None
+
+
+def reachable(root: Location) -> bool:
+    """Whether the client of ``root``'s scheme finds something there (one request)."""
+    try:
+        root.stat()
+    except Exception:  # noqa: BLE001 - the client's own failure: see open_item
+        return False
+    return True
 
 
 def prepare(checkpoint: Checkpoint, tree: Any, where: str, restore_args: Any = None) -> Prepared:

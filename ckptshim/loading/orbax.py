@@ -23,6 +23,7 @@ from ckptshim.formats import orbax_manager
 from ckptshim.formats.detect import detect
 from ckptshim.formats.orbax import orbax_readers
 from ckptshim.loading import agreement, jax as jax_loading
+from ckptshim.storage import Location
 
 #: What a process decided for a restore, as it tells the others (see :mod:`~ckptshim.loading.agreement`).
 NATIVE, SHIM = "orbax restores it", "ckptshim restores it"
@@ -43,7 +44,7 @@ class Request:
     partial: bool = False
 
 
-def prepare_item(path: Path, request: Request, where: str, stack: ExitStack) -> jax_loading.Prepared | None:
+def prepare_item(path: Path | Location, request: Request, where: str, stack: ExitStack) -> jax_loading.Prepared | None:
     """Open and plan one item (closed when ``stack`` exits); ``None`` if ckptshim cannot read it."""
     checkpoint = jax_loading.open_item(path)
     if checkpoint is None:
@@ -58,7 +59,7 @@ def fits(prepared: jax_loading.Prepared, request: Request) -> bool:
     return jax_loading.native_fits(prepared, readable=readable, partial=request.partial)
 
 
-def restore_item(path: Path, request: Request | None, where: str, native: Callable[[], Any]) -> Any:
+def restore_item(path: Path | Location, request: Request | None, where: str, native: Callable[[], Any]) -> Any:
     """One item at ``path``: restored by ckptshim, or by ``native()`` where Orbax can do it itself
     (or where the request is not one ckptshim understands: ``None``)."""
     with ExitStack() as stack:
@@ -70,7 +71,7 @@ def restore_item(path: Path, request: Request | None, where: str, native: Callab
         return prepared.run()
 
 
-def restore_items(step_dir: Path, requested: Mapping[str, Request | None], where: str,
+def restore_items(step_dir: Path | Location, requested: Mapping[str, Request | None], where: str,
                   native: Callable[[list[str]], Mapping[str, Any]],
                   *, force: bool = False) -> dict[str, Any] | None:
     """Restore the named items of ``step_dir``, or ``None`` when Orbax can do it all itself.
@@ -80,8 +81,11 @@ def restore_items(step_dir: Path, requested: Mapping[str, Request | None], where
     for (``state`` vs ``default`` vs ``items``: :func:`match_items`). Items that are not array
     trees (JSON metadata, ...) and requests ckptshim does not understand are restored by
     ``native(names)``, first. ``force``: restore the array items here even where Orbax could
-    (used after Orbax failed to).
+    (used after Orbax failed to). A step in object storage that the client cannot reach is
+    Orbax's (``None``), as for one item (:func:`~ckptshim.loading.jax.open_item`).
     """
+    if isinstance(step_dir, Location) and not jax_loading.reachable(step_dir):
+        return None
     with ExitStack() as stack:
         with agreement.agreeing(where, "planning") as planned:
             folders = match_items(step_dir, requested)
@@ -107,7 +111,7 @@ def restore_items(step_dir: Path, requested: Mapping[str, Request | None], where
 STATE_ITEMS = frozenset({"default", "state", "items"})
 
 
-def match_items(step_dir: Path, requested: Iterable[str]) -> dict[str, Path]:
+def match_items(step_dir: Path | Location, requested: Iterable[str]) -> dict[str, Path | Location]:
     """Requested item name -> array item folder on disk (only for names that have one).
 
     A train-state name the step lacks (:data:`STATE_ITEMS`) stands for the one train-state item
@@ -117,7 +121,7 @@ def match_items(step_dir: Path, requested: Iterable[str]) -> dict[str, Path]:
     """
     on_disk = array_items(step_dir)
     spare = [name for name in on_disk if name not in requested and name in STATE_ITEMS]
-    out: dict[str, Path] = {}
+    out: dict[str, Path | Location] = {}
     for name in requested:
         if name in on_disk:
             out[name] = on_disk[name]
@@ -134,11 +138,13 @@ def match_items(step_dir: Path, requested: Iterable[str]) -> dict[str, Path]:
     return out
 
 
-def array_items(step_dir: Path) -> dict[str, Path]:
+def array_items(step_dir: Path | Location) -> dict[str, Path | Location]:
     """Item name -> folder, for the items of a step folder that hold arrays ckptshim reads: Orbax
     PyTree items, and folders in a format a JAX restore takes (a Hugging Face folder standing in
-    for MaxText's ``items``)."""
-    found = dict(orbax_manager.items(step_dir))
+    for MaxText's ``items``). In object storage: the Orbax items ckptshim reads there."""
+    if isinstance(step_dir, Location):
+        return dict(orbax_manager.remote_items(step_dir))
+    found: dict[str, Path | Location] = dict(orbax_manager.items(step_dir))
     if step_dir.is_dir():
         found.update((child.name, child) for child in sorted(step_dir.iterdir())
                      if child.name not in found and child.is_dir() and _foreign_array_item(child))

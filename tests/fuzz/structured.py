@@ -52,6 +52,7 @@ from hypothesis import strategies as st
 
 from ckptshim.errors import ShimError
 from ckptshim.formats import dcp, detect, torch_pickle
+from ckptshim.formats.base import folder_bytes, read_regular
 from support.fixtures import copy_fixture
 from support.safetensors_headers import files as safetensors_files
 
@@ -372,7 +373,8 @@ class JsonTarget:
             item = self.workdir / "item"
             item.mkdir(exist_ok=True)
             (item / orbax.METADATA).write_bytes(text)
-            orbax._metadata_leaves(item)
+            orbax._metadata_leaves(item / orbax.METADATA, lambda: read_regular(item / orbax.METADATA),
+                                   folder_bytes(item))
         guarded(run, len(text), self.limits)
 
 
