@@ -23,7 +23,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats import safetensors, torch_pickle
-from ckptshim.formats.base import (UNREAD, Checkpoint, FileInfo, file_info, read_regular, reader,
+from ckptshim.formats.base import (UNREAD, Block, Checkpoint, FileInfo, file_info, read_regular, reader,
                                    refuse_links_leaving, require_inside, strict_json)
 from ckptshim.inventory import Entry, Inventory
 from ckptshim.storage import Location, ObjectInfo, UnsupportedLocation
@@ -113,6 +113,16 @@ class HFDirCheckpoint(Checkpoint):
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray) -> Any:
         name, inner = entry.location
         return self._parts[name].read_into(Entry(entry.key, entry.shape, entry.dtype, inner), index, out)
+
+    def read_blocks(self, blocks: Sequence[Block]) -> None:
+        """Each shard's blocks by that shard's :meth:`~Checkpoint.read_blocks` (in parallel,
+        for shards in a bucket)."""
+        by_part: dict[str, list[Block]] = {}
+        for entry, index, out in blocks:
+            name, inner = entry.location
+            by_part.setdefault(name, []).append((Entry(entry.key, entry.shape, entry.dtype, inner), index, out))
+        for name, part_blocks in by_part.items():
+            self._parts[name].read_blocks(part_blocks)
 
     def close(self) -> None:
         for part in self._parts.values():

@@ -7,7 +7,9 @@ the file, and a contiguous range of one is read with one
 
 A file in a bucket (a remote :class:`~ckptshim.storage.Location`) is read the same way by byte
 ranges: the header by two (its length, then itself), validated by the same code; each array, or
-contiguous range of one, by exactly its bytes (fetched in parallel pieces by the store).
+contiguous range of one, by exactly its bytes. A load reads many at once
+(:meth:`SafetensorsCheckpoint.read_blocks`): their ranges go to the store in one batch, which
+fetches neighbouring tensors as one run and runs in parallel pieces, straight into the buffers.
 """
 
 from __future__ import annotations
@@ -15,18 +17,18 @@ from __future__ import annotations
 import math
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, brief
 from ckptshim.formats import safetensors_header
-from ckptshim.formats.base import (Checkpoint, FileInfo, check_view, file_info, numpy_dtype, open_regular, reader,
-                                   storage_dtype)
+from ckptshim.formats.base import (Block, Checkpoint, FileInfo, check_view, file_info, numpy_dtype, open_regular,
+                                   reader, storage_dtype)
 from ckptshim.formats.safetensors_header import MAX_HEADER, Header
 from ckptshim.inventory import Entry, Inventory, split_key
-from ckptshim.storage import Location
+from ckptshim.storage import ByteRange, Location, read_ranges
 
 NAME = "safetensors"
 #: The most a read into a view (a transposed block) or another dtype holds in its own buffer at once.
@@ -179,6 +181,36 @@ class SafetensorsCheckpoint(Checkpoint):
         if not direct:
             np.copyto(out, buffer if out.dtype == stored else buffer.view(numpy_dtype(entry.dtype)), casting="unsafe")
         return None
+
+    def read_blocks(self, blocks: Sequence[Block]) -> None:
+        """Every block of a remote file that is one run of its tensor's bytes, bound for a
+        C-contiguous buffer of the stored dtype (what ``dcp.load`` and ``convert`` ask for), by
+        one batch of byte ranges (:func:`~ckptshim.storage.read_ranges`: neighbouring ranges
+        fetched as one run, bounded requests in parallel, each straight into its buffer); any
+        other block as :meth:`read_into` reads it."""
+        ranges, buffers, others = [], [], []
+        for entry, index, out in blocks:
+            where = self._remote_range(entry, index, out)
+            if where is None:
+                others.append((entry, index, out))
+            else:
+                ranges.append(where)
+                buffers.append(memoryview(out.reshape(-1).view(np.uint8)))
+        read_ranges(ranges, buffers)
+        super().read_blocks(others)
+
+    def _remote_range(self, entry: Entry, index: tuple, out: np.ndarray) -> ByteRange | None:
+        """The byte range of ``entry[index]`` in its remote object, where those bytes are
+        ``out``'s as they are (one run, the stored dtype, ``out`` C-contiguous); else ``None``."""
+        file, begin, end = entry.location
+        remote = self._objects.get(file)
+        span = _contiguous(entry.shape, index)
+        stored = storage_dtype(entry.dtype)
+        if remote is None or span is None or out.dtype != stored or not out.flags.c_contiguous:
+            return None
+        check_view(entry, begin, end, remote[1], file)
+        first, count = span
+        return ByteRange(remote[0], begin + first * stored.itemsize, count * stored.itemsize)
 
     def _read_in_parts(self, entry: Entry, index: tuple, out: np.ndarray, nbytes: int) -> None:
         """A contiguous range too big for one buffer, read as runs of its first ranged axis (each
