@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,7 +32,7 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import remote_rounds
 
 CASES = ("native", "matching", "shimmed", "download")
 WIDTH = 2048  # one 2048 x 2048 float32 layer is 16 MiB
@@ -97,50 +95,28 @@ def main() -> int:
         print(json.dumps(worker(args.case, args.url, layers)))
         return 0
 
-    from support import object_stores
+    def write(bucket: str, env: dict[str, str]) -> str:
+        subprocess.run([sys.executable, "-c", _SAVE, bucket + "/checkpoint", str(layers), str(Path(__file__).resolve())],
+                       env=env, check=True)
+        return f"{layers} x {WIDTH}x{WIDTH} float32 + biases ({layers * (WIDTH * WIDTH + WIDTH) * 4 / 2**20:.0f} MiB)"
+
+    def argv(case: str, bucket: str) -> list[str]:
+        return [sys.executable, __file__, "--case", case, "--url", bucket + "/checkpoint", "--mib", str(args.mib)]
 
     passed = True
     for scheme in args.schemes:
-        store = object_stores.start(scheme)
-        try:
-            env = {**os.environ, **store.client_env()}
-            url = store.new_bucket() + "/checkpoint"
-            start = time.perf_counter()
-            subprocess.run([sys.executable, "-c", _SAVE, url, str(layers), str(Path(__file__).resolve())],
-                           env=env, check=True)
-            print(f"{scheme}: {layers} x {WIDTH}x{WIDTH} float32 + biases ({layers * (WIDTH * WIDTH + WIDTH) * 4 / 2**20:.0f} "
-                  f"MiB) written in {time.perf_counter() - start:.1f} s; load average "
-                  f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
-            runs: dict[str, list[tuple[float, float]]] = {case: [] for case in args.cases}
-            for _ in range(args.rounds):
-                for case in args.cases:
-                    load = os.getloadavg()[0]
-                    out = subprocess.run([sys.executable, __file__, "--case", case, "--url", url,
-                                          "--mib", str(args.mib)], env=env, capture_output=True, text=True)
-                    if out.returncode:
-                        raise RuntimeError(f"{case} failed:\n{out.stderr[-3000:]}")
-                    runs[case].append((json.loads(out.stdout.strip().splitlines()[-1])["seconds"], load))
-                    print(f"  {case}: {runs[case][-1][0]:.2f} s (load average {load:.2f})", flush=True)
-        finally:
-            store.stop()
-        median = {case: statistics.median(s for s, _ in found) for case, found in runs.items()}
-        for case, seconds in median.items():
-            print(f"{scheme} {case:9s} median {seconds:.3f} s")
-        for case in ("matching", "shimmed"):
-            if {case, "native"} <= median.keys():
-                ratio = median[case] / median["native"]
-                print(f"{scheme} {case}/native: {ratio:.3f}  (target <= 1.1)")
-                passed &= ratio <= 1.1
-        if {"shimmed", "download"} <= median.keys():
-            print(f"{scheme} shimmed/download: {median['shimmed'] / median['download']:.3f}  (target < 1.0)")
-            passed &= median["shimmed"] < median["download"]
+        found = remote_rounds.medians(scheme, write, argv, args.cases, args.rounds)
+        passed &= remote_rounds.ratio(scheme, found, "matching", "native", 1.1)
+        passed &= remote_rounds.ratio(scheme, found, "shimmed", "native", 1.1)
+        passed &= remote_rounds.ratio(scheme, found, "shimmed", "download", 1.0, strict=True)
     return 0 if passed else 1
 
 
 _SAVE = """
 import sys, warnings
 warnings.simplefilter("ignore")
-import importlib.util
+import importlib.util, os
+sys.path.insert(0, os.path.dirname(sys.argv[-1]))  # the bench folder: the shared remote_rounds
 spec = importlib.util.spec_from_file_location("bench_remote_dcp", sys.argv[3])
 bench = importlib.util.module_from_spec(spec); spec.loader.exec_module(bench)
 import torch.distributed.checkpoint as dcp

@@ -31,7 +31,7 @@ import numpy as np
 from ckptshim import extras
 from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError, describe
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory
-from ckptshim.storage import Location, local
+from ckptshim.storage import ByteRange, Location, local, read_ranges
 from ckptshim.storage.local import kind
 from ckptshim.storage.problems import KIND_WORDS, not_regular
 
@@ -366,7 +366,7 @@ def windows(items: Iterable[_Item], nbytes: Callable[[_Item], int], limit: int) 
     held = 0
     for item in items:
         size = nbytes(item)
-        if group and held + size > limit:
+        if group and (not limit or held + size > limit):
             yield group
             group, held = [], 0
         group.append(item)
@@ -443,14 +443,25 @@ class Checkpoint(ABC):
 
     @_guarded
     def read_blocks(self, blocks: Sequence[Block]) -> None:
-        """Fill each block's ``out`` with ``entry[index]``, as :meth:`read_into` does. This default
-        starts every read, then waits for those that returned a future (tensorstore reads them
-        concurrently); a format whose reads are byte ranges of objects in a bucket fetches them
-        together, in parallel. Callers bound what they hand it (:attr:`read_ahead_bytes`)."""
-        pending = [self.read_into(entry, index, out) for entry, index, out in blocks]
+        """Fill each block's ``out`` with ``entry[index]``, as :meth:`read_into` does: the blocks
+        that are byte ranges of objects in a bucket (:meth:`byte_range`) by one parallel batch
+        of them, straight into their buffers; then every other read started, and those that
+        returned a future waited for (tensorstore reads them concurrently). Callers bound what
+        they hand it (:attr:`read_ahead_bytes`)."""
+        ranges = [self.byte_range(*block) for block in blocks]
+        read_ranges([where for where in ranges if where is not None],
+                     [memoryview(out.reshape(-1).view(np.uint8)) for (_, _, out), where in zip(blocks, ranges)
+                      if where is not None])
+        pending = [self.read_into(*block) for block, where in zip(blocks, ranges) if where is None]
         for future in pending:
             if future is not None:
                 future.result()
+
+    def byte_range(self, entry: Entry, index: tuple, out: np.ndarray) -> ByteRange | None:
+        """The byte range of an object in a bucket that is ``entry[index]`` exactly as ``out``
+        (C-contiguous) holds it, for :meth:`read_blocks` to fetch with the others; ``None`` for a
+        block :meth:`read_into` reads. This default: ``None``."""
+        return None
 
     def read_each(self, entries: Iterable[Entry]) -> Iterator[np.ndarray]:
         """Each entry's whole array in its storage dtype, in order, as :meth:`read` gives it. A

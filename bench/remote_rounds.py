@@ -1,0 +1,67 @@
+"""The loop the remote benchmarks share: a local server, a checkpoint written to a bucket on it, then
+each case in fresh processes, rounds interleaved, each time printed beside the load average.
+
+The servers are the test suite's (``tests/support/object_stores.py``: moto's S3 server, the
+patched GCS emulator), each a single process on this machine: the figures measure the clients'
+request handling as much as the bytes, so compare ratios within one run only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def medians(scheme: str, write: Callable[[str, dict[str, str]], str], worker: Callable[[str, str], list[str]],
+            cases: Sequence[str], rounds: int) -> dict[str, float]:
+    """Start ``scheme``'s server; ``write(bucket_url, env)`` puts the checkpoint there (in a
+    subprocess of its own, with the client settings ``env``) and says what it wrote; then each
+    case runs ``rounds`` times as ``worker(case, bucket_url)`` (an argv printing one JSON line
+    with ``seconds``). The median seconds of each case."""
+    from support import object_stores
+
+    store = object_stores.start(scheme)
+    try:
+        env = {**os.environ, **store.client_env()}
+        url = store.new_bucket()
+        start = time.perf_counter()
+        what = write(url, env)
+        print(f"{scheme}: {what} written in {time.perf_counter() - start:.1f} s; load average {load_average()}",
+              flush=True)
+        runs: dict[str, list[float]] = {case: [] for case in cases}
+        for _ in range(rounds):
+            for case in cases:
+                load = os.getloadavg()[0]
+                out = subprocess.run(worker(case, url), env=env, capture_output=True, text=True)
+                if out.returncode:
+                    raise RuntimeError(f"{case} failed:\n{out.stderr[-3000:]}")
+                runs[case].append(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
+                print(f"  {case}: {runs[case][-1]:.3f} s (load average {load:.2f})", flush=True)
+    finally:
+        store.stop()
+    found = {case: statistics.median(seconds) for case, seconds in runs.items()}
+    for case, seconds in found.items():
+        print(f"{scheme} {case:10s} median {seconds:.3f} s")
+    return found
+
+
+def ratio(scheme: str, found: dict[str, float], case: str, base: str, target: float, strict: bool = False) -> bool:
+    """Print ``case``/``base`` and whether it meets ``target`` (``<=``, or ``<`` when ``strict``);
+    True when either case was not run."""
+    if not {case, base} <= found.keys():
+        return True
+    value = found[case] / found[base]
+    print(f"{scheme} {case}/{base}: {value:.3f}  (target {'<' if strict else '<='} {target})")
+    return value < target if strict else value <= target
