@@ -35,25 +35,6 @@ from pathlib import Path
 import remote_rounds
 
 CASES = ("native", "matching", "shimmed", "download")
-WIDTH = 2048  # one 2048 x 2048 float32 layer is 16 MiB
-
-
-def _layer(index: int):
-    import torch
-
-    return torch.empty(WIDTH, WIDTH).uniform_(generator=torch.Generator().manual_seed(index))
-
-
-def _state(layers: int) -> dict:
-    import torch
-
-    state = {}
-    for i in range(layers):
-        state[f"layers.{i}.weight"] = _layer(i)
-        state[f"layers.{i}.bias"] = torch.full((WIDTH,), float(i))
-    return state
-
-
 def worker(case: str, url: str, layers: int) -> dict:
     """One case in this process; one JSON line on stdout."""
     warnings.simplefilter("ignore")
@@ -63,7 +44,7 @@ def worker(case: str, url: str, layers: int) -> dict:
 
     if case == "native":
         ckptshim.uninstall()
-    want = _state(layers)
+    want = remote_rounds.layered_state(layers)
     prefix = "" if case in ("native", "matching") else "_orig_mod."
     target = {prefix + key: torch.zeros_like(value) for key, value in want.items()}
     start = time.perf_counter()
@@ -90,7 +71,7 @@ def main() -> int:
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # worker mode
     parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    layers = max(1, args.mib * 2**20 // (WIDTH * WIDTH * 4))
+    layers = remote_rounds.layers_of(args.mib)
     if args.case:
         print(json.dumps(worker(args.case, args.url, layers)))
         return 0
@@ -98,7 +79,7 @@ def main() -> int:
     def write(bucket: str, env: dict[str, str]) -> str:
         subprocess.run([sys.executable, "-c", _SAVE, bucket + "/checkpoint", str(layers), str(Path(__file__).resolve())],
                        env=env, check=True)
-        return f"{layers} x {WIDTH}x{WIDTH} float32 + biases ({layers * (WIDTH * WIDTH + WIDTH) * 4 / 2**20:.0f} MiB)"
+        return remote_rounds.described(layers)
 
     def argv(case: str, bucket: str) -> list[str]:
         return [sys.executable, __file__, "--case", case, "--url", bucket + "/checkpoint", "--mib", str(args.mib)]
@@ -115,12 +96,11 @@ def main() -> int:
 _SAVE = """
 import sys, warnings
 warnings.simplefilter("ignore")
-import importlib.util, os
-sys.path.insert(0, os.path.dirname(sys.argv[-1]))  # the bench folder: the shared remote_rounds
-spec = importlib.util.spec_from_file_location("bench_remote_dcp", sys.argv[3])
-bench = importlib.util.module_from_spec(spec); spec.loader.exec_module(bench)
+import os
+sys.path.insert(0, os.path.dirname(sys.argv[-1]))  # the bench folder
+import remote_rounds
 import torch.distributed.checkpoint as dcp
-dcp.save(bench._state(int(sys.argv[2])), checkpoint_id=sys.argv[1])
+dcp.save(remote_rounds.layered_state(int(sys.argv[2])), checkpoint_id=sys.argv[1])
 """
 
 if __name__ == "__main__":

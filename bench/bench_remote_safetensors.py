@@ -36,19 +36,6 @@ from pathlib import Path
 import remote_rounds
 
 CASES = ("shimmed", "download", "convert")
-WIDTH = 2048  # one 2048 x 2048 float32 layer is 16 MiB
-
-
-def _state(layers: int) -> dict:
-    import torch
-
-    state = {}
-    for i in range(layers):
-        state[f"layers.{i}.weight"] = torch.empty(WIDTH, WIDTH).uniform_(generator=torch.Generator().manual_seed(i))
-        state[f"layers.{i}.bias"] = torch.full((WIDTH,), float(i))
-    return state
-
-
 def worker(case: str, url: str, layers: int) -> dict:
     """One case in this process; one JSON line on stdout."""
     warnings.simplefilter("ignore")
@@ -61,9 +48,9 @@ def worker(case: str, url: str, layers: int) -> dict:
     if case == "download":
         ckptshim.uninstall()
     fs, path = fsspec.core.url_to_fs(url)  # the client imported and built, for every case alike
-    want = _state(layers)
+    want = remote_rounds.layered_state(layers)
     model = torch.nn.Module()
-    model.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH, device="meta") for _ in range(layers))
+    model.layers = torch.nn.ModuleList(torch.nn.Linear(remote_rounds.WIDTH, remote_rounds.WIDTH, device="meta") for _ in range(layers))
     model.to_empty(device="cpu")
     target = model.state_dict()
     with tempfile.TemporaryDirectory() as folder:
@@ -95,7 +82,7 @@ def main() -> int:
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # worker mode
     parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    layers = max(1, args.mib * 2**20 // (WIDTH * WIDTH * 4))
+    layers = remote_rounds.layers_of(args.mib)
     if args.case:
         print(json.dumps(worker(args.case, args.url, layers)))
         return 0
@@ -103,8 +90,7 @@ def main() -> int:
     def write(bucket: str, env: dict[str, str]) -> str:
         subprocess.run([sys.executable, "-c", _SAVE, bucket + "/model", str(layers), str(args.shard_mib),
                         str(Path(__file__).resolve())], env=env, check=True)
-        return (f"{layers} x {WIDTH}x{WIDTH} float32 + biases "
-                f"({layers * (WIDTH * WIDTH + WIDTH) * 4 / 2**20:.0f} MiB, shards of {args.shard_mib} MiB)")
+        return f"{remote_rounds.described(layers)} in shards of {args.shard_mib} MiB"
 
     def argv(case: str, bucket: str) -> list[str]:
         return [sys.executable, __file__, "--case", case, "--url", bucket + "/model", "--mib", str(args.mib)]
@@ -120,15 +106,14 @@ def main() -> int:
 _SAVE = """
 import sys, tempfile, warnings
 warnings.simplefilter("ignore")
-import importlib.util, os
-sys.path.insert(0, os.path.dirname(sys.argv[-1]))  # the bench folder: the shared remote_rounds
-spec = importlib.util.spec_from_file_location("bench_remote_safetensors", sys.argv[4])
-bench = importlib.util.module_from_spec(spec); spec.loader.exec_module(bench)
+import os
+sys.path.insert(0, os.path.dirname(sys.argv[-1]))  # the bench folder
+import remote_rounds
 import fsspec
 from pathlib import Path
 from huggingface_hub import save_torch_state_dict
 with tempfile.TemporaryDirectory() as local:
-    save_torch_state_dict(bench._state(int(sys.argv[2])), local, max_shard_size=f"{sys.argv[3]}MB")
+    save_torch_state_dict(remote_rounds.layered_state(int(sys.argv[2])), local, max_shard_size=f"{sys.argv[3]}MB")
     fs, path = fsspec.core.url_to_fs(sys.argv[1])
     fs.put([str(f) for f in sorted(Path(local).iterdir())], path + "/")
 """

@@ -19,6 +19,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+WIDTH = 2048  # one 2048 x 2048 float32 layer is 16 MiB
+
+
+def layered_state(layers: int) -> dict:
+    """The remote benchmarks' model: ``layers.N.weight`` (float32 ``WIDTH`` x ``WIDTH``, seeded
+    values) and ``layers.N.bias`` (``WIDTH``) for each layer -- an ``nn.Linear`` stack's state."""
+    import torch
+
+    state = {}
+    for i in range(layers):
+        state[f"layers.{i}.weight"] = torch.empty(WIDTH, WIDTH).uniform_(generator=torch.Generator().manual_seed(i))
+        state[f"layers.{i}.bias"] = torch.full((WIDTH,), float(i))
+    return state
+
+
+def layers_of(mib: int) -> int:
+    return max(1, mib * 2**20 // (WIDTH * WIDTH * 4))
+
+
+def described(layers: int) -> str:
+    return f"{layers} x {WIDTH}x{WIDTH} float32 + biases ({layers * (WIDTH * WIDTH + WIDTH) * 4 / 2**20:.0f} MiB)"
+
+
 
 def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
