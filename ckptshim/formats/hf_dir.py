@@ -231,7 +231,7 @@ def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoi
             "storage only with safetensors weights so far. Copy the folder to a local one and point at the copy.")
     if chosen.endswith(_INDEX_SUFFIX):
         index = root.child(chosen)
-        shards = _shards(index.read_bytes(MAX_CONFIG_BYTES), index)
+        shards = _shards(index.read_bytes(MAX_CONFIG_BYTES, listed[chosen].size if chosen in listed else None), index)
     else:
         shards = [chosen]
     parts: dict[str, Checkpoint] = {}

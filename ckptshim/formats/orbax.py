@@ -200,7 +200,8 @@ def _open_remote(root: Location) -> OrbaxCheckpoint:
             "storage in Orbax's default layout (OCDBT) only so far.")
     array_bytes = sum(info.size for info in listed.values())
     meta_file = root.child(METADATA)
-    leaves, meta = _metadata_leaves(meta_file, lambda: meta_file.read_bytes(metadata_limit(array_bytes)), array_bytes)
+    leaves, meta = _metadata_leaves(
+        meta_file, lambda: meta_file.read_bytes(metadata_limit(array_bytes), listed[METADATA].size), array_bytes)
 
     def size_of(name: str) -> int | None:
         found = listed.get(name)
