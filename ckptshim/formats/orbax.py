@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -200,8 +201,6 @@ def _open_remote(root: Location) -> OrbaxCheckpoint:
             "storage in Orbax's default layout (OCDBT) only so far.")
     array_bytes = sum(info.size for info in listed.values())
     meta_file = root.child(METADATA)
-    leaves, meta = _metadata_leaves(
-        meta_file, lambda: meta_file.read_bytes(metadata_limit(array_bytes), listed[METADATA].size), array_bytes)
 
     def size_of(name: str) -> int | None:
         found = listed.get(name)
@@ -210,7 +209,14 @@ def _open_remote(root: Location) -> OrbaxCheckpoint:
     def info(name: str, size: int | None, **kw) -> FileInfo:
         return FileInfo(name, size_of(name), size, **kw)
 
-    return _checkpoint(root, leaves, meta, _Store.ocdbt(root, size_of), ocdbt=True, native=True,
+    # the index is walked while _METADATA is fetched and parsed: each is a round trip or more,
+    # and a restore that steps aside waits for both before Orbax's own starts
+    with ThreadPoolExecutor(1, thread_name_prefix="ckptshim-ocdbt") as pool:
+        walked = pool.submit(_Store.ocdbt, root, size_of)
+        leaves, meta = _metadata_leaves(
+            meta_file, lambda: meta_file.read_bytes(metadata_limit(array_bytes), listed[METADATA].size), array_bytes)
+        store = walked.result()
+    return _checkpoint(root, leaves, meta, store, ocdbt=True, native=True,
                        info=info, problems=_uncommitted(root, listed))
 
 
