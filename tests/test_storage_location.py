@@ -337,3 +337,34 @@ def test_nearby_ranges_are_one_run_and_far_ones_are_not(place, monkeypatch):
     got = read_ranges([ByteRange(place.root / "a.bin", start, length) for start, length in wanted])
     assert [bytes(g) for g in got] == [DATA[s:s + n] for s, n in wanted]
     assert sorted(requests) == [(0, 160), (1000, 1024)]
+
+
+def test_a_dropped_connection_is_retried_and_a_missing_object_is_not(place, monkeypatch):
+    """A piece whose connection fails mid-answer (after some of its bytes were written) is fetched
+    again from its start, and the buffers hold exactly its bytes; a missing object is reported
+    at once (the client's ``FileNotFoundError``), never retried."""
+    if not place.root.is_remote:
+        pytest.skip("retries are how object stores are read")
+    monkeypatch.setattr(objects, "CHUNK_BYTES", 1000)
+    place.put("a.bin", DATA)
+    tries: list[int] = []
+    dropped: list[bool] = []
+
+    def flaky(stream):
+        async def streaming(fs, piece, sink):
+            tries.append(piece.start)
+            if not dropped:
+                dropped.append(True)
+                sink.write(b"\xff" * 1000)  # a partial, wrong answer, then the connection drops
+                raise ConnectionResetError("the server went away")
+            await stream(fs, piece, sink)
+        return streaming
+
+    monkeypatch.setattr(objects, "_STREAMS", {scheme: flaky(stream) for scheme, stream in objects._STREAMS.items()})
+    out = np.zeros(4000, np.uint8)
+    (place.root / "a.bin").read_into(100, out)
+    assert out.tobytes() == DATA[100:4100] and tries == [100, 100]
+    tries.clear()
+    with pytest.raises(FileNotFoundError):
+        (place.root / "missing.bin").read(0, 10)
+    assert tries == [0]

@@ -139,7 +139,7 @@ async def _fetch_all(fs: Any, scheme: str, pieces: list[tuple[_Run, ByteRange]])
                 try:
                     await stream(fs, piece, sink)
                     return sink.received
-                except (FileNotFoundError, PermissionError):
+                except (FileNotFoundError, PermissionError, _WrongLength):
                     raise
                 except (OSError, asyncio.TimeoutError, ConnectionError) as error:
                     if attempt == RETRIES:
@@ -186,6 +186,7 @@ async def _gcs_stream(fs: Any, piece: ByteRange, sink: _Sink) -> None:
                               headers=fs._get_headers({"Range": f"bytes={piece.start}-{piece.end - 1}"})) as answer:
         if answer.status >= 400:
             validate_response(answer.status, await answer.read(), url)
+        _require_length(piece, answer.content_length)
         async for chunk in answer.content.iter_chunked(CHUNK_BYTES):
             sink.write(chunk)
 
@@ -198,10 +199,24 @@ async def _s3_stream(fs: Any, piece: ByteRange, sink: _Sink) -> None:
                                **extra)
     body = answer["Body"]
     try:
+        _require_length(piece, answer.get("ContentLength"))
         while chunk := await body.read(CHUNK_BYTES):
             sink.write(chunk)
     finally:
         body.close()
+
+
+def _require_length(piece: ByteRange, announced: int | None) -> None:
+    """Refuse an answer whose announced length is not the range's (a server that ignored the
+    range, or one past the object's end) before a byte of it reaches a buffer; the piece's
+    check (:meth:`FsspecObjects._check`) then says whether the object is short."""
+    if announced is not None and announced != piece.length:
+        raise _WrongLength(f"{piece.location}: asked for {piece.length} bytes at {piece.start}, "
+                           f"the server answers {announced}")
+
+
+class _WrongLength(OSError):
+    """An answer of another length than asked for: not retried (the server would answer the same)."""
 
 
 #: How each scheme's client streams a byte range into a :class:`_Sink`.
