@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
-from ckptshim.formats import safetensors, torch_pickle
+from ckptshim.formats import marker, safetensors, torch_pickle
 from ckptshim.formats.base import (UNREAD, Checkpoint, FileInfo, file_info, read_regular, reader,
                                    refuse_links_leaving, require_inside, strict_json)
 from ckptshim.inventory import Entry, Inventory
@@ -223,6 +223,7 @@ def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoi
     its size; config.json, the index and each shard's header are fetched by byte ranges (the
     shards' headers together, in parallel)."""
     listed = {info.location.name: info for info in listing if info.kind == "file"}
+    marker.require_complete(root, listed)  # a folder ckptshim convert wrote: every object it lists
     settings = model_config(root)
     chosen = _explicit_weights_file(root, settings) or next((name for name in WEIGHT_FILES if name in listed), None)
     if chosen is None or not chosen.endswith((".safetensors", ".safetensors" + _INDEX_SUFFIX)):
