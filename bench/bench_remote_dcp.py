@@ -23,8 +23,6 @@ Run: ``python bench/bench_remote_dcp.py [--mib 256] [--rounds 3] [--schemes s3 g
 
 from __future__ import annotations
 
-import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -63,18 +61,11 @@ def worker(case: str, url: str, layers: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=256, help="checkpoint size (default 256)")
-    parser.add_argument("--rounds", type=int, default=3, help="fresh processes per case")
-    parser.add_argument("--schemes", nargs="+", choices=("s3", "gs"), default=["s3", "gs"])
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
-    parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # worker mode
-    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser = remote_rounds.arguments(__doc__, CASES, rounds=3)
     args = parser.parse_args()
-    layers = remote_rounds.layers_of(args.mib)
-    if args.case:
-        print(json.dumps(worker(args.case, args.url, layers)))
+    if remote_rounds.worked(args, worker):
         return 0
+    layers = remote_rounds.layers_of(args.mib)
 
     def write(bucket: str, env: dict[str, str]) -> str:
         subprocess.run([sys.executable, "-c", _SAVE, bucket + "/checkpoint", str(layers), str(Path(__file__).resolve())],

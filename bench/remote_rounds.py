@@ -8,6 +8,7 @@ request handling as much as the bytes, so compare ratios within one run only.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -41,6 +42,28 @@ def layers_of(mib: int) -> int:
 def described(layers: int) -> str:
     return f"{layers} x {WIDTH}x{WIDTH} float32 + biases ({layers * (WIDTH * WIDTH + WIDTH) * 4 / 2**20:.0f} MiB)"
 
+
+
+def arguments(doc: str, cases: Sequence[str], rounds: int) -> argparse.ArgumentParser:
+    """The options every remote benchmark takes (a script adds its own), and the hidden worker
+    mode (``--case``, ``--url``) in which each case runs in its own process."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256, help="checkpoint size (default 256)")
+    parser.add_argument("--rounds", type=int, default=rounds, help=f"fresh processes per case (default {rounds})")
+    parser.add_argument("--schemes", nargs="+", choices=("s3", "gs"), default=["s3", "gs"])
+    parser.add_argument("--cases", nargs="+", choices=cases, default=list(cases))
+    parser.add_argument("--case", choices=cases, help=argparse.SUPPRESS)  # worker mode
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    return parser
+
+
+def worked(args: argparse.Namespace, worker: Callable[[str, str, int], dict]) -> bool:
+    """In worker mode (``--case``): run that case (``worker(case, url, layers)``), print its
+    JSON line, and say so."""
+    if not args.case:
+        return False
+    print(json.dumps(worker(args.case, args.url, layers_of(args.mib))))
+    return True
 
 
 def load_average() -> str:
