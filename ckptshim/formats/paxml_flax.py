@@ -281,7 +281,7 @@ def open_checkpoint(path: Path) -> PaxmlFlaxCheckpoint:
         payload = found[max(found)]
         version += f", latest of {len(found)} step(s)"
     require_inside(path, payload)
-    data = msgpack_tree.map_file(payload)
+    data = msgpack_tree.contents(payload)
     tree = msgpack_tree.read_tree(data, str(payload))
     if not isinstance(tree, dict) or set(tree) != {LEAVES, TREEDEF} or not isinstance(tree[TREEDEF], str):
         raise CorruptCheckpointError(
