@@ -1,0 +1,253 @@
+"""The JAX side's msgpack/zarr family in ``gs://``, read by ckptshim as from a local copy.
+
+Real fixtures (T5X legacy and Orbax-era steps, a PaxML run, Flax 0.6.11 legacy msgpack files) and
+real Orbax saves (per-leaf zarr items) are uploaded once per module to the local GCS emulator.
+Each remote load must equal, bit for bit, the same load from the local copy; completeness is
+checked as locally; a tensorstore spec leaving the step is refused; and where names match, the
+framework's own restore runs.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import msgpack
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax.training import checkpoints as flax_checkpoints
+
+import ckptshim
+from ckptshim import cli
+from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
+from ckptshim.formats import detect, orbax, t5x as t5x_format
+from ckptshim.loading import jax as jax_loading
+from ckptshim.storage import Location
+from support.fixtures import copy_fixture
+from support.markers import QUIET
+from support.t5x_site import standin_t5x
+from support.trees import assert_same, flat
+from test_flax_legacy import LAYERS, on_disk, scanned_state, state_dict_values
+from test_formats_t5x_paxml import T5X
+from test_paxml import PAX, STEP
+from test_t5x import _placeholder_step, assert_manifest
+
+pytestmark = [QUIET, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    """Local copies of every fixture, as they will be laid out in the bucket."""
+    root = tmp_path_factory.mktemp("jax_formats")
+    copy_fixture(f"{T5X}/legacy_checkpointer", root / "t5x")
+    copy_fixture(f"{T5X}/orbax_checkpoint_manager", root / "t5x")
+    copy_fixture(f"{PAX}/checkpoints/{STEP}", root / "pax")
+    copy_fixture("flax_0.6.11_legacy_msgpack", root / "flax")
+    # Orbax restores a gs:// folder only with its commit file (T5X's legacy checkpointer writes none)
+    (root / LEGACY / "commit_success.txt").write_text("done")
+    placeholder = _placeholder_step(root / "made")  # T5X's Orbax path with Orbax < 0.5: PLACEHOLDER:// leaves
+    (placeholder / "commit_success.txt").write_text("done")
+    return root
+
+
+@pytest.fixture(scope="module")
+def remote(gcs_server, local):
+    """The same tree in a fresh bucket, uploaded as plain objects; its URL."""
+    import fsspec
+
+    bucket = f"{gcs_server.new_bucket()}/run"
+    fs = fsspec.filesystem("gs")
+    fs.put(str(local), bucket, recursive=True)
+    fs.invalidate_cache()
+    return bucket
+
+
+def both(local, remote, relative: str) -> tuple[str, str]:
+    return f"{remote}/{relative}", str(local / relative)
+
+
+LEGACY = "t5x/legacy_checkpointer/checkpoint_0"
+ORBAX_ERA = "t5x/orbax_checkpoint_manager/checkpoint_0"
+
+
+# -- T5X ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_load_t5x_checkpoint_of_an_orbax_era_step_in_gs_equals_the_local_load(local, remote, lazy):
+    with standin_t5x() as t5x:
+        loaded = [t5x.load_t5x_checkpoint(where, lazy_parameters=lazy) for where in both(local, remote, ORBAX_ERA)]
+        by_dir = t5x.load_t5x_checkpoint(f"{remote}/t5x/orbax_checkpoint_manager", step=0, lazy_parameters=lazy)
+    if lazy:
+        loaded = [{k: v.get() for k, v in flat(tree).items()} for tree in loaded]
+        by_dir = {k: v.get() for k, v in flat(by_dir).items()}
+    assert_same(flat(loaded[0]), flat(loaded[1]))
+    assert_same(flat(by_dir), flat(loaded[1]))
+    assert_manifest(loaded[0])
+
+
+def test_orbax_restores_a_legacy_t5x_step_in_gs_as_the_local_copy(local, remote):
+    there, here = both(local, remote, LEGACY)
+    assert detect.detect(there, backend="jax") is t5x_format
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        as_stored = [checkpointer.restore(where) for where in (there, here)]
+    assert_same(flat(as_stored[0]), flat(as_stored[1]))
+    assert_manifest(as_stored[0])
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), as_stored[1])
+    with ocp.StandardCheckpointer() as checkpointer:
+        into = [checkpointer.restore(where, abstract) for where in (there, here)]
+    assert all(isinstance(v, jax.Array) for v in flat(into[0]).values())
+    assert_same(flat(into[0]), flat(into[1]))
+
+
+def test_cli_inspects_t5x_steps_in_gs_as_their_local_copies(local, remote, capsys):
+    import json
+
+    for relative in (LEGACY, ORBAX_ERA):
+        answers = []
+        for where in both(local, remote, relative):
+            assert cli.main(["inspect", where, "--json"]) == 0
+            answers.append(json.loads(capsys.readouterr().out))
+        there, here = answers
+        assert there["format"] == here["format"] == "t5x" and there["complete"], relative
+        for field in ("entries", "total_bytes", "files", "problems", "version"):
+            assert there[field] == here[field], (relative, field)
+
+
+def _legacy_copy(local, gcs_server, edit) -> tuple[str, object]:
+    """The legacy step uploaded to a fresh bucket after ``edit(step folder)``; (URL, local copy)."""
+    import fsspec
+
+    step = local.parent / f"edited-{gcs_server.new_bucket().rsplit('/', 1)[1]}" / "checkpoint_0"
+    shutil.copytree(local / LEGACY, step)
+    edit(step)
+    url = f"{gcs_server.new_bucket()}/checkpoint_0"
+    fsspec.filesystem("gs").put(str(step), url, recursive=True)
+    fsspec.filesystem("gs").invalidate_cache()
+    return url, step
+
+
+def test_a_legacy_step_missing_a_chunk_in_gs_is_incomplete_as_locally(local, gcs_server):
+    def drop_a_chunk(step):
+        chunk = sorted(p for p in step.rglob("*") if p.is_file() and p.parent != step and p.name != ".zarray")[0]
+        chunk.unlink()
+
+    url, step = _legacy_copy(local, gcs_server, drop_a_chunk)
+    there, here = (t5x_format.open_checkpoint(where) for where in (Location.of(url), step))
+    assert not there.complete and there.all_problems() == here.all_problems()
+    with standin_t5x(), ocp.PyTreeCheckpointer() as checkpointer, pytest.raises(CorruptCheckpointError,
+                                                                              match="missing"):
+        checkpointer.restore(url)
+
+
+def test_a_legacy_spec_leaving_the_step_prefix_in_gs_is_refused(local, gcs_server):
+    def point_outside(step):
+        tree = msgpack.unpackb((step / "checkpoint").read_bytes(), raw=False, strict_map_key=False)
+        target = tree["optimizer"]["target"]
+        spec = next(node for node in flat(target, is_leaf=lambda n: isinstance(n, dict) and "kvstore" in n).values()
+                    if isinstance(node, dict))
+        spec["kvstore"]["path"] = "../elsewhere/" + spec["kvstore"]["path"]
+        (step / "checkpoint").write_bytes(msgpack.packb(tree, use_bin_type=True))
+
+    url, step = _legacy_copy(local, gcs_server, point_outside)
+    for where in (Location.of(url), step):
+        with pytest.raises(UnsafeCheckpointError, match="outside the checkpoint folder"):
+            t5x_format.open_checkpoint(where)
+
+
+# -- Orbax's older layouts ------------------------------------------------------------------------------
+
+
+def test_a_pre_metadata_placeholder_item_in_gs_reads_as_the_local_copy(local, remote):
+    there, here = both(local, remote, "made/old_orbax/checkpoint_0")
+    with standin_t5x() as t5x:
+        loaded = [t5x.load_t5x_checkpoint(where) for where in (there, here)]
+    assert_same(flat(loaded[0]), flat(loaded[1]))
+    assert_manifest(loaded[0])
+    item = orbax.open_checkpoint(Location.of(f"{there}/state"))
+    assert item.version == "legacy aggregate" and item.complete
+
+
+@pytest.fixture(scope="module")
+def per_leaf(gcs_server, tmp_path_factory):
+    """A per-leaf zarr item (``use_ocdbt=False``) saved by Orbax into the bucket and locally."""
+    tree = {"layers_0": {"w": jnp.arange(6, dtype=jnp.float32)}, "layers_1": {"w": jnp.ones(6, jnp.float32)}}
+    url, path = f"{gcs_server.new_bucket()}/per-leaf", tmp_path_factory.mktemp("per_leaf") / "item"
+    for where in (url, path):
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)) as checkpointer:
+            checkpointer.save(where, args=ocp.args.PyTreeSave(tree))
+    return url, path, tree
+
+
+def test_a_per_leaf_item_in_gs_is_stacked_by_ckptshim_as_locally(per_leaf, monkeypatch):
+    url, path, tree = per_leaf
+    opened = []
+    run = jax_loading.Prepared.run
+    monkeypatch.setattr(jax_loading.Prepared, "run", lambda self: opened.append(self.checkpoint.path) or run(self))
+    stacked = {"layers": {"w": jax.ShapeDtypeStruct((2, 6), jnp.float32)}}
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = [checkpointer.restore(where, stacked) for where in (url, path)]
+        assert [str(where) for where in opened] == [url, str(path)]
+        assert_same(flat(restored[0]), flat(restored[1]))
+        np.testing.assert_array_equal(np.asarray(restored[0]["layers"]["w"]),
+                                      np.stack([tree["layers_0"]["w"], tree["layers_1"]["w"]]))
+        opened.clear()
+        same = checkpointer.restore(url, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree))
+    assert opened == [] and flat(same).keys() == flat(tree).keys()  # names matching: Orbax's own restore
+    assert_same(flat(same), flat(tree))
+
+
+def test_a_per_leaf_item_in_gs_without_its_commit_file_is_incomplete(per_leaf):
+    import fsspec
+
+    url, _, _ = per_leaf
+    fs = fsspec.filesystem("gs")
+    copy = f"{url}-uncommitted"
+    fs.copy(url, copy, recursive=True)
+    fs.rm(f"{copy}/commit_success.txt")
+    fs.invalidate_cache()
+    item = orbax.open_checkpoint(Location.of(copy))
+    assert item.version == "per-leaf zarr2" and not item.complete
+    assert any("commit_success.txt: missing" in problem for problem in item.all_problems())
+
+
+# -- PaxML and Flax -------------------------------------------------------------------------------------
+
+
+def test_a_paxml_state_in_gs_restores_as_the_local_copy(local, remote):
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = [checkpointer.restore(where) for where in both(local, remote, f"pax/{STEP}/state")]
+    assert flat(restored[0]) and flat(restored[0]).keys() == flat(restored[1]).keys()
+    assert_same(flat(restored[0]), flat(restored[1]))
+
+
+def test_flax_restore_checkpoint_from_gs_into_a_scanned_state_equals_the_local_restore(local, remote):
+    there, here = both(local, remote, "flax/legacy_msgpack")
+    target = scanned_state(on_disk(local / "flax/legacy_msgpack/checkpoint_2"))
+    restored = [flax_checkpoints.restore_checkpoint(where, target=target) for where in (there, here)]
+    assert restored[0].step == 2
+    assert_same(state_dict_values(restored[0]), state_dict_values(restored[1]))
+    kernel = restored[0].params["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]
+    assert isinstance(kernel, jax.Array) and kernel.shape == (32, LAYERS, 64)
+
+
+def test_unhooked_flax_cannot_read_gs_so_hooked_names_matching_is_flaxs_own(local, remote):
+    """Flax reads URLs only through TensorFlow's gfile (not installed here): a restore whose names
+    match is Flax's own, and fails as without ckptshim."""
+    url = f"{remote}/flax/legacy_msgpack"
+    target = jax.tree.map(np.zeros_like, {k: v for k, v in flat_dict(local).items()})
+    outcomes = []
+    for hooked in (False, True):
+        (ckptshim.install if hooked else ckptshim.uninstall)()
+        with pytest.raises(Exception) as raised:
+            flax_checkpoints.restore_checkpoint(url, target=target)
+        outcomes.append((type(raised.value), str(raised.value)))
+    assert outcomes[0] == outcomes[1]
+
+
+def flat_dict(local) -> dict:
+    from flax import serialization
+
+    return serialization.msgpack_restore((local / "flax/legacy_msgpack/checkpoint_2").read_bytes())
