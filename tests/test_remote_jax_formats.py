@@ -101,6 +101,39 @@ def test_load_t5x_checkpoint_of_an_orbax_era_step_in_gs_equals_the_local_load(lo
     assert_manifest(loaded[0])
 
 
+def test_t5x_checkpointer_restores_an_orbax_era_step_in_gs_as_the_local_copy(local, remote):
+    from test_t5x import TrainState
+
+    there, here = both(local, remote, ORBAX_ERA)
+    with standin_t5x() as t5x:
+        template = t5x.load_t5x_checkpoint(here)
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), template)
+        restored = [t5x.Checkpointer(TrainState(abstract), None, where.rsplit("/", 1)[0]).restore(step=0).state
+                    for where in (there, here)]
+        by_path = t5x.Checkpointer(TrainState(abstract), None, "unused").restore(path=there).state
+    assert all(isinstance(v, jax.Array) for v in flat(restored[0]).values())
+    assert_same(flat(restored[0]), flat(restored[1]))
+    assert_same(flat(by_path), flat(restored[1]))
+    assert_manifest(restored[0])
+
+
+def test_cli_plans_and_converts_a_legacy_t5x_step_in_gs_as_its_local_copy(local, remote, tmp_path, capsys):
+    from safetensors.numpy import load_file
+
+    there, here = both(local, remote, LEGACY)
+    plans = []
+    for where in (there, here):
+        assert cli.main(["plan", where, "--like", f"{remote}/{ORBAX_ERA}"]) == 0
+        plans.append(capsys.readouterr().out.replace(where, "SOURCE"))
+    assert plans[0] == plans[1]
+    outs = [tmp_path / "there.safetensors", tmp_path / "here.safetensors"]
+    for where, out in zip((there, here), outs):
+        assert cli.main(["convert", where, str(out), "--to", "safetensors"]) == 0
+    converted = [load_file(out) for out in outs]
+    assert converted[0].keys() == converted[1].keys() and converted[0]
+    assert all(converted[0][k].tobytes() == converted[1][k].tobytes() for k in converted[1])
+
+
 def test_orbax_restores_a_legacy_t5x_step_in_gs_as_the_local_copy(local, remote):
     there, here = both(local, remote, LEGACY)
     assert detect.detect(there, backend="jax") is t5x_format
