@@ -21,6 +21,7 @@ from flax.training import checkpoints as flax_checkpoints
 
 import ckptshim
 from ckptshim import cli
+from ckptshim.api import open_checkpoint
 from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptshim.formats import detect, orbax, t5x as t5x_format
 from ckptshim.inventory import flatten
@@ -28,6 +29,7 @@ from ckptshim.loading import jax as jax_loading
 from ckptshim.storage import Location
 from support.fixtures import copy_fixture
 from support.markers import QUIET
+from support.paxml_flax_writer import pax_payload, write_with_orbax
 from support.t5x_site import standin_t5x
 from support.trees import assert_same, flat
 from test_flax_legacy import LAYERS, on_disk, scanned_state, state_dict_values
@@ -53,6 +55,12 @@ def local(tmp_path_factory):
     placeholder = _placeholder_step(root / "made")  # T5X's Orbax path with Orbax < 0.5: PLACEHOLDER:// leaves
     (placeholder / "commit_success.txt").write_text("done")
     shutil.rmtree(root / "made" / "src")
+    stored = open_checkpoint(pax / "state")
+    try:  # PaxML's FLAX checkpoint type: one msgpack payload in the state item
+        write_with_orbax(root / "paxflax/checkpoint_1/state",
+                         pax_payload({key: stored.read(entry).copy() for key, entry in stored.inventory.items()}))
+    finally:
+        stored.close()
     return root
 
 
@@ -148,20 +156,6 @@ def test_orbax_restores_a_legacy_t5x_step_in_gs_as_the_local_copy(local, remote)
     assert_same(flat(into[0]), flat(into[1]))
 
 
-def test_cli_inspects_t5x_steps_in_gs_as_their_local_copies(local, remote, capsys):
-    import json
-
-    for relative in (LEGACY, ORBAX_ERA):
-        answers = []
-        for where in both(local, remote, relative):
-            assert cli.main(["inspect", where, "--json"]) == 0
-            answers.append(json.loads(capsys.readouterr().out))
-        there, here = answers
-        assert there["format"] == here["format"] == "t5x" and there["complete"], relative
-        for field in ("entries", "total_bytes", "files", "problems", "version"):
-            assert there[field] == here[field], (relative, field)
-
-
 def _legacy_copy(local, gcs_server, edit) -> tuple[str, object]:
     """The legacy step uploaded to a fresh bucket after ``edit(step folder)``; (URL, local copy)."""
     step = local.parent / f"edited-{gcs_server.new_bucket().rsplit('/', 1)[1]}" / "checkpoint_0"
@@ -198,6 +192,24 @@ def test_a_legacy_spec_leaving_the_step_prefix_in_gs_is_refused(local, gcs_serve
     for where in (Location.of(url), step):
         with pytest.raises(UnsafeCheckpointError, match="outside the checkpoint folder"):
             t5x_format.open_checkpoint(where)
+
+
+@pytest.mark.parametrize("relative, fmt", [
+    (LEGACY, "t5x"), (ORBAX_ERA, "t5x"), ("t5x/orbax_checkpoint_manager", "t5x"),
+    ("made/old_orbax/checkpoint_0/state", "orbax"), (f"pax/{STEP}", "paxml"), (f"pax/{STEP}/state", "paxml"),
+    ("paxflax", "paxml-flax"), ("paxflax/checkpoint_1/state/checkpoint", "paxml-flax"),
+    ("flax/legacy_msgpack", "flax-msgpack"), ("flax/legacy_msgpack/checkpoint_1", "flax-msgpack")])
+def test_cli_inspects_each_layout_in_gs_as_its_local_copy(local, remote, capsys, relative, fmt):
+    import json
+
+    answers = []
+    for where, root in zip(both(local, remote, relative), (remote, str(local))):
+        assert cli.main(["inspect", where, "--json"]) == 0
+        answers.append(json.loads(capsys.readouterr().out.replace(root, "ROOT")))  # a file is named in full
+    there, here = answers
+    assert there["format"] == here["format"] == fmt and there["complete"]
+    for field in ("entries", "total_bytes", "files", "problems", "version"):
+        assert there[field] == here[field], field
 
 
 # -- Orbax's older layouts ------------------------------------------------------------------------------
