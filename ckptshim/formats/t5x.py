@@ -13,9 +13,9 @@
 
 Both are listed with the keys of the state dict ``load_t5x_checkpoint`` returns (``target/...``,
 ``state/...``), so one generation plans against the other with no renames. A spec is rewritten
-to the step folder (local, or the step's own bucket prefix) whatever bucket or driver it names -- the checkpoint may have been
-copied off GCS -- and refused if its path leaves that folder: a checkpoint must not make
-ckptshim read files it does not contain.
+to the step folder (local, or the step's own bucket prefix) whatever bucket or driver it names
+-- the checkpoint may have been copied off GCS, or onto it -- and refused if its path leaves
+that folder: a checkpoint must not make ckptshim read files it does not contain.
 """
 
 from __future__ import annotations
