@@ -216,3 +216,37 @@ def test_a_missing_data_file_is_refused_before_any_read(gcs_server, local, nativ
     with ocp.StandardCheckpointer() as checkpointer, pytest.raises(CorruptCheckpointError) as raised:
         checkpointer.restore(url, abstract(train_state(native["tiny_scanned"])))
     assert f"d/{lost.rsplit('/', 1)[1]}: missing" in str(raised.value)
+
+
+# -- a manager's item names, in gs:// as on a local disk ------------------------------------------
+
+
+def _both(remote, local, run):
+    """``run(root)`` for the unscanned run's ``checkpoints`` prefix in the bucket, then on disk."""
+    return [run(where) for where in (remote["tiny_unscanned"].rsplit("/", 2)[0],
+                                     local["tiny_unscanned"].parent.parent)]
+
+
+def test_manager_restore_without_args_from_gs_reads_maxtexts_items_as_the_local_copy(local, remote):
+    """MaxText names its item ``items``; a fresh manager finds no handler for it, so Orbax alone
+    fails, remotely as locally; ckptshim restores the item as stored."""
+    there, here = _both(remote, local, lambda root: ocp.CheckpointManager(root).restore(1))
+    assert list(there.keys()) == list(here.keys()) == ["items"]
+    assert_same(flat(there["items"]), flat(here["items"]))
+
+
+def test_manager_single_item_args_from_gs_read_the_steps_one_train_state_item(local, remote, native):
+    target = abstract(train_state(native["tiny_scanned"]))
+    there, here = _both(remote, local, lambda root: ocp.CheckpointManager(root).restore(
+        1, args=ocp.args.StandardRestore(target)))
+    assert_same(flat(there), flat(here))
+    assert there["params"]["params"]["decoder"]["layers"]["mlp"]["wi_0"]["kernel"].shape == (32, LAYERS, 64)
+
+
+def test_composite_args_naming_state_from_gs_read_the_items_item(local, remote, native):
+    target = abstract(train_state(native["tiny_scanned"]))
+    handler = ocp.CompositeCheckpointHandler()
+    there, here = _both(remote, local, lambda root: ocp.Checkpointer(handler).restore(
+        f"{root}/1", args=ocp.args.Composite(state=ocp.args.StandardRestore(target))))
+    assert list(there.keys()) == ["state"]
+    assert_same(flat(there["state"]), flat(here["state"]))
