@@ -19,7 +19,7 @@ completeness from the OCDBT index and the listing of chunk keys.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -89,10 +89,12 @@ class OrbaxCheckpoint(Checkpoint):
     target_workers = 1
 
     def __init__(self, path: Path | Location, version: str, inventory: Inventory, files, problems,
-                 *, ocdbt: bool, native: bool, aggregate=None) -> None:
+                 *, ocdbt: bool, native: bool, aggregate=None,
+                 array_metadata: Mapping[str, bytes] | None = None) -> None:
+        """``array_metadata``: array name -> its ``.zarray``/``zarr.json`` bytes, as read here."""
         super().__init__(path, NAME, version, inventory, tuple(files), tuple(problems))
         self.native = native
-        self._arrays = TensorstoreArrays(path, ocdbt)
+        self._arrays = TensorstoreArrays(path, ocdbt, array_metadata)
         if isinstance(path, Location) and path.is_remote:  # each read a round trip: build a few at once
             self.target_workers = REMOTE_TARGET_WORKERS
         self._aggregate = aggregate
@@ -289,7 +291,8 @@ def _checkpoint(path: Path | Location, leaves: list[tuple[KeyPath, object]], met
         names = {name: "/".join(key) for key, name in leaves if isinstance(name, str)}
         files = ocdbt_files(path, store.index, names, arrays, info)
     return OrbaxCheckpoint(path, version, Inventory(entries, str(path)), files, problems,
-                           ocdbt=ocdbt, native=native, aggregate=aggregate)
+                           ocdbt=ocdbt, native=native, aggregate=aggregate,
+                           array_metadata={leaf: meta for leaf, (_, meta) in raw.items() if meta is not None})
 
 
 class _Store:

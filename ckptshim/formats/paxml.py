@@ -102,8 +102,10 @@ class PaxmlCheckpoint(orbax.OrbaxCheckpoint):
     #: Today's Orbax finds no tree metadata here; the Orbax hooks always step in.
     orbax_readers: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, path: Where, version: str, inventory: Inventory, files, problems) -> None:
-        super().__init__(path, version, inventory, files, problems, ocdbt=False, native=False)
+    def __init__(self, path: Where, version: str, inventory: Inventory, files, problems,
+                 array_metadata: dict[str, bytes]) -> None:
+        super().__init__(path, version, inventory, files, problems, ocdbt=False, native=False,
+                         array_metadata=array_metadata)
         self.format = NAME
 
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray):
@@ -153,9 +155,10 @@ def open_checkpoint(path: Where) -> Checkpoint:
     for key, size in files_of.items():
         folder, _, rest = key.partition("/")
         listed.setdefault(folder, {})[rest] = size
-    entries, problems, files = [], [], []
+    entries, problems, files, known = [], [], [], {}
     for name in names:
         meta_key = next(f"{name}/{m}" for m in zarr.METADATA_FILES if raw.get(f"{name}/{m}") is not None)
+        known[name] = raw[meta_key]
         array = zarr.parse(raw[meta_key], f"{state / meta_key}")
         key = tuple(name.split("."))
         shape = unpadded.get(key, array.shape)
@@ -172,4 +175,4 @@ def open_checkpoint(path: Where) -> Checkpoint:
         files += chunk_files
         problems += found
     shown = "0.0 (no metadata)" if version is None else f"{version:g}"
-    return PaxmlCheckpoint(state, f"{shown}, tensorstore", Inventory(entries, str(state)), files, problems)
+    return PaxmlCheckpoint(state, f"{shown}, tensorstore", Inventory(entries, str(state)), files, problems, known)

@@ -178,9 +178,9 @@ class T5XCheckpoint(orbax.OrbaxCheckpoint):
     orbax_readers: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, path: Where, version: str, inventory: Inventory, files, problems,
-                 aggregate, t5x_version: int) -> None:
+                 aggregate, t5x_version: int, array_metadata: dict[str, bytes]) -> None:
         super().__init__(path, version, inventory, files, problems, ocdbt=False, native=False,
-                         aggregate=aggregate)
+                         aggregate=aggregate, array_metadata=array_metadata)
         self.format = NAME
         self.t5x_version = t5x_version
 
@@ -258,8 +258,8 @@ def _open_legacy(step_dir: Where) -> T5XCheckpoint:
         files += chunk_files
         problems += found
     return T5XCheckpoint(step_dir, f"legacy msgpack v{t5x_version}", Inventory(entries, str(step_dir)),
-                         files, problems,
-                         data, t5x_version)
+                         files, problems, data, t5x_version,
+                         {name: meta for name in specs.values() if (meta := raw.get(f"{name}/.zarray")) is not None})
 
 
 def _spec_shape_dtype(spec: dict) -> tuple[tuple[int, ...], str]:
