@@ -29,6 +29,7 @@ from ckptshim.loading import jax as jax_loading
 from ckptshim.storage import Location
 from support.fixtures import copy_fixture
 from support.markers import QUIET
+from support.native import same_failure, without_and_with
 from support.paxml_flax_writer import pax_payload, write_with_orbax
 from support.t5x_site import standin_t5x
 from support.trees import assert_same, flat
@@ -140,6 +141,15 @@ def test_cli_plans_and_converts_a_legacy_t5x_step_in_gs_as_its_local_copy(local,
     converted = [load_file(out) for out in outs]
     assert converted[0].keys() == converted[1].keys() and converted[0]
     assert all(converted[0][k].tobytes() == converted[1][k].tobytes() for k in converted[1])
+
+
+def test_load_t5x_checkpoint_of_a_legacy_step_in_gs_is_t5xs_own(local, remote):
+    """A legacy step (its ``checkpoint`` file says so) is T5X's to load wherever it is; real T5X
+    reads it through ``gfile``, the stand-in only from a local path: it fails alike, with and
+    without ckptshim."""
+    with standin_t5x() as t5x:
+        native, shimmed = without_and_with(lambda: t5x.load_t5x_checkpoint(f"{remote}/{LEGACY}"))
+    same_failure(native, shimmed)
 
 
 def test_orbax_restores_a_legacy_t5x_step_in_gs_as_the_local_copy(local, remote):
