@@ -104,6 +104,21 @@ def _interleave(pieces: tuple[str, ...], numbers: list[str]) -> str:
 
 
 def keys_text(keys: Sequence[KeyPath], sep: str = ".") -> str:
-    """Several keys that differ in one number -> one key with a ``{range}``; others listed
-    (a split's ``query``, ``key``, ``value``)."""
-    return ", ".join(compress([join_key(key, sep) for key in keys]))
+    """Several keys that differ in one number -> one key with a ``{range}``; keys that differ
+    in one name only -> one key with the names in braces, in order (a split's
+    ``self_attention/{query,key,value}/kernel``); others listed."""
+    shown = compress([join_key(key, sep) for key in keys])
+    if len(shown) == len(keys) > 1:
+        place = _one_differing_name(keys)
+        if place is not None:
+            names = ",".join(key[place] for key in keys)
+            return join_key((*keys[0][:place], f"{{{names}}}", *keys[0][place + 1:]), sep)
+    return ", ".join(shown)
+
+
+def _one_differing_name(keys: Sequence[KeyPath]) -> int | None:
+    """The one place at which keys of two or more names each differ, if there is exactly one."""
+    if len({len(key) for key in keys}) != 1 or len(keys[0]) < 2:
+        return None
+    places = [i for i in range(len(keys[0])) if len({key[i] for key in keys}) > 1]
+    return places[0] if len(places) == 1 and len({key[places[0]] for key in keys}) == len(keys) else None

@@ -232,3 +232,22 @@ def test_plan_prints_a_table_and_inspect_groups_layers(tmp_path, capsys):
     out = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
     assert "layers.{0..7}.proj.weight float32 (4, 4) 64 B each, 8 arrays" in out
     assert not any(line.startswith("layers.3.") for line in out)
+
+
+def test_table_gives_a_subtree_left_on_disk_one_row_and_keeps_keys_beside_loaded_ones(tmp_path, capsys):
+    """A checkpoint holding an optimizer's state beside the model, planned into the model alone:
+    the whole ``optim`` subtree is one row with its count; an extra key among the loaded layers
+    is its own row."""
+    from safetensors.torch import save_file
+
+    model = Stack().state_dict()
+    optim = {f"optim.{moment}.layers.{i}.proj.weight": torch.zeros(4, 4)
+             for moment in ("exp_avg", "exp_avg_sq") for i in range(LAYERS)}
+    save_file({**model, **optim, "layers.0.proj.scale": torch.ones(4)}, tmp_path / "full.safetensors")
+    save_file({"_orig_mod." + k: v for k, v in model.items()}, tmp_path / "compiled.safetensors")
+    incomplete = main(["plan", str(tmp_path / "full.safetensors"), "--like", str(tmp_path / "compiled.safetensors")])
+    out = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+    assert incomplete == 1 and out[0].endswith(f", {2 * LAYERS + 1} unexpected")
+    rows = [line for line in out if " | " in line]
+    assert rows[-2:] == ["layers.0.proj.scale | unexpected |", f"optim.* | unexpected | {2 * LAYERS} keys"]
+    assert "optim.exp_avg_sq.layers.{0..7}.proj.weight -> unexpected" in out  # the plan below has every key

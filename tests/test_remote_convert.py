@@ -109,15 +109,15 @@ def test_a_failure_while_copying_into_place_removes_what_was_copied(bucket, tmp_
     source, _ = local_dcp(tmp_path)
     fs = filesystem(bucket.partition(":")[0])  # the client instance convert writes through
     copies = []
-    real_copy = fs.copy
+    real_copy = fs._cp_file
 
-    def copy_then_fail(path1, path2, *args, **kwargs):
+    async def copy_then_fail(path1, path2, **kwargs):  # one server-side copy of one object
         if copies:
             raise OSError("connection reset (injected)")
         copies.append(path2)
-        return real_copy(path1, path2, *args, **kwargs)
+        return await real_copy(path1, path2, **kwargs)
 
-    monkeypatch.setattr(fs, "copy", copy_then_fail)  # fsspec puts its sync methods on the instance
+    monkeypatch.setattr(fs, "_cp_file", copy_then_fail)
     with pytest.raises(DestinationError, match="Nothing was left at"):
         convert(source, f"{bucket}/out/step_1", to="dcp", progress=False)
     assert copies  # one object had reached the final name

@@ -198,3 +198,34 @@ def test_url_ckptshim_cannot_read_is_dcps(bucket):
         dcp.load(compiled_state(), checkpoint_id=f"{bucket}/dcp/nothing")
     assert failures(shimmed.value) == failures(native.value)
     assert any("holds no .metadata" in note or "does not read it" in note for note in shimmed.value.__notes__)
+
+
+def test_two_ranks_each_read_only_their_own_file_from_the_bucket(s3_server, tmp_path):
+    """Two gloo ranks save an FSDP2 model to S3 with DCP's own writer (one data file per rank),
+    then load it into a compiled FSDP2 model: ckptshim remaps and reads from the bucket, each
+    rank exactly its own shards. A rank reads no byte of the other rank's file beyond the values
+    every rank holds whole (which DCP's save wrote once, into one rank's file)."""
+    import json
+    import subprocess
+    import sys
+
+    from support.processes import environment, worker
+
+    url = f"{s3_server.new_bucket()}/fsdp2"
+    env = {k: v for k, v in environment().items() if not k.startswith("CKPTSHIM_")}
+    try:
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              worker("remote_dcp_worker.py"), url, str(tmp_path)],
+                             capture_output=True, text=True, timeout=300, env=env, check=False)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"the two ranks hung: {error.stdout}{error.stderr}")
+    assert run.returncode == 0, run.stdout + run.stderr
+    for rank in range(2):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert results == {"case_save_then_load_compiled": "ok"}, results
+        found = json.loads((tmp_path / f"reads{rank}.json").read_text())
+        foreign = [(name, start, start + length) for name, length, start in found["reads"]
+                   if name.endswith(".distcp") and name != f"__{rank}_0.distcp"]
+        assert all(any(name == file and first <= start and end <= last for file, first, last in found["whole"])
+                   for name, start, end in foreign), (foreign, found["whole"])
+        assert any(name == f"__{rank}_0.distcp" for name, _, _ in found["reads"])

@@ -202,28 +202,6 @@ def test_cli_converts_a_gs_item_as_its_local_copy(local, remote, tmp_path):
     assert all(there[key].dtype == here[key].dtype and there[key].tobytes() == here[key].tobytes() for key in here)
 
 
-def test_a_layout_not_read_remotely_is_orbaxs_own(gcs_server):
-    """A per-leaf zarr item (``use_ocdbt=False``) in a bucket: ckptshim does not read that layout
-    remotely, so Orbax restores it, with ckptshim as without: names matching, and names only
-    ckptshim could map (Orbax's own error)."""
-    import jax.numpy as jnp
-
-    url = f"{gcs_server.new_bucket()}/per-leaf"
-    tree = {"layers_0": {"w": jnp.arange(6, dtype=jnp.float32)}, "layers_1": {"w": jnp.ones(6, jnp.float32)}}
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)) as checkpointer:
-        checkpointer.save(url, args=ocp.args.PyTreeSave(tree))
-    assert jax_loading.open_item(Location.of(url)) is None
-    outcomes = []
-    for hooked in (False, True):
-        (ckptshim.install if hooked else ckptshim.uninstall)()
-        with ocp.StandardCheckpointer() as checkpointer:
-            assert_same(flat(checkpointer.restore(url, abstract(tree))), flat(tree))
-            with pytest.raises(ValueError) as raised:
-                checkpointer.restore(url, {"layers": {"w": jax.ShapeDtypeStruct((2, 6), jnp.float32)}})
-        outcomes.append((type(raised.value), str(raised.value)))
-    assert outcomes[0] == outcomes[1] and "Structure mismatch" in outcomes[0][1]
-
-
 def test_a_missing_data_file_is_refused_before_any_read(gcs_server, local, native):
     """Completeness as locally: every file the OCDBT index names must be in the listing, as large
     as the index says; the error names the file and the arrays it held."""
@@ -238,3 +216,37 @@ def test_a_missing_data_file_is_refused_before_any_read(gcs_server, local, nativ
     with ocp.StandardCheckpointer() as checkpointer, pytest.raises(CorruptCheckpointError) as raised:
         checkpointer.restore(url, abstract(train_state(native["tiny_scanned"])))
     assert f"d/{lost.rsplit('/', 1)[1]}: missing" in str(raised.value)
+
+
+# -- a manager's item names, in gs:// as on a local disk ------------------------------------------
+
+
+def _both(remote, local, run):
+    """``run(root)`` for the unscanned run's ``checkpoints`` prefix in the bucket, then on disk."""
+    return [run(where) for where in (remote["tiny_unscanned"].rsplit("/", 2)[0],
+                                     local["tiny_unscanned"].parent.parent)]
+
+
+def test_manager_restore_without_args_from_gs_reads_maxtexts_items_as_the_local_copy(local, remote):
+    """MaxText names its item ``items``; a fresh manager finds no handler for it, so Orbax alone
+    fails, remotely as locally; ckptshim restores the item as stored."""
+    there, here = _both(remote, local, lambda root: ocp.CheckpointManager(root).restore(1))
+    assert list(there.keys()) == list(here.keys()) == ["items"]
+    assert_same(flat(there["items"]), flat(here["items"]))
+
+
+def test_manager_single_item_args_from_gs_read_the_steps_one_train_state_item(local, remote, native):
+    target = abstract(train_state(native["tiny_scanned"]))
+    there, here = _both(remote, local, lambda root: ocp.CheckpointManager(root).restore(
+        1, args=ocp.args.StandardRestore(target)))
+    assert_same(flat(there), flat(here))
+    assert there["params"]["params"]["decoder"]["layers"]["mlp"]["wi_0"]["kernel"].shape == (32, LAYERS, 64)
+
+
+def test_composite_args_naming_state_from_gs_read_the_items_item(local, remote, native):
+    target = abstract(train_state(native["tiny_scanned"]))
+    handler = ocp.CompositeCheckpointHandler()
+    there, here = _both(remote, local, lambda root: ocp.Checkpointer(handler).restore(
+        f"{root}/1", args=ocp.args.Composite(state=ocp.args.StandardRestore(target))))
+    assert list(there.keys()) == ["state"]
+    assert_same(flat(there["state"]), flat(here["state"]))

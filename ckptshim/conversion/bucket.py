@@ -6,7 +6,7 @@ temporary sibling renamed into place) is kept this way:
 1. the writer writes under a temporary prefix beside DST, ``.<name>.ckptshim-tmp-<token>``,
    through the framework's own fsspec client (s3fs, gcsfs); nobody reads that name;
 2. when everything is written, each object is copied into place by the server (no byte comes
-   back to this machine), and for a folder :data:`MARKER` is written last: a JSON list of the
+   back to this machine; several copies in flight at once), and for a folder :data:`MARKER` is written last: a JSON list of the
    objects and their sizes. A folder without it is not (yet, or no longer) a finished
    conversion. A single object (``model.safetensors``) needs none: an object store publishes an
    object only once its upload or copy is complete;
@@ -33,7 +33,7 @@ from typing import IO, Any
 from ckptshim.conversion.atomic import TEMP_TAG, DestinationError, DestinationExistsError
 from ckptshim.formats.marker import MARKER
 from ckptshim.storage import Location
-from ckptshim.storage.objects import filesystem, fsspec_path
+from ckptshim.storage.objects import MAX_PARALLEL_READS, filesystem, fsspec_path
 
 
 def open_for_writing(location: Location) -> IO[bytes]:
@@ -112,8 +112,9 @@ def _into_place(fs: Any, tmp: Location, written: dict[str, int], destination: Lo
         if single:
             fs.copy(fsspec_path(tmp / destination.name), fsspec_path(destination))
             return
-        for name in sorted(written):
-            fs.copy(fsspec_path(tmp / name), fsspec_path(destination / name))
+        names = sorted(written)  # copied by the server, at most MAX_PARALLEL_READS at once
+        fs.copy([fsspec_path(tmp / name) for name in names], [fsspec_path(destination / name) for name in names],
+                batch_size=MAX_PARALLEL_READS)
         marker = {"written_by": "ckptshim convert", "objects": dict(sorted(written.items()))}
         fs.pipe_file(fsspec_path(destination / MARKER), json.dumps(marker, indent=1).encode())
     except BaseException:

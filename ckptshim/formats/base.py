@@ -521,10 +521,13 @@ def check_view(entry: Entry, begin: int, end: int, available: int, where: str) -
             f"{available}; the file is truncated. Re-copy it from the original.")
 
 
-def step_folders(root: Path, pattern: re.Pattern, accept: Callable[[Path], Path | None]) -> dict[int, Path]:
+def step_folders(root: Path | Location, pattern: re.Pattern,
+                 accept: Callable[[Any], Any]) -> dict[int, Any]:
     """Step number -> ``accept(child)``, in step order, for each child of ``root`` whose name
     ``pattern`` matches (its group 1 is the step) and that ``accept`` turns into a path (the
     step folder itself, or the file in it that holds the step).
+
+    ``root`` may be a bucket prefix (a :class:`~ckptshim.storage.Location`), listed once.
 
     Two children naming one step (``checkpoint_1`` beside ``checkpoint_01``) are refused: which
     one the writer meant would be a guess.
@@ -533,13 +536,14 @@ def step_folders(root: Path, pattern: re.Pattern, accept: Callable[[Path], Path 
         return _step_folders(root, pattern, accept)
 
 
-def _step_folders(root: Path, pattern: re.Pattern, accept: Callable[[Path], Path | None]) -> dict[int, Path]:
+def _step_folders(root: Path | Location, pattern: re.Pattern, accept: Callable[[Any], Any]) -> dict[int, Any]:
     if not root.is_dir():
         return {}
-    found: dict[int, tuple[str, Path]] = {}
+    found: dict[int, tuple[str, Any]] = {}
+    listed = (info.location for info in root.list()) if isinstance(root, Location) else root.iterdir()
     # by name, and only the children the pattern matches: a per-array checkpoint folder holds
     # 100,000 children, and comparing Path objects costs microseconds each
-    named = sorted((child.name, child) for child in root.iterdir() if pattern.match(child.name))
+    named = sorted(((child.name, child) for child in listed if pattern.match(child.name)), key=lambda pair: pair[0])
     for _, child in named:
         match = pattern.match(child.name)
         accepted = accept(child)

@@ -53,8 +53,11 @@ FORMATS: tuple[Format, ...] = ranked((hf_dir, dcp, megatron_core, deepspeed_zero
                                       paxml, orbax, orbax_manager, safetensors, torch_pickle, flax_msgpack), PRECEDENCE)
 #: The backends whose load calls name a checkpoint (see each format's ``READERS``).
 BACKENDS = ("torch", "jax")
-#: The formats whose ``open_checkpoint`` reads a remote :class:`~ckptshim.storage.Location`.
-REMOTE_FORMATS: tuple[Format, ...] = (hf_dir, dcp, orbax, safetensors)
+#: The formats whose ``open_checkpoint`` reads a remote :class:`~ckptshim.storage.Location`, in
+#: :data:`FORMATS`' order; those of :data:`LOCATION_SNIFFED` are recognised by their own sniffers.
+REMOTE_FORMATS: tuple[Format, ...] = (hf_dir, dcp, paxml_flax, t5x, paxml, orbax, safetensors, flax_msgpack)
+#: The remote formats whose ``sniff`` and ``READERS`` take a Location as they take a local path.
+LOCATION_SNIFFED: tuple[Format, ...] = (paxml_flax, t5x, paxml, orbax, flax_msgpack)
 
 
 def remote_location(path: str | os.PathLike | Location) -> Location | None:
@@ -87,7 +90,11 @@ def _detect_remote(where: Location, backend: str | None) -> Format:
     if names is not None and dcp in candidates and dcp.metadata_names(names):
         return dcp
     if names is not None and orbax in candidates and orbax.sniff_listed(names):
-        return orbax  # Orbax's default layout; T5X and PaxML write no _METADATA
+        return orbax  # Orbax's _METADATA layouts; T5X and PaxML write no _METADATA
+    with reading(where, "recognising its format"):
+        for fmt in candidates:
+            if fmt in LOCATION_SNIFFED and (fmt.sniff if backend is None else fmt.READERS[backend])(where):
+                return fmt
     raise UnknownFormatError(
         f"{where} is not a checkpoint ckptshim reads from object storage (so far: "
         f"{', '.join(fmt.NAME for fmt in candidates) or 'none for this backend'}). Copy it to a local "

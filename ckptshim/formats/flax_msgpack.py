@@ -3,7 +3,8 @@
 ``flax.training.checkpoints.save_checkpoint`` wrote these before Flax switched to Orbax (and
 still does with ``flax_use_orbax_checkpointing=False``): the target's state dict
 (``serialization.to_state_dict``) with arrays as msgpack extension records. The structure is
-read from a memory map (:mod:`ckptshim.formats.msgpack_tree`); array bytes are only touched when
+read from a memory map (:mod:`ckptshim.formats.msgpack_tree`; from a bucket, the object is
+fetched whole, as Flax reads it); array bytes are only touched when
 a restore reads them. A folder of such files reads as its latest step, ordered the way Flax's
 ``latest_checkpoint`` orders them (natural sort of the step suffix).
 """
@@ -11,13 +12,13 @@ a restore reads them. A folder of such files reads as its latest step, ordered t
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
 
-from ckptshim.formats import msgpack_tree
-from ckptshim.formats.base import (Checkpoint, file_info, numpy_dtype, reader, require_inside, require_plain,
+from ckptshim.formats import located, msgpack_tree
+from ckptshim.formats.base import (Checkpoint, numpy_dtype, reader, require_inside, require_plain,
                                    storage_dtype, target_mode)
+from ckptshim.formats.located import Where
 from ckptshim.inventory import Entry, Inventory
 
 NAME = "flax-msgpack"
@@ -25,24 +26,27 @@ PREFIX = "checkpoint_"
 _STEP = re.compile(r"^(-?\d+(?:\.\d+)?(?:e[+-]?\d+)?)$")
 
 
-def step_files(folder: Path, prefix: str = PREFIX) -> list[Path]:
-    """Legacy step files in ``folder``, oldest first (Flax's natural order of the step suffix).
+def step_files(folder: Where, prefix: str = PREFIX) -> list[Where]:
+    """Legacy step files in ``folder`` (a local folder or a bucket prefix, listed once), oldest
+    first (Flax's natural order of the step suffix).
 
-    Flax picks its latest step by name alone, so a step name that is neither a file nor a folder
-    (a FIFO, which Flax would open and wait on) is refused, not passed over for an older step.
+    Flax picks its latest step by name alone, so a local step name that is neither a file nor a
+    folder (a FIFO, which Flax would open and wait on) is refused, not passed over for an older
+    step. (An object store holds only objects.)
     """
     found = []
-    for child in folder.iterdir():
+    for child in located.children(folder):
         suffix = child.name[len(prefix):] if child.name.startswith(prefix) else ""
         if not _STEP.match(suffix):
             continue
-        require_plain(child, target_mode(child))  # a dangling link: no step
+        if not located.is_remote(child):
+            require_plain(child, target_mode(child))  # a dangling link: no step
         if msgpack_tree.is_msgpack_file(child):
             found.append((float(suffix), child))
     return [path for _, path in sorted(found)]
 
 
-def sniff(path: Path) -> bool:
+def sniff(path: Where) -> bool:
     return msgpack_tree.is_msgpack_file(path) or (path.is_dir() and bool(step_files(path)))
 
 
@@ -54,7 +58,7 @@ class FlaxMsgpackCheckpoint(Checkpoint):
 
     key_sep = "/"
 
-    def __init__(self, path: Path, version: str, inventory: Inventory, files, data) -> None:
+    def __init__(self, path: Where, version: str, inventory: Inventory, files, data) -> None:
         super().__init__(path, NAME, version, inventory, tuple(files))
         self._data = data
 
@@ -71,16 +75,18 @@ class FlaxMsgpackCheckpoint(Checkpoint):
 
 
 @reader
-def open_checkpoint(path: Path) -> FlaxMsgpackCheckpoint:
+def open_checkpoint(path: Where) -> FlaxMsgpackCheckpoint:
+    """A step file, or a folder (or prefix) of them (its latest step)."""
     version = "legacy msgpack"
     if path.is_dir():
         steps = step_files(path)
         version += f", latest of {len(steps)} step file(s)"
-        require_inside(path, steps[-1])
+        if not located.is_remote(path):
+            require_inside(path, steps[-1])
         path = steps[-1]
-    data = msgpack_tree.map_file(path)
+    data = msgpack_tree.contents(path)
     tree = msgpack_tree.read_tree(data, str(path))
     entries = [msgpack_tree.inline_entry(key, leaf)
                for key, leaf in msgpack_tree.leaves(tree).items() if not isinstance(leaf, str)]
     return FlaxMsgpackCheckpoint(path, version, Inventory(entries, str(path)),
-                                 [file_info(path, len(data))], data)
+                                 [located.file_info_at(path, size=len(data))], data)

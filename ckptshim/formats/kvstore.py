@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
 from ckptshim.errors import CorruptCheckpointError
-from ckptshim.formats.base import open_regular, regular_size
-from ckptshim.storage import Location
+from ckptshim.formats.base import metadata_limit, open_regular, regular_size
+from ckptshim.storage import ByteRange, Location, read_ranges
+from ckptshim.storage.problems import too_large
 
 #: Where a store lies: a local folder, or a prefix in a bucket.
 Root = Path | Location
@@ -68,8 +69,25 @@ def list_keys(root: Path, ocdbt: bool, context=None) -> list[str]:
             "index is missing or corrupt. Re-copy the checkpoint from the original.") from None
 
 
-def read_values(root: Path, ocdbt: bool, keys: list[str], context=None) -> dict[str, bytes | None]:
-    """Small values (metadata files) by key; ``None`` for a key that is absent."""
+def list_files(root: Root) -> dict[str, int | None]:
+    """Every file below the folder ``root``, by its name relative to it, with its size: from one
+    bounded listing of a bucket prefix; locally by tensorstore's listing (sizes ``None``: a
+    local file's size is taken where it is reported, links resolved)."""
+    if isinstance(root, Location) and root.is_remote:
+        return {info.location.relative_to(root): info.size for info in root.list(recursive=True)
+                if info.kind == "file"}
+    return dict.fromkeys(list_keys(Path(root), False))
+
+
+def read_values(root: Root, ocdbt: bool, keys: list[str], context=None,
+                sizes: Mapping[str, int | None] | None = None) -> dict[str, bytes | None]:
+    """Small values (metadata files) by key; ``None`` for a key that is absent.
+
+    Below a bucket prefix (files only), ``sizes`` is the prefix's listing (:func:`list_files`):
+    each file is fetched whole, in parallel, and refused before it is fetched when larger than
+    metadata can be (:func:`~ckptshim.formats.base.metadata_limit` of the listed bytes)."""
+    if isinstance(root, Location) and root.is_remote and not ocdbt:
+        return _read_remote_values(root, keys, sizes if sizes is not None else list_files(root))
     ts = _ts()
     store = ts.KvStore.open(kvstore_spec(root, ocdbt), context=context).result()
     futures = {key: store.read(key.encode()) for key in keys}
@@ -83,6 +101,17 @@ def read_values(root: Path, ocdbt: bool, keys: list[str], context=None) -> dict[
                 "or corrupt. Run `ckptshim inspect` on it to see which.") from None
         out[key] = bytes(result.value) if result.state == "value" else None
     return out
+
+
+def _read_remote_values(root: Location, keys: list[str], sizes: Mapping[str, int | None]) -> dict[str, bytes | None]:
+    limit = metadata_limit(sum(size or 0 for size in sizes.values()))
+    present = [key for key in keys if sizes.get(key) is not None]
+    for key in present:
+        if sizes[key] > limit:
+            raise too_large(root.child(key), sizes[key], limit)
+    found = dict(zip(present, read_ranges([ByteRange(root.child(key), 0, sizes[key]) for key in present])
+                     if present else []))
+    return {key: bytes(found[key]) if key in found else None for key in keys}
 
 
 @dataclass(frozen=True, slots=True)

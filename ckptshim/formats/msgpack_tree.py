@@ -22,7 +22,9 @@ from typing import Any
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
+from ckptshim.formats import located
 from ckptshim.formats.base import Budget, numpy_dtype, open_regular
+from ckptshim.formats.located import Where
 from ckptshim.inventory import DTYPE_SIZES, Entry, KeyPath, dtype_name, flatten
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
@@ -237,17 +239,19 @@ def copy_inline(data, entry: Entry, index: tuple, out: np.ndarray) -> None:
     np.copyto(out, value[index], casting="unsafe")
 
 
-def is_msgpack_file(path) -> bool:
-    """Cheap: is ``path`` a file that starts like a msgpack map (as Flax trees do)?"""
-    if not path.is_file():
-        return False
-    with open_regular(path) as f:
-        head = f.read(1)
+def is_msgpack_file(path: Where) -> bool:
+    """Cheap: is ``path`` a file (or object) that starts like a msgpack map (as Flax trees do)?"""
+    head = located.head(path, 1)
     return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
 
 
-def map_file(path) -> Any:
-    """A read-only memory map of ``path`` (an empty bytes object for an empty file)."""
+def contents(path: Where, limit: int | None = None) -> Any:
+    """The bytes of the msgpack file at ``path``: locally a read-only memory map (an empty bytes
+    object for an empty file), so that listing touches only the headers; remotely the whole
+    object, as Flax and T5X read it (their arrays are inline), refused beyond ``limit`` (where
+    the file is metadata, whose size no other file vouches for) before a byte is fetched."""
+    if located.is_remote(path):
+        return path.read_bytes(limit if limit is not None else path.stat().size)
     import mmap
 
     with open_regular(path) as f:

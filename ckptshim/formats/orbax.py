@@ -19,7 +19,7 @@ completeness from the OCDBT index and the listing of chunk keys.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -27,9 +27,9 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
-from ckptshim.formats import kvstore, msgpack_tree, zarr
+from ckptshim.formats import kvstore, located, msgpack_tree, zarr
 from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, metadata_limit, numpy_dtype,
-                                   read_regular, reader, refuse_links_leaving, storage_dtype, strict_json)
+                                   reader, refuse_links_leaving, storage_dtype, strict_json)
 from ckptshim.formats.ts_arrays import TensorstoreArrays
 from ckptshim.inventory import Entry, Inventory, KeyPath
 from ckptshim.storage import Location
@@ -48,7 +48,7 @@ REMOTE_TARGET_WORKERS = 8
 _ARRAY_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
 
 
-def sniff(path: Path) -> bool:
+def sniff(path: Path | Location) -> bool:
     """Cheap: does ``path`` look like one Orbax PyTree item (any layout)?"""
     if not path.is_dir():
         return False
@@ -61,9 +61,9 @@ READERS = {"jax": sniff}
 
 
 def sniff_listed(names: set[str] | frozenset[str]) -> bool:
-    """Whether the names one listing of a prefix found are those of an Orbax item in the layout
-    ckptshim reads from object storage (``_METADATA`` and an OCDBT database)."""
-    return METADATA in names and OCDBT_MANIFEST in names
+    """Whether the names one listing of a prefix found are those of an Orbax item in the
+    ``_METADATA`` layouts (OCDBT or per-leaf zarr folders)."""
+    return METADATA in names
 
 
 def orbax_readers(checkpoint: Checkpoint) -> frozenset[str]:
@@ -90,10 +90,12 @@ class OrbaxCheckpoint(Checkpoint):
     target_workers = 1
 
     def __init__(self, path: Path | Location, version: str, inventory: Inventory, files, problems,
-                 *, ocdbt: bool, native: bool, aggregate=None) -> None:
+                 *, ocdbt: bool, native: bool, aggregate=None,
+                 array_metadata: Mapping[str, bytes] | None = None) -> None:
+        """``array_metadata``: array name -> its ``.zarray``/``zarr.json`` bytes, as read here."""
         super().__init__(path, NAME, version, inventory, tuple(files), tuple(problems))
         self.native = native
-        self._arrays = TensorstoreArrays(path, ocdbt)
+        self._arrays = TensorstoreArrays(path, ocdbt, array_metadata)
         if isinstance(path, Location) and path.is_remote:  # each read a round trip: build a few at once
             self.target_workers = REMOTE_TARGET_WORKERS
         self._aggregate = aggregate
@@ -147,7 +149,7 @@ def _metadata_leaves(where: object, read: Callable[[], bytes],
     return leaves, {name: value for name, value in meta.items() if name != "tree_metadata"}  # not the tree: big
 
 
-def _require_plain_names(path: Path, leaves: list[tuple[KeyPath, object]]) -> None:
+def _require_plain_names(path: Path | Location, leaves: list[tuple[KeyPath, object]]) -> None:
     """Each ``PLACEHOLDER://<name>`` must name a folder of this item: no ``/``, ``..`` or root."""
     for key, name in leaves:
         if isinstance(name, str) and (not name or name in (".", "..") or PurePosixPath(name).name != name):
@@ -160,64 +162,80 @@ def _require_plain_names(path: Path, leaves: list[tuple[KeyPath, object]]) -> No
 @reader
 def open_checkpoint(path: Path | Location) -> OrbaxCheckpoint:
     """The Orbax item folder ``path``, or, in a bucket, the item below the prefix ``path``."""
-    if isinstance(path, Location) and path.is_remote:
-        return _open_remote(path)
-    refuse_links_leaving(path)  # array folders, chunks, OCDBT data files: tensorstore follows links
-    native = (path / METADATA).is_file()
-    ocdbt = (path / OCDBT_MANIFEST).is_file()
+    found = _Found.remote(path) if located.is_remote(path) else _Found.local(path)
+    native, ocdbt = found.has(METADATA), found.has(OCDBT_MANIFEST)
     aggregate = None
+    walked = None
+    if ocdbt and found.size_of is not None:
+        # in a bucket the index is walked while _METADATA is fetched and parsed: each is a round
+        # trip or more, and a restore that steps aside waits for both before Orbax's own starts
+        walking = ThreadPoolExecutor(1, thread_name_prefix="ckptshim-ocdbt")
+        walked = walking.submit(_Store.ocdbt, path, found.size_of)
+        walking.shutdown(wait=False)
     if native:
-        leaves, meta = _metadata_leaves(path / METADATA, lambda: read_regular(path / METADATA), folder_bytes(path))
-    else:
+        meta_file = path / METADATA
+        size = found.size_of(METADATA) if found.size_of is not None else None  # the listing's: a round trip less
+        leaves, meta = _metadata_leaves(meta_file, lambda: located.read_whole(meta_file, found.limit, size),
+                                        found.array_bytes)
+    elif found.has(AGGREGATE):
         meta = {}
-        aggregate = msgpack_tree.map_file(path / AGGREGATE)
+        aggregate = msgpack_tree.contents(path / AGGREGATE, found.limit)
         tree = msgpack_tree.read_tree(aggregate, str(path / AGGREGATE))
-        found = msgpack_tree.leaves(tree)
-        if any(key[-2:] == ("kvstore", "driver") for key in found):
-            raise UnknownFormatError(
-                f"{path / AGGREGATE} names its arrays by tensorstore specs, as T5X's legacy "
-                "checkpointer does, not by Orbax PLACEHOLDER leaves; ckptshim does not read T5X "
-                "legacy checkpoints as Orbax ones.")
-        leaves = [(key, leaf[len(PLACEHOLDER):] if isinstance(leaf, str) else leaf)
-                  for key, leaf in found.items() if not isinstance(leaf, str) or leaf.startswith(PLACEHOLDER)]
-        _require_plain_names(path, leaves)
-    store = _Store.ocdbt(path) if ocdbt else _Store.folders(path)
+        leaves = _aggregate_leaves(path, tree)
+    else:
+        raise UnknownFormatError(f"{path} holds neither {METADATA} nor an aggregate {AGGREGATE} file; it is "
+                                 "not an Orbax item. Point at the item's folder (a step's `default/`, `state/`, ...).")
+    store = walked.result() if walked is not None else \
+        _Store.ocdbt(path, found.size_of) if ocdbt else _Store.folders(path, found.listed)
     return _checkpoint(path, leaves, meta, store, ocdbt=ocdbt, native=native, aggregate=aggregate,
-                       info=lambda name, size, **kw: file_info(path / name, size, root=path, **kw))
+                       info=found.info, problems=found.problems)
 
 
-def _open_remote(root: Location) -> OrbaxCheckpoint:
-    """An item below a bucket prefix, in the layout Orbax writes there by default: ``_METADATA``
-    and an OCDBT database, which tensorstore reads through its ``gcs``/``s3`` kvstore. One bounded
-    listing gives every file's size (an object store has no links to refuse). On GCS Orbax
-    writes ``commit_success.txt`` into a folder once its save is complete, and refuses a
-    restore of one without it ("Found incomplete checkpoint"): it is part of completeness here
-    (:func:`_uncommitted`). Another layout (per-leaf zarr, the legacy aggregate) is not read
-    remotely yet."""
-    listed = {info.location.relative_to(root): info for info in root.list(recursive=True) if info.kind == "file"}
-    if not sniff_listed(listed.keys()):
+def _aggregate_leaves(path: Path | Location, tree: object) -> list[tuple[KeyPath, object]]:
+    """The leaves of a pre-``_METADATA`` aggregate: ``PLACEHOLDER://<name>`` -> ``<name>``, inline
+    arrays and scalars as they are."""
+    found = msgpack_tree.leaves(tree)
+    if any(key[-2:] == ("kvstore", "driver") for key in found):
         raise UnknownFormatError(
-            f"{root} holds no {METADATA} and {OCDBT_MANIFEST}; ckptshim reads Orbax items in object "
-            "storage in Orbax's default layout (OCDBT) only so far.")
-    array_bytes = sum(info.size for info in listed.values())
-    meta_file = root.child(METADATA)
+            f"{path / AGGREGATE} names its arrays by tensorstore specs, as T5X's legacy "
+            "checkpointer does, not by Orbax PLACEHOLDER leaves; ckptshim does not read T5X "
+            "legacy checkpoints as Orbax ones.")
+    leaves = [(key, leaf[len(PLACEHOLDER):] if isinstance(leaf, str) else leaf)
+              for key, leaf in found.items() if not isinstance(leaf, str) or leaf.startswith(PLACEHOLDER)]
+    _require_plain_names(path, leaves)
+    return leaves
 
-    def size_of(name: str) -> int | None:
-        found = listed.get(name)
-        return None if found is None else found.size
 
-    def info(name: str, size: int | None, **kw) -> FileInfo:
-        return FileInfo(name, size_of(name), size, **kw)
+@dataclass(frozen=True)
+class _Found:
+    """What an item's folder holds, as opening it needs to know: locally by asking the file
+    system (links leaving the folder refused first: tensorstore follows them); in a bucket from
+    one bounded listing of the prefix (every file and its size; an object store has no links),
+    which also bounds its metadata files and says whether the save was committed
+    (:func:`_uncommitted`)."""
 
-    # the index is walked while _METADATA is fetched and parsed: each is a round trip or more,
-    # and a restore that steps aside waits for both before Orbax's own starts
-    with ThreadPoolExecutor(1, thread_name_prefix="ckptshim-ocdbt") as pool:
-        walked = pool.submit(_Store.ocdbt, root, size_of)
-        leaves, meta = _metadata_leaves(
-            meta_file, lambda: meta_file.read_bytes(metadata_limit(array_bytes), listed[METADATA].size), array_bytes)
-        store = walked.result()
-    return _checkpoint(root, leaves, meta, store, ocdbt=True, native=True,
-                       info=info, problems=_uncommitted(root, listed))
+    has: Callable[[str], bool]
+    array_bytes: int
+    limit: int                             # the most bytes a metadata file read whole may have
+    info: Callable[..., FileInfo]
+    size_of: kvstore.SizeOf | None = None  # None: a local file's, asked of the file system
+    listed: dict[str, int | None] | None = None
+    problems: tuple[str, ...] = ()
+
+    @classmethod
+    def local(cls, path: Path) -> _Found:
+        refuse_links_leaving(path)  # array folders, chunks, OCDBT data files: tensorstore follows links
+        array_bytes = folder_bytes(path)
+        return cls(lambda name: (path / name).is_file(), array_bytes, metadata_limit(array_bytes),
+                   lambda name, size, **kw: file_info(path / name, size, root=path, **kw))
+
+    @classmethod
+    def remote(cls, root: Location) -> _Found:
+        listed = kvstore.list_files(root)
+        array_bytes = sum(size or 0 for size in listed.values())
+        return cls(listed.__contains__, array_bytes, metadata_limit(array_bytes),
+                   lambda name, size, **kw: FileInfo(name, listed.get(name), size, **kw),
+                   listed.get, listed, tuple(_uncommitted(root, listed)))
 
 
 def _uncommitted(root: Location, listed: dict) -> list[str]:
@@ -268,7 +286,7 @@ def _checkpoint(path: Path | Location, leaves: list[tuple[KeyPath, object]], met
             array = parsed[array_meta] = zarr.parse(array_meta, f"{path}/{meta_key}")
         entries.append(Entry(key, array.shape, array.dtype, StoredArray(leaf, array.driver)))
         arrays[leaf] = array
-        present = store.by_array.get(leaf, set())
+        present = store.by_array.get(leaf, {})
         required = zarr.chunk_keys_required(array, fill_stored)
         if ocdbt:  # OCDBT records each chunk's size; the index's files are checked below
             count, absent = array.missing_chunks(present) if required else (0, [])
@@ -283,7 +301,8 @@ def _checkpoint(path: Path | Location, leaves: list[tuple[KeyPath, object]], met
         names = {name: "/".join(key) for key, name in leaves if isinstance(name, str)}
         files = ocdbt_files(path, store.index, names, arrays, info)
     return OrbaxCheckpoint(path, version, Inventory(entries, str(path)), files, problems,
-                           ocdbt=ocdbt, native=native, aggregate=aggregate)
+                           ocdbt=ocdbt, native=native, aggregate=aggregate,
+                           array_metadata={leaf: meta for leaf, (_, meta) in raw.items() if meta is not None})
 
 
 class _Store:
@@ -294,6 +313,7 @@ class _Store:
     def __init__(self, root: Path | Location, by_array: dict[str, set[str]],
                  index: kvstore.OcdbtIndex | None) -> None:
         self.root, self.by_array, self.index = root, by_array, index
+        self.listed: dict[str, int | None] | None = None
 
     @classmethod
     def ocdbt(cls, root: Path | Location, size_of: kvstore.SizeOf | None = None) -> _Store:
@@ -301,12 +321,14 @@ class _Store:
         return cls(root, index.keys, index)
 
     @classmethod
-    def folders(cls, root: Path) -> _Store:
-        by_array: dict[str, set[str]] = {}
-        for key in kvstore.list_keys(root, False):
+    def folders(cls, root: Path | Location, listed: dict[str, int | None] | None = None) -> _Store:
+        """Per-leaf arrays; ``listed``: a bucket prefix's listing (names and sizes)."""
+        self = cls(root, {}, None)
+        self.listed = listed if listed is not None else kvstore.list_files(root)
+        for key, size in self.listed.items():
             name, _, rest = key.partition("/")
-            by_array.setdefault(name, set()).add(rest)
-        return cls(root, by_array, None)
+            self.by_array.setdefault(name, {})[rest] = size
+        return self
 
     def metadata(self, names: list[str]) -> dict[str, tuple[str, bytes | None]]:
         """Array name -> (its metadata key, the bytes of its ``.zarray``/``zarr.json``)."""
@@ -314,7 +336,7 @@ class _Store:
                 for name in names}
         wanted = [key for key in keys.values() if key is not None]
         if self.index is None:
-            found = kvstore.read_values(self.root, False, wanted)
+            found = kvstore.read_values(self.root, False, wanted, sizes=self.listed)
         else:
             kept = self.index.kept
             found = {key: value if isinstance(value, bytes) else kvstore.read_reference(self.root, value)

@@ -20,29 +20,29 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
-from ckptshim.formats import kvstore, orbax, zarr
-from ckptshim.formats.base import Checkpoint, read_regular, reader, refuse_links_leaving, step_folders, strict_json
+from ckptshim.formats import kvstore, located, orbax, zarr
+from ckptshim.formats.base import Checkpoint, metadata_limit, reader, refuse_links_leaving, step_folders, strict_json
+from ckptshim.formats.located import Where
 from ckptshim.inventory import Entry, Inventory, KeyPath, flatten
 
 NAME = "paxml"
 STATE = "state"
-METADATA = Path("metadata") / "metadata"
+METADATA = "metadata/metadata"
 _STEP = re.compile(r"^checkpoint_(\d+)$")
 
 
-def _version(step_dir: Path) -> tuple[float | None, dict]:
+def _version(step_dir: Where) -> tuple[float | None, dict]:
     """(version, metadata) from ``metadata/metadata``; ``(None, {})`` when there is none."""
     where = step_dir / METADATA
     if not where.is_file():
         return None, {}
     try:
-        meta = strict_json(read_regular(where))
+        meta = strict_json(located.read_whole(where, metadata_limit(0)))
         return float(meta["version"]), meta
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CorruptCheckpointError(
@@ -50,15 +50,22 @@ def _version(step_dir: Path) -> tuple[float | None, dict]:
             "PaxML writes {\"version\": ...}. Re-copy the checkpoint.") from None
 
 
-def _zarr_folders(folder: Path) -> list[str]:
-    """Names of the zarr array folders directly in ``folder``."""
+def _zarr_folders(folder: Where) -> list[str]:
+    """Names of the zarr array folders directly in ``folder`` (a bucket prefix: from one listing)."""
+    if located.is_remote(folder):
+        try:
+            listed = kvstore.list_files(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted({name.partition("/")[0] for name in listed
+                       if name.count("/") == 1 and name.partition("/")[2] in zarr.METADATA_FILES})
     if not folder.is_dir():
         return []
     return sorted(child.name for child in folder.iterdir()
                   if child.is_dir() and any((child / m).is_file() for m in zarr.METADATA_FILES))
 
 
-def is_state_dir(path: Path) -> bool:
+def is_state_dir(path: Where) -> bool:
     """A PaxML ``state/`` item (or 0.0 step folder) of per-variable zarr folders."""
     if not path.is_dir() or (path / orbax.METADATA).exists() or (path / orbax.AGGREGATE).exists():
         return False
@@ -66,17 +73,17 @@ def is_state_dir(path: Path) -> bool:
     return any(n.startswith(("mdl_vars.", "opt_states")) for n in names)
 
 
-def is_step_dir(path: Path) -> bool:
+def is_step_dir(path: Where) -> bool:
     return path.is_dir() and (path / METADATA).is_file() and (path / STATE).is_dir()
 
 
-def steps(root: Path) -> dict[int, Path]:
+def steps(root: Where) -> dict[int, Where]:
     """Step number -> step folder, for ``checkpoint_%08d`` folders under ``root``."""
     return step_folders(root, _STEP,
                         lambda child: child if is_step_dir(child) or is_state_dir(child) else None)
 
 
-def sniff(path: Path) -> bool:
+def sniff(path: Where) -> bool:
     return is_step_dir(path) or is_state_dir(path) or bool(steps(path))
 
 
@@ -95,8 +102,10 @@ class PaxmlCheckpoint(orbax.OrbaxCheckpoint):
     #: Today's Orbax finds no tree metadata here; the Orbax hooks always step in.
     orbax_readers: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, path: Path, version: str, inventory: Inventory, files, problems) -> None:
-        super().__init__(path, version, inventory, files, problems, ocdbt=False, native=False)
+    def __init__(self, path: Where, version: str, inventory: Inventory, files, problems,
+                 array_metadata: dict[str, bytes]) -> None:
+        super().__init__(path, version, inventory, files, problems, ocdbt=False, native=False,
+                         array_metadata=array_metadata)
         self.format = NAME
 
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray):
@@ -117,8 +126,9 @@ def unpadded_shapes(meta: dict) -> dict[KeyPath, tuple[int, ...]]:
 
 
 @reader
-def open_checkpoint(path: Path) -> Checkpoint:
-    """A step folder, its ``state/`` item, or a ``checkpoints/`` root (latest step)."""
+def open_checkpoint(path: Where) -> Checkpoint:
+    """A step folder, its ``state/`` item, or a ``checkpoints/`` root (latest step); locally or
+    below a bucket prefix (listed once; each array's metadata fetched with a size cap)."""
     if not (is_step_dir(path) or is_state_dir(path)):
         found = steps(path)
         if not found:
@@ -126,7 +136,8 @@ def open_checkpoint(path: Path) -> Checkpoint:
         path = found[max(found)]
     step_dir, state = (path, path / STATE) if is_step_dir(path) else (
         (path.parent, path) if (path.parent / METADATA).is_file() else (path, path))
-    refuse_links_leaving(step_dir)
+    if not located.is_remote(step_dir):
+        refuse_links_leaving(step_dir)
     version, meta = _version(step_dir)
     if orbax.sniff(state):  # 1.2: OCDBT + Orbax aggregate
         item = orbax.open_checkpoint(state)
@@ -137,15 +148,17 @@ def open_checkpoint(path: Path) -> Checkpoint:
     except (TypeError, ValueError, OverflowError) as error:
         raise CorruptCheckpointError(f"{step_dir / METADATA}: an unpadded_shape that is not a list of "
                                      f"sizes ({type(error).__name__}: {error}). Re-copy the checkpoint.") from None
+    files_of = kvstore.list_files(state)
     names = _zarr_folders(state)
-    raw = kvstore.read_values(state, False, [f"{n}/{m}" for n in names for m in zarr.METADATA_FILES])
-    listed: dict[str, set[str]] = {}
-    for key in kvstore.list_keys(state, False):
+    raw = kvstore.read_values(state, False, [f"{n}/{m}" for n in names for m in zarr.METADATA_FILES], sizes=files_of)
+    listed: dict[str, dict[str, int | None]] = {}
+    for key, size in files_of.items():
         folder, _, rest = key.partition("/")
-        listed.setdefault(folder, set()).add(rest)
-    entries, problems, files = [], [], []
+        listed.setdefault(folder, {})[rest] = size
+    entries, problems, files, known = [], [], [], {}
     for name in names:
         meta_key = next(f"{name}/{m}" for m in zarr.METADATA_FILES if raw.get(f"{name}/{m}") is not None)
+        known[name] = raw[meta_key]
         array = zarr.parse(raw[meta_key], f"{state / meta_key}")
         key = tuple(name.split("."))
         shape = unpadded.get(key, array.shape)
@@ -157,9 +170,9 @@ def open_checkpoint(path: Path) -> Checkpoint:
         location = orbax.StoredArray(name, array.driver) if shape == array.shape else \
             _Padded(name, array.driver)
         entries.append(Entry(key, shape, array.dtype, location))
-        chunk_files, found = array.folder_report(state / name, listed.get(name, set()), "/".join(key),
+        chunk_files, found = array.folder_report(state / name, listed.get(name, {}), "/".join(key),
                                                  zarr.chunk_keys_required(array, False), state)
         files += chunk_files
         problems += found
     shown = "0.0 (no metadata)" if version is None else f"{version:g}"
-    return PaxmlCheckpoint(state, f"{shown}, tensorstore", Inventory(entries, str(state)), files, problems)
+    return PaxmlCheckpoint(state, f"{shown}, tensorstore", Inventory(entries, str(state)), files, problems, known)

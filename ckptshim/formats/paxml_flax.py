@@ -20,12 +20,12 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ckptshim.errors import CorruptCheckpointError
-from ckptshim.formats import flax_msgpack, msgpack_tree
-from ckptshim.formats.base import file_info, open_regular, reader, require_inside, step_folders
+from ckptshim.formats import flax_msgpack, located, msgpack_tree
+from ckptshim.formats.base import reader, require_inside, step_folders
+from ckptshim.formats.located import Where
 from ckptshim.inventory import Inventory, KeyPath
 
 NAME = "paxml-flax"
@@ -44,15 +44,12 @@ _TRAIN_STATE_FIELDS = {3: ("step", "mdl_vars", "opt_states"),
 _MAPPING_NODES = frozenset({"NestedMap", "FrozenDict"})
 
 
-def is_payload(path: Path) -> bool:
+def is_payload(path: Where) -> bool:
     """Cheap: a file whose msgpack map starts with PaxML's ``flattened_state`` key."""
-    if not path.is_file():
-        return False
-    with open_regular(path) as f:
-        return f.read(len(_HEADS[0])) in _HEADS
+    return located.head(path, len(_HEADS[0])) in _HEADS
 
 
-def _payload_of(path: Path) -> Path | None:
+def _payload_of(path: Where) -> Where | None:
     """The payload file of ``path`` (the file, its ``state`` item, or its step folder)."""
     for candidate in (path, path / AGGREGATE, path / STATE / AGGREGATE):
         if is_payload(candidate):
@@ -60,17 +57,17 @@ def _payload_of(path: Path) -> Path | None:
     return None
 
 
-def steps(root: Path) -> dict[int, Path]:
+def steps(root: Where) -> dict[int, Where]:
     """Step number -> payload file, for ``checkpoint_<step>`` folders or files under ``root``."""
     return step_folders(root, _STEP, _payload_of)
 
 
-def is_state_dir(path: Path) -> bool:
+def is_state_dir(path: Where) -> bool:
     """A ``state`` item (or a step folder) holding a PaxML FLAX payload."""
     return path.is_dir() and _payload_of(path) is not None
 
 
-def sniff(path: Path) -> bool:
+def sniff(path: Where) -> bool:
     return _payload_of(path) is not None or bool(steps(path))
 
 
@@ -212,7 +209,7 @@ def parse(text: str) -> Node:
 class PaxmlFlaxCheckpoint(flax_msgpack.FlaxMsgpackCheckpoint):
     """The payload file; its leaves are read in place from the memory map, as Flax's are."""
 
-    def __init__(self, path: Path, version: str, inventory: Inventory, files, data) -> None:
+    def __init__(self, path: Where, version: str, inventory: Inventory, files, data) -> None:
         super().__init__(path, version, inventory, files, data)
         self.format = NAME
 
@@ -258,7 +255,7 @@ def _custom_keys(node: Node) -> tuple[str, ...]:
         f"the children of TrainState, {', '.join(sorted(_MAPPING_NODES))}, dicts, lists and tuples)")
 
 
-def _positional(value: Any, where: Path) -> list:
+def _positional(value: Any, where: Where) -> list:
     """``flattened_state`` as a list: Orbax writes a msgpack array, Flax a ``{'0': ...}`` map."""
     if isinstance(value, list):
         return value
@@ -270,8 +267,9 @@ def _positional(value: Any, where: Path) -> list:
 
 
 @reader
-def open_checkpoint(path: Path) -> PaxmlFlaxCheckpoint:
-    """A payload file, its ``state`` item, its step folder, or a checkpoints root (latest step)."""
+def open_checkpoint(path: Where) -> PaxmlFlaxCheckpoint:
+    """A payload file, its ``state`` item, its step folder, or a checkpoints root (latest step);
+    locally or below a bucket prefix (the payload then fetched whole, as PaxML reads it)."""
     payload = _payload_of(path)
     version = "flax msgpack"
     if payload is None:
@@ -280,8 +278,9 @@ def open_checkpoint(path: Path) -> PaxmlFlaxCheckpoint:
             raise CorruptCheckpointError(f"{path}: no PaxML checkpoint_<step> with a FLAX payload found")
         payload = found[max(found)]
         version += f", latest of {len(found)} step(s)"
-    require_inside(path, payload)
-    data = msgpack_tree.map_file(payload)
+    if not located.is_remote(path):
+        require_inside(path, payload)
+    data = msgpack_tree.contents(payload)
     tree = msgpack_tree.read_tree(data, str(payload))
     if not isinstance(tree, dict) or set(tree) != {LEAVES, TREEDEF} or not isinstance(tree[TREEDEF], str):
         raise CorruptCheckpointError(
@@ -315,4 +314,4 @@ def open_checkpoint(path: Path) -> PaxmlFlaxCheckpoint:
     except ValueError as error:
         raise CorruptCheckpointError(f"{payload}: two leaves of {TREEDEF} spell one name ({error}); "
                                      "the names would be a guess. Re-copy the file.") from None
-    return PaxmlFlaxCheckpoint(payload, version, inventory, [file_info(payload, len(data))], data)
+    return PaxmlFlaxCheckpoint(payload, version, inventory, [located.file_info_at(payload, size=len(data))], data)

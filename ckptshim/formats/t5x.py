@@ -13,26 +13,26 @@
 
 Both are listed with the keys of the state dict ``load_t5x_checkpoint`` returns (``target/...``,
 ``state/...``), so one generation plans against the other with no renames. A spec is rewritten
-to the local step folder whatever bucket or driver it names -- the checkpoint may have been
-copied off GCS -- and refused if its path leaves that folder: a checkpoint must not make
-ckptshim read files it does not contain.
+to the step folder (local, or the step's own bucket prefix) whatever bucket or driver it names
+-- the checkpoint may have been copied off GCS, or onto it -- and refused if its path leaves
+that folder: a checkpoint must not make ckptshim read files it does not contain.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
-from ckptshim.formats import kvstore, msgpack_tree, orbax, zarr
-from ckptshim.formats.base import (Checkpoint, file_info, inside, numpy_dtype, open_regular, read_regular, reader,
-                                   refuse_links_leaving, step_folders, storage_dtype)
+from ckptshim.formats import kvstore, located, msgpack_tree, orbax, zarr
+from ckptshim.formats.base import (Checkpoint, metadata_limit, numpy_dtype, reader, refuse_links_leaving, step_folders,
+                                   storage_dtype)
+from ckptshim.formats.located import Where
 from ckptshim.inventory import Entry, Inventory, KeyPath
+from ckptshim.storage import Location
 
 NAME = "t5x"
 AGGREGATE = "checkpoint"
@@ -49,12 +49,11 @@ _FIRST_TREE_KEY = re.compile(r'"tree_metadata"\s*:\s*\{\s*"\(\'(?:state|target)\
 # -- recognising ------------------------------------------------------------------------------
 
 
-def _first_key(path: Path) -> str | None:
+def _first_key(path: Where) -> str | None:
     """The first key of the msgpack map in ``path`` (reads a few bytes), or ``None``."""
-    if not msgpack_tree.is_msgpack_file(path):
+    head = located.head(path, 64)
+    if not head or not (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF)):
         return None
-    with open_regular(path) as f:
-        head = f.read(64)
     offset = 1 if head[0] <= 0x8F else 3 if head[0] == 0xDE else 5
     if len(head) <= offset:
         return None
@@ -66,12 +65,12 @@ def _first_key(path: Path) -> str | None:
     return head[start:start + length].decode("utf-8", "replace")
 
 
-def is_legacy_step(path: Path) -> bool:
+def is_legacy_step(path: Where) -> bool:
     """Cheap: a folder whose ``checkpoint`` msgpack starts with T5X's ``version``/``optimizer``."""
     return path.is_dir() and _first_key(path / AGGREGATE) in _TOP_KEYS
 
 
-def is_orbax_step(path: Path) -> bool:
+def is_orbax_step(path: Where) -> bool:
     """A step folder written by T5X's Orbax path: a ``state`` item whose tree is target/state.
 
     Recognised by the manager's ``_CHECKPOINT_METADATA`` naming T5X's handlers, or else by the
@@ -82,22 +81,21 @@ def is_orbax_step(path: Path) -> bool:
     if not (path.is_dir() and orbax.sniff(item)):
         return False
     meta = path / "_CHECKPOINT_METADATA"
-    if meta.is_file() and "t5x." in read_regular(meta, 4096).decode("utf-8", "replace"):
+    if "t5x." in located.head(meta, 4096).decode("utf-8", "replace"):
         return True
     tree = item / orbax.METADATA
     if tree.is_file():  # the first tree key is near the start; the file may be many MiB
-        with open_regular(tree) as f:
-            return _FIRST_TREE_KEY.search(f.read(4096).decode("utf-8", "replace")) is not None
+        return _FIRST_TREE_KEY.search(located.head(tree, 4096).decode("utf-8", "replace")) is not None
     return _first_key(item / AGGREGATE) in {"state", "target"}
 
 
-def steps(root: Path) -> dict[int, Path]:
+def steps(root: Where) -> dict[int, Where]:
     """Step number -> ``checkpoint_<step>`` folder of either generation, under a model dir."""
     return step_folders(root, _STEP,
                         lambda child: child if is_legacy_step(child) or is_orbax_step(child) else None)
 
 
-def sniff(path: Path) -> bool:
+def sniff(path: Where) -> bool:
     if path.is_file():
         return path.name == AGGREGATE and is_legacy_step(path.parent)
     return is_legacy_step(path) or is_orbax_step(path) or bool(steps(path))
@@ -132,11 +130,14 @@ def _walk(node: Any, prefix: KeyPath, out: dict[KeyPath, Any]) -> None:
     # None (a parameter no optimizer updates) and strings hold no array
 
 
-def local_folder(spec: dict, step_dir: Path, where: str) -> str:
-    """The spec's zarr folder as a path relative to ``step_dir``; refuses one outside it.
+def local_folder(spec: dict, step_dir: Where, where: str) -> str:
+    """The spec's zarr folder as a name relative to ``step_dir`` (a folder, or a bucket prefix);
+    refuses one outside it.
 
     T5X resolves ``kvstore.path`` (or the pre-0.1.14 top-level ``path``) against the folder of
-    the msgpack file, and rewrites ``gcs`` to ``file`` when reading locally; so does this.
+    the msgpack file, and rewrites ``gcs`` to ``file`` when reading locally; so does this, and
+    reads the folder through the step's own store wherever the step is (a bucket named in the
+    spec is not followed: the folder must be the step's).
     """
     store = spec.get("kvstore")
     if isinstance(store, dict) and "path" in store:
@@ -152,14 +153,17 @@ def local_folder(spec: dict, step_dir: Path, where: str) -> str:
         raise CorruptCheckpointError(
             f"{where}: tensorstore spec with kvstore driver {driver!r} and path {relative!r}; T5X "
             f"writes drivers {sorted(_KVSTORE_DRIVERS)} with a relative folder name.")
-    root = step_dir.resolve()
-    resolved = Path(os.path.normpath(root / relative))
-    if resolved == root or root not in resolved.parents or not inside(root, resolved):  # a symlink out
+    root = Location.of(step_dir)
+    try:  # refuses an absolute name, a URL, '..' out, a link out; remotely any '.', '..' or empty name
+        name = root.child(relative.rstrip("/")).relative_to(root)
+    except UnsafeCheckpointError:
+        name = "."
+    if name in ("", "."):
         raise UnsafeCheckpointError(
             f"{where}: its tensorstore spec points at {relative!r}, outside the checkpoint folder "
             f"{step_dir}. T5X writes each array next to the msgpack file; ckptshim does not read "
             "files a checkpoint does not contain. Fix the spec or move the array into the folder.")
-    return resolved.relative_to(root).as_posix()
+    return name
 
 
 class T5XCheckpoint(orbax.OrbaxCheckpoint):
@@ -173,10 +177,10 @@ class T5XCheckpoint(orbax.OrbaxCheckpoint):
     #: Today's Orbax cannot read the tensorstore-spec leaves; the Orbax hooks always step in.
     orbax_readers: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, path: Path, version: str, inventory: Inventory, files, problems,
-                 aggregate, t5x_version: int) -> None:
+    def __init__(self, path: Where, version: str, inventory: Inventory, files, problems,
+                 aggregate, t5x_version: int, array_metadata: dict[str, bytes]) -> None:
         super().__init__(path, version, inventory, files, problems, ocdbt=False, native=False,
-                         aggregate=aggregate)
+                         aggregate=aggregate, array_metadata=array_metadata)
         self.format = NAME
         self.t5x_version = t5x_version
 
@@ -193,10 +197,11 @@ class T5XCheckpoint(orbax.OrbaxCheckpoint):
         return None
 
 
-def read_contents(step_dir: Path) -> tuple[Any, Any, int]:
-    """(memory map, tree, version) of a legacy step's msgpack; refuses versions T5X does not read."""
+def read_contents(step_dir: Where, limit: int | None = None) -> tuple[Any, Any, int]:
+    """(its bytes, tree, version) of a legacy step's msgpack (a memory map locally; from a
+    bucket, refused beyond ``limit``); refuses versions T5X does not read."""
     where = step_dir / AGGREGATE
-    data = msgpack_tree.map_file(where)
+    data = msgpack_tree.contents(where, limit)
     tree = msgpack_tree.read_tree(data, str(where))
     if not isinstance(tree, dict) or "optimizer" not in tree:
         raise CorruptCheckpointError(
@@ -212,22 +217,25 @@ def read_contents(step_dir: Path) -> tuple[Any, Any, int]:
     return data, tree, int(version)
 
 
-def _open_legacy(step_dir: Path) -> T5XCheckpoint:
-    refuse_links_leaving(step_dir)  # a chunk linked out of the folder would be read as weights
-    data, tree, t5x_version = read_contents(step_dir)
+def _open_legacy(step_dir: Where) -> T5XCheckpoint:
+    """A legacy step: its msgpack (from a bucket, capped by what its files can justify), then
+    each array's ``.zarray`` and chunk files, found by one listing of the step."""
+    if not located.is_remote(step_dir):
+        refuse_links_leaving(step_dir)  # a chunk linked out of the folder would be read as weights
+    listed = kvstore.list_files(step_dir)
+    data, tree, t5x_version = read_contents(step_dir, metadata_limit(sum(size or 0 for size in listed.values())))
     found: dict[KeyPath, Any] = {}
     _walk(tree["optimizer"], (), found)
-    listed = kvstore.list_keys(step_dir, False)
-    by_folder: dict[str, set[str]] = {}
-    for key in listed:
+    by_folder: dict[str, dict[str, int | None]] = {}
+    for key, size in listed.items():
         folder, _, rest = key.rpartition("/")
-        by_folder.setdefault(folder, set()).add(rest)
+        by_folder.setdefault(folder, {})[rest] = size
     entries: list[Entry] = []
     problems: list[str] = []
-    files = [file_info(step_dir / AGGREGATE, len(data), root=step_dir)]
+    files = [located.file_info_at(step_dir / AGGREGATE, len(data), root=step_dir, size=listed.get(AGGREGATE))]
     specs = {key: local_folder(leaf, step_dir, f"{step_dir / AGGREGATE} leaf {'/'.join(key)!r}")
              for key, leaf in found.items() if _is_spec(leaf)}
-    raw = kvstore.read_values(step_dir, False, [f"{name}/.zarray" for name in specs.values()])
+    raw = kvstore.read_values(step_dir, False, [f"{name}/.zarray" for name in specs.values()], sizes=listed)
     for key, leaf in found.items():
         if not _is_spec(leaf):
             entries.append(msgpack_tree.inline_entry(key, leaf))
@@ -245,13 +253,13 @@ def _open_legacy(step_dir: Path) -> T5XCheckpoint:
             entries.append(Entry(key, array.shape, "bfloat16", _Uint16Bits(name, array.driver)))
         else:
             entries.append(Entry(key, array.shape, array.dtype, orbax.StoredArray(name, array.driver)))
-        chunk_files, found = array.folder_report(step_dir / name, by_folder.get(name, set()), "/".join(key),
+        chunk_files, found = array.folder_report(step_dir / name, by_folder.get(name, {}), "/".join(key),
                                                  zarr.chunk_keys_required(array, False), step_dir)
         files += chunk_files
         problems += found
     return T5XCheckpoint(step_dir, f"legacy msgpack v{t5x_version}", Inventory(entries, str(step_dir)),
-                         files, problems,
-                         data, t5x_version)
+                         files, problems, data, t5x_version,
+                         {name: meta for name in specs.values() if (meta := raw.get(f"{name}/.zarray")) is not None})
 
 
 def _spec_shape_dtype(spec: dict) -> tuple[tuple[int, ...], str]:
@@ -270,8 +278,9 @@ def _spec_shape_dtype(spec: dict) -> tuple[tuple[int, ...], str]:
 
 
 @reader
-def open_checkpoint(path: Path) -> Checkpoint:
-    """A step folder of either generation, its ``checkpoint`` file, or a model dir (latest step)."""
+def open_checkpoint(path: Where) -> Checkpoint:
+    """A step folder of either generation, its ``checkpoint`` file, or a model dir (latest step);
+    locally or below a bucket prefix."""
     if path.is_file():
         path = path.parent
     if not (is_legacy_step(path) or is_orbax_step(path)):

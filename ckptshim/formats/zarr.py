@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
-from ckptshim.formats import frames
-from ckptshim.formats.base import ALLOWANCE_BYTES, FileInfo, Piece, file_info, strict_json
+from ckptshim.formats import frames, located
+from ckptshim.formats.base import ALLOWANCE_BYTES, FileInfo, Piece, strict_json
+from ckptshim.formats.located import Where
 from ckptshim.inventory import DTYPE_SIZES, dtype_name
 
 #: The metadata file of each zarr version, relative to the array's folder/prefix.
@@ -106,16 +107,19 @@ class ZarrArray:
         return "[" + ", ".join(f"{i * c}:{min((i + 1) * c, n)}"
                                for i, c, n in zip(starts, self.chunks, self.shape)) + "]"
 
-    def folder_files(self, folder: Path, present: Collection[str], key: str, required: bool,
-                     root: Path, *, raw: bool = False) -> tuple[list[FileInfo], int]:
+    def folder_files(self, folder: Where, present: Collection[str] | Mapping[str, int | None], key: str,
+                     required: bool, root: Where, *, raw: bool = False) -> tuple[list[FileInfo], int]:
         """The chunk files of an array stored as a folder of its own (per-leaf Orbax, PaxML,
         T5X, Megatron-Core), for the completeness report: each one ``present`` (its size), and --
         when ``required`` (see :func:`chunk_keys_required`) -- each missing one, with the block of
         array ``key`` it would hold. ``raw``: the chunks are stored uncompressed, so each must be
         exactly :attr:`chunk_bytes` long. At most :data:`LISTED_MISSING` missing files are listed;
-        the count of the others is returned (damaged metadata can declare any number)."""
+        the count of the others is returned (damaged metadata can declare any number). ``present``
+        maps each name to its size where a bucket's listing gave them."""
         writer, size = f"{folder.name}/", self.chunk_bytes if raw else None
-        files = [file_info(folder / name, size, root=root, writer=writer, pieces=(Piece(key, self.chunk_region(name)),))
+        sizes = present if isinstance(present, Mapping) else {}
+        files = [located.file_info_at(folder / name, size, root=root, size=sizes.get(name), writer=writer,
+                                      pieces=(Piece(key, self.chunk_region(name)),))
                  for name in sorted(present) if self.is_chunk_key(name)]
         if not required:
             return files, 0
@@ -124,13 +128,15 @@ class ZarrArray:
                            pieces=(Piece(key, self.chunk_region(name)),)) for name in first]
         return files, missing - len(first)
 
-    def folder_report(self, folder: Path, present: Collection[str], key: str, required: bool,
-                      root: Path) -> tuple[list[FileInfo], list[str]]:
+    def folder_report(self, folder: Where, present: Collection[str] | Mapping[str, int | None], key: str,
+                      required: bool, root: Where) -> tuple[list[FileInfo], list[str]]:
         """What the chunk files of an array stored as a folder of its own say: its files (see
         :meth:`folder_files`), and the problems -- chunk files missing beyond those listed, chunk
         files cut short or damaged (see :meth:`short_chunks`) -- each naming the folder."""
         files, unlisted = self.folder_files(folder, present, key, required, root)
         problems = [f"{folder.name}: {unlisted} more chunk file(s) missing"] if unlisted else []
+        if located.is_remote(folder):  # a bucket's chunks: present, their sizes listed; frames checked as read
+            return files, problems
         count, short = self.short_chunks(folder, present)
         if count:
             problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")

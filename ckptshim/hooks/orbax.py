@@ -126,8 +126,6 @@ def _shim_restore(wrapped, instance, args, kwargs) -> Any:
         return loading.restore_item(found, request_of(ckpt_args), where,
                                     lambda: _passthrough(wrapped, args, kwargs))
     requested = dict(ckpt_args.items())
-    if not requested and not isinstance(found, Path):
-        return _passthrough(wrapped, args, kwargs)  # every item of a step in a bucket: Orbax's
 
     @framework_call
     def native(names: list[str]) -> dict[str, Any]:
@@ -155,8 +153,8 @@ def _restore_every_item(step_dir, where: str, native, orbax_all) -> Any:
         arrays = set(loading.items_on_disk(step_dir))
         if not isinstance(raised.error, (KeyError, ValueError)) or not arrays:
             raise
-        every = {child.name: loading.Request("standard") if child.name in arrays else None
-                 for child in sorted(step_dir.iterdir()) if child.is_dir() and child.name not in RESERVED_ITEM_NAMES}
+        every = {name: loading.Request("standard") if name in arrays else None
+                 for name in loading.item_folders(step_dir) if name not in RESERVED_ITEM_NAMES}
         try:
             done = loading.restore_items(step_dir, every, where, native, force=True)
         except FrameworkRaised as failed:
@@ -235,20 +233,21 @@ def _settled_kind(instance) -> bool | None:
 
 
 def _step_of(instance, call: dict[str, Any]) -> tuple[int | None, Any]:
-    """The step the manager restores and its local folder, as Orbax picks them; ``(step, None)``
-    where there is none, or it is no local folder (Orbax then answers the call itself)."""
+    """The step the manager restores and its folder (local, or in a bucket ckptshim reads), as
+    Orbax picks them; ``(step, None)`` where there is none, or it is in a place ckptshim does not
+    read (Orbax then answers the call itself)."""
     import orbax.checkpoint as ocp
     from etils import epath
 
     root = call["directory"] or instance.directory
-    if local_path(root) is None:
+    if item_location(root) is None:
         return None, None
     step = call["step"]
     try:
         if step is None:
             step = instance.latest_step() if call["directory"] is None else \
                 max(ocp.utils.checkpoint_steps(root), default=None)
-        step_dir = None if step is None else local_path(instance._get_read_step_directory(step, epath.Path(root)))
+        step_dir = None if step is None else item_location(instance._get_read_step_directory(step, epath.Path(root)))
     except Exception:  # noqa: BLE001 - what Orbax's own lookup raises, its restore raises to the caller
         return step, None
     return step, step_dir if step_dir is not None and step_dir.is_dir() else None

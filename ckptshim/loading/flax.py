@@ -1,6 +1,8 @@
 """Flax's legacy single-file msgpack checkpoints (``checkpoint_<step>``), restored into a target.
 
-For an Orbax-backed checkpoint Flax calls an Orbax checkpointer, which the Orbax hook already
+The file may be in a bucket (``gs://``, ``s3://``): ckptshim reads it there as from a local copy
+(Flax itself reads URLs only through TensorFlow's ``gfile``, where it is installed). For an
+Orbax-backed checkpoint Flax calls an Orbax checkpointer, which the Orbax hook already
 covers. A legacy msgpack file whose state dict does not match the target's
 (``serialization.to_state_dict``) -- scanned vs unscanned layers, Linen vs NNX names -- is
 restored here into the target's layout and shardings and handed to
@@ -18,23 +20,29 @@ from typing import Any
 
 from ckptshim.formats import flax_msgpack
 from ckptshim.loading import agreement, jax as jax_loading
-from ckptshim.loading.paths import local_path
+from ckptshim.loading.paths import item_location
+from ckptshim.storage import Location
 
 
-def legacy_file(ckpt_dir: str | os.PathLike, step: Any, prefix: str) -> Path | None:
+def legacy_file(ckpt_dir: str | os.PathLike, step: Any, prefix: str) -> Path | Location | None:
     """The legacy msgpack file ``restore_checkpoint`` would read, as Flax picks it; else ``None``
-    (a URL among them: Flax reads it through its own file systems)."""
+    (a URL of a scheme ckptshim does not read, or one its client cannot reach: Flax reads it
+    through its own file systems). In a bucket the latest step is found from one listing, in
+    Flax's order (:func:`~ckptshim.formats.flax_msgpack.step_files`)."""
     from flax.training import checkpoints
 
-    path = local_path(ckpt_dir)
-    if path is None:
+    path = item_location(ckpt_dir)
+    if path is None or (isinstance(path, Location) and not jax_loading.reachable(path)):
         return None
     if step is not None:
         path = path / f"{prefix}{step}"
+    elif isinstance(path, Location):
+        latest = flax_msgpack.step_files(path, prefix)
+        path = latest[-1] if latest else path
     elif path.is_dir():
         latest = checkpoints.latest_checkpoint(path, prefix)
         path = Path(latest) if latest else path
-    return path if flax_msgpack.sniff(path) and path.is_file() else None
+    return path if path.is_file() and flax_msgpack.sniff(path) else None
 
 
 def restore_checkpoint(ckpt_dir: str | os.PathLike, target: Any, step: Any, prefix: str,

@@ -162,9 +162,18 @@ def _foreign_array_item(path: Path) -> bool:
     return True
 
 
-def items_on_disk(step_dir: Path) -> list[str]:
+def items_on_disk(step_dir: Path | Location) -> list[str]:
     """The array items a step folder holds (what a restore without args reads)."""
     return list(array_items(step_dir))
+
+
+#: The most entries ckptshim lists in a step folder: a step holds a handful of items.
+STEP_ENTRIES = 10_000
+
+
+def item_folders(step_dir: Path | Location) -> list[str]:
+    """The names of the folders in a step (each an item, or Orbax's own reserved ones), sorted."""
+    return [info.location.name for info in Location.of(step_dir).list(STEP_ENTRIES) if info.kind == "directory"]
 
 
 #: The item a single-item ``CheckpointManager`` saves (Orbax's ``DEFAULT_ITEM_NAME``).
@@ -185,7 +194,7 @@ class ItemRename:
         return f"the step holds item {self.stored!r}, restored for the single-item args"
 
 
-def manager_rename(step_dir: Path, single: bool, asked: list[str]) -> ItemRename | None:
+def manager_rename(step_dir: Path | Location, single: bool, asked: list[str]) -> ItemRename | None:
     """How a ``CheckpointManager`` that has not settled on single or composite items restores
     ``step_dir`` with single-item (``single``) or composite args naming ``asked``.
 

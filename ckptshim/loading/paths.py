@@ -38,6 +38,8 @@ def item_location(location: Any) -> Path | Location | None:
     """``location`` as a local :class:`~pathlib.Path` or, for an ``s3://``/``gs://`` URL, a
     :class:`~ckptshim.storage.Location`; ``None`` for a URL of another scheme (the framework's to
     read) or something that names no path."""
+    if isinstance(location, Location):
+        return location if location.is_remote else location.path
     path = local_path(location)
     if path is not None:
         return path

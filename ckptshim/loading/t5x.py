@@ -15,7 +15,8 @@ For such a step the T5X hook returns, through this module, what T5X returns for 
   own ``state_dict()`` and built in its shardings by ckptshim's JAX executor; otherwise they are
   read as stored, transformed, and merged with ``fallback_state`` as T5X does.
 
-Legacy steps go to T5X unchanged. t5x is not on PyPI; the names and signatures used here are
+Steps in a bucket (``gs://``) are read there, as from a local copy. Legacy steps go to T5X
+unchanged (T5X reads them through ``gfile``, in buckets too). t5x is not on PyPI; the names and signatures used here are
 those of ``t5x/checkpoints.py`` (google-research/t5x, 2026-04).
 """
 
@@ -31,15 +32,17 @@ from ckptshim.formats import t5x as t5x_format
 from ckptshim.formats.base import Checkpoint, numpy_dtype
 from ckptshim.inventory import flatten, unflatten
 from ckptshim.loading import agreement, jax as jax_loading
-from ckptshim.loading.paths import local_path
+from ckptshim.loading.paths import item_location
+from ckptshim.storage import Location
 from ckptshim.loading.report import report_read_as_stored
 
 
-def orbax_era_step(path: Any, step: int | None = None) -> Path | None:
+def orbax_era_step(path: Any, step: int | None = None) -> Path | Location | None:
     """The Orbax-era step folder a T5X call names (model dir + step, step dir, ``state/`` item or
-    its aggregate file); ``None`` for anything else (a URL among them), which T5X handles itself."""
-    path = None if path is None else local_path(path)
-    if path is None:
+    its aggregate file), locally or in a bucket; ``None`` for anything else (a legacy step, a URL
+    of another scheme or one the client cannot reach), which T5X handles itself."""
+    path = None if path is None else item_location(path)
+    if path is None or (isinstance(path, Location) and not jax_loading.reachable(path)):
         return None
     if path.is_dir() and step is not None:
         path = path / f"checkpoint_{step}"
@@ -143,7 +146,7 @@ def restore(instance: Any, call: dict[str, Any], native: Callable[[], Any]) -> A
 
     path = call["path"]
     if path is None:
-        path = local_path(instance.checkpoints_dir)
+        path = item_location(instance.checkpoints_dir)
         if path is not None and call["step"] is not None:
             path = path / f"checkpoint_{call['step']}"
     step_dir = orbax_era_step(path)

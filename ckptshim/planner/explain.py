@@ -8,8 +8,9 @@ differ only in one number are merged into a range.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Sequence
 
-from ckptshim.inventory import join_key
+from ckptshim.inventory import KeyPath, join_key
 from ckptshim.keytext import compress, group_rows, keys_text
 from ckptshim.planner.plan import Plan
 
@@ -76,8 +77,8 @@ def table(plan: Plan, sep: str = ".", limit: int | None = None) -> list[str]:
         origin = f"from {keys_text(op.sources, sep)}" if op.produces and op.sources and op.sources != keys else ""
         detail = "" if op.summary_by_example else op.note(sep)
         rows.append((keys_text(keys, sep), tally[0], f"{origin} ({detail})" if origin and detail else origin or detail))
-    rows += [(join_key(key, sep), "missing", "") for key in plan.missing]
-    rows += [(join_key(key, sep), "unexpected", "") for key in plan.unexpected]
+    rows += _subtree_rows(plan.missing, plan.target, "missing", sep)
+    rows += _subtree_rows(plan.unexpected, plan.source, "unexpected", sep)
     for m in plan.mismatched:
         rows.append((join_key(m.target, sep), "mismatched",
                      f"{m.why}: checkpoint {_shown(m.source_shape, m.of_dtype)}, target {_shown(m.target_shape, m.of_dtype)}"))
@@ -92,6 +93,26 @@ def table(plan: Plan, sep: str = ".", limit: int | None = None) -> list[str]:
     if left_out:
         lines.append(f"({left_out} more rows; `ckptshim plan` or CKPTSHIM_LOG=debug shows every one)")
     return lines
+
+
+def _subtree_rows(keys: Sequence[KeyPath], side: Iterable[KeyPath], status: str,
+                  sep: str) -> list[tuple[str, str, str]]:
+    """One row per key of ``keys`` (the missing target keys, or the unexpected checkpoint keys),
+    except where several lie in a subtree that holds nothing else of their side: that subtree is
+    one row with its count. A parameters-only restore leaves a whole optimizer state on disk;
+    the table says so in one line, and keeps every key that sits beside a loaded one."""
+    if len(keys) < 2:
+        return [(join_key(key, sep), status, "") for key in keys]
+    alone = set(keys)
+    depth = max(map(len, keys))
+    shared = {key[:i] for key in side if key not in alone for i in range(1, min(len(key), depth + 1))}
+    groups: dict[KeyPath, list[KeyPath]] = {}
+    for key in keys:
+        top = next((key[:i] for i in range(1, len(key)) if key[:i] not in shared), key)
+        groups.setdefault(top, []).append(key)
+    return [(join_key(members[0], sep), status, "") if len(members) == 1
+            else (f"{join_key(top, sep)}{sep}*", status, f"{len(members)} keys")
+            for top, members in groups.items()]
 
 
 def _row(cells: tuple[str, ...], widths: list[int]) -> str:

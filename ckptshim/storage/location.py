@@ -41,11 +41,12 @@ class UnsupportedLocation(ValueError):
     whoever asked steps aside and lets the framework read it."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Location:
     """A local path (``scheme == ""``, ``key`` the path as pathlib spells it) or an object or prefix in a
     bucket (``scheme`` ``"s3"``/``"gs"``/``"gcs"`` as written, ``key`` without leading or
-    trailing ``/``). Build one with :meth:`of`."""
+    trailing ``/``). Build one with :meth:`of`. Locations sort by scheme, bucket, then key (as a
+    reader orders its reads file by file)."""
 
     scheme: str
     bucket: str
