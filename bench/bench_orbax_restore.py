@@ -31,8 +31,13 @@ layer (layout-independently) and must agree. On a busy machine per-process times
 with ``ckptshim.uninstall()``/``install()``), and times the idle hook's decision alone (what it
 adds to Orbax's restore): target 1 + decision/native <= 1.02.
 
+With ``--gs`` the checkpoints, once written, are uploaded to a bucket of the test suite's GCS
+emulator (``tests/support/object_stores.py``; with the ``commit_success.txt`` Orbax's own save
+writes on ``gs://``) and every case restores from the ``gs://`` URL: arrays through
+tensorstore's ``gcs`` driver, the rest through gcsfs, for Orbax and ckptshim alike.
+
 Run: ``python bench/bench_orbax_restore.py [--layers 64 | --gib N|half] [--rounds 3] [--cases ...]
-[--paired N] [--cold] [--dir /tmp/...]``. The default cases are native, shimmed and idle; with ``--gib``,
+[--paired N] [--cold | --gs] [--dir /tmp/...]``. The default cases are native, shimmed and idle; with ``--gib``,
 shimmed, native_unscanned and native_refused (native of the scanned checkpoint peaks near 2x
 the restored bytes, more than half the machine's memory can hold). Orbax's save needs about 2x
 the arrays' bytes of memory, so the largest checkpoint it can write is about a quarter of the
@@ -42,6 +47,7 @@ machine's memory (``--gib 6`` on 24 GiB).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import hashlib
 import json
@@ -141,7 +147,12 @@ def _target(layers: int, scanned: bool) -> dict:
         is_leaf=lambda x: isinstance(x, tuple))}}
 
 
-def _paired(root: Path, layers: int, rounds: int) -> dict:
+def _at(root: str, name: str) -> Path | str:
+    """The checkpoint ``name`` below ``root``: a local folder, or a ``gs://`` URL kept a URL."""
+    return f"{root}/{name}" if "://" in root else Path(root) / name
+
+
+def _paired(root: str, layers: int, rounds: int) -> dict:
     """``native`` and ``idle`` alternated in this one process (the hooks off for ``native`` with
     ``ckptshim.uninstall()``), page cache warm, after one restore not counted: the median of the
     per-round idle/native ratios. And what the idle hook adds, timed alone: its decision (open
@@ -153,12 +164,13 @@ def _paired(root: Path, layers: int, rounds: int) -> dict:
 
     from ckptshim.hooks.orbax import request_of
     from ckptshim.loading import orbax as loading
+    from ckptshim.storage import Location
 
     target = _target(layers, scanned=True)
 
     def restore() -> float:
         start = time.perf_counter()
-        jax.block_until_ready(ocp.StandardCheckpointer().restore(root / "scanned", target))
+        jax.block_until_ready(ocp.StandardCheckpointer().restore(_at(root, "scanned"), target))
         return time.perf_counter() - start
 
     ckptshim.uninstall()
@@ -173,7 +185,7 @@ def _paired(root: Path, layers: int, rounds: int) -> dict:
     decisions = []
     for _ in range(rounds):
         start = time.perf_counter()
-        loading.restore_item(root / "scanned", request, "bench", lambda: None)
+        loading.restore_item(Location.of(str(_at(root, "scanned"))), request, "bench", lambda: None)
         decisions.append(time.perf_counter() - start)
     native = statistics.median(times["native"])
     return {"rounds": rounds, "native_seconds": round(native, 3),
@@ -183,7 +195,7 @@ def _paired(root: Path, layers: int, rounds: int) -> dict:
             "decision_over_native": round(statistics.median(decisions) / native, 4)}
 
 
-def _measure(root: Path, case: str, layers: int, cold: bool) -> dict:
+def _measure(root: str, case: str, layers: int, cold: bool) -> dict:
     """One restore in this (fresh) process: time, peak RSS over baseline, hashes."""
     if case.startswith("native"):
         os.environ["CKPTSHIM_DISABLE"] = "1"
@@ -194,7 +206,7 @@ def _measure(root: Path, case: str, layers: int, cold: bool) -> dict:
 
     scanned = case != "native_unscanned"
     target = _target(layers, scanned)
-    source = root / ("scanned" if case in SCANNED_CASES else "unscanned")
+    source = _at(root, "scanned" if case in SCANNED_CASES else "unscanned")
     raw = None
     if cold:
         drop_cache(source)
@@ -240,6 +252,8 @@ def main() -> int:
                         "with --gib: shimmed native_unscanned native_refused")
     parser.add_argument("--cold", action="store_true", help="drop the checkpoints' pages before every case")
     parser.add_argument("--dir", type=Path, default=None, help="where to write the checkpoints")
+    parser.add_argument("--gs", action="store_true",
+                        help="restore from a bucket of the test suite's GCS emulator (the checkpoints uploaded)")
     parser.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                         help="also time native and idle alternated in one process, ROUNDS rounds")
     parser.add_argument("--measure", nargs=2, metavar=("DIR", "CASE"), help=argparse.SUPPRESS)
@@ -248,8 +262,8 @@ def main() -> int:
     args = parser.parse_args()
     layers = _layers(args)
     if args.measure:
-        measure = _measure(Path(args.measure[0]), args.measure[1], layers, args.cold) if args.measure[1] != "paired" \
-            else _paired(Path(args.measure[0]), layers, args.paired)
+        measure = _measure(args.measure[0], args.measure[1], layers, args.cold) if args.measure[1] != "paired" \
+            else _paired(args.measure[0], layers, args.paired)
         print(json.dumps(measure))
         return 0
     if args.write:
@@ -257,7 +271,9 @@ def main() -> int:
         return 0
     cases = tuple(args.cases or (SMALL_CASES if args.gib is None else LARGE_CASES))
 
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+    if args.gs and args.cold:
+        parser.error("--cold drops local page cache; it means nothing with --gs")
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp, contextlib.ExitStack() as stack:
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         write = [sys.executable, __file__, "--write", tmp, "--layers", str(layers)]
         start = time.perf_counter()
@@ -268,25 +284,36 @@ def main() -> int:
         print(f"{layers} layers, {layers * LAYER_BYTES / 2**30:.2f} GiB of arrays, unscanned checkpoint "
               f"{stored / 2**30:.2f} GiB on disk, written in {written:.0f} s; "
               f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+        root = tmp
+        if args.gs:
+            from support import object_stores
+
+            store = object_stores.start("gs")
+            stack.callback(store.stop)
+            env |= store.client_env()
+            root = store.new_bucket() + "/run"
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-c", _UPLOAD, tmp, root], check=True, env=env)
+            print(f"uploaded to {root} in {time.perf_counter() - start:.0f} s", flush=True)
         runs: dict[str, list[dict]] = {case: [] for case in cases}
         for round_ in range(args.rounds):
             for case in cases[round_ % len(cases):] + cases[:round_ % len(cases)]:
                 load = os.getloadavg()[0]
-                out = subprocess.run([sys.executable, __file__, "--measure", tmp, case, "--layers", str(layers)]
+                out = subprocess.run([sys.executable, __file__, "--measure", root, case, "--layers", str(layers)]
                                      + ["--cold"] * args.cold,
                                      check=True, env=env, capture_output=True, text=True).stdout
                 runs[case].append(json.loads(out.strip().splitlines()[-1]) | {"load": load})
                 print(f"  {case}: {runs[case][-1]['seconds']:.2f} s (load average {load:.2f})", flush=True)
         if args.paired:
             load = os.getloadavg()[0]
-            out = subprocess.run([sys.executable, __file__, "--measure", tmp, "paired", "--layers", str(layers),
+            out = subprocess.run([sys.executable, __file__, "--measure", root, "paired", "--layers", str(layers),
                                   "--paired", str(args.paired)], check=True, env=env, capture_output=True, text=True)
             paired = json.loads(out.stdout.strip().splitlines()[-1]) | {"load": load}
     hashes = {json.dumps(run["hashes"]) for case in cases for run in runs[case] if "hashes" in run}
     assert len(hashes) == 1, "the cases restored different values"
     restored = layers * LAYER_BYTES
     report: dict = {"restored_GiB": round(restored / 2**30, 3), "stored_GiB": round(stored / 2**30, 3),
-                    "layers": layers, "cold": args.cold}
+                    "layers": layers, "cold": args.cold, "where": "gs (GCS emulator)" if args.gs else "local"}
     for case in cases:
         seconds = statistics.median(run["seconds"] for run in runs[case])
         peak = statistics.median(run["peak_over_baseline"] for run in runs[case])
@@ -321,6 +348,20 @@ def main() -> int:
     print(json.dumps(report, indent=1))
     return 0 if passed else 1
 
+
+#: Upload the written checkpoints (argv[1]) below a bucket URL (argv[2]), with the
+#: ``commit_success.txt`` Orbax's own save writes into every item it commits on ``gs://``.
+_UPLOAD = """
+import sys
+from pathlib import Path
+import fsspec
+local, url = Path(sys.argv[1]), sys.argv[2]
+fs = fsspec.filesystem("gs")
+for name in ("unscanned", "scanned"):
+    if (local / name).is_dir():
+        (local / name / "commit_success.txt").write_text(f"Checkpoint commit was successful to {url}/{name}")
+        fs.put(str(local / name), f"{url}/{name}", recursive=True)
+"""
 
 if __name__ == "__main__":
     sys.exit(main())

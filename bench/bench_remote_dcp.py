@@ -23,10 +23,6 @@ Run: ``python bench/bench_remote_dcp.py [--mib 256] [--rounds 3] [--schemes s3 g
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,28 +30,9 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import remote_rounds
 
 CASES = ("native", "matching", "shimmed", "download")
-WIDTH = 2048  # one 2048 x 2048 float32 layer is 16 MiB
-
-
-def _layer(index: int):
-    import torch
-
-    return torch.empty(WIDTH, WIDTH).uniform_(generator=torch.Generator().manual_seed(index))
-
-
-def _state(layers: int) -> dict:
-    import torch
-
-    state = {}
-    for i in range(layers):
-        state[f"layers.{i}.weight"] = _layer(i)
-        state[f"layers.{i}.bias"] = torch.full((WIDTH,), float(i))
-    return state
-
-
 def worker(case: str, url: str, layers: int) -> dict:
     """One case in this process; one JSON line on stdout."""
     warnings.simplefilter("ignore")
@@ -65,7 +42,7 @@ def worker(case: str, url: str, layers: int) -> dict:
 
     if case == "native":
         ckptshim.uninstall()
-    want = _state(layers)
+    want = remote_rounds.layered_state(layers)
     prefix = "" if case in ("native", "matching") else "_orig_mod."
     target = {prefix + key: torch.zeros_like(value) for key, value in want.items()}
     start = time.perf_counter()
@@ -84,67 +61,37 @@ def worker(case: str, url: str, layers: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=256, help="checkpoint size (default 256)")
-    parser.add_argument("--rounds", type=int, default=3, help="fresh processes per case")
-    parser.add_argument("--schemes", nargs="+", choices=("s3", "gs"), default=["s3", "gs"])
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
-    parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # worker mode
-    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser = remote_rounds.arguments(__doc__, CASES, rounds=3)
     args = parser.parse_args()
-    layers = max(1, args.mib * 2**20 // (WIDTH * WIDTH * 4))
-    if args.case:
-        print(json.dumps(worker(args.case, args.url, layers)))
+    if remote_rounds.worked(args, worker):
         return 0
+    layers = remote_rounds.layers_of(args.mib)
 
-    from support import object_stores
+    def write(bucket: str, env: dict[str, str]) -> str:
+        subprocess.run([sys.executable, "-c", _SAVE, bucket + "/checkpoint", str(layers), str(Path(__file__).resolve())],
+                       env=env, check=True)
+        return remote_rounds.described(layers)
+
+    def argv(case: str, bucket: str) -> list[str]:
+        return [sys.executable, __file__, "--case", case, "--url", bucket + "/checkpoint", "--mib", str(args.mib)]
 
     passed = True
     for scheme in args.schemes:
-        store = object_stores.start(scheme)
-        try:
-            env = {**os.environ, **store.client_env()}
-            url = store.new_bucket() + "/checkpoint"
-            start = time.perf_counter()
-            subprocess.run([sys.executable, "-c", _SAVE, url, str(layers), str(Path(__file__).resolve())],
-                           env=env, check=True)
-            print(f"{scheme}: {layers} x {WIDTH}x{WIDTH} float32 + biases ({layers * (WIDTH * WIDTH + WIDTH) * 4 / 2**20:.0f} "
-                  f"MiB) written in {time.perf_counter() - start:.1f} s; load average "
-                  f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
-            runs: dict[str, list[tuple[float, float]]] = {case: [] for case in args.cases}
-            for _ in range(args.rounds):
-                for case in args.cases:
-                    load = os.getloadavg()[0]
-                    out = subprocess.run([sys.executable, __file__, "--case", case, "--url", url,
-                                          "--mib", str(args.mib)], env=env, capture_output=True, text=True)
-                    if out.returncode:
-                        raise RuntimeError(f"{case} failed:\n{out.stderr[-3000:]}")
-                    runs[case].append((json.loads(out.stdout.strip().splitlines()[-1])["seconds"], load))
-                    print(f"  {case}: {runs[case][-1][0]:.2f} s (load average {load:.2f})", flush=True)
-        finally:
-            store.stop()
-        median = {case: statistics.median(s for s, _ in found) for case, found in runs.items()}
-        for case, seconds in median.items():
-            print(f"{scheme} {case:9s} median {seconds:.3f} s")
-        for case in ("matching", "shimmed"):
-            if {case, "native"} <= median.keys():
-                ratio = median[case] / median["native"]
-                print(f"{scheme} {case}/native: {ratio:.3f}  (target <= 1.1)")
-                passed &= ratio <= 1.1
-        if {"shimmed", "download"} <= median.keys():
-            print(f"{scheme} shimmed/download: {median['shimmed'] / median['download']:.3f}  (target < 1.0)")
-            passed &= median["shimmed"] < median["download"]
+        found = remote_rounds.medians(scheme, write, argv, args.cases, args.rounds)
+        passed &= remote_rounds.ratio(scheme, found, "matching", "native", 1.1)
+        passed &= remote_rounds.ratio(scheme, found, "shimmed", "native", 1.1)
+        passed &= remote_rounds.ratio(scheme, found, "shimmed", "download", 1.0, strict=True)
     return 0 if passed else 1
 
 
 _SAVE = """
 import sys, warnings
 warnings.simplefilter("ignore")
-import importlib.util
-spec = importlib.util.spec_from_file_location("bench_remote_dcp", sys.argv[3])
-bench = importlib.util.module_from_spec(spec); spec.loader.exec_module(bench)
+import os
+sys.path.insert(0, os.path.dirname(sys.argv[-1]))  # the bench folder
+import remote_rounds
 import torch.distributed.checkpoint as dcp
-dcp.save(bench._state(int(sys.argv[2])), checkpoint_id=sys.argv[1])
+dcp.save(remote_rounds.layered_state(int(sys.argv[2])), checkpoint_id=sys.argv[1])
 """
 
 if __name__ == "__main__":

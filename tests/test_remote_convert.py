@@ -12,6 +12,7 @@ import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 from torch import nn
@@ -153,3 +154,34 @@ def test_orbax_to_a_bucket_is_refused_before_reading(bucket, tmp_path):
     with pytest.raises(ConvertError, match="not orbax"):
         convert(file, f"{bucket}/out", to="orbax", progress=False)
     assert objects_below(f"{bucket}/out") == []
+
+
+@pytest.mark.parametrize("to, objects", [("dcp", None), ("safetensors", "model.safetensors")])
+def test_a_converted_folder_missing_an_object_its_marker_lists_is_incomplete(bucket, tmp_path, capsys, to, objects):
+    """A reader of a folder that ``convert`` wrote to a bucket checks its marker: complete as
+    written; with an object the marker lists gone (a DCP rank file), or replaced by one of
+    another size, an
+    incomplete checkpoint naming the object (``inspect`` and ``dcp.load`` alike), the destination
+    untouched."""
+    source, expected = local_dcp(tmp_path)
+    url = f"{bucket}/out/converted"
+    convert(source, url, to=to, progress=False)
+    loaded = {k: torch.zeros_like(v) for k, v in expected.items()}
+    dcp.load(loaded, checkpoint_id=url, no_dist=True)
+    assert same(loaded, expected)
+    fs, path = fsspec.core.url_to_fs(url)
+    marker = json.loads(fs.cat_file(f"{path}/{MARKER}"))
+    victim = objects or next(name for name in sorted(marker["objects"]) if name.endswith(".distcp"))
+    data = fs.cat_file(f"{path}/{victim}")
+    damages = [(lambda: fs.pipe_file(f"{path}/{victim}", data + b"\0" * 8), f"{len(data) + 8:,} bytes, but {MARKER} says")]
+    if to == "dcp":  # a folder that lost its only weights object is no checkpoint at all (inspect says so)
+        damages.insert(0, (lambda: fs.rm_file(f"{path}/{victim}"), "missing"))
+    for damage, words in damages:
+        damage()
+        fs.invalidate_cache()
+        assert cli.main(["inspect", url]) != 0
+        assert f"{victim}: {words}" in capsys.readouterr().err
+        untouched = {k: torch.zeros_like(v) for k, v in expected.items()}
+        with pytest.raises(CheckpointException, match=rf"is incomplete(.|\n)*{victim}: {words}"):
+            dcp.load(untouched, checkpoint_id=url, no_dist=True)
+        assert all(not v.any() for v in untouched.values())

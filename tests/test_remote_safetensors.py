@@ -213,3 +213,73 @@ def test_shards_in_a_subfolder_are_read(bucket, tmp_path):
     assert checkpoint.complete
     convert(f"{bucket}/tiny", tmp_path / "out.safetensors", to="safetensors", progress=False)
     assert same(load_file(tmp_path / "out.safetensors"), expected)
+
+
+def test_remote_tensors_are_read_a_window_at_a_time(bucket, tmp_path, monkeypatch):
+    """A load hands the format many blocks at once (a window of ``read_ahead_bytes``), and the
+    format fetches a window's tensors by one batch of byte ranges -- never a tensor per round
+    trip, never more than the window: the batches are recorded at ckptshim's own storage call,
+    the bytes come from the real server, and the values are the local load's."""
+    import torch.distributed.checkpoint as dcp
+    from ckptshim.formats import base
+
+    expected = {f"layers.{i}.weight": torch.randn(32, 16, generator=torch.Generator().manual_seed(i))
+                for i in range(12)}  # 2 KiB each
+    local = tmp_path / "model"
+    local.mkdir()
+    save_torch_state_dict(expected, local, max_shard_size="10KB")
+    url = f"{bucket}/windows"
+    upload(local, url)
+    batches: list[int] = []
+    real = base.read_ranges
+
+    def recorded(ranges, buffers=None):
+        batches.append(sum(r.length for r in ranges))
+        return real(ranges, buffers)
+
+    monkeypatch.setattr(base, "read_ranges", recorded)
+    monkeypatch.setattr(base, "READ_AHEAD_BYTES", 5 * 2048)
+    loaded = {key: torch.zeros_like(value) for key, value in expected.items()}
+    dcp.load(loaded, checkpoint_id=url, no_dist=True)
+    assert same(loaded, expected)
+    assert sum(batches) == 12 * 2048 and max(batches) <= 5 * 2048 and len(batches) < 12, batches
+    assert len(batches) == 3  # windows span shards: one batch each
+    batches.clear()
+    convert(url, tmp_path / "out.safetensors", to="safetensors", progress=False)
+    assert same(load_file(tmp_path / "out.safetensors"), expected)
+    assert sum(batches) == 12 * 2048 and max(batches) <= 5 * 2048 and len(batches) < 12, batches
+
+
+def test_blocks_read_together_are_the_local_reads(bucket, tmp_path):
+    """``read_blocks`` of a remote file, mixing what goes straight into its buffer (rows of a
+    tensor, a whole one) with what does not (a column range, a cast, a transposed buffer, an
+    empty block), fills every buffer as the same blocks read one by one from the local copy."""
+    import numpy as np
+
+    expected = state()
+    local = tmp_path / "model.safetensors"
+    save_file(expected, local)
+    url = f"{bucket}/mixed/model.safetensors"
+    upload(local, url)
+    requests = [("model.embed.weight", (slice(8, 24), slice(0, 16)), np.float32, False),
+                ("model.embed.weight", (slice(0, 64), slice(3, 9)), np.float32, False),
+                ("model.layers.0.mlp.weight", (slice(0, 32), slice(0, 16)), np.float64, False),
+                ("model.layers.0.mlp.weight", (slice(0, 32), slice(0, 16)), np.float32, True),
+                ("model.layers.0.norm.weight", (slice(0, 16),), np.uint16, False),
+                ("model.layers.1.mlp.weight", (slice(5, 5), slice(0, 16)), np.float16, False),
+                ("lm_head.steps", (slice(1, 4),), np.int64, False)]
+
+    def filled(where: str) -> list:
+        checkpoint = open_checkpoint(where)
+        blocks = []
+        for name, index, dtype, transposed in requests:
+            entry = checkpoint.inventory[tuple(name.split("."))]
+            shape = tuple(len(range(*part.indices(n))) for part, n in zip(index, entry.shape))
+            out = np.zeros(shape[::-1], dtype).T if transposed else np.zeros(shape, dtype)
+            blocks.append((entry, index, out))
+        checkpoint.read_blocks(blocks)
+        return [out for _, _, out in blocks]
+
+    remote, here = filled(url), filled(str(local))
+    assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(remote, here))
+    assert np.array_equal(here[0], expected["model.embed.weight"][8:24].numpy())

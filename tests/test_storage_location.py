@@ -235,15 +235,34 @@ def test_reads_of_what_is_missing_or_too_large(place):
         (place.root / "a.bin").read_bytes(limit=1024)
 
 
+def recorded_streams(monkeypatch) -> dict:
+    """What the store's streamed requests were: ``pieces`` (``(start, end)`` each) and ``most``
+    in flight at once (the client's own requests still run, against the real server)."""
+    flight: dict = {"now": 0, "most": 0, "pieces": []}
+
+    def counted(stream):
+        async def streaming(fs, piece, sink):
+            flight["now"] += 1
+            flight["most"] = max(flight["most"], flight["now"])
+            flight["pieces"].append((piece.start, piece.end))
+            try:
+                await stream(fs, piece, sink)
+            finally:
+                flight["now"] -= 1
+        return streaming
+
+    monkeypatch.setattr(objects, "_STREAMS", {scheme: counted(stream) for scheme, stream in objects._STREAMS.items()})
+    return flight
+
+
 def test_many_ranges_in_bounded_parallel_pieces(place, monkeypatch):
     """Ranges over several objects, those of one object that overlap fetched as one run, split
-    into pieces (a small piece size stands in for 16 MiB), each batch at most MAX_PARALLEL_READS
-    pieces; into buffers or as bytes."""
+    into pieces (a small piece size stands in for 16 MiB), at most MAX_PARALLEL_READS pieces in
+    flight (each streamed in chunks smaller than itself); into buffers or as bytes."""
     monkeypatch.setattr(objects, "PIECE_BYTES", 1000)
     monkeypatch.setattr(objects, "MAX_PARALLEL_READS", 4)
-    batches: list[int] = []
-    fetch = objects.FsspecObjects._fetch
-    monkeypatch.setattr(objects.FsspecObjects, "_fetch", lambda self, pieces: (batches.append(len(pieces)), fetch(self, pieces))[1])
+    monkeypatch.setattr(objects, "CHUNK_BYTES", 300)
+    flight = recorded_streams(monkeypatch)
     blobs = {f"o{i}": bytes((i * 7 + j) % 251 for j in range(3000 + 500 * i)) for i in range(3)}
     for name, blob in blobs.items():
         place.put(name, blob)
@@ -256,7 +275,8 @@ def test_many_ranges_in_bounded_parallel_pieces(place, monkeypatch):
     assert read_ranges(ranges, buffers) is None
     assert [b.tobytes() for b in buffers] == [blobs[n][s:s + n_] for n, s, n_ in wanted]
     if place.root.is_remote:
-        assert batches and max(batches) <= 4 and sum(batches) == 2 * sum(-(-len(blob) // 1000) for blob in blobs.values())
+        assert 1 < flight["most"] <= 4
+        assert len(flight["pieces"]) == 2 * sum(-(-len(blob) // 1000) for blob in blobs.values())
 
 
 def test_a_stored_name_that_would_leave_the_prefix_is_refused(s3_server):
@@ -311,12 +331,40 @@ def test_nearby_ranges_are_one_run_and_far_ones_are_not(place, monkeypatch):
     if not place.root.is_remote:
         pytest.skip("runs are how object stores are read")
     monkeypatch.setattr(objects, "MERGE_GAP", 100)
-    requests: list[tuple[int, int]] = []
-    fetch = objects.FsspecObjects._fetch
-    monkeypatch.setattr(objects.FsspecObjects, "_fetch", lambda self, pieces: (
-        requests.extend((piece.start, piece.end) for _, piece in pieces), fetch(self, pieces))[1])
+    requests = recorded_streams(monkeypatch)["pieces"]
     place.put("a.bin", DATA)
     wanted = [(0, 10), (60, 40), (150, 10), (1000, 24)]  # gaps 50, 50: one run; then 840: another
     got = read_ranges([ByteRange(place.root / "a.bin", start, length) for start, length in wanted])
     assert [bytes(g) for g in got] == [DATA[s:s + n] for s, n in wanted]
     assert sorted(requests) == [(0, 160), (1000, 1024)]
+
+
+def test_a_dropped_connection_is_retried_and_a_missing_object_is_not(place, monkeypatch):
+    """A piece whose connection fails mid-answer (after some of its bytes were written) is fetched
+    again from its start, and the buffers hold exactly its bytes; a missing object is reported
+    at once (the client's ``FileNotFoundError``), never retried."""
+    if not place.root.is_remote:
+        pytest.skip("retries are how object stores are read")
+    monkeypatch.setattr(objects, "CHUNK_BYTES", 1000)
+    place.put("a.bin", DATA)
+    tries: list[int] = []
+    dropped: list[bool] = []
+
+    def flaky(stream):
+        async def streaming(fs, piece, sink):
+            tries.append(piece.start)
+            if not dropped:
+                dropped.append(True)
+                sink.write(b"\xff" * 1000)  # a partial, wrong answer, then the connection drops
+                raise ConnectionResetError("the server went away")
+            await stream(fs, piece, sink)
+        return streaming
+
+    monkeypatch.setattr(objects, "_STREAMS", {scheme: flaky(stream) for scheme, stream in objects._STREAMS.items()})
+    out = np.zeros(4000, np.uint8)
+    (place.root / "a.bin").read_into(100, out)
+    assert out.tobytes() == DATA[100:4100] and tries == [100, 100]
+    tries.clear()
+    with pytest.raises(FileNotFoundError):
+        (place.root / "missing.bin").read(0, 10)
+    assert tries == [0]

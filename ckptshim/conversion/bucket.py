@@ -31,11 +31,9 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from ckptshim.conversion.atomic import TEMP_TAG, DestinationError, DestinationExistsError
+from ckptshim.formats.marker import MARKER
 from ckptshim.storage import Location
 from ckptshim.storage.objects import MAX_PARALLEL_READS, filesystem, fsspec_path
-
-#: The object written last inside a destination folder, once every other object is in place.
-MARKER = "ckptshim-complete.json"
 
 
 def open_for_writing(location: Location) -> IO[bytes]:

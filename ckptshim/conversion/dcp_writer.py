@@ -52,10 +52,10 @@ def write(arrays: PlannedArrays, folder: Path | Location, destination_name: str,
     import torch.distributed.checkpoint as dcp
 
     state_dict, entries = {}, {}
-    for entry in arrays.entries:
+    for entry, value in arrays.values():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only maps: torch only reads them
-            tensor = torch.from_numpy(arrays.read(entry))
+            tensor = torch.from_numpy(value)
         dtype = getattr(torch, entry.dtype)
         key = join_key(entry.key, ".")
         state_dict[key], entries[key] = (tensor if tensor.dtype == dtype else tensor.view(dtype)), entry

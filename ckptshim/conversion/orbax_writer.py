@@ -52,8 +52,7 @@ def write(arrays: PlannedArrays, folder: Path, destination_name: str, progress: 
     import orbax.checkpoint as ocp
 
     flat, entries = {}, {}
-    for entry in arrays.entries:
-        value = arrays.read(entry)
+    for entry, value in arrays.values():
         value = value.view(numpy_dtype(entry.dtype)) if value.dtype != numpy_dtype(entry.dtype) else value
         flat[entry.key], entries[id(value)] = value, entry
     handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_counting_registry(entries, progress))

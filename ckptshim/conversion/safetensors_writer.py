@@ -64,8 +64,8 @@ def write(arrays: PlannedArrays, folder: Path | Location, destination_name: str,
     remote = isinstance(path, Location) and path.is_remote
     with (open_for_writing(path) if remote else open(path, "wb")) as out:
         out.write(header(arrays))
-        for entry in arrays.entries:
-            value = np.ascontiguousarray(arrays.read(entry), dtype=storage_dtype(entry.dtype))
+        for entry, value in arrays.values():
+            value = np.ascontiguousarray(value, dtype=storage_dtype(entry.dtype))
             out.write(memoryview(value.reshape(-1)).cast("B"))
             out.flush()  # handed to the OS (or the upload) before it counts as written
             progress.written(entry)

@@ -1,4 +1,4 @@
-"""The files executor: the arrays a plan produces from an open checkpoint, one at a time.
+"""The files executor: the arrays a plan produces from an open checkpoint, in order.
 
 What ``ckptshim convert`` writes has no framework destination, so each target array is built
 here in the checkpoint's storage dtype (bfloat16 as its uint16 bits). A target that is its
@@ -16,6 +16,7 @@ is. Any other kind (a ``Cast``: convert copies bytes exactly) is refused before 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,22 +53,30 @@ class PlannedArrays:
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
-    def read(self, entry: Entry) -> np.ndarray:
-        """``entry``'s value in its storage dtype (see :func:`storage_dtype`)."""
-        if self.plan is None:
-            return self.source.read(entry)
-        producer = self.plan.producer(entry.key)
-        if entry.key not in self._scales:
-            source = self._as_stored(producer, entry.key)
-            if source is not None:
-                return self.source.read(source)
-        fill = blocks.filler(self.source, self.plan, producer, entry.key, entry.shape, numpy_dtype(entry.dtype),
-                             self.sep, self._scales.get(entry.key))
+    def values(self) -> Iterator[tuple[Entry, np.ndarray]]:
+        """Every target entry with its value in its storage dtype (see :func:`storage_dtype`), in
+        order. The values stored as they are come from the checkpoint's
+        :meth:`~ckptshim.formats.base.Checkpoint.read_each`, which reads a checkpoint in a bucket
+        ahead, in parallel; the others are assembled by block reads."""
+        stored = [self._as_stored(entry) for entry in self.entries]
+        ahead = self.source.read_each([source for source in stored if source is not None])
+        for entry, source in zip(self.entries, stored):
+            yield entry, next(ahead) if source is not None else self._assembled(entry)
+
+    def _assembled(self, entry: Entry) -> np.ndarray:
+        assert self.plan is not None, "without a plan every entry is stored as it is"
+        fill = blocks.filler(self.source, self.plan, self.plan.producer(entry.key), entry.key, entry.shape,
+                             numpy_dtype(entry.dtype), self.sep, self._scales.get(entry.key))
         return fill(blocks.whole(entry.shape)).view(storage_dtype(entry.dtype))
 
-    def _as_stored(self, op: LayoutOp, key: KeyPath) -> Entry | None:
-        """The source entry target ``key`` is as it is stored (its op's one piece of it is the
-        identity: a rename), else ``None``."""
+    def _as_stored(self, entry: Entry) -> Entry | None:
+        """The source entry target ``entry`` is as it is stored (no plan; or its op's one piece of
+        it is the identity, a rename, and it is not scaled), else ``None``."""
+        if self.plan is None:
+            return entry
+        if entry.key in self._scales:
+            return None
+        op, key = self.plan.producer(entry.key), entry.key
         pieces = blocks.target_pieces(self.plan, op, key)
         if len(pieces) != 1:
             return None

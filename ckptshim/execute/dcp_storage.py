@@ -18,8 +18,9 @@ stays the reference for data.
 
 :class:`FormatReader` lets ``dcp.load`` read a ``torch.save`` file, a safetensors file or a
 Hugging Face directory, each tensor being one chunk; each read goes straight into its
-destination through the format's ``read_into`` (one ``pread`` of exactly the rows a rank's shard
-needs, for safetensors).
+destination through the format's ``read_blocks`` (one ``pread`` of exactly the rows a rank's shard
+needs, for a local safetensors file; for one in a bucket, a window of blocks' byte ranges at a
+time, in parallel).
 
 :class:`RemoteDcpReader` is :class:`DcpReader` over a checkpoint in object storage: DCP's own
 ``FsspecReader`` file system for whatever torch reads itself, ckptshim's
@@ -69,7 +70,7 @@ from ckptshim.errors import CorruptCheckpointError, ShimError, UnknownFormatErro
 from ckptshim.execute import destinations
 from ckptshim.execute.torch import as_tensor
 from ckptshim.formats import dcp
-from ckptshim.formats.base import Checkpoint, Format, open_regular, storage_dtype
+from ckptshim.formats.base import Checkpoint, Format, open_regular, storage_dtype, windows
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, dtype_name, join_key, split_key
 from ckptshim.log import logger
@@ -500,7 +501,9 @@ class FormatReader(StorageReader):
     straight into its destination; where the destination cannot take the stored bytes as they are
     (another dtype, device memory, a tensor subclass), into a buffer of the stored dtype the size
     of that block (a rank's rows of one tensor), then written through the destination (a cast is
-    torch's ``copy_``), so no page of the map is held.
+    torch's ``copy_``), so no page of the map is held. The blocks go to the format a window of
+    its ``read_ahead_bytes`` at a time (one block locally; up to 256 MiB from a bucket, fetched
+    in parallel): a window's staged blocks are all this reader holds beyond the destinations.
 
     ``fmt`` is the format the load's hook recognised at ``path`` (opened with no second
     detection); ``None`` for a file no format recognises, which :meth:`read_metadata` then
@@ -568,16 +571,19 @@ class FormatReader(StorageReader):
                 located[fqn] = checkpoint.inventory[split_key(fqn)]
                 checkpoint.check_entry(located[fqn])
         with progress.load_bar(sum(_nbytes(d) for _, d in resolved), "ckptshim: dcp.load"):
-            for item, destination in resolved:
-                entry = located[item.storage_index.fqn]
-                raw = _raw_view(destination, entry)
-                if raw is not None:
-                    checkpoint.read_into(entry, _block(item), raw)
-                else:  # a cast: the block alone, as stored, then copied in (no page of the map held)
-                    block = np.empty(tuple(item.lengths), storage_dtype(entry.dtype))
-                    checkpoint.read_into(entry, _block(item), block)
-                    destinations.write(destination, as_tensor(block, getattr(torch, entry.dtype)))
-                progress.advance(_nbytes(destination))
+            for window in windows(resolved, lambda pair: _nbytes(pair[1]), checkpoint.read_ahead_bytes):
+                blocks, staged = [], []
+                for item, destination in window:
+                    entry = located[item.storage_index.fqn]
+                    raw = _raw_view(destination, entry)
+                    if raw is None:  # a cast: the block alone, as stored, then copied in (no page of the map held)
+                        raw = np.empty(tuple(item.lengths), storage_dtype(entry.dtype))
+                        staged.append((destination, raw, entry.dtype))
+                    blocks.append((entry, _block(item), raw))
+                checkpoint.read_blocks(blocks)
+                for destination, block, dtype in staged:
+                    destinations.write(destination, as_tensor(block, getattr(torch, dtype)))
+                progress.advance(sum(_nbytes(destination) for _, destination in window))
         for item, destination in resolved:
             planner.commit_tensor(item, destination)
         checkpoint.close()

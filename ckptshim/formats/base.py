@@ -6,7 +6,10 @@ checkpoint, each with the recogniser that says so: see :func:`ckptshim.formats.d
 and ``open_checkpoint(path) -> Checkpoint``. Opening reads metadata only; bytes are read by
 :meth:`Checkpoint.read` (a whole entry, usually a view of a memory map, so nothing is copied
 until an executor writes it into its destination) or :meth:`Checkpoint.read_into` (one index
-range of an entry, straight into a buffer the caller owns).
+range of an entry, straight into a buffer the caller owns). Executors that read many entries go
+through :meth:`Checkpoint.read_blocks` and :meth:`Checkpoint.read_each`, which a checkpoint in
+a bucket answers a window of :data:`READ_AHEAD_BYTES` at a time, its reads in parallel: one
+byte range at a time would pay a round trip per tensor.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import os
 import re
 import stat
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO, Protocol, TypeVar, runtime_checkable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +31,7 @@ import numpy as np
 from ckptshim import extras
 from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError, describe
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory
-from ckptshim.storage import Location, local
+from ckptshim.storage import ByteRange, Location, local, read_ranges
 from ckptshim.storage.local import kind
 from ckptshim.storage.problems import KIND_WORDS, not_regular
 
@@ -127,6 +130,8 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _reading(checkpoint: Checkpoint, entry: Any) -> str:
+    if isinstance(entry, Sequence) and not isinstance(entry, Entry):  # read_blocks' blocks
+        return f"reading {len(entry)} arrays" + (f" from {_reading(checkpoint, entry[0][0])[8:]}" if entry else "")
     return f"reading {checkpoint.key_sep.join(getattr(entry, 'key', ()))!r}"
 
 
@@ -343,6 +348,33 @@ class FileInfo:
         return 0 if self.size is None or self.kind != "file" else min(self.size, self.bytes_needed)
 
 
+#: The most bytes of arrays one batched read of a checkpoint in a bucket asks for at once
+#: (:meth:`Checkpoint.read_blocks` over a window of :func:`windows`): enough for every request
+#: in flight to be a full piece (:data:`ckptshim.storage.objects.MAX_PARALLEL_READS` of
+#: :data:`~ckptshim.storage.objects.PIECE_BYTES`), and the most a load holds in buffers of its
+#: own (blocks read ahead, or staged for a cast) beyond its destinations.
+READ_AHEAD_BYTES = 256 * 2**20
+#: One read of :meth:`Checkpoint.read_blocks`: ``entry[index]`` into ``out``.
+Block = tuple[Entry, tuple, np.ndarray]
+_Item = TypeVar("_Item")
+
+
+def windows(items: Iterable[_Item], nbytes: Callable[[_Item], int], limit: int) -> Iterator[list[_Item]]:
+    """``items`` in order, in consecutive groups of at most ``limit`` bytes (``nbytes`` of each);
+    an item larger than ``limit`` is a group of its own, and so is every item when ``limit`` is 0."""
+    group: list[_Item] = []
+    held = 0
+    for item in items:
+        size = nbytes(item)
+        if group and (not limit or held + size > limit):
+            yield group
+            group, held = [], 0
+        group.append(item)
+        held += size
+    if group:
+        yield group
+
+
 #: What :attr:`Checkpoint.model_config` holds until the checkpoint's model config is read.
 UNREAD: Any = type("Unread", (), {"__repr__": lambda self: "UNREAD"})()
 
@@ -359,7 +391,7 @@ class Checkpoint(ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Every format's reads run inside the trust boundary (:func:`reading`)."""
         super().__init_subclass__(**kwargs)
-        for name in ("read", "read_into", "check_entry"):
+        for name in ("read", "read_into", "read_blocks", "check_entry"):
             method = cls.__dict__.get(name)
             if method is not None and not getattr(method, "guarded", False):
                 setattr(cls, name, _guarded(method))
@@ -401,6 +433,49 @@ class Checkpoint(ABC):
             value = value.view(numpy_dtype(entry.dtype))
         np.copyto(out, value[index], casting="unsafe")
         return None
+
+    @property
+    def read_ahead_bytes(self) -> int:
+        """How many bytes of arrays an executor hands :meth:`read_blocks` at once: a window of
+        :data:`READ_AHEAD_BYTES` for a checkpoint in a bucket, whose every read is a round trip;
+        0 (a block at a time: nothing held beyond it) for a local one, read from the page cache."""
+        return READ_AHEAD_BYTES if isinstance(self.path, Location) and self.path.is_remote else 0
+
+    @_guarded
+    def read_blocks(self, blocks: Sequence[Block]) -> None:
+        """Fill each block's ``out`` with ``entry[index]``, as :meth:`read_into` does: the blocks
+        that are byte ranges of objects in a bucket (:meth:`byte_range`) by one parallel batch
+        of them, straight into their buffers; then every other read started, and those that
+        returned a future waited for (tensorstore reads them concurrently). Callers bound what
+        they hand it (:attr:`read_ahead_bytes`)."""
+        ranges = [self.byte_range(*block) for block in blocks]
+        read_ranges([where for where in ranges if where is not None],
+                     [memoryview(out.reshape(-1).view(np.uint8)) for (_, _, out), where in zip(blocks, ranges)
+                      if where is not None])
+        pending = [self.read_into(*block) for block, where in zip(blocks, ranges) if where is None]
+        for future in pending:
+            if future is not None:
+                future.result()
+
+    def byte_range(self, entry: Entry, index: tuple, out: np.ndarray) -> ByteRange | None:
+        """The byte range of an object in a bucket that is ``entry[index]`` exactly as ``out``
+        (C-contiguous) holds it, for :meth:`read_blocks` to fetch with the others; ``None`` for a
+        block :meth:`read_into` reads. This default: ``None``."""
+        return None
+
+    def read_each(self, entries: Iterable[Entry]) -> Iterator[np.ndarray]:
+        """Each entry's whole array in its storage dtype, in order, as :meth:`read` gives it. A
+        checkpoint in a bucket reads ahead: a window of :attr:`read_ahead_bytes` at a time into
+        new arrays, by one :meth:`read_blocks`; a local one gives :meth:`read`'s views, one by one."""
+        limit = self.read_ahead_bytes
+        if not limit:
+            yield from map(self.read, entries)
+            return
+        for window in windows(entries, lambda entry: entry.nbytes, limit):
+            arrays = [np.empty(entry.shape, storage_dtype(entry.dtype)) for entry in window]
+            self.read_blocks([(entry, tuple(slice(0, n) for n in entry.shape), array)
+                              for entry, array in zip(window, arrays)])
+            yield from arrays
 
     @_guarded
     def check_entry(self, entry: Entry) -> None:

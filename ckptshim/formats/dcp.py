@@ -43,7 +43,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError, brief, describe
-from ckptshim.formats import safe_pickle
+from ckptshim.formats import marker, safe_pickle
 from ckptshim.formats.base import (Budget, Checkpoint, FileInfo, Piece, file_info, metadata_limit,
                                    open_regular, read_regular, reader, reading, refuse_links_leaving,
                                    storage_dtype)
@@ -720,6 +720,7 @@ def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> DcpCheckpoint
         raise _no_metadata(root)
     if any(listed[name].kind != "file" for name in sources):
         raise CorruptCheckpointError(f"{root / sources[0]} is not an object; DCP writes its metadata there.")
+    marker.require_complete(root, listed)  # a folder ckptshim convert wrote: every object it lists
     array_bytes = sum(info.size for info in listed.values() if info.kind == "file")
     parts = [load_metadata(root / name, array_bytes) for name in sources]
 

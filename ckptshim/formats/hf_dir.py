@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
-from ckptshim.formats import safetensors, torch_pickle
+from ckptshim.formats import marker, safetensors, torch_pickle
 from ckptshim.formats.base import (UNREAD, Checkpoint, FileInfo, file_info, read_regular, reader,
                                    refuse_links_leaving, require_inside, strict_json)
 from ckptshim.inventory import Entry, Inventory
-from ckptshim.storage import Location, ObjectInfo, UnsupportedLocation
+from ckptshim.storage import ByteRange, Location, ObjectInfo, UnsupportedLocation
 
 NAME = "hf-dir"
 #: What a Hugging Face model folder holds its weights in, in the order transformers' ``from_pretrained``
@@ -113,6 +113,17 @@ class HFDirCheckpoint(Checkpoint):
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray) -> Any:
         name, inner = entry.location
         return self._parts[name].read_into(Entry(entry.key, entry.shape, entry.dtype, inner), index, out)
+
+    def check_entry(self, entry: Entry) -> None:
+        """The shard's own check (for a shard in a bucket, its range against the object's size:
+        nothing is fetched)."""
+        name, inner = entry.location
+        self._parts[name].check_entry(Entry(entry.key, entry.shape, entry.dtype, inner))
+
+    def byte_range(self, entry: Entry, index: tuple, out: np.ndarray) -> ByteRange | None:
+        """The shard's own (so that the blocks of every shard in a bucket are one batch)."""
+        name, inner = entry.location
+        return self._parts[name].byte_range(Entry(entry.key, entry.shape, entry.dtype, inner), index, out)
 
     def close(self) -> None:
         for part in self._parts.values():
@@ -209,8 +220,10 @@ def sniff_remote(names: Collection[str]) -> bool:
 
 def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoint:
     """The Hugging Face folder below a bucket prefix: one bounded listing gives every object and
-    its size; config.json, the index and each shard's header are fetched by byte ranges."""
+    its size; config.json, the index and each shard's header are fetched by byte ranges (the
+    shards' headers together, in parallel)."""
     listed = {info.location.name: info for info in listing if info.kind == "file"}
+    marker.require_complete(root, listed)  # a folder ckptshim convert wrote: every object it lists
     settings = model_config(root)
     chosen = _explicit_weights_file(root, settings) or next((name for name in WEIGHT_FILES if name in listed), None)
     if chosen is None or not chosen.endswith((".safetensors", ".safetensors" + _INDEX_SUFFIX)):
@@ -219,20 +232,25 @@ def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoi
             "storage only with safetensors weights so far. Copy the folder to a local one and point at the copy.")
     if chosen.endswith(_INDEX_SUFFIX):
         index = root.child(chosen)
-        shards = _shards(index.read_bytes(MAX_CONFIG_BYTES), index)
+        shards = _shards(index.read_bytes(MAX_CONFIG_BYTES, listed[chosen].size if chosen in listed else None), index)
     else:
         shards = [chosen]
     parts: dict[str, Checkpoint] = {}
     files: list[FileInfo] = []
     problems: list[str] = []
+    objects: dict[str, ObjectInfo | None] = {}
     for shard in shards:
         if not isinstance(shard, str) or not shard or not _named_inside(shard):
             raise CorruptCheckpointError(f"{root / chosen}: shard {shard!r:.100} lies outside the directory")
-        found = listed.get(shard) or _in_subfolder(root, shard)
+        objects[shard] = listed.get(shard) or _in_subfolder(root, shard)
+    present = [found for found in objects.values() if found is not None]
+    head = dict(zip((found.location for found in present),
+                    safetensors.heads([(found.location, found.size) for found in present])))
+    for shard, found in objects.items():
         if found is None:
             files.append(FileInfo(shard, None))
             continue
-        part = parts[shard] = safetensors.open_checkpoint(found.location, found.size)
+        part = parts[shard] = safetensors.open_checkpoint(found.location, found.size, head[found.location])
         files += [FileInfo(shard, f.size, f.expected_size) for f in part.files]
         problems += [f"{shard}: {p}" for p in part.problems]
     checkpoint = HFDirCheckpoint(root, chosen, parts, files, problems)

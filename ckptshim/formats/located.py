@@ -36,9 +36,10 @@ def head(path: Where, count: int) -> bytes:
     return where.read(0, min(count, found.size))
 
 
-def read_whole(path: Where, limit: int) -> bytes:
-    """The whole file at ``path``, refused before reading when it is larger than ``limit``."""
-    return Location.of(path).read_bytes(limit)
+def read_whole(path: Where, limit: int, size: int | None = None) -> bytes:
+    """The whole file at ``path``, refused before reading when it is larger than ``limit``;
+    ``size`` is its size where a listing already gave it (remotely, a round trip less)."""
+    return Location.of(path).read_bytes(limit, size)
 
 
 def children(root: Where) -> list[Where]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -164,9 +165,17 @@ def open_checkpoint(path: Path | Location) -> OrbaxCheckpoint:
     found = _Found.remote(path) if located.is_remote(path) else _Found.local(path)
     native, ocdbt = found.has(METADATA), found.has(OCDBT_MANIFEST)
     aggregate = None
+    walked = None
+    if ocdbt and found.size_of is not None:
+        # in a bucket the index is walked while _METADATA is fetched and parsed: each is a round
+        # trip or more, and a restore that steps aside waits for both before Orbax's own starts
+        walking = ThreadPoolExecutor(1, thread_name_prefix="ckptshim-ocdbt")
+        walked = walking.submit(_Store.ocdbt, path, found.size_of)
+        walking.shutdown(wait=False)
     if native:
         meta_file = path / METADATA
-        leaves, meta = _metadata_leaves(meta_file, lambda: located.read_whole(meta_file, found.limit),
+        size = found.size_of(METADATA) if found.size_of is not None else None  # the listing's: a round trip less
+        leaves, meta = _metadata_leaves(meta_file, lambda: located.read_whole(meta_file, found.limit, size),
                                         found.array_bytes)
     elif found.has(AGGREGATE):
         meta = {}
@@ -176,7 +185,8 @@ def open_checkpoint(path: Path | Location) -> OrbaxCheckpoint:
     else:
         raise UnknownFormatError(f"{path} holds neither {METADATA} nor an aggregate {AGGREGATE} file; it is "
                                  "not an Orbax item. Point at the item's folder (a step's `default/`, `state/`, ...).")
-    store = _Store.ocdbt(path, found.size_of) if ocdbt else _Store.folders(path, found.listed)
+    store = walked.result() if walked is not None else \
+        _Store.ocdbt(path, found.size_of) if ocdbt else _Store.folders(path, found.listed)
     return _checkpoint(path, leaves, meta, store, ocdbt=ocdbt, native=native, aggregate=aggregate,
                        info=found.info, problems=found.problems)
 

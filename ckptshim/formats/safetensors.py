@@ -6,8 +6,11 @@ the file, and a contiguous range of one is read with one
 ``pread`` straight into the caller's buffer (:meth:`SafetensorsCheckpoint.read_into`).
 
 A file in a bucket (a remote :class:`~ckptshim.storage.Location`) is read the same way by byte
-ranges: the header by two (its length, then itself), validated by the same code; each array, or
-contiguous range of one, by exactly its bytes (fetched in parallel pieces by the store).
+ranges: the header from the file's first :data:`HEAD_BYTES` (a folder's shards' fetched in one
+parallel batch: :func:`heads`), validated by the same code; each array, or
+contiguous range of one, by exactly its bytes. A load reads many at once
+(:meth:`SafetensorsCheckpoint.byte_range`, then ``read_blocks``): their ranges go to the store in one batch, which
+fetches neighbouring tensors as one run and runs in parallel pieces, straight into the buffers.
 """
 
 from __future__ import annotations
@@ -15,18 +18,18 @@ from __future__ import annotations
 import math
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, brief
 from ckptshim.formats import safetensors_header
-from ckptshim.formats.base import (Checkpoint, FileInfo, check_view, file_info, numpy_dtype, open_regular, reader,
-                                   storage_dtype)
+from ckptshim.formats.base import (Checkpoint, FileInfo, check_view, file_info, numpy_dtype, open_regular,
+                                   reader, storage_dtype)
 from ckptshim.formats.safetensors_header import MAX_HEADER, Header
 from ckptshim.inventory import Entry, Inventory, split_key
-from ckptshim.storage import Location
+from ckptshim.storage import ByteRange, Location, read_ranges
 
 NAME = "safetensors"
 #: The most a read into a view (a transposed block) or another dtype holds in its own buffer at once.
@@ -41,14 +44,32 @@ def sniff(path: Path) -> bool:
 READERS = {"torch": sniff, "jax": sniff}
 
 
-def read_header(path: Path | Location, size: int | None = None) -> tuple[Header, int]:
+#: How much of a remote file's start is fetched for its header: its length and a header of up to
+#: this size (about 100 bytes a tensor) in one round trip; a larger header takes a second one.
+HEAD_BYTES = 256 << 10
+
+
+def heads(files: Sequence[tuple[Location, int]]) -> list[bytes]:
+    """The first :data:`HEAD_BYTES` (or all) of each remote ``(file, size)``, fetched in parallel:
+    every shard's header of a folder in one round trip."""
+    fetched = read_ranges([ByteRange(where, 0, min(size, HEAD_BYTES)) for where, size in files])
+    return [bytes(data) for data in fetched or ()]
+
+
+def read_header(path: Path | Location, size: int | None = None, head: bytes | None = None) -> tuple[Header, int]:
     """The header, validated as the safetensors library validates it
     (:mod:`~ckptshim.formats.safetensors_header`), and the offset where tensor data starts. A
-    remote file's header is fetched by two byte ranges (its length, then the header itself);
-    ``size`` is its size when already known (from a listing)."""
+    remote file's header comes from its ``head`` (:func:`heads`; fetched here when not given),
+    and from one more byte range where it is longer; ``size`` is its size when already known
+    (from a listing)."""
     if isinstance(path, Location) and path.is_remote:
         size = path.stat().size if size is None else size
-        return _parse_header(path, size, lambda start, count: path.read(start, min(count, size - start)))
+        held = heads([(path, size)])[0] if head is None else head
+
+        def read(start: int, count: int) -> bytes:
+            count = min(count, size - start)
+            return held[start:start + count] if start + count <= len(held) else path.read(start, count)
+        return _parse_header(path, size, read)
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         return _parse_header(path, size, lambda start, count: f.read(count))
@@ -180,6 +201,21 @@ class SafetensorsCheckpoint(Checkpoint):
             np.copyto(out, buffer if out.dtype == stored else buffer.view(numpy_dtype(entry.dtype)), casting="unsafe")
         return None
 
+    def byte_range(self, entry: Entry, index: tuple, out: np.ndarray) -> ByteRange | None:
+        """For a remote file, where ``entry[index]`` is one run of the tensor's bytes and ``out``
+        a C-contiguous buffer of the stored dtype (what ``dcp.load`` and ``convert`` ask for): that
+        run's byte range, which :meth:`read_blocks` fetches with the others in one batch
+        (neighbouring ranges as one run, bounded requests in parallel, straight into ``out``)."""
+        file, begin, end = entry.location
+        remote = self._objects.get(file)
+        span = _contiguous(entry.shape, index)
+        stored = storage_dtype(entry.dtype)
+        if remote is None or span is None or out.dtype != stored or not out.flags.c_contiguous:
+            return None
+        check_view(entry, begin, end, remote[1], file)
+        first, count = span
+        return ByteRange(remote[0], begin + first * stored.itemsize, count * stored.itemsize)
+
     def _read_in_parts(self, entry: Entry, index: tuple, out: np.ndarray, nbytes: int) -> None:
         """A contiguous range too big for one buffer, read as runs of its first ranged axis (each
         still contiguous), so the buffer stays near :data:`BUFFER_BYTES`."""
@@ -229,13 +265,14 @@ def _contiguous(shape: tuple[int, ...], index: tuple) -> tuple[int, int] | None:
 
 
 @reader
-def open_checkpoint(path: Path | Location, size: int | None = None) -> SafetensorsCheckpoint:
+def open_checkpoint(path: Path | Location, size: int | None = None, head: bytes | None = None) -> SafetensorsCheckpoint:
     """The file ``path``, local or an object in a bucket (its header fetched by byte ranges;
-    ``size`` its size when a listing already gave it)."""
+    ``size`` its size when a listing already gave it, ``head`` its first bytes when fetched
+    with other files' by :func:`heads`)."""
     remote = isinstance(path, Location) and path.is_remote
     if remote and size is None:
         size = path.stat().size
-    header, start = read_header(path, size)
+    header, start = read_header(path, size, head)
     found = entries(path, header, start)
     expected = start + header.data_length
     info = FileInfo(str(path), size, expected) if remote else file_info(path, expected)

@@ -278,10 +278,12 @@ class Location:
         format by its magic bytes."""
         return self.read(0, min(count, self.stat().size))
 
-    def read_bytes(self, limit: int) -> bytes:
+    def read_bytes(self, limit: int, size: int | None = None) -> bytes:
         """The whole file, refused (before any byte is read) when it is larger than ``limit``:
-        for metadata files, whose size no other file vouches for."""
-        size = self.stat().size
+        for metadata files, whose size no other file vouches for. ``size`` is its size where a
+        listing already gave it (remotely, a round trip less); a file that is shorter by now is
+        an error, as any short read."""
+        size = self.stat().size if size is None else size
         if size > limit:
             raise too_large(self, size, limit)
         return self.read(0, size)

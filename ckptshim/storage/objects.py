@@ -6,17 +6,23 @@ and ``gs://`` through fsspec (s3fs, gcsfs); so does ckptshim, with the same file
 configured for those clients (``AWS_ENDPOINT_URL``, ``STORAGE_EMULATOR_HOST``, ``FSSPEC_*``,
 ``~/.aws``, application default credentials). ckptshim handles no credentials.
 
-Reads are byte ranges (``cat_ranges``), at most :data:`MAX_PARALLEL_READS` in flight. Ranges of
-one object that overlap or lie within :data:`MERGE_GAP` bytes of each other are fetched as one
-run (a request costs a round trip, and some servers answer each in time proportional to the
-whole object), and a long run is split into :data:`PIECE_BYTES` pieces, so a multi-gigabyte
-tensor is fetched in parallel and never held twice; each answer is copied into every buffer it
-overlaps. Every read is checked against the size of its object. Listings ask the server for at
+Reads are byte ranges, at most :data:`MAX_PARALLEL_READS` in flight (the next starting as soon
+as one ends). Ranges of one object that overlap or lie within :data:`MERGE_GAP` bytes of each
+other are fetched as one run (a request costs a round trip, and some servers answer each in time
+proportional to the whole object), and a long run is split into :data:`PIECE_BYTES` pieces, so a
+multi-gigabyte tensor is fetched in parallel. Each answer is streamed, a chunk at a time, into
+every buffer it overlaps: fsspec's ``cat_ranges`` would first build each answer as one new bytes
+object, and faulting in that fresh memory, then copying it, cost more than the transfer (3-4x
+"download, then load" on the local servers). The request is each client's own (s3fs's
+``get_object`` call, gcsfs's session, URL and headers), so settings and credentials are still
+the client's; a failed connection is retried (:data:`RETRIES`). Every read is checked against the size of its object. Listings ask the server for at
 most one entry more than their limit.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +36,12 @@ MAX_PARALLEL_READS = 16
 PIECE_BYTES = 16 * 2**20
 #: Ranges of one object this close (or overlapping) are fetched as one run.
 MERGE_GAP = 64 * 2**10
+#: What one read of a response body asks for: small enough that no piece is held whole.
+CHUNK_BYTES = 1 << 20
+#: Further tries of a piece whose connection failed (not a missing object or a refusal).
+RETRIES = 2
+
+logger = logging.getLogger(__name__)
 
 #: fsspec's protocol and the package that provides it, for each scheme a Location accepts.
 CLIENTS = {"s3": ("s3", "s3fs"), "gs": ("gcs", "gcsfs")}
@@ -91,32 +103,124 @@ class FsspecObjects:
                 if where.start > size:
                     raise truncated(where.location, where.start, where.end, size)
         pieces = [piece for run in _runs(ranges, buffers) for piece in _pieces(run)]
-        for batch in range(0, len(pieces), MAX_PARALLEL_READS):
-            self._fetch(pieces[batch:batch + MAX_PARALLEL_READS])
+        if pieces:
+            from fsspec.asyn import sync
 
-    def _fetch(self, pieces: list[tuple[_Run, ByteRange]]) -> None:
-        """One batch of pieces in parallel; each ``(its run, the piece)``."""
-        answers = self.fs.cat_ranges([fsspec_path(piece.location) for _, piece in pieces],
-                                     [piece.start for _, piece in pieces],
-                                     [piece.end for _, piece in pieces],
-                                     on_error="return", batch_size=MAX_PARALLEL_READS)
-        for (run, piece), answer in zip(pieces, answers):
-            if isinstance(answer, FileNotFoundError | PermissionError):
+            fs = self.fs
+            answers = sync(fs.loop, _fetch_all, fs, self.scheme, pieces)
+            for (run, piece), answer in zip(pieces, answers):
+                self._check(run, piece, answer)
+
+    def _check(self, run: _Run, piece: ByteRange, answer: int | BaseException) -> None:
+        """Raise what went wrong with one piece (``answer``: the bytes it streamed, or the error)."""
+        if isinstance(answer, FileNotFoundError | PermissionError):
+            raise answer
+        if isinstance(answer, BaseException) or answer != piece.length:
+            size = self.stat(piece.location).size
+            for where, _ in run.parts:
+                if where.end > size:
+                    raise truncated(where.location, where.start, where.end, size)
+            if isinstance(answer, BaseException):
                 raise answer
-            if isinstance(answer, BaseException) or len(answer) != piece.length:
-                size = self.stat(piece.location).size
-                for where, _ in run.parts:
-                    if where.end > size:
-                        raise truncated(where.location, where.start, where.end, size)
-                if isinstance(answer, BaseException):
-                    raise answer
-                raise OSError(f"{piece.location}: asked for {piece.length} bytes at {piece.start}, "
-                              f"got {len(answer)} from a {size}-byte object; retry the load")
-            data = memoryview(answer)
-            for where, target in run.parts:
-                begin, end = max(where.start, piece.start), min(where.end, piece.end)
-                if begin < end:
-                    target[begin - where.start:end - where.start] = data[begin - piece.start:end - piece.start]
+            raise OSError(f"{piece.location}: asked for {piece.length} bytes at {piece.start}, "
+                          f"got {answer} from a {size}-byte object; retry the load")
+
+
+async def _fetch_all(fs: Any, scheme: str, pieces: list[tuple[_Run, ByteRange]]) -> list[int | BaseException]:
+    """Every piece, at most :data:`MAX_PARALLEL_READS` in flight (a new one starts as soon as one
+    ends), each streamed into its run's buffers; per piece, the bytes it streamed or its error."""
+    slots = asyncio.Semaphore(MAX_PARALLEL_READS)
+    stream = _STREAMS[scheme]
+
+    async def fetch(run: _Run, piece: ByteRange) -> int:
+        async with slots:
+            for attempt in range(RETRIES + 1):
+                sink = _Sink(run, piece)
+                try:
+                    await stream(fs, piece, sink)
+                    return sink.received
+                except (FileNotFoundError, PermissionError, _WrongLength):
+                    raise
+                except (OSError, asyncio.TimeoutError, ConnectionError) as error:
+                    if attempt == RETRIES:
+                        raise
+                    logger.debug("%s: retrying bytes %d-%d after %s", piece.location, piece.start, piece.end, error)
+        raise AssertionError("unreachable")
+
+    return await asyncio.gather(*(fetch(run, piece) for run, piece in pieces), return_exceptions=True)
+
+
+class _Sink:
+    """Where one piece's bytes go as they arrive: copied into every buffer of its run that they
+    overlap (the piece's bytes are never held whole); ``received`` counts them."""
+
+    def __init__(self, run: _Run, piece: ByteRange) -> None:
+        self.piece = piece
+        self.parts = [(where, target) for where, target in run.parts
+                      if where.start < piece.end and where.end > piece.start]
+        self.first = 0  # parts before it end before what has arrived
+        self.received = 0
+
+    def write(self, chunk: bytes) -> None:
+        begin = self.piece.start + self.received
+        end = min(begin + len(chunk), self.piece.end)  # a server sending more is caught by the count
+        self.received += len(chunk)
+        data = memoryview(chunk)
+        while self.first < len(self.parts) and self.parts[self.first][0].end <= begin:
+            self.first += 1
+        for where, target in self.parts[self.first:]:
+            if where.start >= end:
+                break
+            low, high = max(where.start, begin), min(where.end, end)
+            if low < high:
+                target[low - where.start:high - where.start] = data[low - begin:high - begin]
+
+
+async def _gcs_stream(fs: Any, piece: ByteRange, sink: _Sink) -> None:
+    """gcsfs's own request for a range (``_cat_file``'s, its session and headers), read as chunks."""
+    from gcsfs.retry import validate_response
+
+    await fs._set_session()
+    url = fs.url(fsspec_path(piece.location))
+    async with fs.session.get(url, params=fs._get_params({}), timeout=fs.requests_timeout,
+                              headers=fs._get_headers({"Range": f"bytes={piece.start}-{piece.end - 1}"})) as answer:
+        if answer.status >= 400:
+            validate_response(answer.status, await answer.read(), url)
+        _require_length(piece, answer.content_length)
+        async for chunk in answer.content.iter_chunked(CHUNK_BYTES):
+            sink.write(chunk)
+
+
+async def _s3_stream(fs: Any, piece: ByteRange, sink: _Sink) -> None:
+    """s3fs's own ``get_object`` call for a range (as its ``_cat_file``), its body read as chunks."""
+    bucket, key, version = fs.split_path(fsspec_path(piece.location))
+    extra = {"VersionId": version} if version else {}
+    answer = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={piece.start}-{piece.end - 1}",
+                               **extra)
+    body = answer["Body"]
+    try:
+        _require_length(piece, answer.get("ContentLength"))
+        while chunk := await body.read(CHUNK_BYTES):
+            sink.write(chunk)
+    finally:
+        body.close()
+
+
+def _require_length(piece: ByteRange, announced: int | None) -> None:
+    """Refuse an answer whose announced length is not the range's (a server that ignored the
+    range, or one past the object's end) before a byte of it reaches a buffer; the piece's
+    check (:meth:`FsspecObjects._check`) then says whether the object is short."""
+    if announced is not None and announced != piece.length:
+        raise _WrongLength(f"{piece.location}: asked for {piece.length} bytes at {piece.start}, "
+                           f"the server answers {announced}")
+
+
+class _WrongLength(OSError):
+    """An answer of another length than asked for: not retried (the server would answer the same)."""
+
+
+#: How each scheme's client streams a byte range into a :class:`_Sink`.
+_STREAMS = {"gs": _gcs_stream, "s3": _s3_stream}
 
 
 def fsspec_path(location: Location) -> str:

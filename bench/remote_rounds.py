@@ -1,0 +1,113 @@
+"""The loop the remote benchmarks share: a local server, a checkpoint written to a bucket on it, then
+each case in fresh processes, rounds interleaved, each time printed beside the load average.
+
+The servers are the test suite's (``tests/support/object_stores.py``: moto's S3 server, the
+patched GCS emulator), each a single process on this machine: the figures measure the clients'
+request handling as much as the bytes, so compare ratios within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+WIDTH = 2048  # one 2048 x 2048 float32 layer is 16 MiB
+
+
+def layered_state(layers: int) -> dict:
+    """The remote benchmarks' model: ``layers.N.weight`` (float32 ``WIDTH`` x ``WIDTH``, seeded
+    values) and ``layers.N.bias`` (``WIDTH``) for each layer -- an ``nn.Linear`` stack's state."""
+    import torch
+
+    state = {}
+    for i in range(layers):
+        state[f"layers.{i}.weight"] = torch.empty(WIDTH, WIDTH).uniform_(generator=torch.Generator().manual_seed(i))
+        state[f"layers.{i}.bias"] = torch.full((WIDTH,), float(i))
+    return state
+
+
+def layers_of(mib: int) -> int:
+    return max(1, mib * 2**20 // (WIDTH * WIDTH * 4))
+
+
+def described(layers: int) -> str:
+    return f"{layers} x {WIDTH}x{WIDTH} float32 + biases ({layers * (WIDTH * WIDTH + WIDTH) * 4 / 2**20:.0f} MiB)"
+
+
+
+def arguments(doc: str, cases: Sequence[str], rounds: int) -> argparse.ArgumentParser:
+    """The options every remote benchmark takes (a script adds its own), and the hidden worker
+    mode (``--case``, ``--url``) in which each case runs in its own process."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256, help="checkpoint size (default 256)")
+    parser.add_argument("--rounds", type=int, default=rounds, help=f"fresh processes per case (default {rounds})")
+    parser.add_argument("--schemes", nargs="+", choices=("s3", "gs"), default=["s3", "gs"])
+    parser.add_argument("--cases", nargs="+", choices=cases, default=list(cases))
+    parser.add_argument("--case", choices=cases, help=argparse.SUPPRESS)  # worker mode
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    return parser
+
+
+def worked(args: argparse.Namespace, worker: Callable[[str, str, int], dict]) -> bool:
+    """In worker mode (``--case``): run that case (``worker(case, url, layers)``), print its
+    JSON line, and say so."""
+    if not args.case:
+        return False
+    print(json.dumps(worker(args.case, args.url, layers_of(args.mib))))
+    return True
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def medians(scheme: str, write: Callable[[str, dict[str, str]], str], worker: Callable[[str, str], list[str]],
+            cases: Sequence[str], rounds: int) -> dict[str, float]:
+    """Start ``scheme``'s server; ``write(bucket_url, env)`` puts the checkpoint there (in a
+    subprocess of its own, with the client settings ``env``) and says what it wrote; then each
+    case runs ``rounds`` times as ``worker(case, bucket_url)`` (an argv printing one JSON line
+    with ``seconds``). The median seconds of each case."""
+    from support import object_stores
+
+    store = object_stores.start(scheme)
+    try:
+        env = {**os.environ, **store.client_env()}
+        url = store.new_bucket()
+        start = time.perf_counter()
+        what = write(url, env)
+        print(f"{scheme}: {what} written in {time.perf_counter() - start:.1f} s; load average {load_average()}",
+              flush=True)
+        runs: dict[str, list[float]] = {case: [] for case in cases}
+        for _ in range(rounds):
+            for case in cases:
+                load = os.getloadavg()[0]
+                out = subprocess.run(worker(case, url), env=env, capture_output=True, text=True)
+                if out.returncode:
+                    raise RuntimeError(f"{case} failed:\n{out.stderr[-3000:]}")
+                runs[case].append(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
+                print(f"  {case}: {runs[case][-1]:.3f} s (load average {load:.2f})", flush=True)
+    finally:
+        store.stop()
+    found = {case: statistics.median(seconds) for case, seconds in runs.items()}
+    for case, seconds in found.items():
+        print(f"{scheme} {case:10s} median {seconds:.3f} s")
+    return found
+
+
+def ratio(scheme: str, found: dict[str, float], case: str, base: str, target: float, strict: bool = False) -> bool:
+    """Print ``case``/``base`` and whether it meets ``target`` (``<=``, or ``<`` when ``strict``);
+    True when either case was not run."""
+    if not {case, base} <= found.keys():
+        return True
+    value = found[case] / found[base]
+    print(f"{scheme} {case}/{base}: {value:.3f}  (target {'<' if strict else '<='} {target})")
+    return value < target if strict else value <= target
