@@ -368,3 +368,18 @@ def test_a_dropped_connection_is_retried_and_a_missing_object_is_not(place, monk
     with pytest.raises(FileNotFoundError):
         (place.root / "missing.bin").read(0, 10)
     assert tries == [0]
+
+
+def test_a_client_without_the_streaming_helpers_reads_through_fsspecs_own_ranged_read(place, monkeypatch):
+    """Where the installed s3fs/gcsfs lacks a private helper the streamed reads use, ranges are
+    read by the client's own ``_cat_file``, bytes exact, a short object still named as such."""
+    if not place.root.is_remote:
+        pytest.skip("a client's helpers are an object store's")
+    monkeypatch.setattr(objects, "_NEEDS", {scheme: ("_not_in_any_release",) for scheme in objects._NEEDS})
+    monkeypatch.setattr(objects, "_STREAMS", {scheme: None for scheme in objects._STREAMS})  # never called
+    place.put("a.bin", DATA)
+    wanted = [(0, 10), (60, 40), (1000, 24), (len(DATA) - 7, 7)]
+    got = read_ranges([ByteRange(place.root / "a.bin", start, length) for start, length in wanted])
+    assert [bytes(g) for g in got] == [DATA[s:s + n] for s, n in wanted]
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        (place.root / "a.bin").read(len(DATA) - 5, 6)

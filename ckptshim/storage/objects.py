@@ -130,7 +130,7 @@ async def _fetch_all(fs: Any, scheme: str, pieces: list[tuple[_Run, ByteRange]])
     """Every piece, at most :data:`MAX_PARALLEL_READS` in flight (a new one starts as soon as one
     ends), each streamed into its run's buffers; per piece, the bytes it streamed or its error."""
     slots = asyncio.Semaphore(MAX_PARALLEL_READS)
-    stream = _STREAMS[scheme]
+    stream = _stream_for(fs, scheme)
 
     async def fetch(run: _Run, piece: ByteRange) -> int:
         async with slots:
@@ -219,8 +219,25 @@ class _WrongLength(OSError):
     """An answer of another length than asked for: not retried (the server would answer the same)."""
 
 
+async def _cat_stream(fs: Any, piece: ByteRange, sink: _Sink) -> None:
+    """Any fsspec client's own ranged read (its async ``_cat_file``): the piece as one bytes
+    object, then into the sink. Slower (fresh memory per answer), but public fsspec protocol."""
+    data = await fs._cat_file(fsspec_path(piece.location), start=piece.start, end=piece.end)
+    _require_length(piece, len(data))
+    sink.write(data)
+
+
 #: How each scheme's client streams a byte range into a :class:`_Sink`.
 _STREAMS = {"gs": _gcs_stream, "s3": _s3_stream}
+#: The client attributes each of :data:`_STREAMS` uses that are not fsspec's public protocol
+#: (gcsfs's and s3fs's own request helpers, stable across their releases but private).
+_NEEDS = {"gs": ("_set_session", "_get_params", "_get_headers", "url"), "s3": ("_call_s3", "split_path")}
+
+
+def _stream_for(fs: Any, scheme: str) -> Any:
+    """The streaming reader of ``scheme``, or :func:`_cat_stream` where the client lacks what it
+    uses (another release of gcsfs or s3fs): a read never fails for want of a private helper."""
+    return _STREAMS[scheme] if all(hasattr(fs, name) for name in _NEEDS[scheme]) else _cat_stream
 
 
 def fsspec_path(location: Location) -> str:
