@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from ckptshim import cli
 from ckptshim.conversion import convert
-from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
+from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats.detect import open_checkpoint
 from support.markers import QUIET
 
@@ -136,15 +136,6 @@ def test_a_damaged_file_is_refused_as_locally(bucket, tmp_path, damage):
         return "; ".join(checkpoint.all_problems()).replace(where, "FILE") or "complete"
 
     assert outcome(f"{bucket}/m.safetensors") == outcome(str(local))
-
-
-def test_torch_save_weights_in_a_bucket_say_what_to_do(bucket, tmp_path):
-    local = tmp_path / "model"
-    local.mkdir()
-    torch.save(state(), local / "pytorch_model.bin")
-    upload(local, f"{bucket}/bin")
-    with pytest.raises(UnknownFormatError, match="not a checkpoint ckptshim reads from object storage"):
-        open_checkpoint(f"{bucket}/bin")
 
 
 @pytest.mark.parametrize("layout", ["file", "hf-sharded"])
