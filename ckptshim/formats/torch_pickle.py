@@ -14,10 +14,11 @@ storage, as torch checks them. Tensor bytes are then read-only views of a memory
 A file in a bucket (a remote :class:`~ckptshim.storage.Location`) is parsed by the same code,
 through a :class:`~ckptshim.storage.ranged.Window` onto the object that reads byte ranges: its
 first :data:`HEAD_BYTES` and last :data:`TAIL_BYTES` (the pickle, and the zip directory) in one
-parallel batch, then the pickle and every storage's local header that those did not hold in one
-more (:func:`_prefetch`); every member is checked against the object's size, as against a local
-file's. Tensors are then read by exactly their byte ranges (:meth:`TorchPickleCheckpoint.byte_range`,
-batched by ``read_blocks``). A pre-1.6 ``torch.save`` file (a bare pickle, not a zip) is not
+parallel batch; then, in a batch each where those did not hold them, the pickle and the local
+headers of the storages it names (:func:`_prefetch`). Every member is checked against the
+object's size, as against a local file's, and nothing outside the object is read. Tensors are
+then read by exactly their byte ranges (:meth:`TorchPickleCheckpoint.byte_range`, batched by
+``read_blocks``). A pre-1.6 ``torch.save`` file (a bare pickle, not a zip) is not
 read from a bucket: :func:`sniff_object` says to download it.
 """
 
@@ -239,7 +240,7 @@ def _read_archive(raw: BinaryIO, where: str, extra: ExtraGlobals | None) -> Arch
         stored = {name[len(prefix) + 5:]: info for name, info in members.items()
                   if name.startswith(prefix + "data/")}
         _prefetch(raw, [members[prefix + name] for name in ("data.pkl", "byteorder") if prefix + name in members],
-                  stored.values())
+                  (), size)
         byteorder = _stored_member(archive, members[prefix + "byteorder"], size, where) \
             if prefix + "byteorder" in members else b"little"
         data = _stored_member(archive, members[prefix + "data.pkl"], size, where)
@@ -260,14 +261,16 @@ def _read_archive(raw: BinaryIO, where: str, extra: ExtraGlobals | None) -> Arch
     return Archive(tree, offsets, tuple(problems))
 
 
-def _prefetch(raw: BinaryIO, whole: Iterable[zipfile.ZipInfo], headers: Iterable[zipfile.ZipInfo]) -> None:
+def _prefetch(raw: BinaryIO, whole: Iterable[zipfile.ZipInfo], headers: Iterable[zipfile.ZipInfo],
+              size: int) -> None:
     """Over an object in a bucket (a :class:`Window` onto a :class:`RangedFile`), fetch in one
     parallel batch what the parse reads next, piece by piece: the ``whole`` members (the pickle,
-    with their local headers) and the local header of each of ``headers`` (the storages, whose
-    data starts after it). Spans are clipped to the archive, so a member's claims reach nothing
-    beyond it; locally, nothing."""
+    with their local headers) and the local header of each of ``headers`` (the storages the
+    pickle named, whose data starts after it). A member the directory says runs past the
+    archive's ``size`` is left for the parse to refuse, unfetched; locally, nothing is done."""
     if isinstance(raw, Window):
-        raw.prefetch([(info.header_offset, _LOCAL_HEADER + _LOCAL_SLACK + info.compress_size) for info in whole]
+        raw.prefetch([(info.header_offset, _LOCAL_HEADER + _LOCAL_SLACK + info.compress_size) for info in whole
+                      if info.header_offset + info.compress_size <= size]
                      + [(info.header_offset, _LOCAL_HEADER) for info in headers])
 
 
@@ -339,6 +342,7 @@ def _storage_offsets(raw: BinaryIO, storages: Mapping[str, StorageRef], members:
     """Where each storage's bytes start in ``raw``, once its ``data/<key>`` member is as torch
     requires: stored, exactly ``numel x itemsize`` bytes long, inside the file. A missing member
     is a problem (the file is incomplete); a member of another size is refused, as torch does."""
+    _prefetch(raw, (), (members[key] for key in storages if key in members), size)
     offsets, problems = {}, []
     for key, storage in storages.items():
         info = members.get(key)
