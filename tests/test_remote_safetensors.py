@@ -206,11 +206,13 @@ def test_shards_in_a_subfolder_are_read(bucket, tmp_path):
     assert same(load_file(tmp_path / "out.safetensors"), expected)
 
 
-def test_remote_tensors_are_read_a_window_at_a_time(bucket, tmp_path, monkeypatch):
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "torch.save"])
+def test_remote_tensors_are_read_a_window_at_a_time(bucket, tmp_path, monkeypatch, safe):
     """A load hands the format many blocks at once (a window of ``read_ahead_bytes``), and the
     format fetches a window's tensors by one batch of byte ranges -- never a tensor per round
     trip, never more than the window: the batches are recorded at ckptshim's own storage call,
-    the bytes come from the real server, and the values are the local load's."""
+    the bytes come from the real server, and the values are the local load's. The same for
+    shards written by ``torch.save`` (``pytorch_model-*.bin``)."""
     import torch.distributed.checkpoint as dcp
     from ckptshim.formats import base
 
@@ -218,7 +220,7 @@ def test_remote_tensors_are_read_a_window_at_a_time(bucket, tmp_path, monkeypatc
                 for i in range(12)}  # 2 KiB each
     local = tmp_path / "model"
     local.mkdir()
-    save_torch_state_dict(expected, local, max_shard_size="10KB")
+    save_torch_state_dict(expected, local, safe_serialization=safe, max_shard_size="10KB")
     url = f"{bucket}/windows"
     upload(local, url)
     batches: list[int] = []

@@ -218,3 +218,4 @@ def test_a_shard_of_another_kind_in_the_folder_is_not_read(bucket, tmp_path):
     save_file(other, local / "model.safetensors")
     upload(local, f"{bucket}/both")
     assert open_checkpoint(f"{bucket}/both").version == open_checkpoint(local).version == "model.safetensors"
+
