@@ -116,6 +116,15 @@ def test_a_missing_shard_is_reported_as_locally(bucket, tmp_path, capsys):
     assert [f for f in remote["files"] if f["size"] is None] == [f for f in here["files"] if f["size"] is None]
 
 
+def outcome(where: str) -> str:
+    """What opening ``where`` says: the refusal, or the problems found, with the name left out."""
+    try:
+        checkpoint = open_checkpoint(where)
+    except CorruptCheckpointError as error:
+        return str(error).replace(where, "FILE")
+    return "; ".join(checkpoint.all_problems()).replace(where, "FILE") or "complete"
+
+
 @pytest.mark.parametrize("damage", ["truncated", "header past the end", "header not json", "bytes owned by none"])
 def test_a_damaged_file_is_refused_as_locally(bucket, tmp_path, damage):
     local = tmp_path / "model.safetensors"
@@ -127,14 +136,6 @@ def test_a_damaged_file_is_refused_as_locally(bucket, tmp_path, damage):
            "bytes owned by none": raw + b"\0" * 8}[damage]
     local.write_bytes(raw)
     upload(local, f"{bucket}/m.safetensors")
-
-    def outcome(where: str) -> str:
-        try:
-            checkpoint = open_checkpoint(where)
-        except CorruptCheckpointError as error:
-            return str(error).replace(where, "FILE")
-        return "; ".join(checkpoint.all_problems()).replace(where, "FILE") or "complete"
-
     assert outcome(f"{bucket}/m.safetensors") == outcome(str(local))
 
 

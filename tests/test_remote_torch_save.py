@@ -13,10 +13,10 @@ from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 
 from ckptshim.conversion import convert
-from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
+from ckptshim.errors import UnknownFormatError
 from ckptshim.formats.detect import open_checkpoint
 from support.markers import QUIET
-from test_remote_safetensors import assert_inspected_alike, inspected, same, state, upload
+from test_remote_safetensors import assert_inspected_alike, inspected, outcome, same, state, upload
 
 pytestmark = [QUIET]
 
@@ -138,15 +138,6 @@ def test_the_archive_is_opened_in_few_round_trips(bucket, tmp_path, monkeypatch)
     checkpoint = open_checkpoint(f"{bucket}/big.pt")
     assert checkpoint.complete and len(checkpoint.inventory) == 40
     assert len(batches) <= 2, batches
-
-
-def outcome(where: str) -> str:
-    """What opening ``where`` says: the refusal, or the problems found, with the name left out."""
-    try:
-        checkpoint = open_checkpoint(where)
-    except CorruptCheckpointError as error:
-        return str(error).replace(where, "FILE")
-    return "; ".join(checkpoint.all_problems()).replace(where, "FILE") or "complete"
 
 
 def _damaged(raw: bytes, damage: str) -> bytes:
