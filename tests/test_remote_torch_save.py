@@ -81,9 +81,11 @@ def test_a_folder_transformers_saved_with_bin_weights(bucket, tmp_path, capsys):
 
 def test_tied_and_strided_tensors_read_as_locally(bucket, tmp_path):
     """Tensors that share a storage (tied weights, a transposed view, a slice from an offset)
-    are not dense runs of their own bytes: each is read from its storage, as locally."""
+    are not dense runs of their own bytes: each is read from its storage, as locally; an empty
+    tensor and a scalar read as locally too."""
     base = torch.randn(8, 6)
-    saved = {"embed": base, "head": base, "transposed": base.t(), "rows": base[2:5], "column": base[:, 1]}
+    saved = {"embed": base, "head": base, "transposed": base.t(), "rows": base[2:5], "column": base[:, 1],
+             "empty": torch.zeros(0, 3), "scalar": torch.tensor(2.5, dtype=torch.float64)}
     local = tmp_path / "views.pt"
     torch.save(saved, local)
     upload(local, f"{bucket}/views.pt")
