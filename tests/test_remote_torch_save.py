@@ -183,7 +183,7 @@ def test_a_legacy_torch_save_file_says_to_download_it(bucket, tmp_path):
     local = tmp_path / "old.pt"
     torch.save(state(), local, _use_new_zipfile_serialization=False)
     upload(local, f"{bucket}/old.pt")
-    with pytest.raises(UnknownFormatError, match="legacy format.*Download it"):
+    with pytest.raises(UnknownFormatError, match="legacy format.*Download it.*re-save it"):
         open_checkpoint(f"{bucket}/old.pt")
 
 
@@ -212,3 +212,13 @@ def test_a_shard_of_another_kind_in_the_folder_is_not_read(bucket, tmp_path):
     upload(local, f"{bucket}/both")
     assert open_checkpoint(f"{bucket}/both").version == open_checkpoint(local).version == "model.safetensors"
 
+
+
+def test_a_local_legacy_file_is_named_as_such(tmp_path):
+    """Locally too, a legacy ``torch.save`` file is named for what it is (not taken for an empty
+    msgpack map, which its first byte also is), with what to do."""
+    local = tmp_path / "old.pt"
+    torch.save(state(), local, _use_new_zipfile_serialization=False)
+    with pytest.raises(UnknownFormatError, match="legacy format.*re-save it") as refused:
+        open_checkpoint(local)
+    assert "Download" not in str(refused.value)

@@ -77,25 +77,36 @@ def _opens_with_pickle(head: bytes) -> bool:
 def sniff(path: Path) -> bool:
     """A ``torch.save`` zip archive, judged from the first local header alone, so a truncated
     file (its central directory gone) is still recognised, and then reported as truncated
-    rather than as an unknown format."""
+    rather than as an unknown format. A legacy one is refused (:func:`refuse_legacy`)."""
     if not path.is_file():
         return False
     with open_regular(path) as f:
-        return _opens_with_pickle(f.read(_FIRST_HEADER))
+        head = f.read(_FIRST_HEADER)
+    refuse_legacy(path, head)
+    return _opens_with_pickle(head)
 
 
 def sniff_object(where: Location, size: int) -> bool:
-    """:func:`sniff` for the ``size``-byte object ``where`` in a bucket, whatever its name (``model.pt``,
-    ``pytorch_model.bin``, Lightning's ``.ckpt``), from its first bytes. A pre-1.6 ``torch.save``
-    file is an :class:`UnknownFormatError` saying to download it: its storages follow the pickle
-    with no directory, so it cannot be read by ranges without reading it whole."""
+    """:func:`sniff` for the ``size``-byte object ``where`` in a bucket, whatever its name
+    (``model.pt``, ``pytorch_model.bin``, Lightning's ``.ckpt``), from its first bytes."""
     head = where.read(0, min(size, _FIRST_HEADER))
-    if head.startswith(_LEGACY_MAGIC):
-        raise UnknownFormatError(
-            f"{where} is a torch.save file in the legacy format (torch < 1.6, not a zip archive), which "
-            "ckptshim does not read from object storage. Download it (gcloud storage cp, aws s3 cp) and "
-            "load the local copy, or re-save it with a current torch.save.")
+    refuse_legacy(where, head)
     return _opens_with_pickle(head)
+
+
+def refuse_legacy(where: Path | Location, head: bytes) -> None:
+    """An :class:`UnknownFormatError` saying what to do when ``head`` starts a ``torch.save``
+    file of the legacy format (torch < 1.6: a bare pickle, its storages after it with no
+    directory), which ckptshim does not read: a bucket cannot serve it by ranges, and nothing
+    else should mistake it for its own format (its first byte is also an empty msgpack map)."""
+    if not head.startswith(_LEGACY_MAGIC):
+        return
+    remote = isinstance(where, Location) and where.is_remote
+    raise UnknownFormatError(
+        f"{where} is a torch.save file in the legacy format (torch < 1.6, not a zip archive), which "
+        f"ckptshim does not read{' from object storage' if remote else ''}. "
+        + ("Download it (gcloud storage cp, aws s3 cp), load the copy" if remote else "Load it")
+        + " with torch.load(..., weights_only=True) and re-save it with a current torch.save.")
 
 
 READERS = {"torch": sniff}
