@@ -3,15 +3,16 @@ parallel byte-range reads against "download, then load".
 
 One folder of a plain per-layer model (``layers.N.weight``, float32 2048 x 2048 = 16 MiB each,
 ``--mib`` in all, plus a small bias per layer) is written by ``huggingface_hub``'s
-``save_torch_state_dict`` (shards of ``--shard-mib``) locally, then uploaded to a bucket on each
-local server of the test suite. Each case runs in a fresh subprocess, rounds interleaved:
+``save_torch_state_dict`` (shards of ``--shard-mib``; ``--weights bin``: ``torch.save`` shards,
+``pytorch_model-*.bin``) locally, then uploaded to a bucket on each local server of the test
+suite. Each case runs in a fresh subprocess, rounds interleaved:
 
 - ``shimmed``: ``dcp.load(model.state_dict(), checkpoint_id=URL)`` with ``import ckptshim``: the
   shards' headers by byte ranges, then the tensors a window at a time, their ranges fetched in
   parallel straight into the parameters (DCP's own ``FsspecReader`` cannot read the folder);
 - ``download``: what a user does without ckptshim: fsspec ``get`` of the folder to a local one,
-  then ``safetensors.torch.load_file`` of each shard and ``model.load_state_dict`` (hooks
-  uninstalled);
+  then ``safetensors.torch.load_file`` (or ``torch.load(weights_only=True, mmap=True)``) of each
+  shard and ``model.load_state_dict`` (hooks uninstalled);
 - ``convert``: ``ckptshim convert URL out.safetensors --to safetensors`` (the CLI's ``main`` in
   process), to a local file: read ahead a window at a time, each tensor written as it comes.
 
@@ -19,7 +20,7 @@ Time is the step alone (the libraries imported, the fsspec client built and the 
 before it; ckptshim's own modules for the load are imported on its first call, inside), median
 over rounds;
 every case's tensors are checked bit for bit. Target: shimmed < download.
-Run: ``python bench/bench_remote_safetensors.py [--mib 256] [--rounds 5] [--schemes s3 gs]``.
+Run: ``python bench/bench_remote_safetensors.py [--mib 256] [--rounds 5] [--schemes s3 gs] [--weights bin]``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def worker(case: str, url: str, layers: int) -> dict:
             fs.get(path + "/", folder + "/", recursive=True)
             for shard in sorted(Path(folder).glob("*.safetensors")):
                 model.load_state_dict(load_file(shard), strict=False)
+            for shard in sorted(Path(folder).glob("*.bin")):
+                model.load_state_dict(torch.load(shard, weights_only=True, mmap=True), strict=False)
         else:
             from ckptshim import cli
 
@@ -73,6 +76,8 @@ def worker(case: str, url: str, layers: int) -> dict:
 def main() -> int:
     parser = remote_rounds.arguments(__doc__, CASES, rounds=5)
     parser.add_argument("--shard-mib", type=int, default=64, help="shard size (default 64)")
+    parser.add_argument("--weights", choices=("safetensors", "bin"), default="safetensors",
+                        help="shards written as safetensors (default) or by torch.save")
     args = parser.parse_args()
     if remote_rounds.worked(args, worker):
         return 0
@@ -80,8 +85,8 @@ def main() -> int:
 
     def write(bucket: str, env: dict[str, str]) -> str:
         subprocess.run([sys.executable, "-c", _SAVE, bucket + "/model", str(layers), str(args.shard_mib),
-                        str(Path(__file__).resolve())], env=env, check=True)
-        return f"{remote_rounds.described(layers)} in shards of {args.shard_mib} MiB"
+                        args.weights, str(Path(__file__).resolve())], env=env, check=True)
+        return f"{remote_rounds.described(layers)} in {args.weights} shards of {args.shard_mib} MiB"
 
     def argv(case: str, bucket: str) -> list[str]:
         return [sys.executable, __file__, "--case", case, "--url", bucket + "/model", "--mib", str(args.mib)]
@@ -104,7 +109,8 @@ import fsspec
 from pathlib import Path
 from huggingface_hub import save_torch_state_dict
 with tempfile.TemporaryDirectory() as local:
-    save_torch_state_dict(remote_rounds.layered_state(int(sys.argv[2])), local, max_shard_size=f"{sys.argv[3]}MB")
+    save_torch_state_dict(remote_rounds.layered_state(int(sys.argv[2])), local, max_shard_size=f"{sys.argv[3]}MB",
+                          safe_serialization=sys.argv[4] == "safetensors")
     fs, path = fsspec.core.url_to_fs(sys.argv[1])
     fs.put([str(f) for f in sorted(Path(local).iterdir())], path + "/")
 """

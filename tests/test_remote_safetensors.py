@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from ckptshim import cli
 from ckptshim.conversion import convert
-from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
+from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats.detect import open_checkpoint
 from support.markers import QUIET
 
@@ -116,6 +116,15 @@ def test_a_missing_shard_is_reported_as_locally(bucket, tmp_path, capsys):
     assert [f for f in remote["files"] if f["size"] is None] == [f for f in here["files"] if f["size"] is None]
 
 
+def outcome(where: str) -> str:
+    """What opening ``where`` says: the refusal, or the problems found, with the name left out."""
+    try:
+        checkpoint = open_checkpoint(where)
+    except CorruptCheckpointError as error:
+        return str(error).replace(where, "FILE")
+    return "; ".join(checkpoint.all_problems()).replace(where, "FILE") or "complete"
+
+
 @pytest.mark.parametrize("damage", ["truncated", "header past the end", "header not json", "bytes owned by none"])
 def test_a_damaged_file_is_refused_as_locally(bucket, tmp_path, damage):
     local = tmp_path / "model.safetensors"
@@ -127,24 +136,7 @@ def test_a_damaged_file_is_refused_as_locally(bucket, tmp_path, damage):
            "bytes owned by none": raw + b"\0" * 8}[damage]
     local.write_bytes(raw)
     upload(local, f"{bucket}/m.safetensors")
-
-    def outcome(where: str) -> str:
-        try:
-            checkpoint = open_checkpoint(where)
-        except CorruptCheckpointError as error:
-            return str(error).replace(where, "FILE")
-        return "; ".join(checkpoint.all_problems()).replace(where, "FILE") or "complete"
-
     assert outcome(f"{bucket}/m.safetensors") == outcome(str(local))
-
-
-def test_torch_save_weights_in_a_bucket_say_what_to_do(bucket, tmp_path):
-    local = tmp_path / "model"
-    local.mkdir()
-    torch.save(state(), local / "pytorch_model.bin")
-    upload(local, f"{bucket}/bin")
-    with pytest.raises(UnknownFormatError, match="not a checkpoint ckptshim reads from object storage"):
-        open_checkpoint(f"{bucket}/bin")
 
 
 @pytest.mark.parametrize("layout", ["file", "hf-sharded"])
@@ -215,11 +207,13 @@ def test_shards_in_a_subfolder_are_read(bucket, tmp_path):
     assert same(load_file(tmp_path / "out.safetensors"), expected)
 
 
-def test_remote_tensors_are_read_a_window_at_a_time(bucket, tmp_path, monkeypatch):
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "torch.save"])
+def test_remote_tensors_are_read_a_window_at_a_time(bucket, tmp_path, monkeypatch, safe):
     """A load hands the format many blocks at once (a window of ``read_ahead_bytes``), and the
     format fetches a window's tensors by one batch of byte ranges -- never a tensor per round
     trip, never more than the window: the batches are recorded at ckptshim's own storage call,
-    the bytes come from the real server, and the values are the local load's."""
+    the bytes come from the real server, and the values are the local load's. The same for
+    shards written by ``torch.save`` (``pytorch_model-*.bin``)."""
     import torch.distributed.checkpoint as dcp
     from ckptshim.formats import base
 
@@ -227,7 +221,7 @@ def test_remote_tensors_are_read_a_window_at_a_time(bucket, tmp_path, monkeypatc
                 for i in range(12)}  # 2 KiB each
     local = tmp_path / "model"
     local.mkdir()
-    save_torch_state_dict(expected, local, max_shard_size="10KB")
+    save_torch_state_dict(expected, local, safe_serialization=safe, max_shard_size="10KB")
     url = f"{bucket}/windows"
     upload(local, url)
     batches: list[int] = []

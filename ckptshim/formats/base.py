@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import re
 import stat
@@ -519,6 +520,26 @@ def check_view(entry: Entry, begin: int, end: int, available: int, where: str) -
         raise CorruptCheckpointError(
             f"{where}: {'.'.join(entry.key)!r} needs bytes up to {end} but the file has "
             f"{available}; the file is truncated. Re-copy it from the original.")
+
+
+def contiguous(shape: tuple[int, ...], index: tuple) -> tuple[int, int] | None:
+    """``(first element, count)`` when ``index`` (ranges and single indices) of a C-order array of
+    ``shape`` is one run of elements (leading axes one index each, then one range, then every axis
+    whole), else ``None``."""
+    if len(index) != len(shape):
+        return None
+    bounds = [part.indices(size)[:2] if isinstance(part, slice) else (part, part + 1)
+              for part, size in zip(index, shape)]
+    lengths = [stop - start for start, stop in bounds]
+    if any(length <= 0 for length in lengths):
+        return None
+    ranged = next((axis for axis, length in enumerate(lengths) if length != 1), len(shape))
+    if any(lengths[axis] != shape[axis] for axis in range(ranged + 1, len(shape))):
+        return None
+    first = 0
+    for (start, _), size in zip(bounds, shape):
+        first = first * size + start
+    return first, math.prod(lengths)
 
 
 def step_folders(root: Path | Location, pattern: re.Pattern,

@@ -30,7 +30,6 @@ import dataclasses
 import enum
 import functools
 import importlib
-import io
 import math
 import os
 import re
@@ -38,7 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path, PurePath
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +50,7 @@ from ckptshim.formats.torch_globals import ExtraGlobals, Globals, Layout, Size, 
 from ckptshim.formats.torch_pickle import read_archive, tensor_view
 from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
 from ckptshim.storage import Location, ObjectInfo
-from ckptshim.storage.ranged import RangedFile, archive_spans
+from ckptshim.storage.ranged import RangedFile, Source, Window, archive_spans, pread
 
 NAME = "torch-dcp"
 METADATA_FILE = ".metadata"
@@ -440,23 +439,12 @@ def merge_ranks(parts: Sequence[DcpMetadata], files: Sequence[Path]) -> DcpMetad
 # -- reading bytes -----------------------------------------------------------------------------
 
 
-#: What chunk archives are read from: a local file opened by ``open_regular``, or an object.
-Source = BinaryIO | RangedFile
-
-
 def open_source(file: Path | Location) -> Source:
     """``file`` opened for :func:`pread`: a remote object as a :class:`RangedFile`, a local file
     as :func:`~ckptshim.formats.base.open_regular` opens it."""
     if isinstance(file, Location) and file.is_remote:
         return RangedFile(file)
     return open_regular(file, buffering=0)
-
-
-def pread(raw: Source, buffer: memoryview, offset: int) -> int:
-    """Bytes from ``offset`` into ``buffer``: how many were read (0 at the end of the file)."""
-    if isinstance(raw, RangedFile):
-        return raw.pread(buffer, offset)
-    return os.preadv(raw.fileno(), [buffer], offset)
 
 
 def read_exact(raw: Source, buffer: memoryview, offset: int, where: str) -> None:
@@ -469,34 +457,6 @@ def read_exact(raw: Source, buffer: memoryview, offset: int, where: str) -> None
                 f"{where}: needs bytes up to {offset + total} but the file ends at {offset + done}; "
                 "it is truncated. Re-copy it from the original.")
         done += got
-
-
-class Window(io.RawIOBase):
-    """A read-only, seekable view of ``length`` bytes of ``raw`` from ``start`` (one archive)."""
-
-    def __init__(self, raw: Source, start: int, length: int) -> None:
-        super().__init__()
-        self._raw, self._start, self._length, self._pos = raw, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer) -> int:
-        count = max(0, min(len(buffer), self._length - self._pos))
-        got = pread(self._raw, memoryview(buffer)[:count], self._start + self._pos) if count else 0
-        self._pos += got
-        return got
 
 
 @dataclass(frozen=True)

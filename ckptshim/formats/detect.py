@@ -7,13 +7,15 @@ only what a load call of that backend can be given, as each format's ``READERS``
 (an Orbax, Flax or T5X restore) one restorable item.
 
 A checkpoint in object storage (``s3://``, ``gs://``) is recognised from one bounded listing of
-its prefix (or, for a ``.safetensors`` object, from its name), among the formats that read
-remote locations so far (:data:`REMOTE_FORMATS`).
+its prefix (or, for one object, from its name -- ``.safetensors`` -- or its first bytes -- a
+``torch.save`` archive), among the formats that read remote locations so far
+(:data:`REMOTE_FORMATS`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 from ckptshim.errors import CorruptCheckpointError, InternalError, UnknownFormatError
@@ -55,7 +57,8 @@ FORMATS: tuple[Format, ...] = ranked((hf_dir, dcp, megatron_core, deepspeed_zero
 BACKENDS = ("torch", "jax")
 #: The formats whose ``open_checkpoint`` reads a remote :class:`~ckptshim.storage.Location`, in
 #: :data:`FORMATS`' order; those of :data:`LOCATION_SNIFFED` are recognised by their own sniffers.
-REMOTE_FORMATS: tuple[Format, ...] = (hf_dir, dcp, paxml_flax, t5x, paxml, orbax, safetensors, flax_msgpack)
+REMOTE_FORMATS: tuple[Format, ...] = (hf_dir, dcp, paxml_flax, t5x, paxml, orbax, safetensors, torch_pickle,
+                                      flax_msgpack)
 #: The remote formats whose ``sniff`` and ``READERS`` take a Location as they take a local path.
 LOCATION_SNIFFED: tuple[Format, ...] = (paxml_flax, t5x, paxml, orbax, flax_msgpack)
 
@@ -71,9 +74,25 @@ def remote_location(path: str | os.PathLike | Location) -> Location | None:
     return where if where.is_remote else None
 
 
+def remote_object(where: Location, candidates: Collection[Format]) -> Format | None:
+    """The format, among ``candidates``, of the object at ``where`` (no prefix there): a
+    ``.safetensors`` object by its name, a ``torch.save`` archive by its first bytes (whatever
+    its name: ``.pt``, ``.bin``, ``.pth``, ``.ckpt``); ``None`` for any other object, and a
+    ``FileNotFoundError`` where there is none. A pre-1.6 ``torch.save`` file is an
+    :class:`UnknownFormatError` that says to download it."""
+    found = where.stat()
+    if found.kind != "file":
+        return None
+    if safetensors in candidates and where.name.endswith(".safetensors"):
+        return safetensors
+    if torch_pickle in candidates and torch_pickle.sniff_object(where, found.size):
+        return torch_pickle
+    return None
+
+
 def _detect_remote(where: Location, backend: str | None) -> Format:
     """The format of the checkpoint at ``where``: a prefix, recognised from one bounded listing
-    (a Hugging Face folder before DCP, as locally), or a ``.safetensors`` object."""
+    (a Hugging Face folder before DCP, as locally), or one object (:func:`remote_object`)."""
     candidates = [fmt for fmt in REMOTE_FORMATS if backend is None or backend in fmt.READERS]
     with reading(where, "recognising its format"):
         try:
@@ -81,10 +100,12 @@ def _detect_remote(where: Location, backend: str | None) -> Format:
         except FileNotFoundError:
             names = None  # no prefix: an object, or nothing
         if names is None:
-            if safetensors in candidates and where.name.endswith(".safetensors") and where.is_file():
-                return safetensors
-            if not where.exists():
-                raise CorruptCheckpointError(f"{where}: no such object or prefix")
+            try:
+                found = remote_object(where, candidates)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{where}: no such object or prefix") from None
+            if found is not None:
+                return found
     if names is not None and hf_dir in candidates and hf_dir.sniff_remote(names):
         return hf_dir
     if names is not None and dcp in candidates and dcp.metadata_names(names):

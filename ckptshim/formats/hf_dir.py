@@ -205,37 +205,29 @@ def _named_inside(shard: object) -> bool:
     return not PurePosixPath(shard).is_absolute() and ".." not in PurePosixPath(shard).parts
 
 
-#: The weights files ckptshim reads from object storage: safetensors ones (a ``torch.save``
-#: archive there is left to the framework, read from a local copy).
-REMOTE_WEIGHT_FILES = tuple(name for name in WEIGHT_FILES if ".safetensors" in name)
-
-
 def sniff_remote(names: Collection[str]) -> bool:
-    """Whether a bucket prefix whose listing holds ``names`` is a Hugging Face folder whose
-    weights ckptshim reads remotely (a ``transformers_weights`` in its config.json is honoured
-    when opening)."""
-    present = [name for name in WEIGHT_FILES if name in names]
-    return bool(present) and present[0] in REMOTE_WEIGHT_FILES
+    """Whether a bucket prefix whose listing holds ``names`` is a Hugging Face folder (a
+    ``transformers_weights`` in its config.json is honoured when opening)."""
+    return any(name in names for name in WEIGHT_FILES)
 
 
 def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoint:
     """The Hugging Face folder below a bucket prefix: one bounded listing gives every object and
-    its size; config.json, the index and each shard's header are fetched by byte ranges (the
-    shards' headers together, in parallel)."""
+    its size; config.json and the index are fetched whole, and the shards' headers by byte
+    ranges, those of every shard together (:func:`_open_objects`)."""
     listed = {info.location.name: info for info in listing if info.kind == "file"}
     marker.require_complete(root, listed)  # a folder ckptshim convert wrote: every object it lists
     settings = model_config(root)
     chosen = _explicit_weights_file(root, settings) or next((name for name in WEIGHT_FILES if name in listed), None)
-    if chosen is None or not chosen.endswith((".safetensors", ".safetensors" + _INDEX_SUFFIX)):
+    if chosen is None:
         raise UnknownFormatError(
-            f"{root}: its weights are {chosen or 'missing'}; ckptshim reads Hugging Face folders in object "
-            "storage only with safetensors weights so far. Copy the folder to a local one and point at the copy.")
+            f"{root}: holds none of {', '.join(WEIGHT_FILES)}; it is not a Hugging Face folder ckptshim "
+            "reads. Point at the folder that holds the weights.")
     if chosen.endswith(_INDEX_SUFFIX):
         index = root.child(chosen)
         shards = _shards(index.read_bytes(MAX_CONFIG_BYTES, listed[chosen].size if chosen in listed else None), index)
     else:
         shards = [chosen]
-    parts: dict[str, Checkpoint] = {}
     files: list[FileInfo] = []
     problems: list[str] = []
     objects: dict[str, ObjectInfo | None] = {}
@@ -243,19 +235,30 @@ def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoi
         if not isinstance(shard, str) or not shard or not _named_inside(shard):
             raise CorruptCheckpointError(f"{root / chosen}: shard {shard!r:.100} lies outside the directory")
         objects[shard] = listed.get(shard) or _in_subfolder(root, shard)
-    present = [found for found in objects.values() if found is not None]
-    head = dict(zip((found.location for found in present),
-                    safetensors.heads([(found.location, found.size) for found in present])))
+    parts = _open_objects({shard: found for shard, found in objects.items() if found is not None})
     for shard, found in objects.items():
         if found is None:
             files.append(FileInfo(shard, None))
             continue
-        part = parts[shard] = safetensors.open_checkpoint(found.location, found.size, head[found.location])
+        part = parts[shard]
         files += [FileInfo(shard, f.size, f.expected_size) for f in part.files]
         problems += [f"{shard}: {p}" for p in part.problems]
     checkpoint = HFDirCheckpoint(root, chosen, parts, files, problems)
     checkpoint.model_config = settings
     return checkpoint
+
+
+def _open_objects(shards: dict[str, ObjectInfo]) -> dict[str, Checkpoint]:
+    """Each shard in a bucket opened by its name, as :func:`_open_file` opens a local one: the
+    safetensors shards' heads in one parallel batch, the ``torch.save`` shards' ends in another."""
+    tensors = {shard: found for shard, found in shards.items() if shard.endswith(".safetensors")}
+    pickles = {shard: found for shard, found in shards.items() if shard not in tensors}
+    heads = safetensors.heads([(found.location, found.size) for found in tensors.values()])
+    parts: dict[str, Checkpoint] = {
+        shard: safetensors.open_checkpoint(found.location, found.size, head)
+        for (shard, found), head in zip(tensors.items(), heads)}
+    parts.update(zip(pickles, torch_pickle.open_objects([(found.location, found.size) for found in pickles.values()])))
+    return {shard: parts[shard] for shard in shards}
 
 
 def _in_subfolder(root: Location, shard: str) -> ObjectInfo | None:

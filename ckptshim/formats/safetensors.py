@@ -15,7 +15,6 @@ fetches neighbouring tensors as one run and runs in parallel pieces, straight in
 
 from __future__ import annotations
 
-import math
 import os
 import struct
 from collections.abc import Callable, Sequence
@@ -25,8 +24,8 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, brief
 from ckptshim.formats import safetensors_header
-from ckptshim.formats.base import (Checkpoint, FileInfo, check_view, file_info, numpy_dtype, open_regular,
-                                   reader, storage_dtype)
+from ckptshim.formats.base import (Checkpoint, FileInfo, check_view, contiguous, file_info, numpy_dtype,
+                                   open_regular, reader, storage_dtype)
 from ckptshim.formats.safetensors_header import MAX_HEADER, Header
 from ckptshim.inventory import Entry, Inventory, split_key
 from ckptshim.storage import ByteRange, Location, read_ranges
@@ -181,7 +180,7 @@ class SafetensorsCheckpoint(Checkpoint):
         transposed view, another dtype). A range that is not one run is copied from the memory
         map (its pages only)."""
         file, begin, end = entry.location
-        span = _contiguous(entry.shape, index)
+        span = contiguous(entry.shape, index)
         if span is None:
             return super().read_into(entry, index, out)
         remote = self._objects.get(file)
@@ -208,7 +207,7 @@ class SafetensorsCheckpoint(Checkpoint):
         (neighbouring ranges as one run, bounded requests in parallel, straight into ``out``)."""
         file, begin, end = entry.location
         remote = self._objects.get(file)
-        span = _contiguous(entry.shape, index)
+        span = contiguous(entry.shape, index)
         stored = storage_dtype(entry.dtype)
         if remote is None or span is None or out.dtype != stored or not out.flags.c_contiguous:
             return None
@@ -242,26 +241,6 @@ def _pread(file: str, offset: int, target: memoryview, entry: Entry) -> None:
             if read == 0:
                 raise CorruptCheckpointError(f"{file}: {'.'.join(entry.key)!r} ends early; the file is truncated.")
             done += read
-
-
-def _contiguous(shape: tuple[int, ...], index: tuple) -> tuple[int, int] | None:
-    """``(first element, count)`` when ``index`` (ranges and single indices) of a C-order array of
-    ``shape`` is one run of elements (leading axes one index each, then one range, then every axis
-    whole), else ``None``."""
-    if len(index) != len(shape):
-        return None
-    bounds = [part.indices(size)[:2] if isinstance(part, slice) else (part, part + 1)
-              for part, size in zip(index, shape)]
-    lengths = [stop - start for start, stop in bounds]
-    if any(length <= 0 for length in lengths):
-        return None
-    ranged = next((axis for axis, length in enumerate(lengths) if length != 1), len(shape))
-    if any(lengths[axis] != shape[axis] for axis in range(ranged + 1, len(shape))):
-        return None
-    first = 0
-    for (start, _), size in zip(bounds, shape):
-        first = first * size + start
-    return first, math.prod(lengths)
 
 
 @reader

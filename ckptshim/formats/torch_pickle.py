@@ -10,6 +10,16 @@ file runs; torch is not even imported. Any other global is refused, naming it. O
 :class:`TensorRef` records, and every record checked against the zip member that holds its
 storage, as torch checks them. Tensor bytes are then read-only views of a memory map of the
 (uncompressed) zip member that holds each storage.
+
+A file in a bucket (a remote :class:`~ckptshim.storage.Location`) is parsed by the same code,
+through a :class:`~ckptshim.storage.ranged.Window` onto the object that reads byte ranges: its
+first :data:`HEAD_BYTES` and last :data:`TAIL_BYTES` (the pickle, and the zip directory) in one
+parallel batch; then, in a batch each where those did not hold them, the pickle and the local
+headers of the storages it names (:func:`_prefetch`). Every member is checked against the
+object's size, as against a local file's, and nothing outside the object is read. Tensors are
+then read by exactly their byte ranges (:meth:`TorchPickleCheckpoint.byte_range`, batched by
+``read_blocks``). A pre-1.6 ``torch.save`` file (a bare pickle, not a zip) is not
+read from a bucket: :func:`sniff_object` says to download it.
 """
 
 from __future__ import annotations
@@ -20,17 +30,19 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import BinaryIO
 
 import numpy as np
 
-from ckptshim.errors import CorruptCheckpointError, ShimError
+from ckptshim.errors import CorruptCheckpointError, ShimError, UnknownFormatError
 from ckptshim.formats import safe_pickle
-from ckptshim.formats.base import (Budget, Checkpoint, check_view, file_info, open_regular, reader, reading,
-                                   storage_dtype)
+from ckptshim.formats.base import (Budget, Checkpoint, FileInfo, check_view, contiguous, file_info, open_regular, reader,
+                                   reading, storage_dtype)
 from ckptshim.formats.torch_globals import ExtraGlobals, Globals, Storage, StorageRef, Tensor, TensorRef
 from ckptshim.inventory import Entry, Inventory, dtype_name, flatten
+from ckptshim.storage import ByteRange, Location
+from ckptshim.storage.ranged import RangedFile, Window, archive_spans, prefetch
 
 NAME = "torch-pickle"
 #: Nesting deeper than any state dict (an optimizer's is four levels deep); deeper pickles cost
@@ -38,44 +50,144 @@ NAME = "torch-pickle"
 MAX_DEPTH = 128
 
 
-def sniff(path: Path) -> bool:
-    """A zip archive whose first member is ``<archive>/data.pkl`` -- what torch.save writes first.
+#: How much of a remote file's start and end one round trip fetches: the pickle of a state dict
+#: of a few hundred tensors, and a zip directory of a few thousand members; a larger one takes
+#: one more request.
+HEAD_BYTES = 64 << 10
+TAIL_BYTES = 256 << 10
+#: A zip local header before its name (torch.save's names are short; its padding ``extra``
+#: field is under 64 bytes): what a member's bytes are fetched with, so they start in the span.
+_LOCAL_HEADER = 30
+_LOCAL_SLACK = 256
+#: A first local header with the longest name zip allows: all :func:`sniff` ever reads.
+_FIRST_HEADER = _LOCAL_HEADER + 0xFFFF
+#: What a pre-1.6 ``torch.save`` file starts with: pickle protocol 2, then torch's magic number.
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 
-    Judged from the first local header alone, so a truncated file (its central directory gone)
-    is still recognised, and then reported as truncated rather than as an unknown format.
-    """
+
+def _opens_with_pickle(head: bytes) -> bool:
+    """Whether ``head`` (a file's first bytes: its first local header and name) is a zip archive
+    whose first member is ``<archive>/data.pkl`` -- what torch.save writes first."""
+    if len(head) < _LOCAL_HEADER or head[:4] != b"PK\x03\x04":
+        return False
+    (name_length,) = struct.unpack("<H", head[26:28])
+    return head[_LOCAL_HEADER:_LOCAL_HEADER + name_length].endswith(b"/data.pkl")
+
+
+def sniff(path: Path) -> bool:
+    """A ``torch.save`` zip archive, judged from the first local header alone, so a truncated
+    file (its central directory gone) is still recognised, and then reported as truncated
+    rather than as an unknown format. A legacy one is refused (:func:`refuse_legacy`)."""
     if not path.is_file():
         return False
     with open_regular(path) as f:
-        header = f.read(30)
-        if len(header) < 30 or header[:4] != b"PK\x03\x04":
-            return False
-        (name_length,) = struct.unpack("<H", header[26:28])
-        return f.read(name_length).endswith(b"/data.pkl")
+        head = f.read(_FIRST_HEADER)
+    refuse_legacy(path, head)
+    return _opens_with_pickle(head)
+
+
+def sniff_object(where: Location, size: int) -> bool:
+    """:func:`sniff` for the ``size``-byte object ``where`` in a bucket, whatever its name
+    (``model.pt``, ``pytorch_model.bin``, Lightning's ``.ckpt``), from its first bytes."""
+    head = where.read(0, min(size, _FIRST_HEADER))
+    refuse_legacy(where, head)
+    return _opens_with_pickle(head)
+
+
+def refuse_legacy(where: Path | Location, head: bytes) -> None:
+    """An :class:`UnknownFormatError` saying what to do when ``head`` starts a ``torch.save``
+    file of the legacy format (torch < 1.6: a bare pickle, its storages after it with no
+    directory), which ckptshim does not read: a bucket cannot serve it by ranges, and nothing
+    else should mistake it for its own format (its first byte is also an empty msgpack map)."""
+    if not head.startswith(_LEGACY_MAGIC):
+        return
+    remote = isinstance(where, Location) and where.is_remote
+    raise UnknownFormatError(
+        f"{where} is a torch.save file in the legacy format (torch < 1.6, not a zip archive), which "
+        f"ckptshim does not read{' from object storage' if remote else ''}. "
+        + ("Download it (gcloud storage cp, aws s3 cp), load the copy" if remote else "Load it")
+        + " with torch.load(..., weights_only=True) and re-save it with a current torch.save.")
 
 
 READERS = {"torch": sniff}
 
 
 class TorchPickleCheckpoint(Checkpoint):
-    def __init__(self, path: Path, inventory: Inventory, files, offsets: dict[str, int]) -> None:
+    """One ``torch.save`` archive; entry locations are ``(file, TensorRef)``. A local one is read
+    from a memory map; one in a bucket (``size`` bytes, from its listing) by byte ranges."""
+
+    def __init__(self, path: Path | Location, inventory: Inventory, files, offsets: dict[str, int],
+                 size: int | None = None) -> None:
         super().__init__(path, NAME, "zip", inventory, tuple(files))
         self._offsets = offsets
         self._map: np.memmap | None = None
+        self._remote = isinstance(path, Location) and path.is_remote
+        self._size = size
 
-    def read(self, entry: Entry) -> np.ndarray:
+    def _storage(self, entry: Entry) -> tuple[TensorRef, int]:
+        """``entry``'s tensor record and where its storage starts, checked against the file."""
         ref: TensorRef = entry.location[1]
-        if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         start = self._offsets.get(ref.storage.key)
         if start is None:
             raise CorruptCheckpointError(f"{self.path}: storage {ref.storage.key} is missing from the archive")
+        if not self._remote and self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        available = self._size if self._remote else len(self._map)
         check_view(Entry(entry.key, (ref.storage.numel,), ref.storage.dtype), start, start + ref.storage.nbytes,
-                   len(self._map), str(self.path))
-        return tensor_view(self._map[start:start + ref.storage.nbytes], ref, f"{self.path}: {'.'.join(entry.key)!r}")
+                   available, str(self.path))
+        return ref, start
+
+    def read(self, entry: Entry) -> np.ndarray:
+        ref, start = self._storage(entry)
+        where = f"{self.path}: {'.'.join(entry.key)!r}"
+        if not self._remote:
+            return tensor_view(self._map[start:start + ref.storage.nbytes], ref, where)
+        dense = _dense(ref)
+        if dense is not None:  # exactly the tensor's bytes
+            data = np.empty(entry.shape, storage_dtype(ref.storage.dtype))
+            self.path.read_into(dense.start + start, memoryview(data.reshape(-1).view(np.uint8)))
+            return data
+        data = np.empty(ref.storage.nbytes, np.uint8)  # a strided view: its whole storage
+        self.path.read_into(start, memoryview(data))
+        return tensor_view(data, ref, where)
+
+    def check_entry(self, entry: Entry) -> None:
+        """A remote entry's storage is checked against the object's size, never fetched."""
+        if self._remote:
+            self._storage(entry)
+        else:
+            super().check_entry(entry)
+
+    def byte_range(self, entry: Entry, index: tuple, out: np.ndarray) -> ByteRange | None:
+        """For a file in a bucket, where the tensor is dense in its storage, ``entry[index]`` one
+        run of it and ``out`` a C-contiguous buffer of the stored dtype (what ``dcp.load`` and
+        ``convert`` ask for): that run's byte range, for :meth:`read_blocks` to fetch with the
+        others in one batch."""
+        if not self._remote:
+            return None
+        ref, start = self._storage(entry)
+        dense, span = _dense(ref), contiguous(entry.shape, index)
+        stored = storage_dtype(ref.storage.dtype)
+        if dense is None or span is None or out.dtype != stored or not out.flags.c_contiguous:
+            return None
+        first, count = span
+        return ByteRange(self.path, start + dense.start + first * stored.itemsize, count * stored.itemsize)
 
     def close(self) -> None:
         self._map = None
+
+
+def _dense(ref: TensorRef) -> slice | None:
+    """The bytes of ``ref``'s storage that hold the tensor, in C order and nothing else between
+    (its strides are row-major for its shape); ``None`` for any other view."""
+    expected, strides = 1, []
+    for n in reversed(ref.shape):
+        strides.append(expected)
+        expected *= n
+    if any(n > 1 and s != want for n, s, want in zip(ref.shape, ref.stride, reversed(strides))):
+        return None
+    itemsize = storage_dtype(ref.storage.dtype).itemsize
+    return slice(ref.offset * itemsize, (ref.offset + expected) * itemsize)
 
 
 def tensor_view(storage_bytes: np.ndarray, ref: TensorRef, where: str) -> np.ndarray:
@@ -136,11 +248,13 @@ def _read_archive(raw: BinaryIO, where: str, extra: ExtraGlobals | None) -> Arch
             raise CorruptCheckpointError(
                 f"{where}: zip archive without {prefix}data.pkl (torch reads the folder of its "
                 "first member) is not a torch.save file")
+        stored = {name[len(prefix) + 5:]: info for name, info in members.items()
+                  if name.startswith(prefix + "data/")}
+        _prefetch(raw, [members[prefix + name] for name in ("data.pkl", "byteorder") if prefix + name in members],
+                  (), size)
         byteorder = _stored_member(archive, members[prefix + "byteorder"], size, where) \
             if prefix + "byteorder" in members else b"little"
         data = _stored_member(archive, members[prefix + "data.pkl"], size, where)
-        stored = {name[len(prefix) + 5:]: info for name, info in members.items()
-                  if name.startswith(prefix + "data/")}
         names = Globals(where, extra)
         budget = Budget(f"{where}: data.pkl", sum(info.file_size for info in stored.values()))
         stand_ins = safe_pickle.load(data, f"{where}: data.pkl", safe_pickle.TORCH, names.find_class,
@@ -156,6 +270,19 @@ def _read_archive(raw: BinaryIO, where: str, extra: ExtraGlobals | None) -> Arch
     if text != "little":
         problems.append(f"stored {text!r:.40}-endian; ckptshim reads little-endian torch files only")
     return Archive(tree, offsets, tuple(problems))
+
+
+def _prefetch(raw: BinaryIO, whole: Iterable[zipfile.ZipInfo], headers: Iterable[zipfile.ZipInfo],
+              size: int) -> None:
+    """Over an object in a bucket (a :class:`Window` onto a :class:`RangedFile`), fetch in one
+    parallel batch what the parse reads next, piece by piece: the ``whole`` members (the pickle,
+    with their local headers) and the local header of each of ``headers`` (the storages the
+    pickle named, whose data starts after it). A member the directory says runs past the
+    archive's ``size`` is left for the parse to refuse, unfetched; locally, nothing is done."""
+    if isinstance(raw, Window):
+        raw.prefetch([(info.header_offset, _LOCAL_HEADER + _LOCAL_SLACK + info.compress_size) for info in whole
+                      if info.header_offset + info.compress_size <= size]
+                     + [(info.header_offset, _LOCAL_HEADER) for info in headers])
 
 
 def _members(archive: zipfile.ZipFile, where: str) -> dict[str, zipfile.ZipInfo]:
@@ -226,6 +353,7 @@ def _storage_offsets(raw: BinaryIO, storages: Mapping[str, StorageRef], members:
     """Where each storage's bytes start in ``raw``, once its ``data/<key>`` member is as torch
     requires: stored, exactly ``numel x itemsize`` bytes long, inside the file. A missing member
     is a problem (the file is incomplete); a member of another size is refused, as torch does."""
+    _prefetch(raw, (), (members[key] for key in storages if key in members), size)
     offsets, problems = {}, []
     for key, storage in storages.items():
         info = members.get(key)
@@ -263,13 +391,38 @@ def flat_tree(tree: object, where: str) -> dict[tuple[str, ...], object]:
 
 
 @reader
-def open_checkpoint(path: Path) -> TorchPickleCheckpoint:
+def open_checkpoint(path: Path | Location, size: int | None = None) -> TorchPickleCheckpoint:
+    """The ``torch.save`` file ``path``, local or an object in a bucket (``size`` its size when a
+    listing gave it)."""
+    if isinstance(path, Location) and path.is_remote:
+        return open_objects([(path, size if size is not None else path.stat().size)])[0]
     try:
-        with open_regular(path) as raw:
-            archive = read_archive(raw, str(path))
+        with open_regular(path) as local:
+            archive = read_archive(local, str(path))
     except OSError as error:
         raise CorruptCheckpointError(f"{path}: cannot be read ({error})") from None
-    problems = list(archive.problems)
+    entries, expected = _entries(path, archive)
+    return _opened(path, entries, file_info(path, expected), archive)
+
+
+def open_objects(objects: Sequence[tuple[Location, int]]) -> list[TorchPickleCheckpoint]:
+    """Each ``(object, size)`` in a bucket opened as a ``torch.save`` file: the first and last
+    bytes of all of them (their pickles and zip directories) fetched in one parallel batch, then
+    each parsed by :func:`read_archive` through a :class:`Window` onto it, as a local file is."""
+    files = [RangedFile(where) for where, _ in objects]
+    prefetch([(file, archive_spans(0, size, HEAD_BYTES, TAIL_BYTES)) for file, (_, size) in zip(files, objects)])
+    out = []
+    for file, (where, size) in zip(files, objects):
+        with reading(where, "opening it"), file:
+            archive = read_archive(Window(file, 0, size), str(where))
+        entries, expected = _entries(where, archive)
+        out.append(_opened(where, entries, FileInfo(str(where), size, expected), archive, size))
+    return out
+
+
+def _entries(path: Path | Location, archive: Archive) -> tuple[list[Entry], int]:
+    """One entry per tensor of ``archive`` (its key split at dots, as torch's state dicts spell
+    it), and the bytes of the file its storages need."""
     entries, expected = [], 0
     for path_parts, leaf in flat_tree(archive.tree, str(path)).items():
         if isinstance(leaf, TensorRef):
@@ -278,7 +431,11 @@ def open_checkpoint(path: Path) -> TorchPickleCheckpoint:
             start = archive.offsets.get(leaf.storage.key)
             if start is not None:
                 expected = max(expected, start + leaf.storage.nbytes)
-    checkpoint = TorchPickleCheckpoint(path, Inventory(entries, str(path)),
-                                       [file_info(path, expected)], archive.offsets)
-    checkpoint.problems = tuple(problems)
+    return entries, expected
+
+
+def _opened(path: Path | Location, entries: list[Entry], info: FileInfo, archive: Archive,
+            size: int | None = None) -> TorchPickleCheckpoint:
+    checkpoint = TorchPickleCheckpoint(path, Inventory(entries, str(path)), [info], archive.offsets, size)
+    checkpoint.problems = archive.problems
     return checkpoint

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from ckptshim.errors import NoPlan, PlanError, ShimError, UnknownFormatError, describe
 from ckptshim.execute.dcp_planner import FlatKeys, KeyMapping, RemappingLoadPlanner
 from ckptshim.execute.dcp_storage import DcpReader, FormatReader, RemoteDcpReader
-from ckptshim.formats import dcp, hf_dir, safetensors
-from ckptshim.formats.detect import detect
+from ckptshim.formats import dcp, hf_dir, safetensors, torch_pickle
+from ckptshim.formats.detect import detect, remote_object
 from ckptshim.formats.hf_dir import config_of, model_config
 from ckptshim.inventory import Entry, Inventory, dtype_name, join_key, split_key
 from ckptshim.loading.producers import producer
@@ -94,7 +94,7 @@ def remote_reader(checkpoint_id: Any, given: StorageReader | None,
     checkpoint: its metadata read safely, and its chunks read by ckptshim where the plan remaps
     keys, by torch's own ``FsspecReader`` data path where it does not (``planner`` says which,
     once DCP has planned: :class:`~ckptshim.execute.dcp_storage.RemoteDcpReader`). A safetensors
-    object or a Hugging Face folder of safetensors weights, which DCP cannot read: a
+    or ``torch.save`` object, or a Hugging Face folder of their weights, which DCP cannot read: a
     :class:`~ckptshim.execute.dcp_storage.FormatReader` reading each tensor by its byte range.
 
     :class:`~ckptshim.errors.NoPlan` -- DCP's own load, as without ckptshim -- where ckptshim
@@ -109,10 +109,13 @@ def remote_reader(checkpoint_id: Any, given: StorageReader | None,
         location = Location.of(url)
         try:
             listed = location.list()
-        except FileNotFoundError:  # no prefix: a safetensors object, or nothing
-            if location.name.endswith(".safetensors") and location.is_file():
-                return FormatReader(location, safetensors, hook=HOOK)
-            raise
+        except FileNotFoundError:  # no prefix: a safetensors or torch.save object, or nothing
+            fmt = remote_object(location, (safetensors, torch_pickle))
+            if fmt is None:
+                raise NoPlan(f"{url}: an object ckptshim does not read; DCP's own reader decides") from None
+            return FormatReader(location, fmt, hook=HOOK)
+    except UnknownFormatError as error:  # a legacy torch.save object: DCP's own error, with this note
+        raise NoPlan(str(error)) from None
     except ShimError:
         raise
     except Exception as error:  # the client's own failure: see the docstring
