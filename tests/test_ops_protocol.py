@@ -272,7 +272,9 @@ def test_a_new_layout_kind_runs_in_the_files_executor(tmp_path):
     checkpoint = _saved(tmp_path)
     arrays = PlannedArrays(checkpoint, dataclasses.replace(ROLL_PLAN, source=checkpoint.inventory), ".")
     assert [e.key for e in arrays.entries] == list(WANT)
-    assert all(np.array_equal(arrays.read(entry), WANT[entry.key]) for entry in arrays.entries)
+    values = list(arrays.values())
+    assert [entry.key for entry, _ in values] == list(WANT)
+    assert all(np.array_equal(value, WANT[entry.key]) for entry, value in values)
 
 
 @pytest.mark.parametrize("cuts", [None, {"w": [[1, 3], [2], [4]]}])
