@@ -47,9 +47,11 @@ def built(tmp_path_factory) -> dict[str, Path]:
     return {"hf_sharded": folder}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def t5x_standin(tmp_path_factory):
-    """``import t5x.checkpoints`` is the stand-in (tests/t5x_standin), with ckptshim's hook on."""
+    """``import t5x.checkpoints`` is the stand-in (tests/t5x_standin), with ckptshim's hook on,
+    for this module only: a later module's stand-in is another module object, which the hook
+    must patch afresh."""
     from support.t5x_site import standin_t5x
 
     with standin_t5x() as checkpoints:

@@ -27,7 +27,10 @@ def _forget_t5x() -> None:
 
 @contextmanager
 def standin_t5x() -> Iterator[object]:
-    """Import the stand-in as ``t5x.checkpoints``, hooked, and undo it all on exit."""
+    """Import the stand-in as ``t5x.checkpoints``, hooked, and undo it all on exit. A hook still
+    on an earlier stand-in (another module object) is taken off first, or installing would
+    find its patches active and leave this one unhooked."""
+    registry.uninstall(["t5x"])
     _forget_t5x()
     package = types.ModuleType("t5x", "Stand-in t5x package for ckptshim tests.")
     package.__path__ = []  # a package, so that `import t5x.checkpoints` looks the submodule up
