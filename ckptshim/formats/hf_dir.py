@@ -106,24 +106,29 @@ class HFDirCheckpoint(Checkpoint):
         #: every shard stores its arrays row-major (see ``SafetensorsCheckpoint.row_major``)
         self.row_major = all(getattr(part, "row_major", False) for part in parts.values())
 
-    def read(self, entry: Entry) -> np.ndarray:
+    def _in_shard(self, entry: Entry) -> tuple[Checkpoint, Entry]:
+        """The shard that holds ``entry``, and the entry as that shard names it."""
         name, inner = entry.location
-        return self._parts[name].read(Entry(entry.key, entry.shape, entry.dtype, inner))
+        return self._parts[name], Entry(entry.key, entry.shape, entry.dtype, inner)
+
+    def read(self, entry: Entry) -> np.ndarray:
+        part, inner = self._in_shard(entry)
+        return part.read(inner)
 
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray) -> Any:
-        name, inner = entry.location
-        return self._parts[name].read_into(Entry(entry.key, entry.shape, entry.dtype, inner), index, out)
+        part, inner = self._in_shard(entry)
+        return part.read_into(inner, index, out)
 
     def check_entry(self, entry: Entry) -> None:
         """The shard's own check (for a shard in a bucket, its range against the object's size:
         nothing is fetched)."""
-        name, inner = entry.location
-        self._parts[name].check_entry(Entry(entry.key, entry.shape, entry.dtype, inner))
+        part, inner = self._in_shard(entry)
+        part.check_entry(inner)
 
     def byte_range(self, entry: Entry, index: tuple, out: np.ndarray) -> ByteRange | None:
         """The shard's own (so that the blocks of every shard in a bucket are one batch)."""
-        name, inner = entry.location
-        return self._parts[name].byte_range(Entry(entry.key, entry.shape, entry.dtype, inner), index, out)
+        part, inner = self._in_shard(entry)
+        return part.byte_range(inner, index, out)
 
     def close(self) -> None:
         for part in self._parts.values():
