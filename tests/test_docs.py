@@ -247,6 +247,8 @@ QUOTED_ERRORS = {
     ("deepspeed.md", "size mismatch for ...: copying a param with shape torch.Size([0]) from checkpoint, ..."): "zero3 module",
     ("deepspeed.md", "Unsupported global: GLOBAL deepspeed.runtime.zero.config.ZeroStageEnum was not an allowed global by default"): "zero torch.load",
     ("megatron-core.md", "RuntimeError: Missing key in checkpoint state_dict: decoder.layers.0.input_layernorm.bias."): "megatron dcp",
+    ("jax.md", "InvalidLayoutError: Failed to interpret path .../pytree_checkpointer as a V0 Orbax PyTree."): "orbax v1 old layout",
+    ("jax.md", "ValueError: Structure mismatch: Target path ('linear', 'bias', 'value') not found in metadata_tree."): "flax 0.8 nnx",
 }
 
 

@@ -47,6 +47,8 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec("torch", "torch", "ckptshim.hooks.torch_module", "torch", ("2.4", "3")),
     HookSpec("torch-dcp", "torch.distributed.checkpoint", "ckptshim.hooks.torch_dcp", "torch", ("2.4", "3")),
     HookSpec("orbax", "orbax.checkpoint", "ckptshim.hooks.orbax", "orbax-checkpoint", ("0.11", "1")),
+    HookSpec("orbax-v1", "orbax.checkpoint.experimental.v1", "ckptshim.hooks.orbax_v1", "orbax-checkpoint",
+             ("0.12", "1")),
     HookSpec("flax", "flax.training.checkpoints", "ckptshim.hooks.flax", "flax", ("0.10", "1")),
     HookSpec("deepspeed", "deepspeed", "ckptshim.hooks.deepspeed", "deepspeed", ("0.14", "1")),
     HookSpec("t5x", "t5x.checkpoints", "ckptshim.hooks.t5x", "t5x", ("0", "1")),

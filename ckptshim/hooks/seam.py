@@ -111,9 +111,19 @@ def framework_call(call: Callable[..., Any]) -> Callable[..., Any]:
 
 def step_aside(original: Callable[[], Any], diagnosis: object) -> Any:
     """Run the framework's own call for a load ckptshim has no plan for, as without ckptshim:
-    its return value stands; what it raises is raised unchanged, with ``diagnosis`` as a note."""
+    its return value stands; what it raises is raised unchanged, with ``diagnosis`` as a note.
+    A coroutine seam's call returns an awaitable, whose error gets the note when it is awaited."""
     try:
-        return original()
+        result = original()
+    except BaseException as error:
+        add_diagnosis(error, diagnosis)
+        raise
+    return _noting(result, diagnosis) if inspect.isawaitable(result) else result
+
+
+async def _noting(awaitable: Any, diagnosis: object) -> Any:
+    try:
+        return await awaitable
     except BaseException as error:
         add_diagnosis(error, diagnosis)
         raise

@@ -1,5 +1,6 @@
 """Runs with ``CKPTSHIM_DISABLE=1``: the errors the frameworks themselves raise on the fixtures
-the docs quote (docs/paxml.md, docs/gpt-neox.md, docs/deepspeed.md, docs/megatron-core.md). Usage: ``python native_errors_worker.py DIR``
+the docs quote (docs/paxml.md, docs/gpt-neox.md, docs/deepspeed.md, docs/megatron-core.md,
+docs/jax.md). Usage: ``python native_errors_worker.py DIR``
 (``DIR`` a scratch folder); prints one JSON line, case -> ``"Type: message"``."""
 
 from __future__ import annotations
@@ -52,6 +53,20 @@ def torch_cases() -> dict[str, str]:
     }
 
 
+def jax_cases() -> dict[str, str]:
+    """Orbax's v1 API on an old layout, and a flax 0.8 NNX state into today's (docs/jax.md)."""
+    from flax import nnx
+
+    from test_flax_nnx_legacy import Model
+
+    old = FIXTURES / "orbax_0.2.3_unscanned" / "pytree_checkpointer"
+    _, state = nnx.split(nnx.eval_shape(lambda: Model(nnx.Rngs(0))))
+    return {
+        "orbax v1 old layout": error_of(lambda: ocp.v1.load(old, {"params": {}}, checkpointable_name=None)),
+        "flax 0.8 nnx": error_of(lambda: ocp.StandardCheckpointer().restore(FIXTURES / "flax_0.8.5_nnx" / "full", state)),
+    }
+
+
 def main() -> None:
     scratch = Path(sys.argv[1])
     root = Path(shutil.copytree(FIXTURES / "paxml_runs/TinySpmdRepeat/checkpoints", scratch / "checkpoints"))
@@ -65,6 +80,7 @@ def main() -> None:
         "neox into hf": error_of(lambda: transformers.GPTNeoXForCausalLM(config).load_state_dict(
             _neox_state_dict("pp1_mp1"))),
         **torch_cases(),
+        **jax_cases(),
     }))
 
 

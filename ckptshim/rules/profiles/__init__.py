@@ -12,8 +12,8 @@ from __future__ import annotations
 from ckptshim import config
 from ckptshim.rules import DEFAULT_RULES, Rules
 from ckptshim.rules.context import LoadContext, Profile
-from ckptshim.rules.profiles import (conventions, hf_maxtext, maxtext, megatron_core, paxml, paxml_gpt3, torchtitan,
-                                     transformers_mapping)
+from ckptshim.rules.profiles import (conventions, flax_nnx, hf_maxtext, maxtext, megatron_core, paxml, paxml_gpt3,
+                                     torchtitan, transformers_mapping)
 
 #: Every profile, in the order :func:`rules_for` folds them: each call's conventions first, then
 #: the model families (torchtitan's layout and transformers' mapping exclude each other).
@@ -23,6 +23,7 @@ PROFILES: tuple[Profile, ...] = (
     torchtitan.PROFILE,
     transformers_mapping.PROFILE,
     conventions.JAX_TREES,
+    flax_nnx.PROFILE,
     maxtext.PROFILE,
     maxtext.RNG_PROFILE,
     paxml.PROFILE,
@@ -41,7 +42,7 @@ def rules_for(context: LoadContext) -> Rules:
       aside where the plan needs it; Hugging Face Llama/Qwen3 names <-> torchtitan's (heads from
       the model config); else transformers' conversion mapping of each transformers model in the
       target, or, where the target is none, of the model the checkpoint's model config names;
-    - JAX restores: Linen/NNX spellings; MaxText's scan axes (and its rng state kept from the
+    - JAX restores: Linen/NNX spellings (and flax < 0.9's ``raw_value``, for a state of that era); MaxText's scan axes (and its rng state kept from the
       target, by opt-in); PaxML ``Repeat`` stacks; the PaxML GPT-3 -> MaxText layout; a Hugging
       Face Llama 3 / Qwen3 <-> MaxText, by the model config. A JAX restore leaves every
       checkpoint key the target does not ask for on disk and reads no value it could check, so
