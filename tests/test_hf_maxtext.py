@@ -220,7 +220,8 @@ def test_convert_back_like_the_hf_folder_is_maxtexts_own_way_back(model, layout,
     assert changed == ([f"model.layers.{i}.self_attn.q_proj.weight" for i in range(2)] if model == "llama3" else [])
     for name in ("config.json", "generation_config.json"):
         shutil.copy(folder(model) / name, out / name)
-    logits, reference = _logits(out, model), np.load(HERE / model / "ref_logits.npy")
+    # the original folder's logits, computed here: bfloat16 products round differently on another CPU
+    logits, reference = _logits(out, model), _logits(folder(model), model)
     if model == "qwen3":
         assert np.array_equal(logits, reference)
     else:
