@@ -55,6 +55,17 @@ def numpy_dtype(name: str) -> np.dtype:
         return np.dtype(getattr(ml_dtypes, name))
 
 
+def as_values(out: np.ndarray, dtype: str) -> np.ndarray:
+    """``out``, where a read copies ``dtype``'s values into it by value (tensorstore, a msgpack
+    leaf): itself, or, where it holds the stored bits of a dtype numpy lacks (bfloat16 as uint16:
+    :func:`storage_dtype`), a view of it as that dtype's values. A copy by value into the bits
+    would turn each value into an integer (1.0 into 1); into this view it writes the stored
+    bytes as they are, as :meth:`Checkpoint.read_into` promises."""
+    if dtype in _NO_NUMPY_TYPE and out.dtype == storage_dtype(dtype):
+        return out.view(numpy_dtype(dtype))
+    return out
+
+
 # -- the trust boundary ---------------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats import kvstore, located, msgpack_tree, orbax, zarr
-from ckptshim.formats.base import (Checkpoint, metadata_limit, numpy_dtype, reader, refuse_links_leaving, step_folders,
+from ckptshim.formats.base import (Checkpoint, as_values, metadata_limit, numpy_dtype, reader, refuse_links_leaving, step_folders,
                                    storage_dtype)
 from ckptshim.formats.located import Where
 from ckptshim.inventory import Entry, Inventory, KeyPath
@@ -187,6 +187,7 @@ class T5XCheckpoint(orbax.OrbaxCheckpoint):
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray):
         if not isinstance(entry.location, _Uint16Bits):
             return super().read_into(entry, index, out)
+        out = as_values(out, entry.dtype)
         same = out.dtype == numpy_dtype("bfloat16")
         bits = out.view(np.uint16) if same else np.empty(out.shape, np.uint16)
         pending = super().read_into(Entry(entry.key, entry.shape, "uint16", entry.location), index, bits)
