@@ -191,27 +191,32 @@ class DcpReader(FileSystemReader):
         return self._checkpoint.stored(index.fqn, None if index.offset is None else tuple(index.offset))
 
     def _check_all(self, items: Iterable[ReadItem], chunks_by_torch: bool = False) -> None:
-        """Files present and long enough, chunk archives as ``.metadata`` says (or left to torch's
-        reader: see the class docstring; every tensor chunk, with ``chunks_by_torch``), objects
-        safe to unpickle (kept for :meth:`read_data`); whatever is wrong raises here."""
+        """Every file the items read present and as long as ``.metadata`` says, whoever reads
+        it; chunk archives as ``.metadata`` says (or left to torch's reader: see the class
+        docstring; every tensor chunk, with ``chunks_by_torch``), objects safe to unpickle (kept
+        for :meth:`read_data`); whatever is wrong raises here, before any rank writes a byte."""
         assert self._checkpoint is not None, "read_metadata runs first"
         by_file: dict[str, list[ReadItem]] = {}
+        needed: set[str] = set()
         seen: set[MetadataIndex] = set()
         for item in items:
             index = item.storage_index
             if index in seen or index in self._layouts or index in self._objects or index in self._by_torch:
                 continue
             seen.add(index)
+            file = self._stored(item).file
+            needed.add(file)
             if chunks_by_torch and item.type != LoadItemType.BYTE_IO:
                 self._by_torch.add(index)
                 continue
-            by_file.setdefault(self._stored(item).file, []).append(item)
+            by_file.setdefault(file, []).append(item)
         files = {f.path: f for f in self._checkpoint.files}
-        for name, file_items in sorted(by_file.items()):
+        for name in sorted(needed):
             problem = files[name].problem
             if problem is not None:
                 raise CorruptCheckpointError(
                     f"{self.path}: {problem}. Restore the file (or re-copy the checkpoint) before loading it.")
+        for name, file_items in sorted(by_file.items()):
             path = self._file(name)
             with dcp.open_source(path) as raw:
                 for batch in range(0, len(file_items), HEADER_BATCH):
