@@ -51,8 +51,6 @@ def local(tmp_path_factory):
     for folder in (pax, pax / "state"):  # what PaxML's Orbax manager writes into a gs:// step and its items
         (folder / "commit_success.txt").write_text("done")
     copy_fixture("flax_0.6.11_legacy_msgpack/legacy_msgpack", root / "flax")
-    # Orbax restores a gs:// folder only with its commit file (T5X's legacy checkpointer writes none)
-    (root / LEGACY / "commit_success.txt").write_text("done")
     placeholder = _placeholder_step(root / "made")  # T5X's Orbax path with Orbax < 0.5: PLACEHOLDER:// leaves
     (placeholder / "commit_success.txt").write_text("done")
     shutil.rmtree(root / "made" / "src")
@@ -153,8 +151,16 @@ def test_load_t5x_checkpoint_of_a_legacy_step_in_gs_is_t5xs_own(local, remote):
 
 
 def test_orbax_restores_a_legacy_t5x_step_in_gs_as_the_local_copy(local, remote):
+    """On GCS, Orbax alone refuses the step: it wants the ``commit_success.txt`` that T5X's
+    legacy checkpointer never writes. ckptshim checks the step by T5X's own rule and restores it."""
     there, here = both(local, remote, LEGACY)
     assert detect.detect(there, backend="jax") is t5x_format
+    ckptshim.uninstall()
+    try:
+        with ocp.PyTreeCheckpointer() as checkpointer, pytest.raises(ValueError, match="Found incomplete checkpoint"):
+            checkpointer.restore(there)
+    finally:
+        ckptshim.install()
     with ocp.PyTreeCheckpointer() as checkpointer:
         as_stored = [checkpointer.restore(where) for where in (there, here)]
     assert_same(flat(as_stored[0]), flat(as_stored[1]))
