@@ -70,7 +70,7 @@ from ckptshim.errors import CorruptCheckpointError, ShimError, UnknownFormatErro
 from ckptshim.execute import destinations
 from ckptshim.execute.torch import as_tensor
 from ckptshim.formats import dcp
-from ckptshim.formats.base import Checkpoint, Format, open_regular, storage_dtype, windows
+from ckptshim.formats.base import Checkpoint, Format, metadata_limit, open_regular, storage_dtype, windows
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, dtype_name, join_key, split_key
 from ckptshim.log import logger
@@ -121,6 +121,29 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 def _block(item: ReadItem) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
+
+
+def read_metadata_safely(reader: FileSystemReader, rank: int | None = None) -> Metadata:
+    """``FileSystemReader.read_metadata`` (``FsspecReader``'s too) without ``pickle.load``: the
+    same file, opened through the reader's own file system (torch's path semantics and errors:
+    one named object, no listing), unpickled by ckptshim's allow-listed unpickler into the very
+    objects ``pickle.load`` would build. What torch's reader reads when ckptshim reads nothing
+    else of the checkpoint (a load it steps aside from, a reader the caller built): a hostile
+    ``.metadata`` is refused there too, and no code in it runs. A file larger than
+    :func:`~ckptshim.formats.base.metadata_limit` allows is refused unread beyond that."""
+    path = reader._get_metadata_path(rank)
+    limit = metadata_limit(0)
+    with reader.fs.create_stream(path, "rb") as stream:
+        data = stream.read(limit + 1)
+    where = str(path)
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{where} is more than the {limit:,} bytes ckptshim reads of DCP metadata "
+                                     "whose checkpoint it has not listed; it is damaged or hostile.")
+    metadata = dcp.to_torch(dcp.loads_metadata(data, where).records, where)
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = reader.load_id
+    return metadata
 
 
 class DcpReader(FileSystemReader):

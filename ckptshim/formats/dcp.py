@@ -308,13 +308,20 @@ def load_metadata(file: Path | Location, array_bytes: int = 0) -> DcpMetadata:
             data = file.read_bytes(metadata_limit(array_bytes)) if remote else read_regular(file)
         except OSError as error:
             raise CorruptCheckpointError(f"{file}: cannot be read ({error})") from None
+        return loads_metadata(data, where, array_bytes)
+
+
+def loads_metadata(data: bytes, where: str, array_bytes: int = 0) -> DcpMetadata:
+    """The DCP metadata pickled in ``data`` (a ``.metadata`` file's bytes, read from ``where``),
+    unpickled by the allow-listed unpickler with a budget credited with ``array_bytes``."""
+    with reading(where):
         root = safe_pickle.load(data, where, safe_pickle.PICKLE, _find_class(where),
                                 budget=Budget(where, array_bytes))
         try:
             return parse_metadata(root)
         except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as error:
             raise CorruptCheckpointError(
-                f"{file}: does not hold DCP metadata as torch.distributed.checkpoint writes it "
+                f"{where}: does not hold DCP metadata as torch.distributed.checkpoint writes it "
                 f"({describe(error, 200)}). Re-save the checkpoint with dcp.save.") from None
 
 
