@@ -7,9 +7,9 @@ and ``open_checkpoint(path) -> Checkpoint``. Opening reads metadata only; bytes 
 :meth:`Checkpoint.read` (a whole entry, usually a view of a memory map, so nothing is copied
 until an executor writes it into its destination) or :meth:`Checkpoint.read_into` (one index
 range of an entry, straight into a buffer the caller owns). Executors that read many entries go
-through :meth:`Checkpoint.read_blocks` and :meth:`Checkpoint.read_each`, which a checkpoint in
-a bucket answers a window of :data:`READ_AHEAD_BYTES` at a time, its reads in parallel: one
-byte range at a time would pay a round trip per tensor.
+through :meth:`Checkpoint.read_blocks` and :meth:`Checkpoint.read_each`, a window of what its
+storage reads ahead at a time (:attr:`~ckptshim.storage.Location.read_ahead_bytes`: a bucket's
+reads in parallel, as one byte range at a time would pay a round trip per tensor).
 """
 
 from __future__ import annotations
@@ -360,12 +360,6 @@ class FileInfo:
         return 0 if self.size is None or self.kind != "file" else min(self.size, self.bytes_needed)
 
 
-#: The most bytes of arrays one batched read of a checkpoint in a bucket asks for at once
-#: (:meth:`Checkpoint.read_blocks` over a window of :func:`windows`): enough for every request
-#: in flight to be a full piece (:data:`ckptshim.storage.objects.MAX_PARALLEL_READS` of
-#: :data:`~ckptshim.storage.objects.PIECE_BYTES`), and the most a load holds in buffers of its
-#: own (blocks read ahead, or staged for a cast) beyond its destinations.
-READ_AHEAD_BYTES = 256 * 2**20
 #: One read of :meth:`Checkpoint.read_blocks`: ``entry[index]`` into ``out``.
 Block = tuple[Entry, tuple, np.ndarray]
 _Item = TypeVar("_Item")
@@ -448,10 +442,9 @@ class Checkpoint(ABC):
 
     @property
     def read_ahead_bytes(self) -> int:
-        """How many bytes of arrays an executor hands :meth:`read_blocks` at once: a window of
-        :data:`READ_AHEAD_BYTES` for a checkpoint in a bucket, whose every read is a round trip;
-        0 (a block at a time: nothing held beyond it) for a local one, read from the page cache."""
-        return READ_AHEAD_BYTES if isinstance(self.path, Location) and self.path.is_remote else 0
+        """How many bytes of arrays an executor hands :meth:`read_blocks` at once: what the
+        storage the checkpoint lies in reads ahead (:attr:`~ckptshim.storage.Location.read_ahead_bytes`)."""
+        return Location.of(self.path).read_ahead_bytes
 
     @_guarded
     def read_blocks(self, blocks: Sequence[Block]) -> None:

@@ -53,6 +53,9 @@ def open_regular(location: Location, buffering: int = -1) -> BinaryIO:
 class LocalFiles:
     """The :class:`~ckptshim.storage.store.Store` of local paths."""
 
+    #: A block at a time: a read is a copy from the page cache, and nothing is held beyond it.
+    read_ahead_bytes = 0
+
     def stat(self, location: Location) -> ObjectInfo:
         found = os.stat(location.path)
         return ObjectInfo(location, found.st_size, kind(found.st_mode))

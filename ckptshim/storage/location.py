@@ -278,6 +278,14 @@ class Location:
         format by its magic bytes."""
         return self.read(0, min(count, self.stat().size))
 
+    @property
+    def read_ahead_bytes(self) -> int:
+        """How many bytes of arrays a reader asks for here at once (a window of blocks, read
+        together into buffers of their own): its store's, 0 for a local file (a block at a
+        time, nothing held beyond it: each read comes from the page cache), a window for an
+        object store, whose every read is a round trip."""
+        return store_for(self).read_ahead_bytes
+
     def read_bytes(self, limit: int, size: int | None = None) -> bytes:
         """The whole file, refused (before any byte is read) when it is larger than ``limit``:
         for metadata files, whose size no other file vouches for. ``size`` is its size where a
@@ -321,6 +329,9 @@ class Store(Protocol):
     """The reads a location delegates. Nothing there: ``FileNotFoundError``; something ckptshim
     will not read: a :class:`~ckptshim.errors.ShimError`; every read fills exactly the bytes
     asked for or raises."""
+
+    #: How many bytes of arrays a reader asks for at once (see :attr:`Location.read_ahead_bytes`).
+    read_ahead_bytes: int
 
     def stat(self, location: Location) -> ObjectInfo: ...
 
