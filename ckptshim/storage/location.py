@@ -33,6 +33,15 @@ REMOTE_SCHEMES = {"s3": "s3", "gs": "gs", "gcs": "gs"}
 #: folder ckptshim reads holds (a per-array Orbax checkpoint of a large model has ~100,000).
 DEFAULT_LIST_LIMIT = 1_000_000
 
+#: What Orbax adds to an OCDBT store in object storage: byte ranges of one data file asked for
+#: within a millisecond of each other fetched in one request (Orbax: "could reduce I/O ops by a
+#: factor of 10"), as each request to a bucket costs a round trip.
+REMOTE_OCDBT_READS = {
+    "experimental_read_coalescing_threshold_bytes": 1_000_000,
+    "experimental_read_coalescing_merged_bytes": 500_000_000_000,
+    "experimental_read_coalescing_interval": "1ms",
+}
+
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(.*)", re.DOTALL)
 
 
@@ -182,9 +191,10 @@ class Location:
 
     def kvstore_spec(self, ocdbt: bool = False) -> dict[str, Any]:
         """The tensorstore kvstore spec of this location as a folder (an OCDBT database in it,
-        with ``ocdbt``). An ``s3`` spec carries the endpoint botocore would use
-        (``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``), which tensorstore reads from no setting
-        of its own; credentials stay tensorstore's own business."""
+        with ``ocdbt``; in a bucket, with Orbax's read coalescing: :data:`REMOTE_OCDBT_READS`).
+        An ``s3`` spec carries the endpoint botocore would use (``AWS_ENDPOINT_URL_S3`` or
+        ``AWS_ENDPOINT_URL``), which tensorstore reads from no setting of its own; credentials
+        stay tensorstore's own business."""
         if not self.is_remote:
             base: dict[str, Any] = {"driver": "file", "path": os.path.realpath(self.path) + "/"}
         else:
@@ -193,7 +203,9 @@ class Location:
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
             if driver == "s3" and endpoint:
                 base["endpoint"] = endpoint
-        return {"driver": "ocdbt", "base": base} if ocdbt else base
+        if not ocdbt:
+            return base
+        return {"driver": "ocdbt", "base": base, **(REMOTE_OCDBT_READS if self.is_remote else {})}
 
     @classmethod
     def of_kvstore(cls, spec: str | dict) -> Location:
