@@ -75,7 +75,7 @@ from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, dtype_name, join_key, split_key
 from ckptshim.log import logger
 from ckptshim.storage import ByteRange, Location, ObjectInfo, UnsupportedLocation, read_ranges
-from ckptshim.storage.ranged import RangedFile, archive_spans
+from ckptshim.storage.ranged import RangedFile, archive_spans, open_source
 from ckptshim.targets.tensors import values_of
 
 
@@ -241,7 +241,7 @@ class DcpReader(FileSystemReader):
                     f"{self.path}: {problem}. Restore the file (or re-copy the checkpoint) before loading it.")
         for name, file_items in sorted(by_file.items()):
             path = self._file(name)
-            with dcp.open_source(path) as raw:
+            with open_source(path) as raw:
                 for batch in range(0, len(file_items), HEADER_BATCH):
                     self._check_file(raw, path, file_items[batch:batch + HEADER_BATCH])
 

@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from ckptshim import extras
-from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError, describe
+from ckptshim.errors import CorruptCheckpointError, ShimError, describe
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory
 from ckptshim.storage import ByteRange, Location, local, read_ranges
-from ckptshim.storage.local import kind
-from ckptshim.storage.problems import KIND_WORDS, not_regular
+from ckptshim.storage.local import entries, kind, require_target_inside
+from ckptshim.storage.problems import KIND_WORDS
 
 _NO_NUMPY_TYPE = {"bfloat16": "<u2", "float8_e4m3fn": "u1", "float8_e5m2": "u1",
                   "float8_e4m3fnuz": "u1", "float8_e5m2fnuz": "u1"}
@@ -198,50 +198,13 @@ class Budget:
                 "refusing it before it exhausts memory. The file is damaged or built to do that.")
 
 
-def refuse_links_leaving(root: Path, also: tuple[Path, ...] = ()) -> None:
-    """Refuse a checkpoint folder holding a symlink whose target lies outside it (or ``also``),
-    or anything that is neither a regular file nor a folder (a FIFO, socket or device node, or
-    a link to one).
-
-    ckptshim reads only files a checkpoint contains: a chunk, rank or data file that is a link
-    to ``/etc/machine-id`` would otherwise be read (and converted) as weights, and a FIFO in
-    place of a chunk blocks whoever opens it -- tensorstore included, which opens zarr chunks
-    and OCDBT files itself -- forever. Links inside the folder are fine (their targets are
-    checked where they are). One ``scandir`` walk: the kind of each entry comes from the
-    listing itself, so only links cost a ``stat``.
-    """
-    allowed = (root.resolve(), *(p.resolve() for p in also))
-    for entry in _entries(root):
-        if entry.is_symlink():
-            _require_target_inside(Path(entry.path), allowed, root)
-            require_plain(Path(entry.path), target_mode(entry.path))
-        elif not (entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False)):
-            require_plain(Path(entry.path), entry.stat(follow_symlinks=False).st_mode)
-
-
-def target_mode(path: str | os.PathLike) -> int | None:
-    """The mode of what a link points at; ``None`` for a dangling link (reported as missing
-    wherever the format needs the file)."""
-    try:
-        return os.stat(path).st_mode
-    except OSError:
-        return None
-
-
-def require_plain(path: Path, mode: int | None) -> None:
-    """Refuse ``path`` when ``mode`` (what it is; ``None``: nothing there) is neither a regular
-    file nor a folder."""
-    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        raise not_regular(path, kind(mode))
-
-
 # -- opening the files of a checkpoint -----------------------------------------------------------
 
 
 def open_regular(path: str | os.PathLike, buffering: int = -1) -> BinaryIO:
     """Open ``path``, a file of a checkpoint, for reading -- refusing, without blocking, anything
     but a regular file (a link is followed; where it may lead is checked when the checkpoint is
-    opened, see :func:`refuse_links_leaving`). Every file ckptshim itself opens in a checkpoint
+    opened, see :meth:`~ckptshim.storage.Location.refuse_links_leaving`). Every file ckptshim itself opens in a checkpoint
     is opened here, through :func:`ckptshim.storage.local.open_regular`. ``OSError`` (a missing
     file, no permission) passes to the caller, which knows what the file is for; a file of the
     wrong type is an :class:`UnsafeCheckpointError` naming it."""
@@ -266,34 +229,14 @@ def regular_size(path: str | os.PathLike) -> int | None:
 
 def folder_bytes(root: Path) -> int:
     """Bytes of the regular files under ``root`` (links not followed): what its arrays can hold."""
-    return sum(entry.stat(follow_symlinks=False).st_size for entry in _entries(root)
+    return sum(entry.stat(follow_symlinks=False).st_size for entry in entries(root)
                if entry.is_file(follow_symlinks=False))
-
-
-def _entries(root: Path) -> Iterator[os.DirEntry]:
-    """Everything under ``root``, depth first, without descending into linked folders."""
-    pending = [str(root)]
-    while pending:
-        with os.scandir(pending.pop()) as listing:
-            for entry in listing:
-                yield entry
-                if entry.is_dir(follow_symlinks=False):
-                    pending.append(entry.path)
 
 
 def require_inside(root: Path, path: Path, also: tuple[Path, ...] = ()) -> None:
     """Refuse ``path`` (a file of the checkpoint at ``root``) when its real path leaves ``root``
     (and ``also``)."""
-    _require_target_inside(path, (root.resolve(), *(p.resolve() for p in also)), root)
-
-
-def _require_target_inside(path: Path, allowed: tuple[Path, ...], root: Path) -> None:
-    target = Path(os.path.realpath(path))
-    if not any(target == real or real in target.parents for real in allowed):
-        raise UnsafeCheckpointError(
-            f"{path} is a symlink to {target}, which lies outside the directory of the checkpoint "
-            f"({root}); ckptshim reads only files the checkpoint contains. Copy the file into the "
-            "checkpoint instead of linking to it.")
+    require_target_inside(path, (root.resolve(), *(p.resolve() for p in also)), root)
 
 
 @dataclass(frozen=True)

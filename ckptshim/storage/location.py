@@ -182,6 +182,13 @@ class Location:
             raise outside(found, self, "its real path is elsewhere")
         return found
 
+    def refuse_links_leaving(self, also: Sequence[str | os.PathLike[str] | Location] = ()) -> None:
+        """Refuse the checkpoint folder here where it holds something ckptshim would read from
+        outside it: locally a link whose target leaves it (and ``also``) or anything neither a
+        file nor a folder (a FIFO, a device), found by one walk when the checkpoint is opened;
+        an object store holds neither (:meth:`child` keeps each key inside the prefix)."""
+        store_for(self).refuse_links_leaving(self, [Location.of(other) for other in also])
+
     def require_inside(self, root: Location) -> None:
         """Refuse this location when it is not inside ``root``, the checkpoint that names it."""
         if not self.inside(root):
@@ -350,6 +357,8 @@ class Store(Protocol):
     def list(self, location: Location, limit: int, recursive: bool) -> list[ObjectInfo]: ...
 
     def read_ranges(self, ranges: Sequence[ByteRange], buffers: Sequence[memoryview]) -> None: ...
+
+    def refuse_links_leaving(self, location: Location, also: Sequence[Location]) -> None: ...
 
 
 _STORES: dict[str, Callable[[str], Store]] = {}

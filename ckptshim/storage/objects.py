@@ -77,6 +77,10 @@ class FsspecObjects:
         """:data:`READ_AHEAD_BYTES`: every read is a round trip, so a window's go in parallel."""
         return READ_AHEAD_BYTES
 
+    def refuse_links_leaving(self, location: Location, also: Sequence[Location]) -> None:
+        """Nothing to refuse: an object store holds objects only (no links, pipes or devices),
+        and a key below the prefix lies inside it (:meth:`~ckptshim.storage.Location.child`)."""
+
     @property
     def fs(self) -> Any:
         return filesystem(self.scheme)
