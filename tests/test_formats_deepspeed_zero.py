@@ -350,7 +350,7 @@ def test_rank_file_that_is_not_a_regular_file_is_refused_by_name_and_not_opened(
     file.unlink()
     os.mkfifo(file)  # opening it would block
     with pytest.raises(UnsafeCheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt is a named pipe"):
-        open_checkpoint(root)  # the walk at open refuses it (formats.base.refuse_links_leaving)
+        open_checkpoint(root)  # the walk at open refuses it (Location.refuse_links_leaving)
 
 
 @pytest.mark.parametrize("variant", ["ws2/zero2_fp32", "ws3/zero3_fp32"])

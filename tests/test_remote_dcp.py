@@ -157,15 +157,18 @@ def test_metadata_larger_than_the_cap_is_not_fetched(bucket, monkeypatch):
     assert isinstance(error, CorruptCheckpointError) and ".metadata is" in str(error) and "more than the" in str(error), error
 
 
-def test_truncated_chunk_file_refused_before_any_write(bucket):
+@pytest.mark.parametrize("remap", [True, False], ids=["remapped", "names-match"])
+def test_truncated_chunk_file_refused_before_any_write(bucket, remap):
+    """Whoever reads the chunks (ckptshim where it remaps, torch's own reader where the names
+    match), every file is checked against ``.metadata`` before any byte is written."""
     import fsspec
 
     url = f"{bucket}/dcp/truncated"
-    saved(url)
+    state = saved(url)
     fs, path = fsspec.core.url_to_fs(url)
     data_file = next(name for name in fs.ls(path, detail=False) if name.endswith(".distcp"))
     fs.pipe(data_file, fs.cat_file(data_file)[:-100])
-    target = compiled_state()
+    target = compiled_state() if remap else {key: torch.zeros_like(value) for key, value in state.items()}
     with pytest.raises(CheckpointException) as raised:
         dcp.load(target, checkpoint_id=url)
     (error, _trace), = raised.value.failures.values()

@@ -51,8 +51,6 @@ def local(tmp_path_factory):
     for folder in (pax, pax / "state"):  # what PaxML's Orbax manager writes into a gs:// step and its items
         (folder / "commit_success.txt").write_text("done")
     copy_fixture("flax_0.6.11_legacy_msgpack/legacy_msgpack", root / "flax")
-    # Orbax restores a gs:// folder only with its commit file (T5X's legacy checkpointer writes none)
-    (root / LEGACY / "commit_success.txt").write_text("done")
     placeholder = _placeholder_step(root / "made")  # T5X's Orbax path with Orbax < 0.5: PLACEHOLDER:// leaves
     (placeholder / "commit_success.txt").write_text("done")
     shutil.rmtree(root / "made" / "src")
@@ -153,8 +151,16 @@ def test_load_t5x_checkpoint_of_a_legacy_step_in_gs_is_t5xs_own(local, remote):
 
 
 def test_orbax_restores_a_legacy_t5x_step_in_gs_as_the_local_copy(local, remote):
+    """On GCS, Orbax alone refuses the step: it wants the ``commit_success.txt`` that T5X's
+    legacy checkpointer never writes. ckptshim checks the step by T5X's own rule and restores it."""
     there, here = both(local, remote, LEGACY)
     assert detect.detect(there, backend="jax") is t5x_format
+    ckptshim.uninstall()
+    try:
+        with ocp.PyTreeCheckpointer() as checkpointer, pytest.raises(ValueError, match="Found incomplete checkpoint"):
+            checkpointer.restore(there)
+    finally:
+        ckptshim.install()
     with ocp.PyTreeCheckpointer() as checkpointer:
         as_stored = [checkpointer.restore(where) for where in (there, here)]
     assert_same(flat(as_stored[0]), flat(as_stored[1]))
@@ -320,3 +326,39 @@ def test_a_flax_restore_from_gs_whose_names_match_is_flaxs_own(local, remote, mo
     assert ran == []
     assert_same(outcomes[0], outcomes[1])
     assert_same(outcomes[1], flat(target))
+
+
+# -- stored bits through the block reads -------------------------------------------------------------
+
+
+def _every_dtype_tree() -> dict:
+    values = np.linspace(-3, 3, 24, dtype=np.float32).reshape(4, 6)
+    return {"f32": values, "bf16": jnp.asarray(values, jnp.bfloat16), "f16": values.astype(np.float16),
+            "i8": np.arange(-12, 12, dtype=np.int8).reshape(4, 6), "flag": values > 0}
+
+
+@pytest.mark.parametrize("layout", ["orbax", "flax msgpack"])
+def test_convert_from_gs_gives_the_stored_bits_of_every_dtype_as_locally(gs_bucket, tmp_path, layout):
+    """``convert`` reads a bucket a window of blocks at a time into buffers of the stored dtype
+    (bfloat16 as its uint16 bits); a format that copies by value (tensorstore, a msgpack leaf)
+    must still write the stored bytes there, not each value cast to an integer (1.0 became
+    9.18e-41 once, with exit code 0)."""
+    from flax import serialization
+    from safetensors.numpy import load_file
+
+    tree, here, there = _every_dtype_tree(), tmp_path / "here", f"{gs_bucket}/there"
+    if layout == "orbax":
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(here, tree)
+            checkpointer.save(there, tree)
+    else:
+        here.mkdir()
+        (here / "checkpoint_1").write_bytes(serialization.to_bytes(tree))
+        upload(here, there)
+    outs = [tmp_path / "there.safetensors", tmp_path / "here.safetensors"]
+    for where, out in zip((there, str(here)), outs):
+        assert cli.main(["convert", where, str(out), "--to", "safetensors", "--no-progress"]) == 0
+    converted, expected = [load_file(out) for out in outs], {key: np.asarray(value) for key, value in tree.items()}
+    for got in converted:
+        assert got.keys() == expected.keys()
+        assert all(got[key].tobytes() == expected[key].tobytes() for key in expected), layout

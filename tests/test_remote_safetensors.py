@@ -216,6 +216,7 @@ def test_remote_tensors_are_read_a_window_at_a_time(bucket, tmp_path, monkeypatc
     shards written by ``torch.save`` (``pytorch_model-*.bin``)."""
     import torch.distributed.checkpoint as dcp
     from ckptshim.formats import base
+    from ckptshim.storage import objects
 
     expected = {f"layers.{i}.weight": torch.randn(32, 16, generator=torch.Generator().manual_seed(i))
                 for i in range(12)}  # 2 KiB each
@@ -232,7 +233,7 @@ def test_remote_tensors_are_read_a_window_at_a_time(bucket, tmp_path, monkeypatc
         return real(ranges, buffers)
 
     monkeypatch.setattr(base, "read_ranges", recorded)
-    monkeypatch.setattr(base, "READ_AHEAD_BYTES", 5 * 2048)
+    monkeypatch.setattr(objects, "READ_AHEAD_BYTES", 5 * 2048)
     loaded = {key: torch.zeros_like(value) for key, value in expected.items()}
     dcp.load(loaded, checkpoint_id=url, no_dist=True)
     assert same(loaded, expected)

@@ -19,6 +19,7 @@ import pytest
 
 from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError
 from ckptshim.storage import ByteRange, Location, UnsupportedLocation, objects, read_ranges
+from ckptshim.storage.location import REMOTE_OCDBT_READS
 
 # -- names ---------------------------------------------------------------------------------------
 
@@ -116,7 +117,8 @@ def test_kvstore_specs_round_trip(monkeypatch, tmp_path):
     gs, s3, local = Location.of("gs://b/ckpt/1"), Location.of("s3://b/ckpt"), Location.of(tmp_path)
     assert gs.kvstore_spec() == {"driver": "gcs", "bucket": "b", "path": "ckpt/1/"}
     assert s3.kvstore_spec(ocdbt=True) == {"driver": "ocdbt", "base": {
-        "driver": "s3", "bucket": "b", "path": "ckpt/", "endpoint": "http://127.0.0.1:9"}}
+        "driver": "s3", "bucket": "b", "path": "ckpt/", "endpoint": "http://127.0.0.1:9"}, **REMOTE_OCDBT_READS}
+    assert local.kvstore_spec(ocdbt=True) == {"driver": "ocdbt", "base": local.kvstore_spec()}
     assert local.kvstore_spec() == {"driver": "file", "path": str(tmp_path.resolve()) + "/"}
     for location in (gs, s3, local):
         assert Location.of_kvstore(location.kvstore_spec()).inside(location)

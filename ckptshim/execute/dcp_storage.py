@@ -70,12 +70,12 @@ from ckptshim.errors import CorruptCheckpointError, ShimError, UnknownFormatErro
 from ckptshim.execute import destinations
 from ckptshim.execute.torch import as_tensor
 from ckptshim.formats import dcp
-from ckptshim.formats.base import Checkpoint, Format, open_regular, storage_dtype, windows
+from ckptshim.formats.base import Checkpoint, Format, metadata_limit, open_regular, storage_dtype, windows
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, dtype_name, join_key, split_key
 from ckptshim.log import logger
 from ckptshim.storage import ByteRange, Location, ObjectInfo, UnsupportedLocation, read_ranges
-from ckptshim.storage.ranged import RangedFile, archive_spans
+from ckptshim.storage.ranged import RangedFile, archive_spans, open_source
 from ckptshim.targets.tensors import values_of
 
 
@@ -121,6 +121,29 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 def _block(item: ReadItem) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
+
+
+def read_metadata_safely(reader: FileSystemReader, rank: int | None = None) -> Metadata:
+    """``FileSystemReader.read_metadata`` (``FsspecReader``'s too) without ``pickle.load``: the
+    same file, opened through the reader's own file system (torch's path semantics and errors:
+    one named object, no listing), unpickled by ckptshim's allow-listed unpickler into the very
+    objects ``pickle.load`` would build. What torch's reader reads when ckptshim reads nothing
+    else of the checkpoint (a load it steps aside from, a reader the caller built): a hostile
+    ``.metadata`` is refused there too, and no code in it runs. A file larger than
+    :func:`~ckptshim.formats.base.metadata_limit` allows is refused unread beyond that."""
+    path = reader._get_metadata_path(rank)
+    limit = metadata_limit(0)
+    with reader.fs.create_stream(path, "rb") as stream:
+        data = stream.read(limit + 1)
+    where = str(path)
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{where} is more than the {limit:,} bytes ckptshim reads of DCP metadata "
+                                     "whose checkpoint it has not listed; it is damaged or hostile.")
+    metadata = dcp.to_torch(dcp.loads_metadata(data, where).records, where)
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = reader.load_id
+    return metadata
 
 
 class DcpReader(FileSystemReader):
@@ -191,29 +214,34 @@ class DcpReader(FileSystemReader):
         return self._checkpoint.stored(index.fqn, None if index.offset is None else tuple(index.offset))
 
     def _check_all(self, items: Iterable[ReadItem], chunks_by_torch: bool = False) -> None:
-        """Files present and long enough, chunk archives as ``.metadata`` says (or left to torch's
-        reader: see the class docstring; every tensor chunk, with ``chunks_by_torch``), objects
-        safe to unpickle (kept for :meth:`read_data`); whatever is wrong raises here."""
+        """Every file the items read present and as long as ``.metadata`` says, whoever reads
+        it; chunk archives as ``.metadata`` says (or left to torch's reader: see the class
+        docstring; every tensor chunk, with ``chunks_by_torch``), objects safe to unpickle (kept
+        for :meth:`read_data`); whatever is wrong raises here, before any rank writes a byte."""
         assert self._checkpoint is not None, "read_metadata runs first"
         by_file: dict[str, list[ReadItem]] = {}
+        needed: set[str] = set()
         seen: set[MetadataIndex] = set()
         for item in items:
             index = item.storage_index
             if index in seen or index in self._layouts or index in self._objects or index in self._by_torch:
                 continue
             seen.add(index)
+            file = self._stored(item).file
+            needed.add(file)
             if chunks_by_torch and item.type != LoadItemType.BYTE_IO:
                 self._by_torch.add(index)
                 continue
-            by_file.setdefault(self._stored(item).file, []).append(item)
+            by_file.setdefault(file, []).append(item)
         files = {f.path: f for f in self._checkpoint.files}
-        for name, file_items in sorted(by_file.items()):
+        for name in sorted(needed):
             problem = files[name].problem
             if problem is not None:
                 raise CorruptCheckpointError(
                     f"{self.path}: {problem}. Restore the file (or re-copy the checkpoint) before loading it.")
+        for name, file_items in sorted(by_file.items()):
             path = self._file(name)
-            with dcp.open_source(path) as raw:
+            with open_source(path) as raw:
                 for batch in range(0, len(file_items), HEADER_BATCH):
                     self._check_file(raw, path, file_items[batch:batch + HEADER_BATCH])
 

@@ -7,9 +7,9 @@ and ``open_checkpoint(path) -> Checkpoint``. Opening reads metadata only; bytes 
 :meth:`Checkpoint.read` (a whole entry, usually a view of a memory map, so nothing is copied
 until an executor writes it into its destination) or :meth:`Checkpoint.read_into` (one index
 range of an entry, straight into a buffer the caller owns). Executors that read many entries go
-through :meth:`Checkpoint.read_blocks` and :meth:`Checkpoint.read_each`, which a checkpoint in
-a bucket answers a window of :data:`READ_AHEAD_BYTES` at a time, its reads in parallel: one
-byte range at a time would pay a round trip per tensor.
+through :meth:`Checkpoint.read_blocks` and :meth:`Checkpoint.read_each`, a window of what its
+storage reads ahead at a time (:attr:`~ckptshim.storage.Location.read_ahead_bytes`: a bucket's
+reads in parallel, as one byte range at a time would pay a round trip per tensor).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from ckptshim import extras
-from ckptshim.errors import CorruptCheckpointError, ShimError, UnsafeCheckpointError, describe
+from ckptshim.errors import CorruptCheckpointError, ShimError, describe
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory
 from ckptshim.storage import ByteRange, Location, local, read_ranges
-from ckptshim.storage.local import kind
-from ckptshim.storage.problems import KIND_WORDS, not_regular
+from ckptshim.storage.local import entries, kind, require_target_inside
+from ckptshim.storage.problems import KIND_WORDS
 
 _NO_NUMPY_TYPE = {"bfloat16": "<u2", "float8_e4m3fn": "u1", "float8_e5m2": "u1",
                   "float8_e4m3fnuz": "u1", "float8_e5m2fnuz": "u1"}
@@ -53,6 +53,17 @@ def numpy_dtype(name: str) -> np.dtype:
         import ml_dtypes
 
         return np.dtype(getattr(ml_dtypes, name))
+
+
+def as_values(out: np.ndarray, dtype: str) -> np.ndarray:
+    """``out``, where a read copies ``dtype``'s values into it by value (tensorstore, a msgpack
+    leaf): itself, or, where it holds the stored bits of a dtype numpy lacks (bfloat16 as uint16:
+    :func:`storage_dtype`), a view of it as that dtype's values. A copy by value into the bits
+    would turn each value into an integer (1.0 into 1); into this view it writes the stored
+    bytes as they are, as :meth:`Checkpoint.read_into` promises."""
+    if dtype in _NO_NUMPY_TYPE and out.dtype == storage_dtype(dtype):
+        return out.view(numpy_dtype(dtype))
+    return out
 
 
 # -- the trust boundary ---------------------------------------------------------------------------
@@ -187,50 +198,13 @@ class Budget:
                 "refusing it before it exhausts memory. The file is damaged or built to do that.")
 
 
-def refuse_links_leaving(root: Path, also: tuple[Path, ...] = ()) -> None:
-    """Refuse a checkpoint folder holding a symlink whose target lies outside it (or ``also``),
-    or anything that is neither a regular file nor a folder (a FIFO, socket or device node, or
-    a link to one).
-
-    ckptshim reads only files a checkpoint contains: a chunk, rank or data file that is a link
-    to ``/etc/machine-id`` would otherwise be read (and converted) as weights, and a FIFO in
-    place of a chunk blocks whoever opens it -- tensorstore included, which opens zarr chunks
-    and OCDBT files itself -- forever. Links inside the folder are fine (their targets are
-    checked where they are). One ``scandir`` walk: the kind of each entry comes from the
-    listing itself, so only links cost a ``stat``.
-    """
-    allowed = (root.resolve(), *(p.resolve() for p in also))
-    for entry in _entries(root):
-        if entry.is_symlink():
-            _require_target_inside(Path(entry.path), allowed, root)
-            require_plain(Path(entry.path), target_mode(entry.path))
-        elif not (entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False)):
-            require_plain(Path(entry.path), entry.stat(follow_symlinks=False).st_mode)
-
-
-def target_mode(path: str | os.PathLike) -> int | None:
-    """The mode of what a link points at; ``None`` for a dangling link (reported as missing
-    wherever the format needs the file)."""
-    try:
-        return os.stat(path).st_mode
-    except OSError:
-        return None
-
-
-def require_plain(path: Path, mode: int | None) -> None:
-    """Refuse ``path`` when ``mode`` (what it is; ``None``: nothing there) is neither a regular
-    file nor a folder."""
-    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-        raise not_regular(path, kind(mode))
-
-
 # -- opening the files of a checkpoint -----------------------------------------------------------
 
 
 def open_regular(path: str | os.PathLike, buffering: int = -1) -> BinaryIO:
     """Open ``path``, a file of a checkpoint, for reading -- refusing, without blocking, anything
     but a regular file (a link is followed; where it may lead is checked when the checkpoint is
-    opened, see :func:`refuse_links_leaving`). Every file ckptshim itself opens in a checkpoint
+    opened, see :meth:`~ckptshim.storage.Location.refuse_links_leaving`). Every file ckptshim itself opens in a checkpoint
     is opened here, through :func:`ckptshim.storage.local.open_regular`. ``OSError`` (a missing
     file, no permission) passes to the caller, which knows what the file is for; a file of the
     wrong type is an :class:`UnsafeCheckpointError` naming it."""
@@ -255,34 +229,14 @@ def regular_size(path: str | os.PathLike) -> int | None:
 
 def folder_bytes(root: Path) -> int:
     """Bytes of the regular files under ``root`` (links not followed): what its arrays can hold."""
-    return sum(entry.stat(follow_symlinks=False).st_size for entry in _entries(root)
+    return sum(entry.stat(follow_symlinks=False).st_size for entry in entries(root)
                if entry.is_file(follow_symlinks=False))
-
-
-def _entries(root: Path) -> Iterator[os.DirEntry]:
-    """Everything under ``root``, depth first, without descending into linked folders."""
-    pending = [str(root)]
-    while pending:
-        with os.scandir(pending.pop()) as listing:
-            for entry in listing:
-                yield entry
-                if entry.is_dir(follow_symlinks=False):
-                    pending.append(entry.path)
 
 
 def require_inside(root: Path, path: Path, also: tuple[Path, ...] = ()) -> None:
     """Refuse ``path`` (a file of the checkpoint at ``root``) when its real path leaves ``root``
     (and ``also``)."""
-    _require_target_inside(path, (root.resolve(), *(p.resolve() for p in also)), root)
-
-
-def _require_target_inside(path: Path, allowed: tuple[Path, ...], root: Path) -> None:
-    target = Path(os.path.realpath(path))
-    if not any(target == real or real in target.parents for real in allowed):
-        raise UnsafeCheckpointError(
-            f"{path} is a symlink to {target}, which lies outside the directory of the checkpoint "
-            f"({root}); ckptshim reads only files the checkpoint contains. Copy the file into the "
-            "checkpoint instead of linking to it.")
+    require_target_inside(path, (root.resolve(), *(p.resolve() for p in also)), root)
 
 
 @dataclass(frozen=True)
@@ -349,12 +303,6 @@ class FileInfo:
         return 0 if self.size is None or self.kind != "file" else min(self.size, self.bytes_needed)
 
 
-#: The most bytes of arrays one batched read of a checkpoint in a bucket asks for at once
-#: (:meth:`Checkpoint.read_blocks` over a window of :func:`windows`): enough for every request
-#: in flight to be a full piece (:data:`ckptshim.storage.objects.MAX_PARALLEL_READS` of
-#: :data:`~ckptshim.storage.objects.PIECE_BYTES`), and the most a load holds in buffers of its
-#: own (blocks read ahead, or staged for a cast) beyond its destinations.
-READ_AHEAD_BYTES = 256 * 2**20
 #: One read of :meth:`Checkpoint.read_blocks`: ``entry[index]`` into ``out``.
 Block = tuple[Entry, tuple, np.ndarray]
 _Item = TypeVar("_Item")
@@ -437,10 +385,9 @@ class Checkpoint(ABC):
 
     @property
     def read_ahead_bytes(self) -> int:
-        """How many bytes of arrays an executor hands :meth:`read_blocks` at once: a window of
-        :data:`READ_AHEAD_BYTES` for a checkpoint in a bucket, whose every read is a round trip;
-        0 (a block at a time: nothing held beyond it) for a local one, read from the page cache."""
-        return READ_AHEAD_BYTES if isinstance(self.path, Location) and self.path.is_remote else 0
+        """How many bytes of arrays an executor hands :meth:`read_blocks` at once: what the
+        storage the checkpoint lies in reads ahead (:attr:`~ckptshim.storage.Location.read_ahead_bytes`)."""
+        return Location.of(self.path).read_ahead_bytes
 
     @_guarded
     def read_blocks(self, blocks: Sequence[Block]) -> None:

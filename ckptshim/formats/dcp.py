@@ -44,13 +44,12 @@ import numpy as np
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError, brief, describe
 from ckptshim.formats import marker, safe_pickle
 from ckptshim.formats.base import (Budget, Checkpoint, FileInfo, Piece, file_info, metadata_limit,
-                                   open_regular, read_regular, reader, reading, refuse_links_leaving,
-                                   storage_dtype)
+                                   read_regular, reader, reading, storage_dtype)
 from ckptshim.formats.torch_globals import ExtraGlobals, Globals, Layout, Size, TensorRef, dtype_of, members
 from ckptshim.formats.torch_pickle import read_archive, tensor_view
 from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
 from ckptshim.storage import Location, ObjectInfo
-from ckptshim.storage.ranged import RangedFile, Source, Window, archive_spans, pread
+from ckptshim.storage.ranged import RangedFile, Source, Window, archive_spans, open_source, pread
 
 NAME = "torch-dcp"
 METADATA_FILE = ".metadata"
@@ -308,13 +307,20 @@ def load_metadata(file: Path | Location, array_bytes: int = 0) -> DcpMetadata:
             data = file.read_bytes(metadata_limit(array_bytes)) if remote else read_regular(file)
         except OSError as error:
             raise CorruptCheckpointError(f"{file}: cannot be read ({error})") from None
+        return loads_metadata(data, where, array_bytes)
+
+
+def loads_metadata(data: bytes, where: str, array_bytes: int = 0) -> DcpMetadata:
+    """The DCP metadata pickled in ``data`` (a ``.metadata`` file's bytes, read from ``where``),
+    unpickled by the allow-listed unpickler with a budget credited with ``array_bytes``."""
+    with reading(where):
         root = safe_pickle.load(data, where, safe_pickle.PICKLE, _find_class(where),
                                 budget=Budget(where, array_bytes))
         try:
             return parse_metadata(root)
         except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as error:
             raise CorruptCheckpointError(
-                f"{file}: does not hold DCP metadata as torch.distributed.checkpoint writes it "
+                f"{where}: does not hold DCP metadata as torch.distributed.checkpoint writes it "
                 f"({describe(error, 200)}). Re-save the checkpoint with dcp.save.") from None
 
 
@@ -437,14 +443,6 @@ def merge_ranks(parts: Sequence[DcpMetadata], files: Sequence[Path]) -> DcpMetad
 
 
 # -- reading bytes -----------------------------------------------------------------------------
-
-
-def open_source(file: Path | Location) -> Source:
-    """``file`` opened for :func:`pread`: a remote object as a :class:`RangedFile`, a local file
-    as :func:`~ckptshim.formats.base.open_regular` opens it."""
-    if isinstance(file, Location) and file.is_remote:
-        return RangedFile(file)
-    return open_regular(file, buffering=0)
 
 
 def read_exact(raw: Source, buffer: memoryview, offset: int, where: str) -> None:
@@ -659,7 +657,7 @@ def open_checkpoint(path: Path | Location, listed: Sequence[ObjectInfo] | None =
     already be at hand): its ``.metadata``, or the union of its ranks' metadata files."""
     if isinstance(path, Location) and path.is_remote:
         return _open_remote(path, path.list() if listed is None else listed)
-    refuse_links_leaving(path)
+    Location.of(path).refuse_links_leaving()
     sources = metadata_files(path)
     if not sources:
         raise _no_metadata(path)

@@ -37,10 +37,10 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptshim.formats import safe_pickle, tensor_parallel, torch_globals, torch_pickle
-from ckptshim.formats.base import (Checkpoint, FileInfo, file_info, open_regular, read_regular, reader,
-                                   refuse_links_leaving)
+from ckptshim.formats.base import Checkpoint, FileInfo, file_info, open_regular, read_regular, reader
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key
 from ckptshim.layouts import neox
+from ckptshim.storage import Location
 
 NAME = "deepspeed-pipeline"
 _LAYER_FILE = re.compile(r"layer_([0-9]{2,})-(?:model_([0-9]+)-)?model_states\.pt")
@@ -295,7 +295,7 @@ class DeepSpeedPipelineCheckpoint(Checkpoint):
 def open_checkpoint(path: Path) -> DeepSpeedPipelineCheckpoint:
     step = step_directory(path)
     require_pattern_is_itself(step)
-    refuse_links_leaving(step)
+    Location.of(step).refuse_links_leaving()
     scan = _Scan()
     layer_files = _layer_files(step)
     for file in sorted(step.iterdir()):

@@ -60,12 +60,12 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import deepspeed_pipeline, safe_pickle, torch_globals, torch_pickle
-from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, open_regular, reader,
-                                   refuse_links_leaving)
+from ckptshim.formats.base import Checkpoint, FileInfo, Piece, file_info, open_regular, reader
 from ckptshim.formats.dcp import read_exact
 from ckptshim.formats.kvstore import regular_size
 from ckptshim.formats.torch_globals import TensorRef
 from ckptshim.inventory import Entry, Inventory, split_key
+from ckptshim.storage import Location
 
 NAME = "deepspeed-zero"
 _OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt")
@@ -451,7 +451,7 @@ def open_checkpoint(path: Path) -> ZeroCheckpoint:
         step = deepspeed_pipeline.step_directory(path)  # says what is wrong with a damaged ``latest``
         raise CorruptCheckpointError(f"{step}: no DeepSpeed ZeRO optimizer partitions "
                                      "(*zero_pp_rank_<d>_mp_rank_00_optim_states.pt) to read")
-    refuse_links_leaving(step)
+    Location.of(step).refuse_links_leaving()
     layout = _Layout()
     models, zero3 = _model_states(step, layout)
     first = models[min(models)].tree

@@ -16,10 +16,10 @@ import re
 import numpy as np
 
 from ckptshim.formats import located, msgpack_tree
-from ckptshim.formats.base import (Checkpoint, numpy_dtype, reader, require_inside, require_plain,
-                                   storage_dtype, target_mode)
+from ckptshim.formats.base import Checkpoint, numpy_dtype, reader, require_inside, storage_dtype
 from ckptshim.formats.located import Where
 from ckptshim.inventory import Entry, Inventory
+from ckptshim.storage.local import require_plain, target_mode
 
 NAME = "flax-msgpack"
 PREFIX = "checkpoint_"

@@ -24,7 +24,7 @@ import numpy as np
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats import marker, safetensors, torch_pickle
 from ckptshim.formats.base import (UNREAD, Checkpoint, FileInfo, file_info, read_regular, reader,
-                                   refuse_links_leaving, require_inside, strict_json)
+                                   require_inside, strict_json)
 from ckptshim.inventory import Entry, Inventory
 from ckptshim.storage import ByteRange, Location, ObjectInfo, UnsupportedLocation
 
@@ -286,7 +286,7 @@ def open_checkpoint(path: Path | Location, listed: Sequence[ObjectInfo] | None =
     if isinstance(path, Location) and path.is_remote:
         return _open_remote(path, path.list() if listed is None else listed)
     roots = _roots(path)
-    refuse_links_leaving(path, also=roots[1:])
+    Location.of(path).refuse_links_leaving(also=roots[1:])
     settings = model_config(path)  # read once: the weights file it names, and the load's model config
     chosen = weights_file(path, settings)
     index_name = chosen if chosen.endswith(_INDEX_SUFFIX) else None

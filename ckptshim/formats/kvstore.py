@@ -39,22 +39,14 @@ def _ts():
     return tensorstore
 
 
-def file_url(path: Path) -> str:
-    return "file://" + str(path.resolve()) + "/"
-
-
-def base_spec(root: Root) -> str | dict[str, Any]:
+def base_spec(root: Root) -> dict[str, Any]:
     """The kvstore spec of the files of ``root`` itself (the base an OCDBT database sits on)."""
-    return root.kvstore_spec() if isinstance(root, Location) else file_url(root)
+    return Location.of(root).kvstore_spec()
 
 
 def kvstore_spec(root: Root, ocdbt: bool) -> dict[str, Any]:
     """The tensorstore kvstore spec for a checkpoint folder (OCDBT database or plain files)."""
-    if isinstance(root, Location):
-        return root.kvstore_spec(ocdbt)
-    if ocdbt:
-        return {"driver": "ocdbt", "base": file_url(root)}
-    return {"driver": "file", "path": str(root.resolve()) + "/"}
+    return Location.of(root).kvstore_spec(ocdbt)
 
 
 def list_keys(root: Path, ocdbt: bool, context=None) -> list[str]:

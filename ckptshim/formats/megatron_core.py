@@ -33,8 +33,9 @@ from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import dcp, zarr
 from ckptshim.formats.kvstore import regular_size
 from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, reader,
-                                   refuse_links_leaving, storage_dtype, strict_json)
+                                   storage_dtype, strict_json)
 from ckptshim.inventory import Entry, Inventory, split_key
+from ckptshim.storage import Location
 
 NAME = "megatron-core-zarr"
 CONFIG_FILE = "metadata.json"
@@ -135,7 +136,7 @@ def open_checkpoint(path: Path) -> MegatronZarrCheckpoint:
     if found is None or found.sharded_backend != "zarr":
         raise CorruptCheckpointError(f"{path}: no {CONFIG_FILE} naming the zarr sharded backend; not a "
                                      "Megatron-Core zarr checkpoint")
-    refuse_links_leaving(path)
+    Location.of(path).refuse_links_leaving()
     array_bytes = folder_bytes(path)
     entries: list[Entry] = []
     files: list[FileInfo] = [file_info(path / CONFIG_FILE, root=path), file_info(path / COMMON_FILE, root=path)]

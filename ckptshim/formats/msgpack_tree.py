@@ -23,7 +23,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import located
-from ckptshim.formats.base import Budget, numpy_dtype, open_regular
+from ckptshim.formats.base import Budget, as_values, numpy_dtype, open_regular
 from ckptshim.formats.located import Where
 from ckptshim.inventory import DTYPE_SIZES, Entry, KeyPath, dtype_name, flatten
 
@@ -236,7 +236,7 @@ def copy_inline(data, entry: Entry, index: tuple, out: np.ndarray) -> None:
         parts = [np.frombuffer(data, dtype=np.uint8, count=n, offset=o) for o, n in where.ref.ranges]
         flat = parts[0] if len(parts) == 1 else np.concatenate(parts)  # chunked: >1 GiB arrays only
         value = flat.view(dtype.newbyteorder("<")).reshape(where.ref.shape)
-    np.copyto(out, value[index], casting="unsafe")
+    np.copyto(as_values(out, entry.dtype), value[index], casting="unsafe")
 
 
 def is_msgpack_file(path: Where) -> bool:

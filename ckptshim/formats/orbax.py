@@ -28,8 +28,8 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import kvstore, located, msgpack_tree, zarr
-from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, metadata_limit, numpy_dtype,
-                                   reader, refuse_links_leaving, storage_dtype, strict_json)
+from ckptshim.formats.base import (Checkpoint, as_values, FileInfo, Piece, file_info, folder_bytes, metadata_limit, numpy_dtype,
+                                   reader, storage_dtype, strict_json)
 from ckptshim.formats.ts_arrays import TensorstoreArrays
 from ckptshim.inventory import Entry, Inventory, KeyPath
 from ckptshim.storage import Location
@@ -108,8 +108,8 @@ class OrbaxCheckpoint(Checkpoint):
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray):
         """Copy ``entry``'s ``index`` range into ``out`` (cast to its dtype); may return a future."""
         where = entry.location
-        if isinstance(where, StoredArray):
-            return self._arrays.read_into(where.name, where.driver, index, out)
+        if isinstance(where, StoredArray):  # tensorstore casts by value
+            return self._arrays.read_into(where.name, where.driver, index, as_values(out, entry.dtype))
         msgpack_tree.copy_inline(self._aggregate, entry, index, out)
         return None
 
@@ -224,7 +224,7 @@ class _Found:
 
     @classmethod
     def local(cls, path: Path) -> _Found:
-        refuse_links_leaving(path)  # array folders, chunks, OCDBT data files: tensorstore follows links
+        Location.of(path).refuse_links_leaving()  # array folders, chunks, OCDBT data files: tensorstore follows links
         array_bytes = folder_bytes(path)
         return cls(lambda name: (path / name).is_file(), array_bytes, metadata_limit(array_bytes),
                    lambda name, size, **kw: file_info(path / name, size, root=path, **kw))

@@ -26,9 +26,10 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import kvstore, located, orbax, zarr
-from ckptshim.formats.base import Checkpoint, metadata_limit, reader, refuse_links_leaving, step_folders, strict_json
+from ckptshim.formats.base import Checkpoint, metadata_limit, reader, step_folders, strict_json
 from ckptshim.formats.located import Where
 from ckptshim.inventory import Entry, Inventory, KeyPath, flatten
+from ckptshim.storage import Location
 
 NAME = "paxml"
 STATE = "state"
@@ -136,8 +137,7 @@ def open_checkpoint(path: Where) -> Checkpoint:
         path = found[max(found)]
     step_dir, state = (path, path / STATE) if is_step_dir(path) else (
         (path.parent, path) if (path.parent / METADATA).is_file() else (path, path))
-    if not located.is_remote(step_dir):
-        refuse_links_leaving(step_dir)
+    Location.of(step_dir).refuse_links_leaving()
     version, meta = _version(step_dir)
     if orbax.sniff(state):  # 1.2: OCDBT + Orbax aggregate
         item = orbax.open_checkpoint(state)

@@ -28,7 +28,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats import kvstore, located, msgpack_tree, orbax, zarr
-from ckptshim.formats.base import (Checkpoint, metadata_limit, numpy_dtype, reader, refuse_links_leaving, step_folders,
+from ckptshim.formats.base import (Checkpoint, as_values, metadata_limit, numpy_dtype, reader, step_folders,
                                    storage_dtype)
 from ckptshim.formats.located import Where
 from ckptshim.inventory import Entry, Inventory, KeyPath
@@ -187,6 +187,7 @@ class T5XCheckpoint(orbax.OrbaxCheckpoint):
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray):
         if not isinstance(entry.location, _Uint16Bits):
             return super().read_into(entry, index, out)
+        out = as_values(out, entry.dtype)
         same = out.dtype == numpy_dtype("bfloat16")
         bits = out.view(np.uint16) if same else np.empty(out.shape, np.uint16)
         pending = super().read_into(Entry(entry.key, entry.shape, "uint16", entry.location), index, bits)
@@ -220,8 +221,7 @@ def read_contents(step_dir: Where, limit: int | None = None) -> tuple[Any, Any, 
 def _open_legacy(step_dir: Where) -> T5XCheckpoint:
     """A legacy step: its msgpack (from a bucket, capped by what its files can justify), then
     each array's ``.zarray`` and chunk files, found by one listing of the step."""
-    if not located.is_remote(step_dir):
-        refuse_links_leaving(step_dir)  # a chunk linked out of the folder would be read as weights
+    Location.of(step_dir).refuse_links_leaving()  # a chunk linked out of the folder would be read as weights
     listed = kvstore.list_files(step_dir)
     data, tree, t5x_version = read_contents(step_dir, metadata_limit(sum(size or 0 for size in listed.values())))
     found: dict[KeyPath, Any] = {}

@@ -5,10 +5,10 @@ caller-owned buffer (``ts.array(out, copy=False)`` as the write target), so a de
 decompressed into its final memory with no intermediate full-size copy, and only the chunks
 that overlap the range are fetched. Casts happen inside tensorstore (``ts.cast``), exactly as
 Orbax casts when a restore asks for another dtype. Chunk data is not cached (each byte is read
-once); the OCDBT index is, as Orbax does. Below a bucket prefix, an array stored as a folder of
-its own is opened with the ``.zarray``/``zarr.json`` its checkpoint already fetched (and ckptshim
-validated): tensorstore then assumes that metadata instead of asking the bucket for it again,
-one round trip less per array.
+once); the OCDBT index is, as Orbax does. An array stored as a folder of its own is opened with
+the ``.zarray``/``zarr.json`` its checkpoint already read (and ckptshim validated): tensorstore
+then assumes that metadata instead of reading it again (below a bucket prefix, one round trip
+less per array).
 """
 
 from __future__ import annotations
@@ -21,16 +21,6 @@ from typing import Any
 import numpy as np
 
 from ckptshim.formats.kvstore import Root, kvstore_spec
-from ckptshim.storage import Location
-
-#: What Orbax adds to an OCDBT store in object storage: byte ranges of one data file asked for
-#: within a millisecond of each other fetched in one request (Orbax: "could reduce I/O ops by a
-#: factor of 10"), as each request to a bucket costs a round trip.
-REMOTE_OCDBT_READS = {
-    "experimental_read_coalescing_threshold_bytes": 1_000_000,
-    "experimental_read_coalescing_merged_bytes": 500_000_000_000,
-    "experimental_read_coalescing_interval": "1ms",
-}
 
 _CONTEXT_SPEC = {
     "cache_pool": {"total_bytes_limit": 0},
@@ -48,8 +38,7 @@ class TensorstoreArrays:
 
         self._ts = ts
         self._root, self._ocdbt = root, ocdbt
-        remote = isinstance(root, Location) and root.is_remote
-        self._known = dict(known or {}) if remote and not ocdbt else {}
+        self._known = dict(known or {}) if not ocdbt else {}
         self._context = ts.Context(_CONTEXT_SPEC)
         self._open: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -61,8 +50,6 @@ class TensorstoreArrays:
             kvstore = dict(kvstore_spec(self._root, self._ocdbt))
             if self._ocdbt:
                 kvstore.update(path=name, cache_pool="cache_pool#ocdbt")
-                if isinstance(self._root, Location) and self._root.is_remote:
-                    kvstore.update(REMOTE_OCDBT_READS)
             else:
                 kvstore["path"] += name + "/"
             spec = {"driver": driver, "kvstore": kvstore, "recheck_cached_data": False,

@@ -173,22 +173,38 @@ def _restore_every_item(step_dir, where: str, native, orbax_all) -> Any:
 
 
 def _shim_file(wrapped, instance, args, kwargs) -> Any:
-    """Orbax restores folders only: it refuses a file as an incomplete checkpoint before reading
-    it. A file in a format ckptshim reads (a ``model.safetensors``, say) is ckptshim's to restore;
-    any other path goes on to Orbax's restore, and through it to :func:`_shim_restore`."""
+    """Two things Orbax refuses as an incomplete checkpoint before reading them, which ckptshim
+    restores itself: a file in a format ckptshim reads (a ``model.safetensors``, say: Orbax
+    restores folders only), and a legacy T5X step in ``gs://``, which has no commit file
+    (:func:`~ckptshim.loading.orbax.uncommitted_t5x_step`). Any other path goes on to Orbax's
+    restore, and through it to :func:`_shim_restore`; the T5X step only once Orbax refused it,
+    so that every other restore pays nothing for the check."""
+    call = bind(wrapped, args, kwargs)
+    path = None if call is None else local_path(call["directory"])
+    if path is not None and path.is_file():
+        return _restore_refused(wrapped, instance, call, path, args, kwargs)
+    try:
+        return framework_call(wrapped)(*args, **kwargs)
+    except FrameworkRaised as refused:
+        found = None if call is None else item_location(call["directory"])
+        if not isinstance(refused.error, ValueError) or not loading.uncommitted_t5x_step(found):
+            raise
+        logger.info("orbax %s.restore(%s): a legacy T5X step, which has no %s; ckptshim checks it by "
+                    "T5X's own rule and restores it", type(instance).__name__, found, "commit_success.txt")
+        return _restore_refused(wrapped, instance, call, found, args, kwargs)
+
+
+def _restore_refused(wrapped, instance, call, where, args, kwargs) -> Any:
+    """:func:`_shim_file`'s restore of ``where``, with the args Orbax would have built."""
     import orbax.checkpoint as ocp
     from orbax.checkpoint._src.checkpointers.checkpointer import construct_checkpoint_args
 
-    call = bind(wrapped, args, kwargs)
-    path = None if call is None else local_path(call["directory"])
-    if path is None or not path.is_file():
-        return framework_call(wrapped)(*args, **kwargs)
     try:  # Orbax's own translation of the legacy ``item=``/``restore_args=`` keywords into args
         ckpt_args = construct_checkpoint_args(instance._handler, False, *call["args"], **call["kwargs"])
     except Exception:  # noqa: BLE001 - args Orbax cannot read: its restore answers the call
         ckpt_args = None
     request = None if isinstance(ckpt_args, ocp.args.Composite) else request_of(ckpt_args)
-    return loading.restore_item(path, request, f"orbax {type(instance).__name__}.restore({path})",
+    return loading.restore_item(where, request, f"orbax {type(instance).__name__}.restore({where})",
                                 lambda: _passthrough(wrapped, args, kwargs))
 
 

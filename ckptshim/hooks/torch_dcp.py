@@ -63,6 +63,7 @@ def install() -> None:
         for owner in (dcp, state_dict_loader):
             _load_patches.wrap(owner, "load", _load)
             _load_patches.wrap(owner, "load_state_dict", _load)
+        _load_patches.wrap(dcp.FileSystemReader, "read_metadata", _read_metadata)
     when_imported("torch.distributed.checkpoint.state_dict", _patch_setters)
 
 
@@ -133,6 +134,17 @@ def _load(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict)
         if not _is_internal(error):
             raise
         raise internal_error(SEAM, error, where) from error
+
+
+def _read_metadata(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """DCP's own ``FileSystemReader``/``FsspecReader`` (DCP's choice, or the caller's) read
+    ``.metadata`` through ckptshim's allow-list, never ``pickle.load``: every load ckptshim steps
+    aside from, whatever the URL's spelling or the bucket's listing rights, keeps the promise
+    that nothing is unpickled beyond what ``torch.load(weights_only=True)`` allows. A refusal
+    is raised where torch's reader raises, so DCP reports it as it reports a missing file."""
+    from ckptshim.execute.dcp_storage import read_metadata_safely  # by the first load: see hooks/torch_module.py
+
+    return read_metadata_safely(instance, kwargs.get("rank"))
 
 
 def _is_internal(error: BaseException) -> bool:

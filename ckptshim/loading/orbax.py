@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptshim.errors import NoPlan, ShimError
-from ckptshim.formats import orbax_manager
+from ckptshim.formats import orbax_manager, t5x
 from ckptshim.formats.detect import detect
-from ckptshim.formats.orbax import orbax_readers
+from ckptshim.formats.orbax import COMMIT_SUCCESS, orbax_readers
 from ckptshim.loading import agreement, jax as jax_loading
 from ckptshim.storage import Location
 
@@ -42,6 +42,16 @@ class Request:
     item: Any = None
     restore_args: Any = None
     partial: bool = False
+
+
+def uncommitted_t5x_step(where: Path | Location | None) -> bool:
+    """Whether Orbax's refusal of ``where`` as an unfinished save is one ckptshim carries past: a
+    legacy T5X step in object storage. There Orbax wants the ``commit_success.txt`` its own saves
+    write, which T5X's legacy checkpointer never does (it finishes a step by renaming its
+    temporary folder, the rule Orbax applies locally); ckptshim checks the step by T5X's own
+    rule when it opens it (every file the ``checkpoint`` msgpack names, as large as it says)."""
+    return (isinstance(where, Location) and where.is_remote and t5x.is_legacy_step(where)
+            and not (where / COMMIT_SUCCESS).exists())
 
 
 def prepare_item(path: Path | Location, request: Request, where: str, stack: ExitStack) -> jax_loading.Prepared | None:

@@ -3,7 +3,9 @@
 Every file is checked with a ``stat`` before it is opened (a device is never opened) and again on
 the descriptor, which is opened ``O_NONBLOCK`` so that a FIFO swapped in between cannot block the
 open; then bytes are ``preadv``-ed straight into the caller's buffer. Listings are ``scandir``
-walks that stop one entry past their limit.
+walks that stop one entry past their limit. A checkpoint folder is walked once when it is
+opened, refusing a link that leaves it and anything neither a file nor a folder
+(:func:`refuse_links_leaving`): what a local disk has and a bucket does not.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import BinaryIO
 
+from ckptshim.errors import UnsafeCheckpointError
 from ckptshim.storage.location import ByteRange, Location, ObjectInfo
 from ckptshim.storage.problems import not_regular, too_many, truncated
 
@@ -50,8 +54,73 @@ def open_regular(location: Location, buffering: int = -1) -> BinaryIO:
         raise
 
 
+def refuse_links_leaving(root: Path, also: Sequence[Path] = ()) -> None:
+    """Refuse a checkpoint folder holding a symlink whose target lies outside it (or ``also``),
+    or anything that is neither a regular file nor a folder (a FIFO, socket or device node, or
+    a link to one).
+
+    ckptshim reads only files a checkpoint contains: a chunk, rank or data file that is a link
+    to ``/etc/machine-id`` would otherwise be read (and converted) as weights, and a FIFO in
+    place of a chunk blocks whoever opens it -- tensorstore included, which opens zarr chunks
+    and OCDBT files itself -- forever. Links inside the folder are fine (their targets are
+    checked where they are). One ``scandir`` walk: the kind of each entry comes from the
+    listing itself, so only links cost a ``stat``.
+    """
+    allowed = (root.resolve(), *(p.resolve() for p in also))
+    for entry in entries(root):
+        if entry.is_symlink():
+            require_target_inside(Path(entry.path), allowed, root)
+            require_plain(Path(entry.path), target_mode(entry.path))
+        elif not (entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False)):
+            require_plain(Path(entry.path), entry.stat(follow_symlinks=False).st_mode)
+
+
+def target_mode(path: str | os.PathLike) -> int | None:
+    """The mode of what a link points at; ``None`` for a dangling link (reported as missing
+    wherever the format needs the file)."""
+    try:
+        return os.stat(path).st_mode
+    except OSError:
+        return None
+
+
+def require_plain(path: Path, mode: int | None) -> None:
+    """Refuse ``path`` when ``mode`` (what it is; ``None``: nothing there) is neither a regular
+    file nor a folder."""
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise not_regular(path, kind(mode))
+
+
+def entries(root: Path) -> Iterator[os.DirEntry]:
+    """Everything under ``root``, depth first, without descending into linked folders."""
+    pending = [str(root)]
+    while pending:
+        with os.scandir(pending.pop()) as listing:
+            for entry in listing:
+                yield entry
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
+
+
+def require_target_inside(path: Path, allowed: tuple[Path, ...], root: Path) -> None:
+    """Refuse the link ``path`` (in the checkpoint at ``root``) unless its real path lies in one
+    of the ``allowed`` folders."""
+    target = Path(os.path.realpath(path))
+    if not any(target == real or real in target.parents for real in allowed):
+        raise UnsafeCheckpointError(
+            f"{path} is a symlink to {target}, which lies outside the directory of the checkpoint "
+            f"({root}); ckptshim reads only files the checkpoint contains. Copy the file into the "
+            "checkpoint instead of linking to it.")
+
+
 class LocalFiles:
     """The :class:`~ckptshim.storage.store.Store` of local paths."""
+
+    #: A block at a time: a read is a copy from the page cache, and nothing is held beyond it.
+    read_ahead_bytes = 0
+
+    def refuse_links_leaving(self, location: Location, also: Sequence[Location]) -> None:
+        refuse_links_leaving(location.path, [other.path for other in also])
 
     def stat(self, location: Location) -> ObjectInfo:
         found = os.stat(location.path)

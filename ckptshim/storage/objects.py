@@ -40,6 +40,11 @@ MERGE_GAP = 64 * 2**10
 CHUNK_BYTES = 1 << 20
 #: Further tries of a piece whose connection failed (not a missing object or a refusal).
 RETRIES = 2
+#: The most bytes of arrays one batched read asks for at once (a window of blocks, see
+#: :attr:`~ckptshim.storage.Location.read_ahead_bytes`): enough for every request in flight to
+#: be a full piece (:data:`MAX_PARALLEL_READS` of :data:`PIECE_BYTES`), and the most a load
+#: holds in buffers of its own (blocks read ahead, or staged for a cast) beyond its destinations.
+READ_AHEAD_BYTES = 256 * 2**20
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,15 @@ class FsspecObjects:
 
     def __init__(self, scheme: str) -> None:
         self.scheme = scheme
+
+    @property
+    def read_ahead_bytes(self) -> int:
+        """:data:`READ_AHEAD_BYTES`: every read is a round trip, so a window's go in parallel."""
+        return READ_AHEAD_BYTES
+
+    def refuse_links_leaving(self, location: Location, also: Sequence[Location]) -> None:
+        """Nothing to refuse: an object store holds objects only (no links, pipes or devices),
+        and a key below the prefix lies inside it (:meth:`~ckptshim.storage.Location.child`)."""
 
     @property
     def fs(self) -> Any:

@@ -19,6 +19,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import BinaryIO
 
+from ckptshim.storage.local import open_regular
 from ckptshim.storage.location import ByteRange, Location, read_ranges
 
 #: How much of each end of an archive :func:`archive_spans` asks for: a ``torch.save`` archive
@@ -100,6 +101,16 @@ def prefetch(wanted: Sequence[tuple[RangedFile, Iterable[tuple[int, int]]]]) -> 
 
 #: What archives are read from: a local file (opened by ``open_regular``), or an object.
 Source = BinaryIO | RangedFile
+
+
+def open_source(where: str | os.PathLike[str] | Location) -> Source:
+    """The file or object at ``where``, opened for :func:`pread`: a local regular file (refused,
+    without blocking, when it is anything else: :func:`~ckptshim.storage.local.open_regular`),
+    an object as a :class:`RangedFile`. A parser reads either the same way."""
+    location = Location.of(where)
+    if location.is_remote:
+        return RangedFile(location)
+    return open_regular(location, buffering=0)
 
 
 def pread(raw: Source, buffer: memoryview, offset: int) -> int:
