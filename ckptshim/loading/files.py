@@ -51,7 +51,8 @@ def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None, 
         config = source_config if source_config is not None else like_config
         call = "jax" if "/" in (source.key_sep, target_sep) else "torch"
         rules = rules_for(LoadContext(source.inventory, target, call, model_config=config,
-                                      producer=producer(source.path)))
+                                      producer=producer(source.path),
+                                      target_config=like_config if source_config is not None else None))
     plan = make_plan(source.inventory, target, rules)
     casts = plan.casts() if stored_dtypes else {}
     if not casts:

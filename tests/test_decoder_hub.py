@@ -1,0 +1,162 @@
+"""The decoder hub: a load between two producers' names composed through the canonical model.
+
+Meta's original layout against what transformers' own ``convert_llama_weights_to_hf.py`` made of
+it (tests/fixtures/meta_llama, see its ``produce.py``: a tiny GQA Llama, 8 heads in 2 groups,
+bfloat16), and Megatron-Core ``GPTModel`` names against a straightforward reimplementation of
+Megatron-Bridge's documented QKV merge (``QKVMapping``: each query group's query heads, then its
+key and value head) and gated-MLP merge (``linear_fc1 = [gate; up]``). Bit for bit, both ways.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from ckptshim.errors import PlanError
+from ckptshim.inventory import Entry, Inventory, split_key
+from ckptshim.planner import plan as make_plan
+from ckptshim.rules.context import LoadContext
+from ckptshim.rules.profiles import rules_for
+from support.markers import QUIET
+
+pytestmark = QUIET
+
+FIXTURE = Path(__file__).parent / "fixtures" / "meta_llama"
+HEADS, GROUPS, HEAD_DIM, LAYERS = 8, 2, 4, 2
+
+
+def llama() -> torch.nn.Module:
+    """transformers' ``LlamaForCausalLM`` of the converter's config, with its own random values."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(AutoConfig.from_pretrained(FIXTURE / "hf_mp1")).to(torch.bfloat16)
+
+
+def converted() -> dict[str, torch.Tensor]:
+    """What transformers 4.46.3's ``convert_llama_weights_to_hf.py`` wrote from ``mp1``."""
+    return load_file(FIXTURE / "hf_mp1" / "model.safetensors")
+
+
+def meta() -> dict[str, torch.Tensor]:
+    return torch.load(FIXTURE / "mp1" / "consolidated.00.pth", weights_only=True)
+
+
+def megatron(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``GPTModel``'s state dict of a Hugging Face Llama's, as Megatron-Bridge lays it out: the
+    query, key and value fused per query group; gate and up side by side; the rest renamed."""
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf["model.norm.weight"], "output_layer.weight": hf["lm_head.weight"]}
+    for i in range(LAYERS):
+        hf_layer, layer = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q, k, v = (hf[f"{hf_layer}self_attn.{name}_proj.weight"] for name in "qkv")
+        hidden = q.shape[1]
+        groups = [torch.cat([q.view(GROUPS, -1, hidden)[g], k.view(GROUPS, -1, hidden)[g],
+                             v.view(GROUPS, -1, hidden)[g]]) for g in range(GROUPS)]
+        out[f"{layer}self_attention.linear_qkv.weight"] = torch.cat(groups)
+        out[f"{layer}self_attention.linear_proj.weight"] = hf[f"{hf_layer}self_attn.o_proj.weight"]
+        out[f"{layer}mlp.linear_fc1.weight"] = torch.cat([hf[f"{hf_layer}mlp.gate_proj.weight"],
+                                                          hf[f"{hf_layer}mlp.up_proj.weight"]])
+        out[f"{layer}mlp.linear_fc2.weight"] = hf[f"{hf_layer}mlp.down_proj.weight"]
+        out[f"{layer}input_layernorm.weight"] = hf[f"{hf_layer}input_layernorm.weight"]
+        out[f"{layer}pre_mlp_layernorm.weight"] = hf[f"{hf_layer}post_attention_layernorm.weight"]
+    return out
+
+
+def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert set(expected) <= set(actual)
+    different = [key for key, value in expected.items() if not torch.equal(actual[key], value)]
+    assert not different, different
+
+
+def empty_like(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: torch.zeros_like(value) for key, value in state_dict.items()}
+
+
+# -- Meta's original layout ------------------------------------------------------------------------
+
+
+def test_load_state_dict_of_a_meta_checkpoint_into_llama():
+    """``LlamaForCausalLM.load_state_dict(torch.load("consolidated.00.pth"))``: wq/wk permuted per
+    head with the model's own head counts, exactly as the converter permutes them."""
+    model = llama()
+    model.load_state_dict(meta())
+    assert_same(model.state_dict(), converted())
+
+
+def test_dcp_load_of_a_hugging_face_folder_into_meta_names():
+    """The way back: the converter's folder into Meta's names (heads from its config.json)."""
+    state_dict = empty_like(meta())
+    dcp.load(state_dict, checkpoint_id=FIXTURE / "hf_mp1")
+    assert_same(state_dict, meta())
+
+
+# -- Megatron-Core GPTModel ------------------------------------------------------------------------
+
+
+def test_dcp_load_of_a_hugging_face_folder_into_gptmodel_names():
+    expected = megatron(converted())
+    state_dict = empty_like(expected)
+    dcp.load(state_dict, checkpoint_id=FIXTURE / "hf_mp1")
+    assert_same(state_dict, expected)
+
+
+def test_load_state_dict_of_gptmodel_names_into_llama():
+    model = llama()
+    model.load_state_dict(megatron(converted()))
+    assert_same(model.state_dict(), converted())
+
+
+def test_meta_names_straight_into_gptmodel_names():
+    """Meta -> canonical -> Megatron: the query and key heads from interleaved pairs to halves
+    inside the query-group fusion, in one op per layer."""
+    model_config = {"dim": 32, "n_heads": HEADS, "n_kv_heads": GROUPS}
+    expected = megatron(converted())
+    source = _inventory(meta())
+    plan = make_plan(source, _inventory(expected),
+                     rules_for(LoadContext(source, _inventory(expected), "torch", model_config=model_config)))
+    assert plan.complete
+    described = [op.describe() for op in plan.ops if op.kind == "join-groups"]
+    assert described[0] == ("layers.0.attention.wq.weight, layers.0.attention.wk.weight, "
+                            "layers.0.attention.wv.weight -> join by query group (2 × [4 q, 1 k, 1 v]; q, k "
+                            "rotary pairs <-> halves) -> decoder.layers.0.self_attention.linear_qkv.weight")
+
+
+def test_the_plan_says_the_query_group_split():
+    source, target = _inventory(megatron(converted())), _inventory(converted())
+    config = {"num_attention_heads": HEADS, "num_query_groups": GROUPS, "kv_channels": HEAD_DIM}
+    plan = make_plan(source, target, rules_for(LoadContext(source, target, "torch", model_config=config)))
+    assert plan.complete
+    assert ("decoder.layers.1.self_attention.linear_qkv.weight -> split by query group (2 × [4 q, 1 k, 1 v]) -> "
+            "model.layers.1.self_attn.q_proj.weight, model.layers.1.self_attn.k_proj.weight, "
+            "model.layers.1.self_attn.v_proj.weight") in [op.describe() for op in plan.ops]
+
+
+# -- near misses -----------------------------------------------------------------------------------
+
+
+def test_a_near_miss_is_refused_naming_both_head_counts():
+    """4 heads of 8 in 1 group have the shapes of 8 heads of 4 in 2 groups: loaded, they would
+    compute garbage without an error. The two sides' metadata disagree, and the load says so."""
+    source, target = _inventory(megatron(converted())), _inventory(converted())
+    checkpoint = {"num_attention_heads": HEADS, "num_query_groups": GROUPS, "kv_channels": HEAD_DIM}
+    model = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 8}
+    with pytest.raises(PlanError, match=r"8 heads \(num_attention_heads\) in 2 key/value groups") as error:
+        make_plan(source, target, rules_for(LoadContext(source, target, "torch", model_config=checkpoint,
+                                                        target_config=model)))
+    assert "4 heads (num_attention_heads) in 1 key/value groups (num_key_value_heads), head_dim 8" in str(error.value)
+
+
+def test_without_head_counts_the_fused_array_stays_missing():
+    source, target = _inventory(megatron(converted())), _inventory(converted())
+    plan = make_plan(source, target, rules_for(LoadContext(source, target, "torch")))
+    assert not plan.complete
+    assert "run_config.yaml" in plan.hints[split_key("model.layers.0.self_attn.q_proj.weight")]
+
+
+def _inventory(state_dict: dict[str, torch.Tensor]) -> Inventory:
+    return Inventory([Entry(split_key(key), tuple(value.shape), "bfloat16") for key, value in state_dict.items()])
