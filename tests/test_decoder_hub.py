@@ -9,6 +9,7 @@ key and value head) and gated-MLP merge (``linear_fc1 = [gate; up]``). Bit for b
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
+from ckptshim.cli import main
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Entry, Inventory, split_key
 from ckptshim.planner import plan as make_plan
 from ckptshim.rules.context import LoadContext
 from ckptshim.rules.profiles import rules_for
+from support.fixtures import writable_copy
 from support.markers import QUIET
 
 pytestmark = QUIET
@@ -37,9 +40,9 @@ def llama() -> torch.nn.Module:
     return LlamaForCausalLM(AutoConfig.from_pretrained(FIXTURE / "hf_mp1")).to(torch.bfloat16)
 
 
-def converted() -> dict[str, torch.Tensor]:
-    """What transformers 4.46.3's ``convert_llama_weights_to_hf.py`` wrote from ``mp1``."""
-    return load_file(FIXTURE / "hf_mp1" / "model.safetensors")
+def converted(mp: str = "mp1") -> dict[str, torch.Tensor]:
+    """What transformers 4.46.3's ``convert_llama_weights_to_hf.py`` wrote from ``mp``."""
+    return load_file(FIXTURE / f"hf_{mp}" / "model.safetensors")
 
 
 def meta() -> dict[str, torch.Tensor]:
@@ -86,6 +89,71 @@ def test_load_state_dict_of_a_meta_checkpoint_into_llama():
     model = llama()
     model.load_state_dict(meta())
     assert_same(model.state_dict(), converted())
+
+
+@pytest.mark.parametrize("mp", ["mp1", "mp2"])
+def test_dcp_load_of_a_meta_folder_into_llama(mp):
+    """``dcp.load(LlamaForCausalLM(...).state_dict(), checkpoint_id=<Meta folder>)``: the ranks
+    merged as llama-models' ``reshard_mp`` merges them, wq/wk permuted with params.json's heads."""
+    state_dict = llama().state_dict()
+    dcp.load(state_dict, checkpoint_id=FIXTURE / mp)
+    assert_same(state_dict, converted(mp))
+
+
+@pytest.mark.parametrize("mp", ["mp1", "mp2"])
+def test_dcp_load_of_a_meta_folder_into_torchtitan_names(mp):
+    """torchtitan's Llama interleaves the rotary pairs as Meta does: every tensor is a rename."""
+    titan = {"tok_embeddings.weight": "tok_embeddings.weight", "norm.weight": "norm.weight",
+             "output.weight": "lm_head.weight"}
+    rows = {"attention.wq": "attention.qkv_linear.wq", "attention.wk": "attention.qkv_linear.wk",
+            "attention.wv": "attention.qkv_linear.wv", "attention.wo": "attention.wo",
+            "feed_forward.w1": "feed_forward.w1", "feed_forward.w2": "feed_forward.w2",
+            "feed_forward.w3": "feed_forward.w3", "attention_norm": "attention_norm", "ffn_norm": "ffn_norm"}
+    titan.update({f"layers.{i}.{name}.weight": f"layers.{i}.{own}.weight" for i in range(LAYERS)
+                  for name, own in rows.items()})
+    original = meta()
+    state_dict = {titan[key]: torch.zeros_like(value) for key, value in original.items()}
+    dcp.load(state_dict, checkpoint_id=FIXTURE / mp)
+    assert_same(state_dict, {titan[key]: value for key, value in original.items()})
+
+
+def test_convert_like_a_hugging_face_folder(tmp_path):
+    out = tmp_path / "model.safetensors"
+    assert main(["convert", str(FIXTURE / "mp2"), str(out), "--to", "safetensors", "--like",
+                 str(FIXTURE / "hf_mp1")]) == 0
+    assert_same(load_file(out), converted("mp2"))
+
+
+def test_inspect_names_the_producer_and_the_head_counts(capsys):
+    assert main(["inspect", str(FIXTURE / "mp2")]) == 0
+    assert "meta-llama (version model parallel 2, 8 heads in 2 key/value groups (params.json))" in capsys.readouterr().out
+
+
+def test_a_folder_missing_a_rank_is_incomplete(tmp_path, capsys):
+    folder = writable_copy(FIXTURE / "mp2", tmp_path / "mp2")
+    (folder / "consolidated.01.pth").unlink()
+    main(["inspect", str(folder)])
+    assert "consolidated.01.pth is missing" in capsys.readouterr().out
+    model = llama()
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(BaseException, match=r"consolidated\.01\.pth is missing"):
+        dcp.load(model.state_dict(), checkpoint_id=folder)
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+
+
+def test_a_model_of_another_head_grouping_is_refused_naming_both(tmp_path, capsys):
+    """The near miss: a Hugging Face folder whose config says 4 heads of 8 in 1 group -- the same
+    shapes as params.json's 8 heads of 4 in 2 groups."""
+    like = writable_copy(FIXTURE / "hf_mp1", tmp_path / "like")
+    config = json.loads((like / "config.json").read_text())
+    config.update(num_attention_heads=4, num_key_value_heads=1, head_dim=8)
+    (like / "config.json").write_text(json.dumps(config))
+    assert main(["convert", str(FIXTURE / "mp1"), str(tmp_path / "out.safetensors"), "--to", "safetensors",
+                 "--like", str(like)]) != 0
+    said = capsys.readouterr().err
+    assert "params.json says 8 heads (n_heads) in 2 key/value groups (n_kv_heads), head_dim 4" in said
+    assert "4 heads (num_attention_heads) in 1 key/value groups (num_key_value_heads), head_dim 8" in said
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_dcp_load_of_a_hugging_face_folder_into_meta_names():
