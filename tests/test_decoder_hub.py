@@ -29,6 +29,7 @@ from support.markers import QUIET
 pytestmark = QUIET
 
 FIXTURE = Path(__file__).parent / "fixtures" / "meta_llama"
+MEGATRON = Path(__file__).parent / "fixtures" / "megatron_llama"
 HEADS, GROUPS, HEAD_DIM, LAYERS = 8, 2, 4, 2
 
 
@@ -71,8 +72,10 @@ def megatron(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Bit for bit; an expected value of another dtype (Megatron-Core keeps its RMSNorm weights in
+    float32 in a bfloat16 model) as torch casts it."""
     assert set(expected) <= set(actual)
-    different = [key for key, value in expected.items() if not torch.equal(actual[key], value)]
+    different = [key for key, value in expected.items() if not torch.equal(actual[key], value.to(actual[key].dtype))]
     assert not different, different
 
 
@@ -202,6 +205,85 @@ def test_the_plan_says_the_query_group_split():
     assert ("decoder.layers.1.self_attention.linear_qkv.weight -> split by query group (2 × [4 q, 1 k, 1 v]) -> "
             "model.layers.1.self_attn.q_proj.weight, model.layers.1.self_attn.k_proj.weight, "
             "model.layers.1.self_attn.v_proj.weight") in [op.describe() for op in plan.ops]
+
+
+# -- Megatron-Core checkpoints (torch_dist) --------------------------------------------------------
+
+
+def gptmodel() -> dict[str, torch.Tensor]:
+    """The ``GPTModel.state_dict()`` Megatron-Core's own load of the checkpoint gave."""
+    return load_file(MEGATRON / "gptmodel.safetensors")
+
+
+def split_by_query_group(gpt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ``GPTModel``'s state dict as ``LlamaForCausalLM``'s: Megatron-Bridge's documented QKV split
+    (``linear_qkv`` viewed as ``[groups, heads per group + 2, head_dim, hidden]``: each group's
+    query heads, then its key and value head) and ``linear_fc1`` cut into gate and up."""
+    out = {"model.embed_tokens.weight": gpt["embedding.word_embeddings.weight"],
+           "model.norm.weight": gpt["decoder.final_layernorm.weight"], "lm_head.weight": gpt["output_layer.weight"]}
+    for i in range(LAYERS):
+        layer, hf_layer = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = gpt[f"{layer}self_attention.linear_qkv.weight"]
+        grouped = qkv.view(GROUPS, HEADS // GROUPS + 2, HEAD_DIM, qkv.shape[1])
+        out[f"{hf_layer}self_attn.q_proj.weight"] = grouped[:, :-2].reshape(-1, qkv.shape[1])
+        out[f"{hf_layer}self_attn.k_proj.weight"] = grouped[:, -2].reshape(-1, qkv.shape[1])
+        out[f"{hf_layer}self_attn.v_proj.weight"] = grouped[:, -1].reshape(-1, qkv.shape[1])
+        out[f"{hf_layer}self_attn.o_proj.weight"] = gpt[f"{layer}self_attention.linear_proj.weight"]
+        gate, up = gpt[f"{layer}mlp.linear_fc1.weight"].chunk(2)
+        out[f"{hf_layer}mlp.gate_proj.weight"], out[f"{hf_layer}mlp.up_proj.weight"] = gate, up
+        out[f"{hf_layer}mlp.down_proj.weight"] = gpt[f"{layer}mlp.linear_fc2.weight"]
+        out[f"{hf_layer}input_layernorm.weight"] = gpt[f"{layer}input_layernorm.weight"]
+        out[f"{hf_layer}post_attention_layernorm.weight"] = gpt[f"{layer}pre_mlp_layernorm.weight"]
+    return out
+
+
+def megatron_llama() -> torch.nn.Module:
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.for_model("llama", hidden_size=32, num_attention_heads=HEADS, num_key_value_heads=GROUPS,
+                                  head_dim=HEAD_DIM, intermediate_size=86, num_hidden_layers=LAYERS, vocab_size=38,
+                                  tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("where", ["tp1/iter_0000007", "tp2/iter_0000007", "tp1", "tp2"])
+def test_dcp_load_of_a_megatron_checkpoint_into_llama(where):
+    """The iteration folder or the save root (``latest_checkpointed_iteration.txt``), TP 1 or 2:
+    the heads from its run_config.yaml."""
+    state_dict = megatron_llama().state_dict()
+    dcp.load(state_dict, checkpoint_id=MEGATRON / where)
+    assert_same(state_dict, split_by_query_group(gptmodel()))
+
+
+def test_convert_a_megatron_checkpoint_like_a_hugging_face_folder(tmp_path):
+    like = tmp_path / "like"
+    megatron_llama().save_pretrained(like)
+    out = tmp_path / "model.safetensors"
+    assert main(["convert", str(MEGATRON / "tp2" / "iter_0000007"), str(out), "--to", "safetensors",
+                 "--like", str(like)]) == 0
+    assert_same(load_file(out), split_by_query_group(gptmodel()))
+
+
+def test_a_hugging_face_folder_back_into_gptmodel_names(tmp_path, monkeypatch):
+    """``dcp.load`` into GPTModel's names, and ``convert --to dcp --like mod:fn``."""
+    model = megatron_llama()
+    model.load_state_dict(split_by_query_group(gptmodel()))
+    model.save_pretrained(tmp_path / "hf")
+    expected = {key: value.to(torch.bfloat16).to(value.dtype) for key, value in gptmodel().items()}
+    state_dict = empty_like(expected)
+    dcp.load(state_dict, checkpoint_id=tmp_path / "hf")
+    assert_same(state_dict, expected)
+    shapes = {key: (tuple(value.shape), str(value.dtype).removeprefix("torch.")) for key, value in expected.items()}
+    (tmp_path / "gpt_names.py").write_text(
+        "import torch\n\n\ndef state_dict():\n"
+        f"    return {{key: torch.zeros(shape, dtype=getattr(torch, dtype)) for key, (shape, dtype) in {shapes!r}.items()}}\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--to", "dcp", "--like",
+                 "gpt_names:state_dict"]) == 0
+    back = empty_like(expected)
+    dcp.load(back, checkpoint_id=tmp_path / "dcp")
+    assert_same(back, expected)
 
 
 # -- near misses -----------------------------------------------------------------------------------

@@ -27,6 +27,15 @@ def producer(location: Any) -> str | None:
     return megatron_core.PRODUCER if megatron_core_format.config(path) is not None else None
 
 
+def producer_config(location: Any) -> dict | None:
+    """The model description a producer keeps beside its checkpoint where it is no Hugging Face
+    ``config.json``: Megatron's ``run_config.yaml`` (the head counts of its fused QKV)."""
+    path = None if location is None else local_path(location)
+    if path is None or not Path(path).is_dir():
+        return None
+    return megatron_core_format.run_config(Path(path))
+
+
 def model_names(location: Any, stored: Inventory) -> tuple[Inventory, str] | None:
     """For a checkpoint whose producer stores other names than its model's, the inventory the
     model has (what ``inspect`` lists and ``convert`` writes without ``--like``) and a line that
