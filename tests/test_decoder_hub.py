@@ -154,7 +154,7 @@ def test_a_model_of_another_head_grouping_is_refused_naming_both(tmp_path, capsy
     assert main(["convert", str(FIXTURE / "mp1"), str(tmp_path / "out.safetensors"), "--to", "safetensors",
                  "--like", str(like)]) != 0
     said = capsys.readouterr().err
-    assert "params.json says 8 heads (n_heads) in 2 key/value groups (n_kv_heads), head_dim 4" in said
+    assert "params.json (the checkpoint's) says 8 heads (n_heads) in 2 key/value groups (n_kv_heads), head_dim 4" in said
     assert "4 heads (num_attention_heads) in 1 key/value groups (num_key_value_heads), head_dim 8" in said
     assert not (tmp_path / "out.safetensors").exists()
 

@@ -247,6 +247,9 @@ QUOTED_ERRORS = {
     ("deepspeed.md", "size mismatch for ...: copying a param with shape torch.Size([0]) from checkpoint, ..."): "zero3 module",
     ("deepspeed.md", "Unsupported global: GLOBAL deepspeed.runtime.zero.config.ZeroStageEnum was not an allowed global by default"): "zero torch.load",
     ("megatron-core.md", "RuntimeError: Missing key in checkpoint state_dict: decoder.layers.0.input_layernorm.bias."): "megatron dcp",
+    ("megatron-core.md", "RuntimeError: Missing key in checkpoint state_dict: lm_head.weight."): "megatron into llama",
+    ("meta-llama.md", "AssertionError: metadata is None; global metadata read failed: [Errno 2] No such file or directory: '.../mp2/.metadata'"): "meta dcp",
+    ("meta-llama.md", 'Error(s) in loading state_dict for LlamaForCausalLM: Missing key(s) in state_dict: "model.embed_tokens.weight", ...'): "meta state dict",
 }
 
 

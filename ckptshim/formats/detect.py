@@ -149,6 +149,10 @@ def detect(path: str | Path, backend: str | None = None) -> Format:
 
 
 def open_checkpoint(path: str | Path, backend: str | None = None) -> Checkpoint:
-    """Open ``path`` in whatever format it is in (metadata only; no tensor bytes are read)."""
+    """Open ``path`` in whatever format it is in (metadata only; no tensor bytes are read); a
+    Megatron-LM save root opens the iteration its ``latest_checkpointed_iteration.txt`` names."""
     remote = remote_location(path)
+    if remote is None and Path(path).is_dir():
+        with reading(path, "reading its latest iteration"):
+            path = megatron_core.iteration_folder(Path(path)) or path
     return detect(path, backend).open_checkpoint(remote if remote is not None else Path(path))

@@ -336,9 +336,9 @@ def agreeing(source: Dims | None, target: Dims | None) -> Dims | None:
     if source is None or target is None:
         return source or target
     if (source.heads, source.kv_heads, source.head_dim) != (target.heads, target.kv_heads, target.head_dim):
-        raise PlanError(f"the checkpoint's {source.origin} says {source.text()}, but the target's {target.origin} "
-                        f"says {target.text()}: the same shapes under another head grouping would load without an "
-                        "error and compute garbage. Build the target from the checkpoint's own config.")
+        raise PlanError(f"{source.origin} (the checkpoint's) says {source.text()}, but {target.origin} (the "
+                        f"target's) says {target.text()}: the same shapes under another head grouping would load "
+                        "without an error and compute garbage. Build the target from the checkpoint's own config.")
     return source
 
 
