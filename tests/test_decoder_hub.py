@@ -256,6 +256,14 @@ def test_dcp_load_of_a_megatron_checkpoint_into_llama(where):
     assert_same(state_dict, split_by_query_group(gptmodel()))
 
 
+def test_inspect_of_a_megatron_save_root_names_the_producer_and_the_head_counts(capsys):
+    assert main(["inspect", str(MEGATRON / "tp2")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{MEGATRON / 'tp2' / 'iter_0000007'}: torch-dcp")
+    assert ("Megatron-Core wrote it, 8 heads (num_attention_heads) in 2 key/value groups (num_query_groups), "
+            "head_dim 4 (run_config.yaml)") in out
+
+
 def test_convert_a_megatron_checkpoint_like_a_hugging_face_folder(tmp_path):
     like = tmp_path / "like"
     megatron_llama().save_pretrained(like)

@@ -14,6 +14,7 @@ from typing import Any
 from ckptshim.formats import megatron_core as megatron_core_format
 from ckptshim.inventory import Inventory
 from ckptshim.loading.paths import local_path
+from ckptshim.rules.decoder import read_dims
 from ckptshim.rules.profiles import megatron_core
 
 
@@ -43,7 +44,9 @@ def model_names(location: Any, stored: Inventory) -> tuple[Inventory, str] | Non
     if producer(location) != megatron_core.PRODUCER:
         return None
     names, objects = megatron_core.model_names(stored)
+    dims = read_dims(producer_config(location))
     note = ("listed as the model names them (GPTModel.state_dict()): Megatron-Core's stacked layers "
             "one per global layer index, the local spec's layer norms under their own names"
-            + (f"; {objects} stored _extra_state object(s) left out" if objects else ""))
+            + (f"; {objects} stored _extra_state object(s) left out" if objects else "")
+            + (f"; Megatron-Core wrote it, {dims.text()} ({dims.origin})" if dims else ""))
     return names, note
