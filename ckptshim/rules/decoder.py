@@ -299,8 +299,13 @@ def _shapes(fused: Entry, parts: list[Entry]) -> Callable[[KeyPath], tuple[int, 
 # -- dimensions from metadata ---------------------------------------------------------------------
 
 
-#: Where each kind of model description is read from, for messages.
-ORIGINS = {"meta": "params.json", "megatron": "run_config.yaml", "hf": "the Hugging Face folder's config.json"}
+#: Each kind of model description: where it is read (for messages), and its fields for the query
+#: heads, the key/value heads, head_dim (``None``: never given) and the hidden size head_dim
+#: defaults from (``hidden // heads``, as each producer defaults it).
+DESCRIPTIONS = {"meta": ("params.json", "n_heads", "n_kv_heads", None, "dim"),
+                "megatron": ("run_config.yaml", "num_attention_heads", "num_query_groups", "kv_channels", "hidden_size"),
+                "hf": ("the Hugging Face folder's config.json", "num_attention_heads", "num_key_value_heads",
+                       "head_dim", "hidden_size")}
 
 
 def read_dims(config: Mapping | None) -> Dims | None:
@@ -310,24 +315,16 @@ def read_dims(config: Mapping | None) -> Dims | None:
     refused, naming it."""
     if config is None:
         return None
-    if "n_heads" in config:  # Meta's params.json
-        origin = ORIGINS["meta"]
-        heads = _positive(config, "n_heads", origin)
-        kv = _positive(config, "n_kv_heads", origin, heads)
-        return Dims(heads, kv, _positive(config, "dim", origin) // heads, origin, ("n_heads", "n_kv_heads", "dim"))
-    if "num_query_groups" in config or "kv_channels" in config:  # Megatron's run config
-        origin = ORIGINS["megatron"]
-        heads = _positive(config, "num_attention_heads", origin)
-        kv = _positive(config, "num_query_groups", origin, heads)
-        default = None if config.get("kv_channels") is not None else _positive(config, "hidden_size", origin) // heads
-        return Dims(heads, kv, _positive(config, "kv_channels", origin, default), origin,
-                    ("num_attention_heads", "num_query_groups", "kv_channels"))
-    origin = ORIGINS["hf"]
-    heads = _positive(config, "num_attention_heads", origin)
-    kv = _positive(config, "num_key_value_heads", origin, heads)
-    default = None if config.get("head_dim") is not None else _positive(config, "hidden_size", origin) // heads
-    return Dims(heads, kv, _positive(config, "head_dim", origin, default), origin,
-                ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    kind = ("meta" if "n_heads" in config else
+            "megatron" if "num_query_groups" in config or "kv_channels" in config else "hf")
+    origin, heads_field, kv_field, head_dim_field, hidden_field = DESCRIPTIONS[kind]
+    heads = _positive(config, heads_field, origin)
+    kv = _positive(config, kv_field, origin, heads)
+    if head_dim_field is None or config.get(head_dim_field) is None:
+        head_dim = _positive(config, hidden_field, origin) // heads
+    else:
+        head_dim = _positive(config, head_dim_field, origin)
+    return Dims(heads, kv, head_dim, origin, (heads_field, kv_field, head_dim_field or hidden_field))
 
 
 def agreeing(source: Dims | None, target: Dims | None) -> Dims | None:
