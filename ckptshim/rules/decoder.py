@@ -92,6 +92,9 @@ class Naming:
     stacked: bool = False
 
     def __post_init__(self) -> None:
+        if self.rotary != HALVES and any(how.by_group for how in self.fused.values()):
+            raise ValueError(f"{self.name}: a query-group fusion is read as rotary halves (SplitGroups' pairs "
+                             "flag marks the parts that hold interleaved pairs)")
         spellings = {spelling: part for part, spelled in self.rows.items() for spelling in spelled}
         object.__setattr__(self, "_parts", spellings)
         object.__setattr__(self, "_top", {key: slot for slot, key in self.top.items()})
@@ -111,6 +114,11 @@ class Naming:
                 return STACKED, self._parts[key[prefix:]]
         slot = self._top.get(key)
         return None if slot is None else (None, slot)
+
+    def key(self, unit: tuple[int | None, str]) -> KeyPath:
+        """A unit's key under these names (its own spelling)."""
+        layer, part = unit
+        return self.top[part] if layer is None else (*self.layers, str(layer), *self.rows[part][0])
 
     def units(self, inventory: Inventory, stacked: bool = False) -> dict[tuple[int | None, str], Entry]:
         """Each entry of ``inventory`` these names know, by ``(layer, part)``; two entries of one
@@ -170,6 +178,9 @@ def pair(source_names: Naming, target_names: Naming, source: Inventory, target: 
 
 @dataclass(eq=False)
 class _Composer:
+    """One :func:`pair`: the ops found so far, the targets missing (with hints), the target units
+    done, and the dimensions once read."""
+
     source: Naming
     target: Naming
     have: Mapping[tuple[int | None, str], Entry]
@@ -288,7 +299,7 @@ def _layers(entry: Entry) -> tuple[int, ...]:
 
 def _by_slot(keys: tuple[KeyPath, ...], slots: int) -> tuple[KeyPath, ...]:
     """Layer-major keys (each layer's slots in turn) as slot-major runs (each slot's layers)."""
-    return tuple(keys[start::slots][i] for start in range(slots) for i in range(len(keys) // slots))
+    return tuple(key for start in range(slots) for key in keys[start::slots])
 
 
 def _shapes(fused: Entry, parts: list[Entry]) -> Callable[[KeyPath], tuple[int, ...]]:

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptshim.errors import PlanError
-from ckptshim.inventory import Inventory
+from ckptshim.inventory import Inventory, KeyPath
 from ckptshim.rules.decoder import HALVES, HUGGING_FACE, PAIRS, Naming
 
 _ROWS = {"q": (("attention", "qkv_linear", "wq", "weight"),), "k": (("attention", "qkv_linear", "wk", "weight"),),
@@ -48,6 +48,13 @@ FAMILIES: Mapping[str, bool] = {"llama": True, "qwen3": False}
 NO_CONFIG = ("torchtitan's Llama takes {source} permuted per head for its rotary embedding, and the head count "
              "comes from the Hugging Face folder's config.json, which this load has none of; load the folder "
              "itself (dcp.load(..., checkpoint_id=<folder>)) or keep config.json beside it")
+
+
+def torchtitan_name(key: KeyPath) -> KeyPath | None:
+    """The torchtitan name of a Hugging Face Llama/Qwen3 key (wrapper components left out), or
+    ``None``."""
+    unit = HUGGING_FACE.locate(key)
+    return QWEN3.key(unit) if unit is not None and (unit[0] is None or unit[1] in QWEN3.rows) else None
 
 
 def applies(source: Inventory, target: Inventory) -> bool:
