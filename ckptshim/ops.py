@@ -52,7 +52,7 @@ from itertools import repeat
 from typing import ClassVar, Protocol
 
 from ckptshim.errors import InternalError, PlanError
-from ckptshim.geometry import Piece, at, axis_groups, inverse_perm, tiles, unravel, whole
+from ckptshim.geometry import Piece, View, at, axis_groups, inverse_perm, tiles, unravel, whole
 from ckptshim.inventory import KeyPath, join_key
 from ckptshim.keytext import keys_text
 
@@ -734,6 +734,124 @@ class Reorder(_Moves, _Defaults, _FromSource, _IntoTarget):
 
     def note(self, sep: str = ".") -> str:
         return f"axis {self.axis} as {'x'.join(map(str, self.factors))}, {_perm_text(self.order)}"
+
+
+class _Groups:
+    """``JoinGroups``/``SplitGroups``: where each part of each query group lies in a fused array.
+
+    The fused rows are ``groups`` query groups one after another, each group its ``heads`` heads
+    of every part in turn (``(4, 1, 1)``: four query heads, then one key and one value head),
+    each head ``head_dim`` rows. A part whose ``pairs`` entry is set holds its heads' rotary
+    dimensions as interleaved pairs (Meta, torchtitan) where the fused array holds them as two
+    halves (Megatron-Core, Hugging Face). With a leading axis more than the parts, the fused
+    array stacks the layers, the parts running layer by layer.
+    """
+
+    __slots__ = ()
+
+    def _check_groups(self, count: int) -> None:
+        if not (self.groups > 0 and self.head_dim > 0 and self.heads and min(self.heads) > 0
+                and len(self.parts) == len(self.heads) == len(self.pairs) and count % len(self.heads) == 0):
+            raise ValueError(f"{count} arrays in {self.groups} groups of heads {self.heads} ({self.parts}), "
+                             f"head_dim {self.head_dim}: every part needs a positive head count, a name and a rotary flag")
+        if any(self.pairs) and self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} has no rotary halves to interleave")
+
+    def group_pieces(self, part_shapes: Shapes, fused_shape: tuple[int, ...]) -> tuple[Piece, ...]:
+        """Part array ``k`` (layer ``k // parts``, part ``k % parts``) as its slice of the fused one."""
+        stacked = len(fused_shape) == len(part_shapes[0]) + 1
+        per_group, half = sum(self.heads), self.head_dim // 2
+        out = []
+        for k, shape in enumerate(part_shapes):
+            layer, part = divmod(k, len(self.heads))
+            heads, start, rest = self.heads[part], sum(self.heads[:part]), shape[1:]
+            dims = (half, 2) if self.pairs[part] else (self.head_dim,)
+            fused_dims = (2, half) if self.pairs[part] else (self.head_dim,)
+            factors = (self.groups, heads) + dims + rest
+            fused = ((fused_shape[0],) if stacked else ()) + (self.groups, per_group) + fused_dims + rest
+            index = ((layer,) if stacked else ()) + (range(self.groups), range(start, start + heads)) + tuple(
+                range(size) for size in fused_dims + rest)
+            order = (0, 1, 3, 2) if self.pairs[part] else (0, 1, 2)
+            perm = order + tuple(range(len(order), len(order) + len(rest)))
+            out.append(Piece(whole(k, factors), View(0, fused, index), perm))
+        return tuple(out)
+
+    def groups_text(self) -> str:
+        parts = ", ".join(f"{heads} {name}" for heads, name in zip(self.heads, self.parts))
+        rotary = [name for name, pairs in zip(self.parts, self.pairs) if pairs]
+        return f"{self.groups} × [{parts}]" + (f"; {', '.join(rotary)} rotary pairs <-> halves" if rotary else "")
+
+    def note(self, sep: str = ".") -> str:
+        return self.groups_text()
+
+
+@dataclass(frozen=True, slots=True)
+class JoinGroups(_Moves, _Defaults, _IntoTarget, _Groups):
+    """Per-head parts (a layer's query, key and value) fused query group by query group into
+    ``target``: Megatron-Core's ``linear_qkv``, ``[q heads of group 0, k, v, q heads of group 1,
+    k, v, ...]`` (see :class:`_Groups`). The inverse of :class:`SplitGroups`."""
+
+    kind: ClassVar[str] = "join-groups"
+
+    sources: tuple[KeyPath, ...]
+    target: KeyPath
+    groups: int
+    heads: tuple[int, ...]
+    parts: tuple[str, ...]
+    head_dim: int
+    pairs: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        self._check_groups(len(self.sources))
+
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        return self.group_pieces(source_shapes, target_shapes[0])
+
+    def inverse(self) -> SplitGroups:
+        return SplitGroups(self.target, self.sources, self.groups, self.heads, self.parts, self.head_dim, self.pairs)
+
+    def describe(self, sep: str = ".") -> str:
+        return (f"{self.parts_text(self.sources, sep)} -> join by query group ({self.groups_text()}) -> "
+                f"{join_key(self.target, sep)}")
+
+    def parts_text(self, keys: Sequence[KeyPath], sep: str) -> str:
+        return ", ".join(keys_text(keys[part::len(self.heads)], sep) for part in range(len(self.heads)))
+
+    def tally(self) -> tuple[str, int]:
+        return "joined by query group", len(self.sources)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitGroups(_Moves, _Defaults, _FromSource, _Groups):
+    """A fused array cut query group by query group into its per-head parts (Megatron-Core's
+    ``linear_qkv`` into a layer's query, key and value; stacked, into every layer's): the inverse
+    of :class:`JoinGroups`."""
+
+    kind: ClassVar[str] = "split-groups"
+
+    source: KeyPath
+    targets: tuple[KeyPath, ...]
+    groups: int
+    heads: tuple[int, ...]
+    parts: tuple[str, ...]
+    head_dim: int
+    pairs: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        self._check_groups(len(self.targets))
+
+    def pieces(self, source_shapes: Shapes, target_shapes: Shapes) -> tuple[Piece, ...]:
+        return _inverted(self.inverse(), source_shapes, target_shapes)
+
+    def inverse(self) -> JoinGroups:
+        return JoinGroups(self.targets, self.source, self.groups, self.heads, self.parts, self.head_dim, self.pairs)
+
+    def describe(self, sep: str = ".") -> str:
+        return (f"{join_key(self.source, sep)} -> split by query group ({self.groups_text()}) -> "
+                f"{self.inverse().parts_text(self.targets, sep)}")
+
+    def tally(self) -> tuple[str, int]:
+        return "split by query group", len(self.targets)
 
 
 class _Gathers(_Defaults, _IntoTarget):

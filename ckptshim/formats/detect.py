@@ -19,8 +19,8 @@ from collections.abc import Collection
 from pathlib import Path
 
 from ckptshim.errors import CorruptCheckpointError, InternalError, UnknownFormatError
-from ckptshim.formats import (dcp, deepspeed_pipeline, deepspeed_zero, flax_msgpack, hf_dir, megatron_core, orbax,
-                              orbax_manager, paxml, paxml_flax, safetensors, t5x, torch_pickle)
+from ckptshim.formats import (dcp, deepspeed_pipeline, deepspeed_zero, flax_msgpack, hf_dir, megatron_core,
+                              meta_llama, orbax, orbax_manager, paxml, paxml_flax, safetensors, t5x, torch_pickle)
 from ckptshim.formats.base import Checkpoint, Format, reading
 from ckptshim.storage import Location, UnsupportedLocation
 
@@ -51,7 +51,7 @@ def ranked(formats: tuple[Format, ...], precedence: tuple[tuple[Format, Format, 
 
 #: Every format, most specific first: a directory format before the single files it may contain,
 #: and each pair of :data:`PRECEDENCE` in its order.
-FORMATS: tuple[Format, ...] = ranked((hf_dir, dcp, megatron_core, deepspeed_zero, deepspeed_pipeline, paxml_flax, t5x,
+FORMATS: tuple[Format, ...] = ranked((hf_dir, dcp, megatron_core, meta_llama, deepspeed_zero, deepspeed_pipeline, paxml_flax, t5x,
                                       paxml, orbax, orbax_manager, safetensors, torch_pickle, flax_msgpack), PRECEDENCE)
 #: The backends whose load calls name a checkpoint (see each format's ``READERS``).
 BACKENDS = ("torch", "jax")
@@ -149,6 +149,10 @@ def detect(path: str | Path, backend: str | None = None) -> Format:
 
 
 def open_checkpoint(path: str | Path, backend: str | None = None) -> Checkpoint:
-    """Open ``path`` in whatever format it is in (metadata only; no tensor bytes are read)."""
+    """Open ``path`` in whatever format it is in (metadata only; no tensor bytes are read); a
+    Megatron-LM save root opens the iteration its ``latest_checkpointed_iteration.txt`` names."""
     remote = remote_location(path)
+    if remote is None and Path(path).is_dir():
+        with reading(path, "reading its latest iteration"):
+            path = megatron_core.iteration_folder(Path(path)) or path
     return detect(path, backend).open_checkpoint(remote if remote is not None else Path(path))

@@ -32,8 +32,8 @@ import numpy as np
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import dcp, zarr
 from ckptshim.formats.kvstore import regular_size
-from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, reader,
-                                   storage_dtype, strict_json)
+from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, read_regular, reader,
+                                   reading, storage_dtype, strict_json)
 from ckptshim.inventory import Entry, Inventory, split_key
 from ckptshim.storage import Location
 
@@ -71,6 +71,43 @@ def config(path: Path) -> Config | None:
     common_version = meta.get("common_backend_version", 1)
     return Config(meta["sharded_backend"], version if type(version) is int else 1,
                   str(meta.get("common_backend", "torch")), common_version if type(common_version) is int else 1)
+
+
+#: Megatron-LM's save root names its newest iteration here (``iter_<N:07d>``, or ``release``).
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+#: Megatron-Bridge's record of the run beside each iteration: the model's config under ``model:``.
+RUN_CONFIG_FILE = "run_config.yaml"
+MAX_RUN_CONFIG_BYTES = 1024 * 1024
+
+
+def iteration_folder(path: Path) -> Path | None:
+    """For a Megatron-LM save root (``latest_checkpointed_iteration.txt`` beside ``iter_*``
+    folders, no checkpoint of its own), the iteration folder it names, as Megatron-LM's
+    ``read_metadata`` reads it; ``None`` for any other path."""
+    latest = Path(path) / LATEST_FILE
+    if config(path) is not None or not latest.is_file() or latest.stat().st_size > 64:
+        return None
+    text = latest.read_text(errors="replace").strip()
+    folder = Path(path) / ("release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else "")
+    if folder == Path(path) or config(folder) is None:
+        raise CorruptCheckpointError(f"{latest} names {text!r:.40}, but {folder.name or 'no folder'} is no "
+                                     "Megatron-Core checkpoint beside it; point at an iter_* folder directly.")
+    return folder
+
+
+def run_config(path: Path) -> dict | None:
+    """The model's config from ``run_config.yaml`` in a Megatron-Core checkpoint folder (its
+    ``model:`` mapping, where the run nests it so), the head counts the hub needs; ``None``
+    without one. Parsed with PyYAML's safe loader (plain data only), from a small regular file."""
+    where = Path(path) / RUN_CONFIG_FILE
+    if config(path) is None or not where.is_file():
+        return None
+    import yaml  # transformers' own dependency: present wherever an HF target is
+
+    with reading(where, "reading Megatron's run config"):
+        found = yaml.safe_load(read_regular(where, MAX_RUN_CONFIG_BYTES))
+    model = found.get("model", found) if isinstance(found, dict) else None
+    return model if isinstance(model, dict) else None
 
 
 def is_torch_dist(path: Path) -> bool:

@@ -32,11 +32,11 @@ from torch.distributed.checkpoint.storage import StorageReader
 from ckptshim.errors import NoPlan, PlanError, ShimError, UnknownFormatError, describe
 from ckptshim.execute.dcp_planner import FlatKeys, KeyMapping, RemappingLoadPlanner
 from ckptshim.execute.dcp_storage import DcpReader, FormatReader, RemoteDcpReader
-from ckptshim.formats import dcp, hf_dir, safetensors, torch_pickle
+from ckptshim.formats import dcp, hf_dir, megatron_core, safetensors, torch_pickle
 from ckptshim.formats.detect import detect, remote_object
 from ckptshim.formats.hf_dir import config_of, model_config
 from ckptshim.inventory import Entry, Inventory, dtype_name, join_key, split_key
-from ckptshim.loading.producers import producer
+from ckptshim.loading.producers import producer, producer_config
 from ckptshim.loading.report import report_load
 from ckptshim.loading.torch import state_dict_facts
 from ckptshim.log import logger
@@ -75,6 +75,15 @@ def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageRe
     if fmt is dcp:
         return DcpReader(location, given.transforms.extension_registry if given is not None else None)
     return FormatReader(location, fmt, hook=HOOK)  # which says, once it has opened the checkpoint, what it reads
+
+
+def checkpoint_folder(checkpoint_id: Any) -> Any:
+    """The folder ``dcp.load`` reads for ``checkpoint_id``: for a Megatron-LM save root
+    (``latest_checkpointed_iteration.txt``), which DCP cannot read, the iteration folder it
+    names; else ``checkpoint_id`` itself."""
+    if checkpoint_id is None or "://" in str(checkpoint_id) or not Path(checkpoint_id).is_dir():
+        return checkpoint_id
+    return megatron_core.iteration_folder(Path(checkpoint_id)) or checkpoint_id
 
 
 def remote(checkpoint_id: Any, given: StorageReader | None) -> bool:
@@ -188,8 +197,10 @@ def _model_config(reader: StorageReader | None, location: Any) -> dict | None:
     of the caller's own, the ``config.json`` at ``location``."""
     opened = getattr(reader, "checkpoint", None) if isinstance(reader, (DcpReader, FormatReader)) else None
     if opened is not None:
-        return config_of(opened)
-    return model_config(location) if location is not None else None
+        found = config_of(opened)
+    else:
+        found = model_config(location) if location is not None else None
+    return found if found is not None else producer_config(location)
 
 
 def _stored_as_asked(metadata: Metadata, flat: Mapping[str, Any]) -> bool:

@@ -17,7 +17,7 @@ from ckptshim.formats.detect import open_checkpoint
 from ckptshim.formats.hf_dir import config_of, model_config
 from ckptshim.inventory import Entry, Inventory, join_key
 from ckptshim.loading import like as like_spec
-from ckptshim.loading.producers import model_names, producer
+from ckptshim.loading.producers import model_names, producer, producer_config
 from ckptshim.log import logger
 from ckptshim.planner import Plan
 from ckptshim.planner import plan as make_plan
@@ -44,6 +44,8 @@ def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None, 
     """
     target, target_sep = target_layout(like)
     source_config = config_of(source)
+    if source_config is None:
+        source_config = producer_config(source.path)
     like_config = None if like_spec.is_callable_spec(like) else model_config(like)
     source.inventory.model_type = _model_type(source_config)
     target.model_type = _model_type(like_config) or target.model_type
@@ -51,7 +53,8 @@ def plan_onto(source: Checkpoint, like: str | Path, rules: Rules | None = None, 
         config = source_config if source_config is not None else like_config
         call = "jax" if "/" in (source.key_sep, target_sep) else "torch"
         rules = rules_for(LoadContext(source.inventory, target, call, model_config=config,
-                                      producer=producer(source.path)))
+                                      producer=producer(source.path),
+                                      target_config=like_config if source_config is not None else None))
     plan = make_plan(source.inventory, target, rules)
     casts = plan.casts() if stored_dtypes else {}
     if not casts:

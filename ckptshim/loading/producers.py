@@ -14,6 +14,7 @@ from typing import Any
 from ckptshim.formats import megatron_core as megatron_core_format
 from ckptshim.inventory import Inventory
 from ckptshim.loading.paths import local_path
+from ckptshim.rules.decoder import read_dims
 from ckptshim.rules.profiles import megatron_core
 
 
@@ -27,6 +28,15 @@ def producer(location: Any) -> str | None:
     return megatron_core.PRODUCER if megatron_core_format.config(path) is not None else None
 
 
+def producer_config(location: Any) -> dict | None:
+    """The model description a producer keeps beside its checkpoint where it is no Hugging Face
+    ``config.json``: Megatron's ``run_config.yaml`` (the head counts of its fused QKV)."""
+    path = None if location is None else local_path(location)
+    if path is None or not Path(path).is_dir():
+        return None
+    return megatron_core_format.run_config(Path(path))
+
+
 def model_names(location: Any, stored: Inventory) -> tuple[Inventory, str] | None:
     """For a checkpoint whose producer stores other names than its model's, the inventory the
     model has (what ``inspect`` lists and ``convert`` writes without ``--like``) and a line that
@@ -34,7 +44,9 @@ def model_names(location: Any, stored: Inventory) -> tuple[Inventory, str] | Non
     if producer(location) != megatron_core.PRODUCER:
         return None
     names, objects = megatron_core.model_names(stored)
+    dims = read_dims(producer_config(location))
     note = ("listed as the model names them (GPTModel.state_dict()): Megatron-Core's stacked layers "
             "one per global layer index, the local spec's layer norms under their own names"
-            + (f"; {objects} stored _extra_state object(s) left out" if objects else ""))
+            + (f"; {objects} stored _extra_state object(s) left out" if objects else "")
+            + (f"; Megatron-Core wrote it, {dims.text()} ({dims.origin})" if dims else ""))
     return names, note

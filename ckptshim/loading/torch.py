@@ -82,6 +82,14 @@ def module_facts(layout: ModuleLayout, module: nn.Module | None = None, prefix: 
         layouts=_published_layouts(module))
 
 
+def model_config_of(module: nn.Module) -> dict | None:
+    """A transformers model's own config, as its ``config.json`` would say it (the head counts a
+    decoder's layout depends on); ``None`` for any other module."""
+    to_dict = getattr(getattr(module, "config", None), "to_dict", None)
+    config = to_dict() if callable(to_dict) else None
+    return config if isinstance(config, dict) else None
+
+
 def _published_layouts(module: nn.Module | None) -> tuple[ConversionLayout, ...]:
     """The layouts a live module publishes for its own checkpoints: transformers' conversion
     mapping of each transformers model in it."""
@@ -158,7 +166,8 @@ def prepare_module_load(original: Callable[..., Any], native: Callable[[], Any],
     except ValueError:
         logger.debug("load_state_dict: a dtype ckptshim does not know; leaving the load to torch")
         return native
-    plan = make_plan(source, target, rules_for(LoadContext(source, target, "torch", module_facts(layout, module))))
+    plan = make_plan(source, target, rules_for(LoadContext(source, target, "torch", module_facts(layout, module),
+                                                           target_config=model_config_of(module))))
     if strict and not plan.complete and layout.own_load_logic:
         logger.debug("load_state_dict: the state dict does not fit, but %s transforms its own state "
                      "dict on load; leaving the load to torch", type(module).__name__)

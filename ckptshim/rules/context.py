@@ -37,7 +37,10 @@ class LoadContext:
       when the checkpoint was opened; ``None`` when there is none;
     - ``producer``: who wrote the checkpoint, where its own metadata says so (Megatron-Core's
       ``metadata.json``: :data:`~ckptshim.rules.profiles.megatron_core.PRODUCER`), else ``None``;
-      a profile keyed on it never fires on key names alone.
+      a profile keyed on it never fires on key names alone;
+    - ``target_config``: the target's own model description where it has one (the ``--like``
+      folder's ``config.json``, a transformers model's config), so that two sides' head counts
+      are checked against each other; ``None`` when there is none.
     """
 
     source: Inventory
@@ -46,6 +49,7 @@ class LoadContext:
     facts: TargetFacts = NO_FACTS
     model_config: Mapping[str, Any] | None = None
     producer: str | None = None
+    target_config: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.call not in CALLS:

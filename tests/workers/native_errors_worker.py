@@ -1,6 +1,6 @@
 """Runs with ``CKPTSHIM_DISABLE=1``: the errors the frameworks themselves raise on the fixtures
 the docs quote (docs/paxml.md, docs/gpt-neox.md, docs/deepspeed.md, docs/megatron-core.md,
-docs/jax.md). Usage: ``python native_errors_worker.py DIR``
+docs/meta-llama.md, docs/jax.md). Usage: ``python native_errors_worker.py DIR``
 (``DIR`` a scratch folder); prints one JSON line, case -> ``"Type: message"``."""
 
 from __future__ import annotations
@@ -50,6 +50,24 @@ def torch_cases() -> dict[str, str]:
         "zero torch.load": error_of(lambda: torch.load(stage / "zero_pp_rank_0_mp_rank_00_optim_states.pt")),
         "megatron dcp": error_of(lambda: dcp.load(megatron, checkpoint_id=FIXTURES / "megatron_core" / "torch_dist"
                                                   / "tp1_pp1")),
+        **hub_cases(),
+    }
+
+
+def hub_cases() -> dict[str, str]:
+    """Meta's original Llama and a Megatron-Core Llama into ``LlamaForCausalLM`` (docs/meta-llama.md,
+    docs/megatron-core.md)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from test_decoder_hub import FIXTURE, MEGATRON, llama, megatron_llama
+
+    return {
+        "meta dcp": error_of(lambda: dcp.load(llama().state_dict(), checkpoint_id=FIXTURE / "mp2")),
+        "meta state dict": error_of(lambda: llama().load_state_dict(
+            torch.load(FIXTURE / "mp1" / "consolidated.00.pth", weights_only=True))),
+        "megatron into llama": error_of(lambda: dcp.load(megatron_llama().state_dict(),
+                                                         checkpoint_id=MEGATRON / "tp2" / "iter_0000007")),
     }
 
 

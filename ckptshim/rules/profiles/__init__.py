@@ -12,15 +12,15 @@ from __future__ import annotations
 from ckptshim import config
 from ckptshim.rules import DEFAULT_RULES, Rules
 from ckptshim.rules.context import LoadContext, Profile
-from ckptshim.rules.profiles import (conventions, flax_nnx, hf_maxtext, maxtext, megatron_core, paxml, paxml_gpt3,
-                                     torchtitan, transformers_mapping)
+from ckptshim.rules.profiles import (conventions, decoders, flax_nnx, hf_maxtext, maxtext, megatron_core, paxml,
+                                     paxml_gpt3, transformers_mapping)
 
 #: Every profile, in the order :func:`rules_for` folds them: each call's conventions first, then
-#: the model families (torchtitan's layout and transformers' mapping exclude each other).
+#: the model families (the decoder hub and transformers' mapping exclude each other).
 PROFILES: tuple[Profile, ...] = (
     conventions.TORCH_MODULES,
     megatron_core.PROFILE,
-    torchtitan.PROFILE,
+    decoders.PROFILE,
     transformers_mapping.PROFILE,
     conventions.JAX_TREES,
     flax_nnx.PROFILE,
@@ -39,8 +39,9 @@ def rules_for(context: LoadContext) -> Rules:
     - torch calls: torch modules stack layer lists on axis 0, GPT-NeoX pipeline names <-> its
       Hugging Face names; Megatron-Core's stored names (its local-spec layer norms; the target's
       ``_extra_state`` kept) where the checkpoint's metadata names it as the producer; an exact root prefix on one side (Lightning's ``model.``) is set
-      aside where the plan needs it; Hugging Face Llama/Qwen3 names <-> torchtitan's (heads from
-      the model config); else transformers' conversion mapping of each transformers model in the
+      aside where the plan needs it; a decoder between two producers' names (Hugging Face,
+      torchtitan, Meta's original Llama, Megatron-Core's GPTModel) through the canonical model
+      (heads from the model configs); else transformers' conversion mapping of each transformers model in the
       target, or, where the target is none, of the model the checkpoint's model config names;
     - JAX restores: Linen/NNX spellings (and flax < 0.9's ``raw_value``, for a state of that era); MaxText's scan axes (and its rng state kept from the
       target, by opt-in); PaxML ``Repeat`` stacks; the PaxML GPT-3 -> MaxText layout; a Hugging

@@ -37,6 +37,7 @@ from typing import Any
 from ckptshim.inventory import Entry, Inventory, KeyPath
 from ckptshim.rules.aliases import Alias
 from ckptshim.rules.context import LoadContext
+from ckptshim.rules.decoder import HALVES, Fused, Naming
 
 #: The :attr:`LoadContext.producer <ckptshim.rules.context.LoadContext.producer>` of a checkpoint whose
 #: ``metadata.json`` names a Megatron-Core sharded backend.
@@ -51,6 +52,23 @@ LAYER_NORMS: tuple[Alias, ...] = tuple(
     for norm, fused in (("input_layernorm", ("self_attention", "linear_qkv")),
                         ("pre_mlp_layernorm", ("mlp", "linear_fc1")))
     for param in ("weight", "bias"))
+
+#: ``GPTModel``'s names for the canonical decoder (a Llama-style model: RMSNorm, SwiGLU, rotary
+#: halves): ``linear_qkv`` holds each query group's query heads, then its key and value head
+#: (Megatron-Bridge's ``QKVMapping``); ``linear_fc1`` is ``[gate; up]`` (its ``GatedMLPMapping``).
+#: Stored checkpoints stack every layer on axis 0 and keep the local spec's layer norms under the
+#: fused modules' names; a model's own names are per layer, either spelling.
+NAMES = Naming(
+    "Megatron-Core GPTModel", ("decoder", "layers"),
+    rows={"qkv": (("self_attention", "linear_qkv", "weight"),), "o": (("self_attention", "linear_proj", "weight"),),
+          "q_norm": (("self_attention", "q_layernorm", "weight"),),
+          "k_norm": (("self_attention", "k_layernorm", "weight"),),
+          "fc1": (("mlp", "linear_fc1", "weight"),), "down": (("mlp", "linear_fc2", "weight"),),
+          "attn_norm": (("input_layernorm", "weight"), ("self_attention", "linear_qkv", "layer_norm_weight")),
+          "mlp_norm": (("pre_mlp_layernorm", "weight"), ("mlp", "linear_fc1", "layer_norm_weight"))},
+    top={"embed": ("embedding", "word_embeddings", "weight"), "norm": ("decoder", "final_layernorm", "weight"),
+         "head": ("output_layer", "weight")},
+    rotary=HALVES, fused={"qkv": Fused(("q", "k", "v"), True), "fc1": Fused(("gate", "up"), False)}, stacked=True)
 
 EXTRA_STATE = "_extra_state"
 #: A stored ``ShardedObject`` key's last component: ``_extra_state/shard_<layer>_<layers>``.

@@ -37,7 +37,7 @@ from ckptshim.inventory import Entry, Inventory, KeyPath, join_key, split_key
 from ckptshim.ops import Chunk, Concat, Op, Rename, Reorder, Stack, Transpose, fits
 from ckptshim.rules import Paired, Rules
 from ckptshim.rules.context import LoadContext
-from ckptshim.rules.profiles import torchtitan
+from ckptshim.rules.profiles import decoders
 from ckptshim.rules.prefixes import WRAPPER_SEGMENTS, strip_wrappers
 
 #: A key component holding one index: ``3``, ``shard_3``.
@@ -449,13 +449,13 @@ def _require_shapes(op: Op, group: Collected) -> None:
 class TransformersProfile:
     """The layouts the target's own model publishes (transformers' conversion mapping of each
     transformers model in it: :func:`from_module`); where it publishes none, the mapping of the
-    model the checkpoint's model config names (:func:`from_config`). Not beside torchtitan's
-    layout, whose names are no transformers model's."""
+    model the checkpoint's model config names (:func:`from_config`). Not beside the decoder hub
+    (:mod:`.decoders`), which maps another producer's names, no transformers model's."""
 
     name: str = "transformers conversion mapping"
 
     def applies(self, context: LoadContext) -> bool:
-        return context.backend == "torch" and not torchtitan.applies(context.source, context.target)
+        return context.backend == "torch" and decoders.sides(context) is None
 
     def rules(self, context: LoadContext) -> Mapping[str, Any]:
         if context.facts.layouts:

@@ -1,0 +1,89 @@
+"""The hub's profile: a load between two producers' names of one decoder-only transformer.
+
+Each producer is one :class:`~ckptshim.rules.decoder.Naming` (Hugging Face's here, the others in
+their own modules: torchtitan's, Meta's original layout's, Megatron-Core's GPTModel's); a load
+from one into another is :func:`~ckptshim.rules.decoder.pair`'s composition through the
+canonical model. The profile fires only where the key sets prove it: the checkpoint holds one
+producer's names (Megatron-Core's stacked arrays only where its ``metadata.json`` says it wrote
+them) and the target another's. The head counts come from the checkpoint's own model description
+(``config.json``, ``params.json``, Megatron's run config) and, where the target has one, from the
+target's; two that disagree are refused, naming both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptshim.inventory import Inventory
+from ckptshim.rules import Paired, Rules
+from ckptshim.rules.context import LoadContext
+from ckptshim.rules.decoder import HUGGING_FACE, Dims, Naming, agreeing, pair, read_dims
+from ckptshim.rules.profiles import megatron_core, meta_llama, torchtitan
+
+#: Every producer's names, in the order a side is recognised.
+NAMINGS: tuple[Naming, ...] = (HUGGING_FACE, torchtitan.NAMES, meta_llama.NAMES, megatron_core.NAMES)
+
+
+def side(inventory: Inventory, stacked: bool = False) -> Naming | None:
+    """The one producer whose names ``inventory`` holds (its embeddings or layer 0's first row),
+    ``None`` for none or several."""
+    found = [naming for naming in NAMINGS if naming.marks(inventory)
+             or stacked and naming.stacked and naming.units(inventory, True)]
+    return found[0] if len(found) == 1 else None
+
+
+def sides(context: LoadContext) -> tuple[Naming, Naming] | None:
+    """The checkpoint's producer and the target's, where they are two (else ``None``)."""
+    if context.backend != "torch" or not any(naming.marks(inv) for naming in NAMINGS
+                                            for inv in (context.source, context.target)):
+        if context.producer != megatron_core.PRODUCER:
+            return None
+    source = side(context.source, context.producer == megatron_core.PRODUCER)
+    target = side(context.target)
+    if source is None or target is None or source is target:
+        return None
+    return source, target
+
+
+@dataclass(frozen=True, eq=False)  # holds the model configs
+class DecoderLayout:
+    """The :class:`~ckptshim.rules.Layout` of one load between two producers' names."""
+
+    source_names: Naming
+    target_names: Naming
+    config: Mapping[str, Any] | None
+    target_config: Mapping[str, Any] | None
+    stacked: bool
+
+    def pair(self, source: Inventory, target: Inventory, rules: Rules) -> Paired:
+        names = torchtitan.variants(self.source_names, self.target_names, source, target, self.config)
+        return pair(*names, source, target, self._dims, self.stacked)
+
+    def _dims(self) -> Dims | str:
+        dims = agreeing(read_dims(self.config), read_dims(self.target_config))
+        if dims is not None:
+            return dims
+        return torchtitan.NO_CONFIG if torchtitan.NAMES in (self.source_names, self.target_names) else (
+            "{target} is laid out from {source} per head, and the head counts come from the checkpoint's own "
+            "model description (config.json, params.json or Megatron's run_config.yaml), which this load has "
+            "none of; keep it beside the checkpoint")
+
+
+@dataclass(frozen=True)
+class DecoderProfile:
+    """A decoder from one producer's names into another's, through the canonical model."""
+
+    name: str = "decoder hub"
+
+    def applies(self, context: LoadContext) -> bool:
+        return sides(context) is not None
+
+    def rules(self, context: LoadContext) -> Mapping[str, Any]:
+        source, target = sides(context)
+        return {"layouts": (DecoderLayout(source, target, context.model_config, context.target_config,
+                                          context.producer == megatron_core.PRODUCER),)}
+
+
+PROFILE = DecoderProfile()
