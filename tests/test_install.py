@@ -17,6 +17,9 @@ from ckptshim.errors import DOCS_URL
 from support.fixtures import FIXTURES, copy_fixture
 from support.venvs import REPO, Venv, build_plain_venv
 
+#: The first test to use ``plain`` waits for pip to build and install the wheel (bounded at 600 s).
+pytestmark = pytest.mark.timeout(900)
+
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 SAFETENSORS = FIXTURES / "hf_gptneox_tf4.30.2/safetensors/model.safetensors"
 
