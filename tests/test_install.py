@@ -150,21 +150,26 @@ def test_help_explains_every_argument_and_option(name, parser):
     assert parser.description and parser.epilog and ("ckptshim docs" if DOCS_URL is None else DOCS_URL) in parser.epilog
 
 
-def test_no_message_points_at_the_repository_docs_folder():
-    """A pip install has no docs/ folder: strings the code prints point at the docs site
-    (errors.docs_page) or at `--help`. Docstrings may cite docs/ for the code's readers."""
+def printed_strings():
+    """Every string constant of the package's code that is not a docstring (what it may print),
+    as ``(path:line, text)``; docstrings speak to the code's readers."""
     import ast
 
-    cited = []
     for path in sorted((REPO / "ckptshim").rglob("*.py")):
         tree = ast.parse(path.read_text())
         docstrings = {id(node.body[0].value) for node in ast.walk(tree)
                       if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
                       and node.body and isinstance(node.body[0], ast.Expr)
                       and isinstance(node.body[0].value, ast.Constant)}
-        cited += [f"{path.relative_to(REPO)}:{node.lineno}" for node in ast.walk(tree)
-                  if isinstance(node, ast.Constant) and isinstance(node.value, str)
-                  and id(node) not in docstrings and re.search(r"\bdocs/[\w.-]+\.md", node.value)]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                yield f"{path.relative_to(REPO)}:{node.lineno}", node.value
+
+
+def test_no_message_points_at_the_repository_docs_folder():
+    """A pip install has no docs/ folder: strings the code prints point at `ckptshim docs PAGE`
+    (errors.docs_page) or at `--help`. Docstrings may cite docs/ for the code's readers."""
+    cited = [where for where, text in printed_strings() if re.search(r"\bdocs/[\w.-]+\.md", text)]
     assert not cited, cited
 
 
@@ -189,19 +194,10 @@ SERVING_HOSTS: frozenset[str] = frozenset()
 def test_no_message_points_at_a_host_that_does_not_serve_it():
     """Every URL in a string the package prints (docstrings aside) or in its metadata is on a
     host that serves it: today none, so there is none; a pointer names `ckptshim docs PAGE`."""
-    import ast
     from urllib.parse import urlsplit
 
     found = [(f"pyproject.toml [project.urls] {name}", url) for name, url in PYPROJECT["project"].get("urls", {}).items()]
-    for path in sorted((REPO / "ckptshim").rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                      and node.body and isinstance(node.body[0], ast.Expr)
-                      and isinstance(node.body[0].value, ast.Constant)}
-        found += [(f"{path.relative_to(REPO)}:{node.lineno}", url) for node in ast.walk(tree)
-                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
-                  for url in re.findall(r"https?://[^\s\"'`)]+", node.value)]
+    found += [(where, url) for where, text in printed_strings() for url in re.findall(r"https?://[^\s\"'`)]+", text)]
     unserved = [(where, url) for where, url in found
                 if urlsplit(url).hostname not in SERVING_HOSTS | {"127.0.0.1", "localhost", None}]
     assert not unserved, unserved
