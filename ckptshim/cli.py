@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import ckptshim
 
@@ -165,9 +166,27 @@ def _disable_venv(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _docs(args: argparse.Namespace) -> int:
+    pages = {path.stem: path for path in sorted(DOCS_DIR.glob("*.md"))}
+    if args.page is None:
+        for name, path in pages.items():
+            title = next((line.lstrip("# ").strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
+            print(f"{name:<16} {title}")
+        return EXIT_OK
+    page = pages.get(args.page.removesuffix(".md"))
+    if page is None:
+        print(f"ckptshim: no documentation page {args.page!r}; there are: {', '.join(pages)}", file=sys.stderr)
+        return EXIT_PROBLEM
+    print(page if args.path else page.read_text(), end="\n" if args.path else "")
+    return EXIT_OK
+
+
 #: Said under every command's help: where the rest is.
-EPILOG = (f"exit codes: 0 ok, 1 a problem was found (the message says what), 2 a usage error; "
-          f"`run` exits with the command's own status. Documentation: {DOCS_URL}")
+EPILOG = ("exit codes: 0 ok, 1 a problem was found (the message says what), 2 a usage error; "
+          "`run` exits with the command's own status. Documentation: "
+          + ("`ckptshim docs` lists its pages, `ckptshim docs PAGE` prints one" if DOCS_URL is None else DOCS_URL))
+#: The documentation pages, shipped inside the package (``docs/*.md`` of the repository).
+DOCS_DIR = Path(__file__).resolve().parent / "docs"
 CHECKPOINT = ("a file or folder in any format ckptshim reads: a torch.save file, a safetensors file, "
               "a Hugging Face model folder, a torch.distributed.checkpoint (DCP) folder, an Orbax "
               "checkpoint (item, step folder or CheckpointManager root), Flax msgpack, T5X, PaxML, "
@@ -264,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
                       "failed, with the reason. Always exits 0.")
     doctor.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     doctor.set_defaults(run=_doctor)
+
+    docs = _command(commands, "docs", "print a page of ckptshim's documentation",
+                    "The pages ship inside the package, so this works offline and matches the "
+                    "installed version. Without PAGE, lists the pages.")
+    docs.add_argument("page", nargs="?", metavar="PAGE", help="the page to print, e.g. pytorch, maxtext, safety")
+    docs.add_argument("--path", action="store_true", help="print the page's file path instead of its text")
+    docs.set_defaults(run=_docs)
 
     for name, func, text, description in (
             ("enable-venv", _enable_venv, "make every Python of this virtual environment import ckptshim",

@@ -94,13 +94,18 @@ class InternalError(ShimError):
 
 
 
-#: The documentation site (pyproject.toml's ``Documentation`` URL): errors and help point here,
-#: never at the repository's ``docs/`` folder, which a pip install does not have.
-DOCS_URL = "https://ckptshim.readthedocs.io/en/latest/"
+#: The documentation site, once it is published (then also pyproject.toml's ``Documentation``
+#: URL): the one switch. Until a host serves the pages, it is ``None`` and every pointer names
+#: ``ckptshim docs PAGE``, which prints the page from the copy shipped inside the package -- never
+#: the repository's ``docs/`` folder, which a pip install does not have.
+DOCS_URL: str | None = None
 
 
 def docs_page(page: str, section: str = "") -> str:
-    """The address of a page of the documentation site (``docs/<page>.md`` in the repository)."""
+    """Where a message sends the user for a page of the documentation (``docs/<page>.md`` in the
+    repository): the command that prints it, or its address once :data:`DOCS_URL` is set."""
+    if DOCS_URL is None:
+        return f"`ckptshim docs {page}`" + (f" (section {section.replace('-', ' ')!r})" if section else "")
     return f"{DOCS_URL}{page}/" + (f"#{section}" if section else "")
 
 

@@ -33,8 +33,9 @@ def compress(lines: Iterable[str]) -> list[str]:
     """Merge lines that differ only in the numbers at some places into ``{a..b}`` ranges.
 
     Lines whose numbers run over a full grid are one line: ``layers.{0..63}.experts.{0..7}.w``;
-    numbers that are equal on every line (a rename's layer on both sides of the arrow) are one
-    place, so ``layers.{0..63}.w -> _orig_mod.layers.{0..63}.w`` is one line too -- unless the
+    numbers that move in step on every line (a rename's layer on both sides of the arrow, equal or
+    a constant apart) are one place, so ``layers.{0..63}.w -> _orig_mod.layers.{0..63}.w`` and
+    ``sequential.{2..65}.w -> layers.{0..63}.w`` are one line too -- unless the
     lines hold ranges already (an op over many keys, one per layer): ``layers.{0..1}.experts.{0..3}
     -> concat -> layers.{0..1}.gate_up`` would read as one op over all of them. Lines that fit no
     grid are listed as they are. Lines keep the order of the first of each group.
@@ -51,13 +52,36 @@ def group(lines: Iterable[str]) -> list[tuple[str, list[str]]]:
         groups.setdefault(pieces, []).append((line, tuple(int(n) for n in _NUMBER.findall(line))))
     out: list[tuple[str, list[str]]] = []
     for pieces, members in groups.items():
-        numbers = [n for _, n in members]
-        shown = _grid(numbers, in_step="{" not in "".join(pieces))
-        if shown is None:
-            out.extend((line, [line]) for line, _ in members)
-        else:
-            out.append((_interleave(pieces, shown), [line for line, _ in members]))
+        in_step = "{" not in "".join(pieces)
+        for part in _by_one_place(members, in_step):
+            shown = _grid([n for _, n in part], in_step)
+            if shown is None:
+                out.extend((line, [line]) for line, _ in part)
+            else:
+                out.append((_interleave(pieces, shown), [line for line, _ in part]))
     return out
+
+
+def _by_one_place(members: list[tuple[str, tuple[int, ...]]],
+                  in_step: bool) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """``members`` (lines of one shape and their numbers) as one part where they form a grid;
+    else cut into the fewest parts that differ in one place only (with the places in step with
+    it), each in the order of its first line: ``linear_fc1`` and ``linear_fc2`` rows of every
+    layer, whose shapes differ, are a part per ``fc`` over the layers."""
+    numbers = [n for _, n in members]
+    if len(members) < 3 or _grid(numbers, in_step) is not None:
+        return [members]
+    first = numbers[0]
+    varying = [i for i in range(len(first)) if any(n[i] != first[i] for n in numbers)]
+    best: list[list[tuple[str, tuple[int, ...]]]] | None = None
+    for place in varying:
+        along = {i for i in varying if all(n[i] - n[place] == first[i] - first[place] for n in numbers)}
+        parts: dict[tuple[int, ...], list[tuple[str, tuple[int, ...]]]] = {}
+        for line, n in members:
+            parts.setdefault(tuple(v for i, v in enumerate(n) if i not in along), []).append((line, n))
+        if len(parts) < len(members) and (best is None or len(parts) < len(best)):
+            best = list(parts.values())
+    return [members] if best is None else best
 
 
 #: Between a row's cells while rows are grouped: no digit, and nothing a printed key holds.
@@ -73,13 +97,15 @@ def group_rows(rows: Iterable[Sequence[str]]) -> list[tuple[tuple[str, ...], int
 def _grid(numbers: list[tuple[int, ...]], in_step: bool) -> list[str] | None:
     """The numbers of one line standing for all of ``numbers`` (ranges where they vary), or
     ``None`` when they are not every combination of the values at each place exactly once.
-    Places whose numbers are equal on every line count as one only ``in_step``."""
+    Places whose numbers move in step on every line -- equal, or a constant apart, as a layer
+    and the pipeline stage it was saved as (``layers.{0..1}`` from ``sequential.{2..3}``) --
+    count as one only ``in_step``; each then shows its own range."""
     first = numbers[0]
     varying = [i for i in range(len(first)) if any(n[i] != first[i] for n in numbers)]
-    places: list[list[int]] = []  # varying places equal on every line are one place
+    places: list[list[int]] = []  # varying places a constant apart on every line are one place
     for i in varying:
         for place in places:
-            if all(n[i] == n[place[0]] for n in numbers):
+            if all(n[i] - n[place[0]] == first[i] - first[place[0]] for n in numbers):
                 place.append(i)
                 break
         else:
@@ -95,7 +121,8 @@ def _grid(numbers: list[tuple[int, ...]], in_step: bool) -> list[str] | None:
     shown = [str(n) for n in first]
     for place, seen in zip(places, values):
         for i in place:
-            shown[i] = "{" + ranges(list(seen)) + "}"
+            offset = first[i] - first[place[0]]
+            shown[i] = "{" + ranges([value + offset for value in seen]) + "}"
     return shown
 
 

@@ -187,3 +187,29 @@ def test_orbax_restore_leaves_the_callers_arrays(tmp_path, monkeypatch, k):
     assert reads.calls[0] == k
     for leaf, old in zip(jax.tree_util.tree_leaves(target), before):
         assert np.array_equal(np.asarray(leaf), old)
+
+
+def test_where_ckptshim_steps_aside_torch_copies_what_fits_before_it_raises():
+    """The README's second promise: a load ckptshim has no plan for is torch's own, so torch's
+    semantics hold -- it copies every tensor that fits, then raises -- the same with ckptshim as
+    without it, and ckptshim's diagnosis rides on torch's error as a note."""
+    import ckptshim  # noqa: F401  (the hook)
+    from support.native import natively, raised, same_error
+
+    torch.manual_seed(0)
+    source = PerLayer().state_dict()
+    source["layers.1.weight"] = torch.randn(4, 5)  # no plan makes it fit: the load is torch's
+
+    def load() -> tuple[BaseException, dict]:
+        torch.manual_seed(1)
+        model = PerLayer()
+        return raised(lambda: model.load_state_dict(source)), model.state_dict()
+
+    native_error, native_after = natively(load)
+    shimmed_error, shimmed_after = load()
+    same_error(shimmed_error, native_error)
+    assert "ckptshim" in "\n".join(getattr(shimmed_error, "__notes__", []))
+    assert native_after.keys() == shimmed_after.keys()
+    assert all(torch.equal(native_after[k], shimmed_after[k]) for k in native_after)
+    assert torch.equal(shimmed_after["layers.0.weight"], source["layers.0.weight"])  # what fits is copied
+    assert not torch.equal(shimmed_after["layers.1.weight"][:, :4], source["layers.1.weight"][:, :4])

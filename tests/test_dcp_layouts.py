@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 import ckptshim
-from ckptshim.execute.dcp_planner import FlatKeys, KeyMapping, RemappingLoadPlanner
+from ckptshim.execute.dcp_planner import RemappingLoadPlanner
+from ckptshim.execute.dcp_virtual import FlatKeys, KeyMapping
 from ckptshim.inventory import Entry, Inventory, join_key
 from ckptshim.ops import Concat, Join
 from ckptshim.planner import Plan
@@ -155,7 +156,7 @@ def test_a_part_one_index_wide_is_read():
 def test_a_fused_target_lists_each_source_chunk_at_its_offset():
     """The virtual metadata of Mixtral-style fused experts: each expert's w1 and w3 one slab at
     ``[e, part * I, 0]``, so DCP's resharding picks the experts a rank's rows hold."""
-    from ckptshim.execute.dcp_planner import virtual_metadata
+    from ckptshim.execute.dcp_virtual import virtual_metadata
 
     experts, inner, hidden = 3, 2, 4
     sources = [("w1", e) for e in range(experts)] + [("w3", e) for e in range(experts)]

@@ -38,6 +38,7 @@ def check_demo(out: str) -> None:
     assert f"{stories} of {stories} stories load with ckptshim." in out
 
 
+@pytest.mark.timeout(900)  # the run itself is bounded at 600 s
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(script: Path) -> None:
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,

@@ -23,6 +23,8 @@ from support.fixtures import copy_fixture
 from support.processes import worker
 
 PROCESSES = 4
+#: The first test waits for ``launch``, whose processes are killed after 600 s.
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")

@@ -145,7 +145,8 @@ def test_the_dcp_planner_refuses_it():
     """DCP's load planner: refused while DCP plans, before a read item exists."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from ckptshim.execute.dcp_planner import FlatKeys, KeyMapping, RemappingLoadPlanner
+    from ckptshim.execute.dcp_planner import RemappingLoadPlanner
+    from ckptshim.execute.dcp_virtual import FlatKeys, KeyMapping
 
     metadata = FileSystemReader(FIXTURES / "torch_dcp_single" / "dcp_plain").read_metadata()
     stored = sorted(k for k, md in metadata.state_dict_metadata.items() if hasattr(md, "size"))[:2]
@@ -284,7 +285,8 @@ def test_a_new_layout_kind_runs_in_the_dcp_load_planner(tmp_path, cuts):
     import torch.distributed.checkpoint as dcp
 
     import ckptshim
-    from ckptshim.execute.dcp_planner import FlatKeys, KeyMapping, RemappingLoadPlanner
+    from ckptshim.execute.dcp_planner import RemappingLoadPlanner
+    from ckptshim.execute.dcp_virtual import FlatKeys, KeyMapping
 
     def flat(inventory: Inventory) -> FlatKeys:
         return FlatKeys(Inventory([Entry(e.key, e.shape, e.dtype, join_key(e.key)) for e in inventory.values()],

@@ -154,7 +154,7 @@ def test_the_torch_executor_and_the_dcp_planner_refuse_what_they_do_not_run():
                 (Rename(("q0",), ("query",)), scale))
     with pytest.raises(PlanError, match=re.escape(f"`{scale.describe('.')}` is a 'scale' op, which the torch executor")):
         prepare(plan, lambda key: torch.ones(4), {("query",): torch.zeros(4)})
-    from ckptshim.execute.dcp_planner import VIRTUAL
+    from ckptshim.execute.dcp_virtual import VIRTUAL
 
     with pytest.raises(PlanError, match=re.escape(f"`{scale.describe('.')}` is a 'scale' op, which the DCP load")):
         require_kinds([scale], VIRTUAL, "DCP load planner")

@@ -60,7 +60,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem, FsspecReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -68,10 +67,8 @@ from torch.futures import Future
 from ckptshim import progress
 from ckptshim.errors import CorruptCheckpointError, ShimError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.execute import destinations
-from ckptshim.execute.torch import as_tensor
 from ckptshim.formats import dcp
 from ckptshim.formats.base import Checkpoint, Format, metadata_limit, open_regular, storage_dtype, windows
-from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, dtype_name, join_key, split_key
 from ckptshim.log import logger
 from ckptshim.storage import ByteRange, Location, ObjectInfo, UnsupportedLocation, read_ranges
@@ -345,14 +342,18 @@ class RemoteDcpReader(DcpReader):
 
     def __init__(self, location: Location, _extension_registry: Any = None,
                  listed: list[ObjectInfo] | None = None, remaps: Callable[[], bool] = lambda: True) -> None:
+        from torch.distributed.checkpoint._fsspec_filesystem import FileSystem  # fsspec: for buckets only
+
         super().__init__(str(location), _extension_registry)
-        self.fs = FsspecFileSystem()  # as FsspecReader.__init__
+        self.fs = FileSystem()  # as FsspecReader.__init__
         self.path = self.fs.init_path(str(location))
         self._listed = (location, listed)
         self._remaps = remaps
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
         return FsspecReader.validate_checkpoint_id(checkpoint_id)
 
     @property
@@ -486,7 +487,7 @@ def _chunk_copy(layout: dcp.ChunkLayout, items: list[tuple[ReadItem, torch.Tenso
             block = np.lib.stride_tricks.as_strided(
                 values[(begin - low) // itemsize:], shape=tuple(item.lengths),
                 strides=tuple(s * itemsize for s in layout.ref.stride), writeable=False)
-            destinations.write(destination, as_tensor(block, dtype))
+            destinations.write(destination, destinations.as_tensor(block, dtype))
     return _ChunkCopy([(low, memoryview(buffer))], buffer.nbytes, finish)
 
 
@@ -570,6 +571,8 @@ class FormatReader(StorageReader):
         return plans
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        from ckptshim.formats.detect import open_checkpoint  # every format: only for a checkpoint DCP cannot read
+
         try:  # an incomplete checkpoint is refused before planning: a missing shard, not its keys
             opened = open_checkpoint(self.path) if self._format is None else self._format.open_checkpoint(self.path)
             self._checkpoint = opened
@@ -610,7 +613,7 @@ class FormatReader(StorageReader):
                     blocks.append((entry, _block(item), raw))
                 checkpoint.read_blocks(blocks)
                 for destination, block, dtype in staged:
-                    destinations.write(destination, as_tensor(block, getattr(torch, dtype)))
+                    destinations.write(destination, destinations.as_tensor(block, getattr(torch, dtype)))
                 progress.advance(sum(_nbytes(destination) for _, destination in window))
         for item, destination in resolved:
             planner.commit_tensor(item, destination)

@@ -5,15 +5,28 @@ high-precision tensor) is :func:`ckptshim.targets.tensors.values_of`'s -- the sa
 writing it is writing the destination -- and every writer (the torch executor's writes, the DCP
 and format storage readers) writes through :func:`write`: into host memory with ``copy_``, into
 device memory from the host through the bounded staging buffer (:mod:`ckptshim.execute.staging`).
+Bytes read into an array become a tensor through :func:`as_tensor`, without a copy.
 """
 
 from __future__ import annotations
 
+import warnings
+
+import numpy as np
 import torch
 
 from ckptshim.errors import PlanError
 from ckptshim.execute import staging
 from ckptshim.targets.tensors import values_of
+
+
+def as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over ``array``'s memory, no copy (read-only maps included: only ever copied from);
+    bfloat16 and float8 arrive as their storage bits and are viewed as ``dtype``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+        tensor = torch.from_numpy(array)
+    return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
 
 def write(destination: torch.Tensor, source: torch.Tensor) -> None:

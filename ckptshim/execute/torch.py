@@ -29,11 +29,9 @@ a non-strict one lists it in :attr:`Prepared.unexpected`.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ckptshim.errors import NoPlan, PlanError
@@ -48,15 +46,6 @@ from ckptshim.targets.tensors import is_dtensor, values_of
 
 #: Returns the source tensor for a source key (from a state dict, or a lazy view of a file).
 Fetch = Callable[[KeyPath], torch.Tensor]
-
-
-def as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor over ``array``'s memory, no copy (read-only maps included: only ever copied from);
-    bfloat16 and float8 arrive as their storage bits and are viewed as ``dtype``."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
-        tensor = torch.from_numpy(array)
-    return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
 
 @dataclass

@@ -126,7 +126,8 @@ def _load(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict)
             folder = dcp_loading.checkpoint_folder(checkpoint_id)
             storage_reader = dcp_loading.storage_reader(folder, reader)
             planner = dcp_loading.load_planner(call["planner"], getattr(storage_reader, "path", where), storage_reader)
-            call["checkpoint_id"] = folder
+            if "checkpoint_id" in call:  # the deprecated aliases take a reader only
+                call["checkpoint_id"] = folder
         swapped = dict(call, storage_reader=storage_reader, planner=planner)
         return wrapped(swapped.pop("state_dict"), **swapped)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -29,22 +29,14 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ckptshim.errors import NoPlan, PlanError, ShimError, UnknownFormatError, describe
-from ckptshim.execute.dcp_planner import FlatKeys, KeyMapping, RemappingLoadPlanner
+from ckptshim.errors import NoPlan, ShimError, UnknownFormatError, describe
 from ckptshim.execute.dcp_storage import DcpReader, FormatReader, RemoteDcpReader
-from ckptshim.formats import dcp, hf_dir, megatron_core, safetensors, torch_pickle
-from ckptshim.formats.detect import detect, remote_object
-from ckptshim.formats.hf_dir import config_of, model_config
-from ckptshim.inventory import Entry, Inventory, dtype_name, join_key, split_key
-from ckptshim.loading.producers import producer, producer_config
-from ckptshim.loading.report import report_load
-from ckptshim.loading.torch import state_dict_facts
-from ckptshim.log import logger
-from ckptshim.planner import Plan
-from ckptshim.planner import plan as make_plan
-from ckptshim.rules.context import LoadContext
-from ckptshim.rules.profiles import rules_for
+from ckptshim.execute.dcp_planner import RemappingLoadPlanner
+from ckptshim.formats import dcp, hf_dir
 from ckptshim.storage import Location
+
+if TYPE_CHECKING:
+    from ckptshim.execute.dcp_virtual import KeyMapping
 
 HOOK = "torch.distributed.checkpoint.load"
 
@@ -69,7 +61,7 @@ def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageRe
     if location is None or not Path(location).exists():
         return given
     try:
-        fmt = detect(location, backend="torch")
+        fmt = _torch_format(location)
     except UnknownFormatError:  # a file DCP cannot read either: FormatReader explains; a folder: DCP's
         return FormatReader(location, hook=HOOK) if Path(location).is_file() else given
     if fmt is dcp:
@@ -83,7 +75,33 @@ def checkpoint_folder(checkpoint_id: Any) -> Any:
     names; else ``checkpoint_id`` itself."""
     if checkpoint_id is None or "://" in str(checkpoint_id) or not Path(checkpoint_id).is_dir():
         return checkpoint_id
+    from ckptshim.formats import megatron_core  # only for a folder
+
     return megatron_core.iteration_folder(Path(checkpoint_id)) or checkpoint_id
+
+
+#: The first formats :func:`~ckptshim.formats.detect.detect` tries for a torch load, in its
+#: order (``tests/test_first_call.py`` checks it against ``detect.FORMATS``).
+FIRST_TRIED = (hf_dir, dcp)
+
+
+def _torch_format(location: str | Path) -> Any:
+    """``detect(location, backend="torch")``, where a DCP folder is recognised by the same
+    sniffers in the same order (:data:`FIRST_TRIED`) without importing every other format;
+    anything else by :func:`~ckptshim.formats.detect.detect` itself, which also words every
+    refusal."""
+    path = Path(location)
+    try:
+        for fmt in FIRST_TRIED:
+            if fmt.READERS["torch"](path):
+                if fmt is dcp:
+                    return dcp
+                break
+    except (OSError, ShimError):
+        pass  # detect says what is wrong, in its own words
+    from ckptshim.formats.detect import detect
+
+    return detect(location, backend="torch")
 
 
 def remote(checkpoint_id: Any, given: StorageReader | None) -> bool:
@@ -113,6 +131,9 @@ def remote_reader(checkpoint_id: Any, given: StorageReader | None,
     wrong in its own words). A listing ckptshim refuses (too many entries, a name leaving the
     prefix) is a refusal, final as any.
     """
+    from ckptshim.formats import safetensors, torch_pickle
+    from ckptshim.formats.detect import remote_object
+
     url = str(checkpoint_id if checkpoint_id is not None else getattr(given, "path", ""))
     try:
         location = Location.of(url)
@@ -162,7 +183,10 @@ def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missin
     """Plan the checkpoint's keys onto the state dict's and check the plan (nothing is read);
     ``None`` where every key the state dict asks for is stored under that name, shape and dtype
     (DCP's own planner plans on the stored metadata), :class:`~ckptshim.errors.NoPlan` where no
-    plan makes them fit (DCP's own planner decides).
+    plan makes them fit (DCP's own planner decides). That first answer comes from the names,
+    shapes and dtypes alone, before the planner, the rules and the profiles are imported: a load
+    with nothing to map costs no more than DCP's own
+    (:func:`~ckptshim.loading.dcp_mapping.checked_mapping` plans the others).
 
     DCP reads only what the state dict asks for and checks no value while planning, so a
     checkpoint key named like a derivable buffer is not dropped as one: like any key the state
@@ -171,36 +195,14 @@ def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missin
     is where it was saved) names the transformers model whose conversion mapping applies: read
     once, from the checkpoint ckptshim's ``reader`` opened where it read this one.
     """
-    if location is None:
-        location = getattr(metadata.storage_meta, "checkpoint_id", None)
-    where = str(location or "DCP checkpoint")
     flat, target_paths = flatten_state_dict(state_dict)
     if _stored_as_asked(metadata, flat):
         return None
-    source, target, note = _sides(metadata, flat, target_paths, where)
-    tensors = {entry.key: flat[entry.location] for entry in target.inventory.values()
-               if entry.key not in target.objects}
-    context = LoadContext(source.inventory, target.inventory, "dcp", state_dict_facts(tensors),
-                          _model_config(reader, location), producer(location))
-    plan = make_plan(source.inventory, target.inventory, rules_for(context))
-    plan.require_complete(allow_missing=allow_missing, allow_unexpected=True,
-                          lenient="planner=DefaultLoadPlanner(allow_partial_load=True)")
-    _check_objects(plan, source, target)
-    report_load(HOOK, plan)  # on every rank: each loads its own part
-    if note:
-        logger.info("%s: %s", HOOK, note)
-    return KeyMapping(plan, source, target)
+    from ckptshim.loading import dcp_mapping  # the planning machinery: only for a load that plans
 
-
-def _model_config(reader: StorageReader | None, location: Any) -> dict | None:
-    """The model config of the checkpoint ``reader`` opened (read once, with it); for a reader
-    of the caller's own, the ``config.json`` at ``location``."""
-    opened = getattr(reader, "checkpoint", None) if isinstance(reader, (DcpReader, FormatReader)) else None
-    if opened is not None:
-        found = config_of(opened)
-    else:
-        found = model_config(location) if location is not None else None
-    return found if found is not None else producer_config(location)
+    if location is None:
+        location = getattr(metadata.storage_meta, "checkpoint_id", None)
+    return dcp_mapping.checked_mapping(metadata, flat, target_paths, allow_missing, location, reader, HOOK)
 
 
 def _stored_as_asked(metadata: Metadata, flat: Mapping[str, Any]) -> bool:
@@ -216,71 +218,5 @@ def _stored_as_asked(metadata: Metadata, flat: Mapping[str, Any]) -> bool:
         elif not isinstance(md, BytesStorageMetadata):
             return False
     return True
-
-
-def _app_levels(paths: Mapping[str, tuple]) -> set[str]:
-    """The top-level state-dict names (``"model"``, ``"optim"``) that nest the flat keys."""
-    return {str(path[0]) for path in paths.values() if len(path) > 1}
-
-
-def _side(items: Mapping[str, tuple[tuple[int, ...], str] | None], paths: Mapping[str, tuple],
-          strip_app: bool, source: str) -> FlatKeys:
-    """Build one side; ``items`` maps each flat key to ``(shape, dtype)`` or ``None`` (an object).
-
-    With ``strip_app`` the top-level state-dict name is left out of the key path, so that a
-    checkpoint saved as ``{"model": sd}`` and a state dict passed as ``sd`` (or the other way
-    round) line up.
-    """
-    entries, objects, seen = [], set(), {}
-    for fqn, spec in items.items():
-        path = paths.get(fqn, (fqn,))
-        key = split_key(fqn)
-        if strip_app and len(path) > 1:
-            key = key[len(split_key(str(path[0]))):]
-        if key in seen:
-            raise PlanError(
-                f"{source} keys {seen[key]!r} and {fqn!r} both mean {join_key(key)!r} once the "
-                "top-level state-dict name is set aside, so ckptshim cannot tell which one to use. "
-                "Pass the state dict nested the way the checkpoint was saved.")
-        seen[key] = fqn
-        if spec is None:
-            objects.add(key)
-            spec = ((), "uint8")  # a placeholder: objects only ever match objects by name
-        entries.append(Entry(key, spec[0], spec[1], fqn))
-    return FlatKeys(Inventory(entries, source), frozenset(objects))
-
-
-def _sides(metadata: Metadata, flat: Mapping[str, Any], target_paths: Mapping[str, tuple],
-           where: str) -> tuple[FlatKeys, FlatKeys, str | None]:
-    """Both sides (the state dict as DCP flattens it), and a note when a top-level state-dict
-    name was set aside to match them."""
-    source_paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
-    source_apps, target_apps = _app_levels(source_paths), _app_levels(target_paths)
-    renamed_app = len(source_apps) == len(target_apps) == 1 and source_apps != target_apps
-    strip_source = bool(source_apps) and (not target_apps or renamed_app)
-    strip_target = bool(target_apps) and (not source_apps or renamed_app)
-    source_items = {fqn: ((tuple(md.size), dtype_name(md.properties.dtype))
-                          if isinstance(md, TensorStorageMetadata) else None)
-                    for fqn, md in metadata.state_dict_metadata.items()}
-    target_items = {fqn: ((tuple(value.size()), dtype_name(value.dtype))
-                          if isinstance(value, torch.Tensor) else None)
-                    for fqn, value in flat.items()}
-    names = [f"the {side}'s {', '.join(map(repr, sorted(apps)))}" for side, apps, strip in
-             (("checkpoint", source_apps, strip_source), ("state dict", target_apps, strip_target)) if strip]
-    return (_side(source_items, source_paths, strip_source, where),
-            _side(target_items, target_paths, strip_target, "the state dict passed to dcp.load"),
-            f"keys matched without the top-level name(s) {' and '.join(names)}" if names else None)
-
-
-def _check_objects(plan: Plan, source: FlatKeys, target: FlatKeys) -> None:
-    """A Python object loads only into a non-tensor value of the same name, and vice versa."""
-    for op in plan.ops:
-        if op.produces and op.sources:
-            if any(k in source.objects for k in op.sources) != any(k in target.objects for k in op.targets):
-                stored = "a Python object" if op.sources[0] in source.objects else "a tensor"
-                raise PlanError(
-                    f"checkpoint key {source.fqn(op.sources[0])!r} holds {stored}, but the state "
-                    f"dict wants the other kind at {target.fqn(op.targets[0])!r}; DCP cannot load "
-                    "one into the other. Pass a value of the stored kind.")
 
 

@@ -32,7 +32,8 @@ from torch import nn
 
 from ckptshim import config
 from ckptshim.errors import NoPlan, PlanError, UnknownFormatError
-from ckptshim.execute.torch import as_tensor, prepare
+from ckptshim.execute.destinations import as_tensor
+from ckptshim.execute.torch import prepare
 from ckptshim.formats import deepspeed_pipeline, tensor_parallel
 from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint

@@ -36,6 +36,18 @@ HOST = "127.0.0.1"
 SCHEMES = ("s3", "gs")
 _START_TIMEOUT_S = 60.0
 _STOP_TIMEOUT_S = 10.0
+#: How long one request of the tests' own HTTP calls (``new_bucket``) may take.
+_REQUEST_TIMEOUT_S = 30
+#: Bounds on the frameworks' clients in the test process and its children, so that a request the
+#: server never answers fails (and is retried by the client) instead of waiting for ever: gcsfs
+#: passes ``requests_timeout`` (default: none) to every aiohttp request, and tensorstore's curl
+#: transfers have no low-speed limit unless these are set. botocore (s3fs) has its own 60 s
+#: connect and read timeouts.
+CLIENT_BOUNDS = {
+    "FSSPEC_GCS_REQUESTS_TIMEOUT": "120",
+    "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "60",
+    "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES": "1",
+}
 
 
 @dataclass
@@ -78,7 +90,7 @@ class ObjectStore:
             request = urllib.request.Request(f"{self.endpoint}/storage/v1/b?project=test", method="POST",
                                              data=json.dumps(body).encode(),
                                              headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=30) as answer:
+        with urllib.request.urlopen(request, timeout=_REQUEST_TIMEOUT_S) as answer:
             answer.read()
         return f"{self.scheme}://{name}"
 
@@ -140,7 +152,7 @@ def start(scheme: str) -> ObjectStore:
 
 def serving(scheme: str) -> Iterator[ObjectStore]:
     """A session fixture's body: the server for ``scheme`` with this process's clients pointed at
-    it (its ``client_env`` set, and fsspec's configuration re-read from the environment, since
+    it and bounded (its ``client_env`` and :data:`CLIENT_BOUNDS` set, and fsspec's configuration re-read from the environment, since
     fsspec reads ``FSSPEC_*`` once, when it is first imported); everything undone afterwards."""
     import pytest
 
@@ -148,7 +160,7 @@ def serving(scheme: str) -> Iterator[ObjectStore]:
     store = start(scheme)
     try:
         with pytest.MonkeyPatch.context() as patch:
-            for name, value in store.client_env().items():
+            for name, value in {**store.client_env(), **CLIENT_BOUNDS}.items():
                 patch.setenv(name, value)
             import fsspec.config
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -51,7 +52,8 @@ def run_ranks(name: str, jobs: list[dict], world: int, workdir: Path, extra: Map
               timeout: int = 300) -> list:
     """Run ``tests/workers/<name> JOBS.json RANK WORLD PORT`` as ``world`` processes of one
     ``torch.distributed`` group (the worker sets it up on a free local port) on ``jobs``; each
-    rank's last ``RESULT`` line, as JSON, in rank order."""
+    rank's last ``RESULT`` line, as JSON, in rank order. Ranks still running after ``timeout``
+    seconds are killed."""
     import socket
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -63,10 +65,10 @@ def run_ranks(name: str, jobs: list[dict], world: int, workdir: Path, extra: Map
     procs = [subprocess.Popen([sys.executable, worker(name), str(workdir / "jobs.json"), str(rank), str(world), port],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir, env=env)
              for rank in range(world)]
-    results = []
+    results, deadline = [], time.monotonic() + timeout
     try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
+        for proc in procs:  # all ranks within ``timeout`` together
+            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
             lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
             assert proc.returncode == 0 and lines, out[-3000:] + err[-3000:]
             results.append(json.loads(lines[-1][len("RESULT "):]))
@@ -92,26 +94,38 @@ def run_device_worker(name: str, *argv: str, devices: int = 4) -> dict:
 def on_a_terminal(argv: list[str], env: Mapping[str, str], columns: int = 100, timeout: int = 180) -> str:
     """What ``python argv...`` writes to stderr when stderr is a terminal (a pseudo-terminal of
     ``columns``, as a real one or ``script`` has), with ``\\r\\n`` read as ``\\n``; the
-    process must exit 0."""
+    process must exit 0 within ``timeout`` seconds (it is killed, and the test fails, if not)."""
     import pty
+    import select
     import termios
 
     controller, terminal = pty.openpty()
     termios.tcsetwinsize(terminal, (24, columns))
     child = subprocess.Popen([sys.executable, *argv], stdout=subprocess.DEVNULL, stderr=terminal, env=dict(env))
     os.close(terminal)
+    deadline = time.monotonic() + timeout
     shown = b""
-    while True:
-        try:
-            chunk = os.read(controller, 65536)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not chunk:
-            break
-        shown += chunk
-    os.close(controller)
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([controller], [], [], left)[0]:
+                break  # the deadline passed with nothing to read
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(controller)
     text = shown.decode(errors="replace").replace("\r\n", "\n")
-    assert child.wait(timeout=timeout) == 0, text
+    try:
+        returncode = child.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        raise AssertionError(f"still running after {timeout} s; it showed:\n{text}") from None
+    assert returncode == 0, text
     return text
 
 
