@@ -23,6 +23,7 @@ filed reason are in :data:`KNOWN`, one place, each a strict xfail.
 from __future__ import annotations
 
 import fnmatch
+import gc
 import json
 import re
 import struct
@@ -65,6 +66,12 @@ KNOWN: dict[str, str] = {
        for dtype in ("bfloat16", "float8_e4m3fn")},
     "t5x-legacy-gcs-*-load": "issue 31 case 3: Orbax's restore of a legacy T5X step in gs:// stops at its "
                              "commit_success.txt check (Found incomplete checkpoint)",
+    "dcp-truncated-[gs]*-load": "issue 31 case 2: a remote dcp.load with names matching skips the size check: "
+                                "the state dict is written into before miniz fails",
+    # found by the matrix, beside issue 31's four (see the issue's note)
+    "orbax-per-leaf-truncated-s3-*-[ci]*": "a per-leaf zarr chunk cut short in s3:// passes inspect as complete "
+                                           "(chunk frames are not checked in a bucket) and convert fails at the read "
+                                           "with tensorstore's error, where locally both name the short chunk",
 }
 
 
@@ -389,7 +396,11 @@ def attempt(run: Callable[[], object], where: str) -> Outcome:
         try:
             return Outcome(result=run())
         except (Exception, CheckpointException) as error:  # the cell compares it with the local outcome
-            text = str(error).replace(where.rstrip("/"), "CKPT")
+            if isinstance(error, CheckpointException):  # its text holds each rank's traceback: the errors alone
+                text = "; ".join(f"{type(inner).__name__}: {inner}" for inner, _ in error.failures.values())
+            else:
+                text = str(error)
+            text = text.replace(where.rstrip("/"), "CKPT")
             return Outcome(refusal=(type(error).__name__, text, getattr(error, "destination_touched", None)))
 
 
@@ -448,6 +459,9 @@ class Matrix:
             scratch = self.root / "out" / "-".join(key)
             scratch.mkdir(parents=True)
             self.outcomes[key] = attempt(lambda: RUN[path](fmt, where, scratch), where)
+            # the clients' finalizers (aiohttp sessions) run now, not inside pytest's report of a later cell
+            # (CPython 3.11 then fails in ast with "AST constructor recursion depth mismatch")
+            gc.collect()
         return self.outcomes[key]
 
 
