@@ -14,7 +14,10 @@ half`` for half of ``MemTotal``) is saved with today's ``StandardCheckpointer``:
 - ``native_unscanned``: ckptshim disabled, the unscanned checkpoint into its own unscanned
   layout (what Orbax alone does with the checkpoint ``shimmed`` reads);
 - ``native_refused``: ckptshim disabled, unscanned into the scanned target, which Orbax refuses
-  (its error is reported).
+  (its error is reported);
+- ``download`` (with ``--gs``): what a user does without a remote reader: fetch the unscanned
+  checkpoint to a local folder (fsspec ``get``), then restore it there into the scanned target
+  through ckptshim; timed together.
 
 Reported per case: median time, GiB/s of restored bytes, and peak RSS over the process baseline
 (the high-water mark ``VmHWM`` after restoring, reset to the resident size once jax, Orbax and
@@ -34,7 +37,8 @@ adds to Orbax's restore): target 1 + decision/native <= 1.02.
 With ``--gs`` the checkpoints, once written, are uploaded to a bucket of the test suite's GCS
 emulator (``tests/support/object_stores.py``; with the ``commit_success.txt`` Orbax's own save
 writes on ``gs://``) and every case restores from the ``gs://`` URL: arrays through
-tensorstore's ``gcs`` driver, the rest through gcsfs, for Orbax and ckptshim alike.
+tensorstore's ``gcs`` driver, the rest through gcsfs, for Orbax and ckptshim alike. ``--server
+fake-gcs`` runs fake-gcs-server, the Go server, instead of the Python emulator.
 
 Run: ``python bench/bench_orbax_restore.py [--layers 64 | --gib N|half] [--rounds 3] [--cases ...]
 [--paired N] [--cold | --gs] [--dir /tmp/...]``. The default cases are native, shimmed and idle; with ``--gib``,
@@ -52,6 +56,7 @@ import importlib
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -66,7 +71,7 @@ from support.pagecache import drop_cache, raw_read  # noqa: E402
 
 EMB, MLP = 1024, 2048
 LAYER_BYTES = (2 * EMB * MLP + EMB) * 4
-CASES = ("native", "shimmed", "idle", "native_unscanned", "native_refused")
+CASES = ("native", "shimmed", "idle", "native_unscanned", "native_refused", "download")
 SMALL_CASES, LARGE_CASES = ("native", "shimmed", "idle"), ("shimmed", "native_unscanned", "native_refused")
 SCANNED_CASES = ("native", "idle")  # the cases that read the scanned checkpoint
 
@@ -215,6 +220,13 @@ def _measure(root: str, case: str, layers: int, cold: bool) -> dict:
     checkpointer = ocp.StandardCheckpointer()
     baseline = reset_peak()
     start = time.perf_counter()
+    if case == "download":
+        import fsspec
+
+        downloaded = tempfile.mkdtemp(prefix="bench-orbax-download-")
+        fs, path = fsspec.core.url_to_fs(str(source))
+        fs.get(path + "/", downloaded + "/", recursive=True)
+        source = Path(downloaded)
     try:
         restored = checkpointer.restore(source, target)
         jax.block_until_ready(restored)
@@ -226,6 +238,8 @@ def _measure(root: str, case: str, layers: int, cold: bool) -> dict:
                 "peak_over_baseline": (status_kib("VmHWM") - baseline) * 1024}
     elapsed = time.perf_counter() - start
     peak = (status_kib("VmHWM") - baseline) * 1024
+    if case == "download":
+        shutil.rmtree(source)
     if case == "native_refused":
         raise AssertionError("Orbax restored an unscanned checkpoint into a scanned target")
     restored_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(restored))
@@ -254,6 +268,8 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=None, help="where to write the checkpoints")
     parser.add_argument("--gs", action="store_true",
                         help="restore from a bucket of the test suite's GCS emulator (the checkpoints uploaded)")
+    parser.add_argument("--server", choices=("emulator", "fake-gcs"), default="emulator",
+                        help="with --gs: the GCS server, the Python emulator (default) or fake-gcs-server")
     parser.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                         help="also time native and idle alternated in one process, ROUNDS rounds")
     parser.add_argument("--measure", nargs=2, metavar=("DIR", "CASE"), help=argparse.SUPPRESS)
@@ -273,6 +289,8 @@ def main() -> int:
 
     if args.gs and args.cold:
         parser.error("--cold drops local page cache; it means nothing with --gs")
+    if "download" in cases and not args.gs:
+        parser.error("download fetches the checkpoint from a bucket: it needs --gs")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp, contextlib.ExitStack() as stack:
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         write = [sys.executable, __file__, "--write", tmp, "--layers", str(layers)]
@@ -288,7 +306,7 @@ def main() -> int:
         if args.gs:
             from support import object_stores
 
-            store = object_stores.start("gs")
+            store = object_stores.start("gs", args.server)
             stack.callback(store.stop)
             env |= store.client_env()
             root = store.new_bucket() + "/run"
@@ -313,7 +331,7 @@ def main() -> int:
     assert len(hashes) == 1, "the cases restored different values"
     restored = layers * LAYER_BYTES
     report: dict = {"restored_GiB": round(restored / 2**30, 3), "stored_GiB": round(stored / 2**30, 3),
-                    "layers": layers, "cold": args.cold, "where": "gs (GCS emulator)" if args.gs else "local"}
+                    "layers": layers, "cold": args.cold, "where": f"gs ({args.server})" if args.gs else "local"}
     for case in cases:
         seconds = statistics.median(run["seconds"] for run in runs[case])
         peak = statistics.median(run["peak_over_baseline"] for run in runs[case])

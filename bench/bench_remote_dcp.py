@@ -18,7 +18,7 @@ Time is per process (one load call each after the imports), median over rounds. 
 shimmed/native and matching/native <= 1.1; shimmed < download. Every load is checked bit-exactly.
 The servers are single processes on this machine: the figures measure the clients' request
 handling as much as the bytes, so compare ratios within one run only, and say the load average.
-Run: ``python bench/bench_remote_dcp.py [--mib 256] [--rounds 3] [--schemes s3 gs]``.
+Run: ``python bench/bench_remote_dcp.py [--mib 256] [--rounds 3] [--schemes s3 gs] [--server emulator|fake-gcs]``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def main() -> int:
 
     passed = True
     for scheme in args.schemes:
-        found = remote_rounds.medians(scheme, write, argv, args.cases, args.rounds)
+        found = remote_rounds.medians(scheme, write, argv, args.cases, args.rounds, args.server)
         passed &= remote_rounds.ratio(scheme, found, "matching", "native", 1.1)
         passed &= remote_rounds.ratio(scheme, found, "shimmed", "native", 1.1)
         passed &= remote_rounds.ratio(scheme, found, "shimmed", "download", 1.0, strict=True)

@@ -20,7 +20,7 @@ Time is the step alone (the libraries imported, the fsspec client built and the 
 before it; ckptshim's own modules for the load are imported on its first call, inside), median
 over rounds;
 every case's tensors are checked bit for bit. Target: shimmed < download.
-Run: ``python bench/bench_remote_safetensors.py [--mib 256] [--rounds 5] [--schemes s3 gs] [--weights bin]``.
+Run: ``python bench/bench_remote_safetensors.py [--mib 256] [--rounds 5] [--schemes s3 gs] [--server emulator|fake-gcs] [--weights bin]``.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def main() -> int:
 
     passed = True
     for scheme in args.schemes:
-        found = remote_rounds.medians(scheme, write, argv, args.cases, args.rounds)
+        found = remote_rounds.medians(scheme, write, argv, args.cases, args.rounds, args.server)
         passed &= remote_rounds.ratio(scheme, found, "shimmed", "download", 1.0, strict=True)
         remote_rounds.ratio(scheme, found, "convert", "download", 1.0, strict=True)
     return 0 if passed else 1

@@ -1,9 +1,10 @@
 """The loop the remote benchmarks share: a local server, a checkpoint written to a bucket on it, then
 each case in fresh processes, rounds interleaved, each time printed beside the load average.
 
-The servers are the test suite's (``tests/support/object_stores.py``: moto's S3 server, the
-patched GCS emulator), each a single process on this machine: the figures measure the clients'
-request handling as much as the bytes, so compare ratios within one run only.
+The servers are the test suite's (``tests/support/object_stores.py``: moto's S3 server, and for
+``gs`` the patched GCS emulator or, with ``--server fake-gcs``, fake-gcs-server, the Go server),
+each on this machine: the figures measure the servers' request handling as much as the
+clients', so compare ratios within one run only.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def arguments(doc: str, cases: Sequence[str], rounds: int) -> argparse.ArgumentP
     parser.add_argument("--mib", type=int, default=256, help="checkpoint size (default 256)")
     parser.add_argument("--rounds", type=int, default=rounds, help=f"fresh processes per case (default {rounds})")
     parser.add_argument("--schemes", nargs="+", choices=("s3", "gs"), default=["s3", "gs"])
+    parser.add_argument("--server", choices=("emulator", "fake-gcs"), default="emulator",
+                        help="the gs server: the Python GCS emulator (default) or fake-gcs-server")
     parser.add_argument("--cases", nargs="+", choices=cases, default=list(cases))
     parser.add_argument("--case", choices=cases, help=argparse.SUPPRESS)  # worker mode
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -71,20 +74,20 @@ def load_average() -> str:
 
 
 def medians(scheme: str, write: Callable[[str, dict[str, str]], str], worker: Callable[[str, str], list[str]],
-            cases: Sequence[str], rounds: int) -> dict[str, float]:
-    """Start ``scheme``'s server; ``write(bucket_url, env)`` puts the checkpoint there (in a
+            cases: Sequence[str], rounds: int, server: str = "emulator") -> dict[str, float]:
+    """Start ``scheme``'s server (for ``gs``, ``server``); ``write(bucket_url, env)`` puts the checkpoint there (in a
     subprocess of its own, with the client settings ``env``) and says what it wrote; then each
     case runs ``rounds`` times as ``worker(case, bucket_url)`` (an argv printing one JSON line
     with ``seconds``). The median seconds of each case."""
     from support import object_stores
 
-    store = object_stores.start(scheme)
+    store = object_stores.start(scheme, server if scheme == "gs" else None)
     try:
         env = {**os.environ, **store.client_env()}
         url = store.new_bucket()
         start = time.perf_counter()
         what = write(url, env)
-        print(f"{scheme}: {what} written in {time.perf_counter() - start:.1f} s; load average {load_average()}",
+        print(f"{scheme} ({'moto' if scheme == 's3' else server}): {what} written in {time.perf_counter() - start:.1f} s; load average {load_average()}",
               flush=True)
         runs: dict[str, list[float]] = {case: [] for case in cases}
         for _ in range(rounds):

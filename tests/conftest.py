@@ -19,6 +19,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--gcs-server", choices=object_stores.SERVERS["gs"], default=object_stores.SERVERS["gs"][0],
+                     help="the local GCS server of this run (its clients read the address once per process)")
+
+
 @pytest.fixture(scope="module")
 def process_group():
     """A one-process gloo group (DDP and FSDP need one), for the tests of one module."""
@@ -39,9 +44,10 @@ def s3_server():
 
 
 @pytest.fixture(scope="session")
-def gcs_server():
-    """A GCS emulator on 127.0.0.1, with this process's GCS clients (tensorstore, gcsfs) pointed at it."""
-    yield from object_stores.serving("gs")
+def gcs_server(request):
+    """A GCS server on 127.0.0.1 (``--gcs-server``: the Python emulator or fake-gcs-server), with
+    this process's GCS clients (tensorstore, gcsfs) pointed at it."""
+    yield from object_stores.serving("gs", request.config.getoption("--gcs-server"))
 
 
 @pytest.fixture(params=object_stores.SCHEMES)

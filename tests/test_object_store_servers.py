@@ -32,28 +32,35 @@ def _gone(pid: int, within: float) -> bool:
     return False
 
 
-@pytest.mark.parametrize("scheme", object_stores.SCHEMES)
-def test_a_server_dies_with_the_process_that_started_it(scheme):
+EVERY_SERVER = [(scheme, server) for scheme, servers in object_stores.SERVERS.items() for server in servers]
+
+
+@pytest.mark.parametrize("scheme, server", EVERY_SERVER)
+def test_a_server_dies_with_the_process_that_started_it(scheme, server):
     """A test process killed outright (no teardown runs) leaves no server behind: the server's
-    standard input closes and it exits."""
+    standard input closes and it exits, its port freed (fake-gcs-server's binary, a process of
+    its own under it, is stopped with it)."""
     code = ("import sys; from support import object_stores; "
-            f"store = object_stores.start({scheme!r}); print(store.pid, flush=True); sys.stdin.read()")
+            f"store = object_stores.start({scheme!r}, {server!r}); print(store.pid, store.endpoint, flush=True); sys.stdin.read()")
     parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               env=environment(), text=True)
     try:
-        server = int(parent.stdout.readline())
-        assert not _gone(server, 0.5), "the server did not start"
+        pid, endpoint = parent.stdout.readline().split()
+        pid = int(pid)
+        assert not _gone(pid, 0.5), "the server did not start"
     finally:
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         parent.stdin.close()
         parent.stdout.close()
-    assert _gone(server, 20), f"the {scheme} server outlived the process that started it"
+    assert _gone(pid, 20), f"the {server} server outlived the process that started it"
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", urlsplit(endpoint).port)) != 0
 
 
-@pytest.mark.parametrize("scheme", object_stores.SCHEMES)
-def test_stop_ends_the_server_and_frees_its_port(scheme):
-    store = object_stores.start(scheme)
+@pytest.mark.parametrize("scheme, server", EVERY_SERVER)
+def test_stop_ends_the_server_and_frees_its_port(scheme, server):
+    store = object_stores.start(scheme, server)
     port = urlsplit(store.endpoint).port
     bucket = store.new_bucket()
     assert bucket.startswith(f"{scheme}://ckpt-")

