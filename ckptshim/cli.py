@@ -42,7 +42,7 @@ def _inspect(args: argparse.Namespace) -> int:
     inventory = checkpoint.inventory
     print(f"{checkpoint.path}: {checkpoint.format} (version {checkpoint.version}), "
           f"{len(inventory)} arrays, {size_text(inventory.total_bytes)}")
-    view = model_names(checkpoint.path, inventory)
+    view = model_names(checkpoint)
     if view is not None:  # stored under other names than the model's (Megatron-Core's stacked layers)
         inventory, note = view
         print(f"  {len(inventory)} arrays {note}:")
