@@ -35,6 +35,7 @@ from ckptshim.formats.kvstore import regular_size
 from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, reader,
                                    refuse_links_leaving, storage_dtype, strict_json)
 from ckptshim.inventory import Entry, Inventory, split_key
+from ckptshim.storage import Location
 
 NAME = "megatron-core-zarr"
 CONFIG_FILE = "metadata.json"
@@ -159,7 +160,7 @@ def _array(folder: Path, array_bytes: int) -> _Array:
     """A zarr folder's ``.zarray``, refused unless it is what Megatron-Core writes: C order, no
     compressor, no filters (raw chunks, each exactly one chunk's bytes)."""
     where = folder / ".zarray"
-    raw = where.read_bytes()
+    raw = Location.of(where).read_bytes(zarr.MAX_METADATA_BYTES)  # a few hundred bytes, never more than this
     try:
         meta = strict_json(raw, array_bytes)
     except ValueError as error:
