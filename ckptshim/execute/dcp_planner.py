@@ -51,6 +51,7 @@ from ckptshim.errors import InternalError, NoPlan, add_diagnosis
 from ckptshim.execute.dcp_storage import Refusal
 from ckptshim.inventory import Inventory, KeyPath
 from ckptshim.geometry import box_maps
+from ckptshim.keytext import shown_lines
 from ckptshim.ops import Cast, Drop, LayoutOp, Op, Rename, Synthesize, Tie, is_layout, pieces_by_target, require_kinds
 from ckptshim.planner import Plan
 
@@ -309,7 +310,7 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
             plan = self._base.create_local_plan()
         except Exception as error:  # the wrapped planner's own refusal, as without ckptshim
             if self.no_plan is not None:
-                add_diagnosis(error, self.no_plan)
+                add_diagnosis(error, shown_lines(str(self.no_plan)))
             raise
         items = []
         for item in plan.items:

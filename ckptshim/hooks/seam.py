@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any, NoReturn
 
 from ckptshim.errors import InternalError, NoPlan, ShimError, add_diagnosis, describe
+from ckptshim.keytext import shown_lines
 from ckptshim.log import logger
 
 __all__ = ["Patches", "Seam", "bind", "framework_call", "guarded", "internal_error", "step_aside"]
@@ -115,7 +116,7 @@ def step_aside(original: Callable[[], Any], diagnosis: object) -> Any:
     try:
         return original()
     except BaseException as error:
-        add_diagnosis(error, diagnosis)
+        add_diagnosis(error, shown_lines(str(diagnosis)))
         raise
 
 
@@ -132,7 +133,8 @@ def guarded(seam: Seam, shimmed: Callable[[], Any], original: Callable[[], Any],
         return shimmed()
     except NoPlan as no_plan:
         then = partial(step_aside, original, no_plan)
-    except ShimError:
+    except ShimError as refused:
+        _escape(refused)
         raise
     except FrameworkRaised as raised:
         then = partial(_raise, raised.error)
@@ -143,6 +145,13 @@ def guarded(seam: Seam, shimmed: Callable[[], Any], original: Callable[[], Any],
                        "loader. Please report this with the traceback below.", seam.call, exc_info=True)
         then = original
     return then()
+
+
+def _escape(refused: ShimError) -> None:
+    """ckptshim's own refusal as the user's terminal will show it: each line of its message
+    :func:`~ckptshim.keytext.shown` (it names keys and files of the checkpoint)."""
+    if len(refused.args) == 1 and isinstance(refused.args[0], str):
+        refused.args = (shown_lines(refused.args[0]),)
 
 
 def _raise(error: BaseException) -> NoReturn:
