@@ -49,9 +49,10 @@ def problems(root: Location, listed: Mapping[str, ObjectInfo]) -> list[str]:
     except (ValueError, KeyError) as error:
         raise CorruptCheckpointError(f"{where}: not the marker ckptshim convert writes ({error}); remove it "
                                      "if the folder was written another way, or convert again.") from None
+    present = listed if all("/" not in name for name in objects) else root.files_named(objects)
     out = []
     for name, size in sorted(objects.items()):
-        there = listed.get(name) if "/" not in name else _stat(root.child(name))
+        there = present.get(name)
         if there is None or there.kind != "file":
             out.append(f"{shown(name)}: missing ({size:,} bytes when {MARKER} was written); the convert that wrote "
                        f"{root} did not finish, or the object was removed since. Convert again.")
@@ -60,9 +61,3 @@ def problems(root: Location, listed: Mapping[str, ObjectInfo]) -> list[str]:
                        "since the convert. Convert again.")
     return out
 
-
-def _stat(where: Location) -> ObjectInfo | None:
-    try:
-        return where.stat()
-    except FileNotFoundError:
-        return None
