@@ -37,6 +37,15 @@ def shown_lines(text: str) -> str:
     return "\n".join(map(shown, text.split("\n")))
 
 
+def shown_error(error: BaseException) -> BaseException:
+    """``error`` (ckptshim's own, whose message names what a checkpoint holds) with its message
+    :func:`shown_lines`, as it is about to leave ckptshim: through a hook, or inside DCP's
+    ``CheckpointException``. Returned, for ``raise shown_error(error)``."""
+    if len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = (shown_lines(error.args[0]),)
+    return error
+
+
 def ranges(values: Sequence[int]) -> str:
     """``[0, 1, 2, 5, 7, 8]`` -> ``"0..2,5,7..8"``."""
     values = sorted(set(values))

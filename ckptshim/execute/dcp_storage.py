@@ -73,6 +73,7 @@ from ckptshim.formats import dcp
 from ckptshim.formats.base import Checkpoint, Format, open_regular, storage_dtype, windows
 from ckptshim.formats.detect import open_checkpoint
 from ckptshim.inventory import Entry, dtype_name, join_key, split_key
+from ckptshim.keytext import shown_error
 from ckptshim.log import logger
 from ckptshim.storage import ByteRange, Location, ObjectInfo, UnsupportedLocation, read_ranges
 from ckptshim.storage.ranged import RangedFile, archive_spans
@@ -87,7 +88,7 @@ class Refusal:
 
 
 def _refused(error: ShimError) -> Metadata:
-    return Metadata(state_dict_metadata={}, storage_data=Refusal(error))
+    return Metadata(state_dict_metadata={}, storage_data=Refusal(shown_error(error)))
 
 
 def _tensor_md(dtype: str, size: tuple[int, ...], chunks: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> TensorStorageMetadata:

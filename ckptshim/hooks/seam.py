@@ -24,7 +24,7 @@ from functools import partial
 from typing import Any, NoReturn
 
 from ckptshim.errors import InternalError, NoPlan, ShimError, add_diagnosis, describe
-from ckptshim.keytext import shown_lines
+from ckptshim.keytext import shown_error, shown_lines
 from ckptshim.log import logger
 
 __all__ = ["Patches", "Seam", "bind", "framework_call", "guarded", "internal_error", "step_aside"]
@@ -134,7 +134,7 @@ def guarded(seam: Seam, shimmed: Callable[[], Any], original: Callable[[], Any],
     except NoPlan as no_plan:
         then = partial(step_aside, original, no_plan)
     except ShimError as refused:
-        _escape(refused)
+        shown_error(refused)  # its message names what the checkpoint holds
         raise
     except FrameworkRaised as raised:
         then = partial(_raise, raised.error)
@@ -145,13 +145,6 @@ def guarded(seam: Seam, shimmed: Callable[[], Any], original: Callable[[], Any],
                        "loader. Please report this with the traceback below.", seam.call, exc_info=True)
         then = original
     return then()
-
-
-def _escape(refused: ShimError) -> None:
-    """ckptshim's own refusal as the user's terminal will show it: each line of its message
-    :func:`~ckptshim.keytext.shown` (it names keys and files of the checkpoint)."""
-    if len(refused.args) == 1 and isinstance(refused.args[0], str):
-        refused.args = (shown_lines(refused.args[0]),)
 
 
 def _raise(error: BaseException) -> NoReturn:
