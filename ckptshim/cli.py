@@ -16,7 +16,7 @@ import ckptshim
 from ckptshim import extras
 from ckptshim.errors import DOCS_URL, ShimError
 from ckptshim.inventory import size_text
-from ckptshim.keytext import group_rows
+from ckptshim.keytext import group_rows, shown, shown_lines
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -26,6 +26,12 @@ LISTED_FILES = 64
 #: The widest key column ``inspect`` pads to; a longer key gets a line of its own (padding every
 #: line to the longest key would print one 20 MB key's width 20,000 times).
 KEY_COLUMN = 80
+
+
+def _say(line: str) -> None:
+    """Print one line of a report about a checkpoint, whose names may hold anything
+    (:func:`~ckptshim.keytext.shown`)."""
+    print(shown(line))
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -41,12 +47,12 @@ def _inspect(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=1))
         return EXIT_OK if info["complete"] else EXIT_PROBLEM
     inventory = checkpoint.inventory
-    print(f"{checkpoint.path}: {checkpoint.format} (version {checkpoint.version}), "
-          f"{len(inventory)} arrays, {size_text(inventory.total_bytes)}")
-    view = model_names(checkpoint.path, inventory)
+    _say(f"{checkpoint.path}: {checkpoint.format} (version {checkpoint.version}), "
+         f"{len(inventory)} arrays, {size_text(inventory.total_bytes)}")
+    view = model_names(checkpoint)
     if view is not None:  # stored under other names than the model's (Megatron-Core's stacked layers)
         inventory, note = view
-        print(f"  {len(inventory)} arrays {note}:")
+        _say(f"  {len(inventory)} arrays {note}:")
     sep = checkpoint.key_sep
     # per-layer keys of one dtype and shape are one row: layers.{0..63}.w, and how many arrays
     rows = group_rows((sep.join(e.key), e.dtype, str(tuple(e.shape)), size_text(e.nbytes))
@@ -54,18 +60,23 @@ def _inspect(args: argparse.Namespace) -> int:
     width = min(max((len(cells[0]) for cells, _ in rows), default=0), KEY_COLUMN)
     for (name, dtype, shape, size), count in rows:
         if len(name) > width:  # folded: the key alone, its columns under the column's width
-            print(f"  {name}")
+            _say(f"  {name}")
             name = ""
-        print(f"  {name:<{width}}  {dtype:<9} {shape:<18} {size}" + (f" each, {count} arrays" if count > 1 else ""))
+        _say(f"  {name:<{width}}  {dtype:<9} {shape:<18} {size}" + (f" each, {count} arrays" if count > 1 else ""))
     if len(checkpoint.files) <= LISTED_FILES:
         for f in checkpoint.files:
-            print(f"  file {f.path}: {'missing' if f.size is None else size_text(f.size)}")
+            _say(f"  file {f.path}: {'missing' if f.size is None else size_text(f.size)}")
             for line in f.contents:
-                print(f"    {line}")
+                _say(f"    {line}")
     if checkpoint.files:
         for line in completeness.lines(completeness.by_writer(checkpoint.files)):
-            print(f"  {line}")
-    print("complete" if checkpoint.complete else "INCOMPLETE:\n  " + "\n  ".join(checkpoint.all_problems()))
+            _say(f"  {line}")
+    if checkpoint.complete:
+        _say("complete")
+    else:
+        _say("INCOMPLETE:")
+        for problem in checkpoint.all_problems():
+            _say(f"  {problem}")
     return EXIT_OK if checkpoint.complete else EXIT_PROBLEM
 
 
@@ -84,13 +95,13 @@ def _plan(args: argparse.Namespace) -> int:
                           "mismatched": [m.describe(sep) for m in result.mismatched]}, indent=1))
     else:
         if first:
-            print(first)
-        print(summary(result))
+            _say(first)
+        _say(summary(result))
         for line in table(result, sep):
-            print(f"  {line}")
-        print("plan:")
+            _say(f"  {line}")
+        _say("plan:")
         for line in explain(result, sep):
-            print(f"  {line}")
+            _say(f"  {line}")
     return EXIT_OK if result.complete else EXIT_PROBLEM
 
 
@@ -315,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except ShimError as error:
-        print(f"ckptshim: {error}", file=sys.stderr)
+        print(f"ckptshim: {shown_lines(str(error))}", file=sys.stderr)
         return EXIT_PROBLEM
     except ModuleNotFoundError as error:  # a framework the command needs, found missing on the way
         needs_extra = extras.missing(error, f"ckptshim {args.command}")

@@ -84,6 +84,11 @@ class PeerError(ShimError):
     raised on every process, so that none goes on alone (see ``ckptshim.loading.agreement``)."""
 
 
+class StorageUnreachableError(ShimError):
+    """The object storage that holds a checkpoint could not be reached (a connection refused or
+    timed out after the client's own retries): nothing is known about the checkpoint itself."""
+
+
 class InternalError(ShimError):
     """A bug inside ckptshim, where falling back to the framework's own loader is not safe.
 

@@ -1,4 +1,5 @@
-"""Key paths in words: many keys that differ in one number shown once, as a ``{range}``.
+"""Key paths in words: many keys that differ in one number shown once, as a ``{range}``; and
+every string from a checkpoint made safe for a terminal (:func:`shown`).
 
 ``decoder/layers_{0..95}/mlp/wi/kernel`` says in one line what 96 keys are. Plans, error
 messages and log lines all speak of keys this way, so it lives here, below everything that does.
@@ -12,6 +13,37 @@ from collections.abc import Iterable, Sequence
 from ckptshim.inventory import KeyPath, join_key
 
 _NUMBER = re.compile(r"\d+")
+
+
+def shown(text: str) -> str:
+    """``text`` as a terminal may show it: each character ``repr`` would escape (control
+    characters, ANSI/OSC escape sequences, carriage returns, newlines, unpaired surrogates) as
+    ``repr`` escapes it (``\\x1b``, ``\\n``, ``\\u200b``); every other character, and a text
+    that needs no escaping, as it is.
+
+    Key names, file names and metadata strings come from the checkpoint: raw, one could set the
+    terminal's title, move the cursor over a line, or print a fake "complete". Every surface
+    (``inspect``, ``plan``, the load's log lines, error messages) shows such text through this one
+    function, applied to each line it prints (:func:`shown_lines`) or to a name where it is put
+    into a message."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+
+
+def shown_lines(text: str) -> str:
+    """A message of several lines with each line :func:`shown`: its own line breaks kept, any
+    other character a terminal would act on escaped."""
+    return "\n".join(map(shown, text.split("\n")))
+
+
+def shown_error(error: BaseException) -> BaseException:
+    """``error`` (ckptshim's own, whose message names what a checkpoint holds) with its message
+    :func:`shown_lines`, as it is about to leave ckptshim: through a hook, or inside DCP's
+    ``CheckpointException``. Returned, for ``raise shown_error(error)``."""
+    if len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = (shown_lines(error.args[0]),)
+    return error
 
 
 def ranges(values: Sequence[int]) -> str:
@@ -57,7 +89,9 @@ def group(lines: Iterable[str]) -> list[tuple[str, list[str]]]:
             shown = _grid([n for _, n in part], in_step)
             if shown is None:
                 out.extend((line, [line]) for line, _ in part)
-            else:
+            else:  # a number alike on every line as written (``07`` stays ``07``)
+                written = _NUMBER.findall(part[0][0])
+                shown = [text if text.startswith("{") else written[i] for i, text in enumerate(shown)]
                 out.append((_interleave(pieces, shown), [line for line, _ in part]))
     return out
 
@@ -90,8 +124,10 @@ _CELL = "\x1f"
 
 def group_rows(rows: Iterable[Sequence[str]]) -> list[tuple[tuple[str, ...], int]]:
     """Table rows (cells of text) grouped as :func:`group` groups lines, with how many rows each
-    stands for: rows that differ only in a layer number, in any cells, are one row."""
-    return [(tuple(text.split(_CELL)), len(members)) for text, members in group(_CELL.join(row) for row in rows)]
+    stands for: rows that differ only in a layer number, in any cells, are one row. Each cell
+    is :func:`shown` first (a table is printed; and no cell then holds the separator)."""
+    return [(tuple(text.split(_CELL)), len(members))
+            for text, members in group(_CELL.join(map(shown, row)) for row in rows)]
 
 
 def _grid(numbers: list[tuple[int, ...]], in_step: bool) -> list[str] | None:

@@ -61,9 +61,23 @@ def _objects(fs: Any, location: Location) -> dict[str, int]:
 
 
 def _remove(fs: Any, location: Location, names: Iterator[str] | list[str]) -> None:
-    paths = [fsspec_path(location / name) if name else fsspec_path(location) for name in names]
+    """Remove the objects ``names`` (as :func:`_objects` gives them) at or below ``location``;
+    nothing at all when one has a name a client could rewrite into another object's
+    (``dst//x.bin``: an empty part), which is refused, naming it."""
+    paths = [fsspec_path(_below(location, name)) if name else fsspec_path(location) for name in names]
     if paths:
         fs.rm(paths)
+
+
+def _below(location: Location, name: str) -> Location:
+    try:
+        return location / name
+    except ValueError:
+        raise DestinationError(
+            f"{location} holds an object named {fsspec_path(location)}/{name!r:.200} (a '.', '..' or empty "
+            "name part, which HTTP clients rewrite into another object's name); ckptshim deletes nothing "
+            "it cannot name exactly. Remove that object with your storage's own tools, or convert to "
+            "another destination.") from None
 
 
 def _refuse_existing(fs: Any, destination: Location) -> None:

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from ckptshim.errors import NoPlan, add_diagnosis
 from ckptshim.execute.dcp_storage import Refusal
+from ckptshim.keytext import shown_lines
 
 if TYPE_CHECKING:
     from ckptshim.execute.dcp_virtual import KeyMapping, Link
@@ -116,7 +117,7 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
             plan = self._base.create_local_plan()
         except Exception as error:  # the wrapped planner's own refusal, as without ckptshim
             if self.no_plan is not None:
-                add_diagnosis(error, self.no_plan)
+                add_diagnosis(error, shown_lines(str(self.no_plan)))
             raise
         items = []
         for item in plan.items:

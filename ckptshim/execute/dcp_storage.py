@@ -70,6 +70,7 @@ from ckptshim.execute import destinations
 from ckptshim.formats import dcp
 from ckptshim.formats.base import Checkpoint, Format, metadata_limit, open_regular, storage_dtype, windows
 from ckptshim.inventory import Entry, dtype_name, join_key, split_key
+from ckptshim.keytext import shown_error
 from ckptshim.log import logger
 from ckptshim.storage import ByteRange, Location, ObjectInfo, UnsupportedLocation, read_ranges
 from ckptshim.storage.ranged import RangedFile, archive_spans, open_source
@@ -84,7 +85,7 @@ class Refusal:
 
 
 def _refused(error: ShimError) -> Metadata:
-    return Metadata(state_dict_metadata={}, storage_data=Refusal(error))
+    return Metadata(state_dict_metadata={}, storage_data=Refusal(shown_error(error)))
 
 
 def _tensor_md(dtype: str, size: tuple[int, ...], chunks: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> TensorStorageMetadata:

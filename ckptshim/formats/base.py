@@ -32,6 +32,7 @@ import numpy as np
 from ckptshim import extras
 from ckptshim.errors import CorruptCheckpointError, ShimError, describe
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory
+from ckptshim.keytext import shown
 from ckptshim.storage import ByteRange, Location, local, read_ranges
 from ckptshim.storage.local import entries, kind, require_target_inside
 from ckptshim.storage.problems import KIND_WORDS
@@ -284,12 +285,13 @@ class FileInfo:
 
     @property
     def problem(self) -> str | None:
+        """What is wrong with the file, on one line (its name, from the checkpoint, :func:`shown`)."""
         if self.size is None:
-            return f"{self.path}: missing"
+            return f"{shown(self.path)}: missing"
         if self.kind != "file":
-            return f"{self.path}: a {KIND_WORDS.get(self.kind, self.kind)}, not a regular file"
+            return f"{shown(self.path)}: a {KIND_WORDS.get(self.kind, self.kind)}, not a regular file"
         if self.expected_size is not None and self.size < self.expected_size:
-            return f"{self.path}: {self.size} bytes, but its metadata needs {self.expected_size}"
+            return f"{shown(self.path)}: {self.size} bytes, but its metadata needs {self.expected_size}"
         return None
 
     @property

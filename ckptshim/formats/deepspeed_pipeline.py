@@ -212,7 +212,7 @@ def sniff(path: Path) -> bool:
     if _is_step_dir(path):
         return True
     latest = path / "latest"
-    if not latest.is_file() or latest.stat().st_size > 4096:
+    if not latest.is_file() or latest.stat().st_size > MAX_TAG_BYTES:
         return False
     try:
         step = path / _tag(latest)
@@ -232,10 +232,21 @@ def _is_dir(path: Path) -> bool:
         return False
 
 
+#: The most a ``latest`` file may hold: it names a folder beside it, and no path is longer than
+#: PATH_MAX (4096 bytes on Linux); DeepSpeed writes one line, the tag.
+MAX_TAG_BYTES = 4096
+
+
+def read_latest(latest: Path) -> bytes:
+    """The bytes of DeepSpeed's ``latest`` (or ``latest_universal``) file, refused, naming it,
+    when it is larger than :data:`MAX_TAG_BYTES`, before it is read."""
+    return Location.of(latest).read_bytes(MAX_TAG_BYTES)
+
+
 def _tag(latest: Path) -> str:
     """The step folder name DeepSpeed wrote into ``latest`` (one line of text)."""
     try:
-        return read_regular(latest).decode("utf-8").strip()
+        return read_latest(latest).decode("utf-8").strip()
     except UnicodeDecodeError as error:
         raise CorruptCheckpointError(
             f"{latest}: not text ({error}); DeepSpeed writes the latest step folder's name there. "

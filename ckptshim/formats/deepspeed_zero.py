@@ -144,15 +144,15 @@ def tag_folder(path: Path) -> Path | None:
     if _partition_files(path):
         return path
     latest = path / "latest"
-    if not latest.is_file() or latest.stat().st_size > 4096:
+    if not latest.is_file():
         return None
     try:
-        tag = latest.read_bytes().decode("utf-8").strip()
+        tag = deepspeed_pipeline.read_latest(latest).decode("utf-8").strip()
         step = path / tag
         if not tag or "/" in tag or not step.is_dir() or step.resolve().parent != path.resolve():
             return None  # the pipeline reader's checks say what is wrong with it
         return step if _partition_files(step) else None
-    except (OSError, UnicodeDecodeError):  # unreadable, not text, a name too long for any folder
+    except (OSError, UnicodeDecodeError, CorruptCheckpointError):  # unreadable, not text, too long for a name
         return None
 
 

@@ -235,11 +235,12 @@ def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoi
         shards = [chosen]
     files: list[FileInfo] = []
     problems: list[str] = []
-    objects: dict[str, ObjectInfo | None] = {}
     for shard in shards:
         if not isinstance(shard, str) or not shard or not _named_inside(shard):
             raise CorruptCheckpointError(f"{root / chosen}: shard {shard!r:.100} lies outside the directory")
-        objects[shard] = listed.get(shard) or _in_subfolder(root, shard)
+    # shards in subfolders: one listing of every level finds them all (never a request per shard)
+    present = listed if all("/" not in shard for shard in shards) else root.files_named(shards)
+    objects = {shard: present.get(shard) for shard in shards}
     parts = _open_objects({shard: found for shard, found in objects.items() if found is not None})
     for shard, found in objects.items():
         if found is None:
@@ -264,20 +265,6 @@ def _open_objects(shards: dict[str, ObjectInfo]) -> dict[str, Checkpoint]:
         for (shard, found), head in zip(tensors.items(), heads)}
     parts.update(zip(pickles, torch_pickle.open_objects([(found.location, found.size) for found in pickles.values()])))
     return {shard: parts[shard] for shard in shards}
-
-
-def _in_subfolder(root: Location, shard: str) -> ObjectInfo | None:
-    """The object ``shard`` names below ``root`` where the listing, of the first level only,
-    cannot hold it (a name with ``/``); ``None`` when there is none. A name that would leave
-    the prefix is refused (:meth:`~ckptshim.storage.Location.child`), never reported missing."""
-    where = root.child(shard)
-    if "/" not in shard:
-        return None
-    try:
-        found = where.stat()
-    except FileNotFoundError:
-        return None
-    return found if found.kind == "file" else None
 
 
 @reader

@@ -72,14 +72,21 @@ def list_files(root: Root) -> dict[str, int | None]:
 
 
 def read_values(root: Root, ocdbt: bool, keys: list[str], context=None,
-                sizes: Mapping[str, int | None] | None = None) -> dict[str, bytes | None]:
+                sizes: Mapping[str, int | None] | None = None, limit: int | None = None) -> dict[str, bytes | None]:
     """Small values (metadata files) by key; ``None`` for a key that is absent.
 
     Below a bucket prefix (files only), ``sizes`` is the prefix's listing (:func:`list_files`):
     each file is fetched whole, in parallel, and refused before it is fetched when larger than
-    metadata can be (:func:`~ckptshim.formats.base.metadata_limit` of the listed bytes)."""
+    metadata can be (:func:`~ckptshim.formats.base.metadata_limit` of the listed bytes, or
+    ``limit``, the bound of the files' own format, where smaller). A file of a local folder larger
+    than ``limit`` is refused before it is read too."""
     if isinstance(root, Location) and root.is_remote and not ocdbt:
-        return _read_remote_values(root, keys, sizes if sizes is not None else list_files(root))
+        return _read_remote_values(root, keys, sizes if sizes is not None else list_files(root), limit)
+    if limit is not None and not ocdbt:
+        for key in keys:
+            size = regular_size(Path(root) / key)
+            if size is not None and size > limit:
+                raise too_large(Path(root) / key, size, limit)
     ts = _ts()
     store = ts.KvStore.open(kvstore_spec(root, ocdbt), context=context).result()
     futures = {key: store.read(key.encode()) for key in keys}
@@ -95,8 +102,10 @@ def read_values(root: Root, ocdbt: bool, keys: list[str], context=None,
     return out
 
 
-def _read_remote_values(root: Location, keys: list[str], sizes: Mapping[str, int | None]) -> dict[str, bytes | None]:
+def _read_remote_values(root: Location, keys: list[str], sizes: Mapping[str, int | None],
+                        bound: int | None) -> dict[str, bytes | None]:
     limit = metadata_limit(sum(size or 0 for size in sizes.values()))
+    limit = limit if bound is None else min(limit, bound)
     present = [key for key in keys if sizes.get(key) is not None]
     for key in present:
         if sizes[key] > limit:

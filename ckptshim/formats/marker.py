@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats.base import strict_json
+from ckptshim.keytext import shown
 from ckptshim.storage import Location, ObjectInfo
 
 #: The object ``convert`` writes last inside a destination folder, once every other one is in place.
@@ -48,20 +49,15 @@ def problems(root: Location, listed: Mapping[str, ObjectInfo]) -> list[str]:
     except (ValueError, KeyError) as error:
         raise CorruptCheckpointError(f"{where}: not the marker ckptshim convert writes ({error}); remove it "
                                      "if the folder was written another way, or convert again.") from None
+    present = listed if all("/" not in name for name in objects) else root.files_named(objects)
     out = []
     for name, size in sorted(objects.items()):
-        there = listed.get(name) if "/" not in name else _stat(root.child(name))
+        there = present.get(name)
         if there is None or there.kind != "file":
-            out.append(f"{name}: missing ({size:,} bytes when {MARKER} was written); the convert that wrote "
+            out.append(f"{shown(name)}: missing ({size:,} bytes when {MARKER} was written); the convert that wrote "
                        f"{root} did not finish, or the object was removed since. Convert again.")
         elif there.size != size:
-            out.append(f"{name}: {there.size:,} bytes, but {MARKER} says {size:,}; the object was replaced "
+            out.append(f"{shown(name)}: {there.size:,} bytes, but {MARKER} says {size:,}; the object was replaced "
                        "since the convert. Convert again.")
     return out
 
-
-def _stat(where: Location) -> ObjectInfo | None:
-    try:
-        return where.stat()
-    except FileNotFoundError:
-        return None

@@ -197,7 +197,7 @@ def _array(folder: Path, array_bytes: int) -> _Array:
     """A zarr folder's ``.zarray``, refused unless it is what Megatron-Core writes: C order, no
     compressor, no filters (raw chunks, each exactly one chunk's bytes)."""
     where = folder / ".zarray"
-    raw = where.read_bytes()
+    raw = Location.of(where).read_bytes(zarr.MAX_METADATA_BYTES)  # a few hundred bytes, never more than this
     try:
         meta = strict_json(raw, array_bytes)
     except ValueError as error:

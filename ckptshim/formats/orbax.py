@@ -336,7 +336,8 @@ class _Store:
                 for name in names}
         wanted = [key for key in keys.values() if key is not None]
         if self.index is None:
-            found = kvstore.read_values(self.root, False, wanted, sizes=self.listed)
+            found = kvstore.read_values(self.root, False, wanted, sizes=self.listed,
+                                        limit=zarr.MAX_METADATA_BYTES)
         else:
             kept = self.index.kept
             found = {key: value if isinstance(value, bytes) else kvstore.read_reference(self.root, value)

@@ -150,7 +150,8 @@ def open_checkpoint(path: Where) -> Checkpoint:
                                      f"sizes ({type(error).__name__}: {error}). Re-copy the checkpoint.") from None
     files_of = kvstore.list_files(state)
     names = _zarr_folders(state)
-    raw = kvstore.read_values(state, False, [f"{n}/{m}" for n in names for m in zarr.METADATA_FILES], sizes=files_of)
+    raw = kvstore.read_values(state, False, [f"{n}/{m}" for n in names for m in zarr.METADATA_FILES], sizes=files_of,
+                              limit=zarr.MAX_METADATA_BYTES)
     listed: dict[str, dict[str, int | None]] = {}
     for key, size in files_of.items():
         folder, _, rest = key.partition("/")

@@ -235,7 +235,8 @@ def _open_legacy(step_dir: Where) -> T5XCheckpoint:
     files = [located.file_info_at(step_dir / AGGREGATE, len(data), root=step_dir, size=listed.get(AGGREGATE))]
     specs = {key: local_folder(leaf, step_dir, f"{step_dir / AGGREGATE} leaf {'/'.join(key)!r}")
              for key, leaf in found.items() if _is_spec(leaf)}
-    raw = kvstore.read_values(step_dir, False, [f"{name}/.zarray" for name in specs.values()], sizes=listed)
+    raw = kvstore.read_values(step_dir, False, [f"{name}/.zarray" for name in specs.values()], sizes=listed,
+                              limit=zarr.MAX_METADATA_BYTES)
     for key, leaf in found.items():
         if not _is_spec(leaf):
             entries.append(msgpack_tree.inline_entry(key, leaf))

@@ -25,6 +25,9 @@ from ckptshim.inventory import DTYPE_SIZES, dtype_name
 
 #: The metadata file of each zarr version, relative to the array's folder/prefix.
 METADATA_FILES = {".zarray": "zarr", "zarr.json": "zarr3"}
+#: The most an array's metadata file may hold: a ``.zarray`` or ``zarr.json`` is a few hundred
+#: bytes (shape, chunks, dtype, codecs); a larger one is refused, naming it, before it is read.
+MAX_METADATA_BYTES = 2**20
 #: Missing chunk files of one array listed one by one in a completeness report; more are counted.
 LISTED_MISSING = 1000
 

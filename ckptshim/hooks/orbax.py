@@ -35,6 +35,7 @@ from typing import Any
 
 from ckptshim.errors import NoPlan, ShimError, add_diagnosis
 from ckptshim.hooks.seam import FrameworkRaised, Patches, Seam, bind, framework_call, guarded
+from ckptshim.keytext import shown_lines
 from ckptshim.loading import orbax as loading
 from ckptshim.loading.paths import item_location, local_path
 from ckptshim.log import logger
@@ -158,11 +159,12 @@ def _restore_every_item(step_dir, where: str, native, orbax_all) -> Any:
         try:
             done = loading.restore_items(step_dir, every, where, native, force=True)
         except FrameworkRaised as failed:
-            add_diagnosis(raised.error, f"ckptshim reads item(s) {', '.join(sorted(arrays))} as stored, but "
-                          f"Orbax cannot restore the other items ({type(failed.error).__name__}: {failed.error})")
+            add_diagnosis(raised.error, shown_lines(
+                f"ckptshim reads item(s) {', '.join(sorted(arrays))} as stored, but Orbax cannot restore the "
+                f"other items ({type(failed.error).__name__}: {failed.error})"))
             raise raised from None
         except ShimError as failed:
-            add_diagnosis(raised.error, failed)
+            add_diagnosis(raised.error, shown_lines(str(failed)))
             raise raised from None
         logger.info("%s: Orbax could not restore it without args (%s); ckptshim restored the items as stored",
                     where, raised.error)

@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any, NoReturn
 
 from ckptshim.errors import InternalError, NoPlan, ShimError, add_diagnosis, describe
+from ckptshim.keytext import shown_error, shown_lines
 from ckptshim.log import logger
 
 __all__ = ["Patches", "Seam", "bind", "framework_call", "guarded", "internal_error", "step_aside"]
@@ -125,7 +126,7 @@ async def _noting(awaitable: Any, diagnosis: object) -> Any:
     try:
         return await awaitable
     except BaseException as error:
-        add_diagnosis(error, diagnosis)
+        add_diagnosis(error, shown_lines(str(diagnosis)))
         raise
 
 
@@ -142,7 +143,8 @@ def guarded(seam: Seam, shimmed: Callable[[], Any], original: Callable[[], Any],
         return shimmed()
     except NoPlan as no_plan:
         then = partial(step_aside, original, no_plan)
-    except ShimError:
+    except ShimError as refused:
+        shown_error(refused)  # its message names what the checkpoint holds
         raise
     except FrameworkRaised as raised:
         then = partial(_raise, raised.error)

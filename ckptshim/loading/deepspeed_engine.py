@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from ckptshim.errors import NoPlan
-from ckptshim.formats import deepspeed_zero
+from ckptshim.formats import deepspeed_pipeline, deepspeed_zero
 from ckptshim.formats.deepspeed_zero import MOMENTS, ZeroCheckpoint
 from ckptshim.formats.torch_globals import TensorRef
 from ckptshim.log import logger
@@ -92,7 +92,7 @@ def _tag(engine: Any, load_dir: Path, tag: Any) -> str | None:
     if not latest.is_file():
         return None
     try:  # as DeepSpeed reads it; what it cannot read, DeepSpeed fails on before it unpickles anything
-        return latest.read_text().strip()
+        return deepspeed_pipeline.read_latest(latest).decode().strip()
     except (OSError, UnicodeDecodeError):
         return None
 

@@ -72,7 +72,7 @@ def plan_onto_model(source: Checkpoint) -> Plan | None:
     """For a checkpoint whose producer stores other names than its model's (Megatron-Core), the
     plan onto the model's own names (:func:`~ckptshim.loading.producers.model_names`), which
     ``convert`` writes without ``--like``; ``None`` where the stored names are the model's."""
-    view = model_names(source.path, source.inventory)
+    view = model_names(source)
     if view is None:
         return None
     target, note = view

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptshim.formats import megatron_core as megatron_core_format
+from ckptshim.formats.base import Checkpoint
 from ckptshim.inventory import Inventory
 from ckptshim.loading.paths import local_path
 from ckptshim.rules.decoder import read_dims
@@ -37,14 +38,15 @@ def producer_config(location: Any) -> dict | None:
     return megatron_core_format.run_config(Path(path))
 
 
-def model_names(location: Any, stored: Inventory) -> tuple[Inventory, str] | None:
+def model_names(checkpoint: Checkpoint) -> tuple[Inventory, str] | None:
     """For a checkpoint whose producer stores other names than its model's, the inventory the
     model has (what ``inspect`` lists and ``convert`` writes without ``--like``) and a line that
-    says so; ``None`` where the stored names are the model's."""
-    if producer(location) != megatron_core.PRODUCER:
+    says so; ``None`` where the stored names are the model's. The layers it lists are bounded by
+    the bytes of the checkpoint's files present, not by the count its metadata declares."""
+    if producer(checkpoint.path) != megatron_core.PRODUCER:
         return None
-    names, objects = megatron_core.model_names(stored)
-    dims = read_dims(producer_config(location))
+    names, objects = megatron_core.model_names(checkpoint.inventory, sum(f.bytes_present for f in checkpoint.files))
+    dims = read_dims(producer_config(checkpoint.path))
     note = ("listed as the model names them (GPTModel.state_dict()): Megatron-Core's stacked layers "
             "one per global layer index, the local spec's layer norms under their own names"
             + (f"; {objects} stored _extra_state object(s) left out" if objects else "")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from ckptshim.keytext import shown
 from ckptshim.log import logger
 from ckptshim.planner import Plan, explain, summary, table
 
@@ -22,8 +23,9 @@ def report_load(where: str, plan: Plan, sep: str = ".", *, read_as: str | None =
     already matches (a legacy layout the framework's own reader refuses). What a rule says the
     load loses is a warning.
     """
+    where = shown(str(where))
     for warning in plan.warnings:
-        logger.warning("%s.", warning)
+        logger.warning("%s.", shown(warning))
     if plan.is_identity:
         if read_as is None:
             logger.debug("%s: checkpoint already matches; nothing to change", where)
@@ -31,14 +33,14 @@ def report_load(where: str, plan: Plan, sep: str = ".", *, read_as: str | None =
             report_read_as_stored(where, read_as)
         return
     if logger.isEnabledFor(logging.INFO):  # one record: its lines stay together between ranks'
-        rows = "".join(f"\n  {line}" for line in table(plan, sep, limit=INFO_ROWS))
-        logger.info("%s: %s%s", where, summary(plan, sep), rows)
+        rows = "".join(f"\n  {shown(line)}" for line in table(plan, sep, limit=INFO_ROWS))
+        logger.info("%s: %s%s", where, shown(summary(plan, sep)), rows)
     if logger.isEnabledFor(logging.DEBUG):
         for line in explain(plan, sep):
-            logger.debug("  %s", line)
+            logger.debug("  %s", shown(line))
 
 
 def report_read_as_stored(where: str, read_as: str) -> None:
     """Say at INFO that ckptshim itself read a checkpoint the framework cannot, array by array as
     stored: the framework alone would have failed, so the load is ckptshim's doing."""
-    logger.info("%s: read by ckptshim as %s; every array as stored", where, read_as)
+    logger.info("%s: read by ckptshim as %s; every array as stored", shown(where), read_as)

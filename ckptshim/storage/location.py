@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ckptshim.storage.problems import outside, too_large
+from ckptshim.storage.problems import outside, too_large, too_many_names
 
 #: The object-storage schemes a Location reads, as written -> the store that reads them
 #: (``gcs://`` is fsspec's other spelling of ``gs://``).
@@ -64,7 +64,9 @@ class Location:
     @classmethod
     def of(cls, where: str | os.PathLike[str] | Location) -> Location:
         """The location ``where`` names: a URL (``s3://``, ``gs://``, ``gcs://``, ``file://``) or a
-        local path. Raises :class:`UnsupportedLocation` for any other URL."""
+        local path. Raises :class:`UnsupportedLocation` for any other URL -- ``S3://`` included:
+        fsspec, through which the frameworks read buckets, knows schemes as written, so a hook
+        steps aside for it and lets the framework say what it makes of it."""
         if isinstance(where, Location):
             return where
         text = os.fspath(where)
@@ -75,13 +77,13 @@ class Location:
             if not text:
                 raise ValueError("an empty location names nothing; give the checkpoint's path or URL")
             return cls("", "", str(Path(text)))
-        scheme, rest = match.group(1).lower(), match.group(2)
+        scheme, rest = match.group(1), match.group(2)
         if scheme == "file":
             return cls("", "", str(Path(rest)))
-        if scheme not in REMOTE_SCHEMES:
+        if scheme not in REMOTE_SCHEMES:  # as written: fsspec knows no ``S3://`` either
             raise UnsupportedLocation(
                 f"{text}: ckptshim reads local paths and {', '.join(f'{s}://' for s in REMOTE_SCHEMES)} "
-                f"URLs, not {scheme}://")
+                f"URLs (in lower case, as fsspec and the frameworks spell them), not {scheme}://")
         bucket, _, key = rest.partition("/")
         if not bucket:
             raise ValueError(f"{text}: names no bucket; write {scheme}://BUCKET/PATH")
@@ -281,6 +283,24 @@ class Location:
         sorted by name; a :class:`~ckptshim.errors.CorruptCheckpointError` when there are more
         than ``limit`` entries, which the store stops reading one past the limit."""
         return store_for(self).list(self, limit, recursive)
+
+    def files_named(self, names: Collection[str], limit: int = DEFAULT_LIST_LIMIT) -> dict[str, ObjectInfo]:
+        """Which of ``names`` (as a checkpoint's metadata names files in this folder or prefix:
+        relative, ``/``-joined) are regular files or objects here, by name: found by one bounded
+        listing (of the first level, or of every level where a name lies in a subfolder), never
+        one request per name -- a marker or index naming 20,000 objects would take hours.
+
+        A name that would leave this location is refused (:meth:`child`); more than ``limit``
+        names, more than one listing returns, are refused before anything is listed."""
+        if len(names) > limit:
+            raise too_many_names(self, len(names), limit)
+        for name in names:
+            self.child(name)
+        if not names:
+            return {}
+        listed = self.list(limit, recursive=any("/" in name for name in names))
+        found = {info.location.relative_to(self): info for info in listed if info.kind == "file"}
+        return {name: found[name] for name in names if name in found}
 
     def read(self, start: int, length: int) -> bytes:
         """Exactly ``length`` bytes from offset ``start``, or an error that says what is short."""

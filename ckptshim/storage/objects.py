@@ -22,13 +22,15 @@ most one entry more than their limit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ckptshim.storage.location import ByteRange, Location, ObjectInfo
-from ckptshim.storage.problems import outside, too_many, truncated
+from ckptshim.storage.problems import outside, too_many, truncated, unreachable
 
 #: Byte ranges in flight at once, per call.
 MAX_PARALLEL_READS = 16
@@ -85,15 +87,29 @@ class FsspecObjects:
     def fs(self) -> Any:
         return filesystem(self.scheme)
 
+    @contextlib.contextmanager
+    def _reaching(self, location: Location) -> Iterator[None]:
+        """A request for ``location`` whose failure to reach the server at all (after the
+        client's own retries) is said as such, naming the endpoint -- not blamed on the checkpoint."""
+        try:
+            yield
+        except Exception as error:
+            if _unreached(error):
+                raise unreachable(location, endpoint(self.fs, self.scheme), error) from error
+            raise
+
     def stat(self, location: Location) -> ObjectInfo:
-        info = self.fs.info(fsspec_path(location))
+        with self._reaching(location):
+            info = self.fs.info(fsspec_path(location))
         kind = "directory" if info.get("type") == "directory" else "file"
         return ObjectInfo(location, int(info.get("size") or 0), kind)
 
     def list(self, location: Location, limit: int, recursive: bool) -> list[ObjectInfo]:
         prefix = fsspec_path(location).rstrip("/") + "/"
         found = []
-        for info in _bounded_listing(self.fs, self.scheme, fsspec_path(location), limit + 1, recursive):
+        with self._reaching(location):
+            listed = _bounded_listing(self.fs, self.scheme, fsspec_path(location), limit + 1, recursive)
+        for info in listed:
             name = info["name"].rstrip("/")
             if not name.startswith(prefix) or name == prefix.rstrip("/"):
                 continue  # the folder itself, or a marker object of it
@@ -121,9 +137,10 @@ class FsspecObjects:
             from fsspec.asyn import sync
 
             fs = self.fs
-            answers = sync(fs.loop, _fetch_all, fs, self.scheme, pieces)
-            for (run, piece), answer in zip(pieces, answers):
-                self._check(run, piece, answer)
+            with self._reaching(pieces[0][1].location):
+                answers = sync(fs.loop, _fetch_all, fs, self.scheme, pieces)
+                for (run, piece), answer in zip(pieces, answers):
+                    self._check(run, piece, answer)
 
     def _check(self, run: _Run, piece: ByteRange, answer: int | BaseException) -> None:
         """Raise what went wrong with one piece (``answer``: the bytes it streamed, or the error)."""
@@ -252,6 +269,28 @@ def _stream_for(fs: Any, scheme: str) -> Any:
     """The streaming reader of ``scheme``, or :func:`_cat_stream` where the client lacks what it
     uses (another release of gcsfs or s3fs): a read never fails for want of a private helper."""
     return _STREAMS[scheme] if all(hasattr(fs, name) for name in _NEEDS[scheme]) else _cat_stream
+
+
+def _unreached(error: BaseException) -> bool:
+    """Whether ``error`` (a client's, its causes included) is a failure to reach the server at all:
+    a refused or timed-out connection, or a host name that does not resolve."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, ConnectionError | TimeoutError | socket.gaierror):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def endpoint(fs: Any, scheme: str) -> str:
+    """The server a client sends its requests to, as its settings say (gcsfs: its location,
+    ``STORAGE_EMULATOR_HOST`` included; s3fs: its botocore client's endpoint URL)."""
+    if scheme == "gs":
+        return str(getattr(fs, "_location", "") or "the Google Cloud Storage endpoint")
+    client = getattr(fs, "s3", None)  # s3fs's botocore client, once it has connected
+    url = getattr(getattr(client, "meta", None), "endpoint_url", None)
+    return str(url or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url") or "the S3 endpoint")
 
 
 def fsspec_path(location: Location) -> str:

@@ -6,7 +6,7 @@ package can raise these without importing another.
 
 from __future__ import annotations
 
-from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
+from ckptshim.errors import CorruptCheckpointError, StorageUnreachableError, UnsafeCheckpointError
 
 
 def truncated(location: object, start: int, end: int, size: int) -> CorruptCheckpointError:
@@ -23,6 +23,13 @@ def too_many(location: object, limit: int) -> CorruptCheckpointError:
         f"{location} holds more than {limit:,} entries, more than ckptshim lists in one place; no "
         "checkpoint format it reads has that many there. Point it at the checkpoint itself, not "
         "at a folder or prefix that holds many.")
+
+
+def too_many_names(location: object, count: int, limit: int) -> CorruptCheckpointError:
+    """Metadata (a marker, an index) naming more files than one listing of ``location`` returns."""
+    return CorruptCheckpointError(
+        f"{location}: its metadata names {count:,} files, more than the {limit:,} ckptshim lists in "
+        "one place; no checkpoint holds that many. The metadata is damaged or built to exhaust time.")
 
 
 def too_large(location: object, size: int, limit: int) -> CorruptCheckpointError:
@@ -52,3 +59,13 @@ def outside(location: object, root: object, why: str) -> UnsafeCheckpointError:
         f"{location} lies outside the checkpoint {root} ({why}); ckptshim reads only files and "
         "objects the checkpoint contains, locally below its folder and remotely below its bucket "
         "and prefix. Fix the metadata that names it, or copy what it names into the checkpoint.")
+
+
+def unreachable(location: object, endpoint: str, error: BaseException) -> StorageUnreachableError:
+    """The storage at ``endpoint`` answered no request for ``location`` (``error``: the client's
+    last, after its own retries)."""
+    return StorageUnreachableError(
+        f"{location}: the storage at {endpoint} could not be reached ({type(error).__name__}: "
+        f"{str(error)[:300]}); nothing was read, and nothing is known about the checkpoint. Check that "
+        "the endpoint is up and is the one meant (AWS_ENDPOINT_URL, STORAGE_EMULATOR_HOST, the "
+        "client's settings), and the network, then try again.")

@@ -29,6 +29,8 @@ from hypothesis import strategies as st
 from ckptshim import api
 from ckptshim.errors import ShimError
 from ckptshim.formats import detect, kvstore, zarr
+from ckptshim.keytext import shown
+from ckptshim.loading import producers
 from support.fixtures import FIXTURES, writable_copy
 
 
@@ -43,11 +45,15 @@ HUGE = (b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff
 
 
 def exercise(path: Path) -> None:
-    """Do with ``path`` what ``ckptshim inspect`` and a load do: detect, open, describe, check
-    completeness, read every entry."""
+    """Do with ``path`` what ``ckptshim inspect`` and a load do: detect, open, describe, list
+    under the model's names (Megatron-Core's stacked layers), check completeness, read every
+    entry; every problem it reports is a line a terminal shows as it is (no control character)."""
     checkpoint = detect.open_checkpoint(path)
     try:
         json.dumps(api.describe(checkpoint))
+        producers.model_names(checkpoint)
+        for problem in checkpoint.all_problems():
+            assert shown(problem).isprintable(), repr(problem)
         checkpoint.require_complete()
         for entry in checkpoint.inventory.values():
             checkpoint.read(entry)
@@ -59,6 +65,53 @@ def parse_zarr(data: bytes, where: str) -> None:
     """What Orbax, T5X and PaxML listings do with one array's ``.zarray``/``zarr.json`` bytes
     (read from a folder or an OCDBT database): parse them and look for missing chunks."""
     zarr.parse(data, where).missing_chunks({"0", "0.0", "c/0/0/0", "junk"})
+
+
+#: What a marker harness checks against: a folder (made once per process) whose objects a
+#: fuzzed marker names, at the first level and in a subfolder.
+_MARKED: list[Path] = []
+
+
+def check_marker(data: bytes, where: str) -> None:
+    """What a reader of a folder ``convert`` wrote to a bucket does with its marker (the same
+    code reads a local folder): check every name it lists against one listing; each problem a
+    line without control characters, whatever names the marker holds."""
+    from ckptshim.formats import marker
+    from ckptshim.storage import Location
+
+    if not _MARKED:
+        folder = Path(tempfile.mkdtemp(prefix="ckptshim-fuzz-marker-"))
+        (folder / "sub").mkdir()
+        for name, size in _MARKER_OBJECTS.items():
+            (folder / name).write_bytes(b"\0" * size)
+        _MARKED.append(folder)
+    root = Location.of(_MARKED[0])
+    (_MARKED[0] / marker.MARKER).write_bytes(data)
+    listed = {info.location.name: info for info in root.list() if info.kind == "file"}
+    for problem in marker.problems(root, listed):
+        assert problem.isprintable(), repr(problem)
+
+
+_MARKER_OBJECTS = {"model.safetensors": 24, "sub/__0_0.distcp": 8}
+
+
+def _seed_marker() -> bytes:
+    """A marker as ``conversion/bucket.py`` writes one, naming the folder's objects and one gone."""
+    objects = dict(sorted({**_MARKER_OBJECTS, "sub/gone.distcp": 4}.items()))
+    return json.dumps({"written_by": "ckptshim convert", "objects": objects}, indent=1).encode()
+
+
+def _shard_hf_in_subfolder(root: Path) -> None:
+    """:func:`_shard_hf`, its shards then moved into ``shards/`` and the index naming them there
+    (an index may name files in subfolders; transformers reads them)."""
+    _shard_hf(root)
+    index = root / "model.safetensors.index.json"
+    document = json.loads(index.read_text())
+    (root / "shards").mkdir()
+    for shard in set(document["weight_map"].values()):
+        (root / shard).rename(root / "shards" / shard)
+    document["weight_map"] = {key: f"shards/{shard}" for key, shard in document["weight_map"].items()}
+    index.write_text(json.dumps(document, indent=2))
 
 
 @dataclass(frozen=True)
@@ -172,6 +225,11 @@ HARNESSES: tuple[Harness, ...] = (
     Harness("hf_index", "formats/hf_dir.py: open_checkpoint (weight index JSON)",
             "hf_gptneox_tf4.30.2/safetensors", "model.safetensors.index.json", prepare=_shard_hf,
             examples=450),
+    Harness("hf_index_subfolders", "formats/hf_dir.py: open_checkpoint (an index naming shards in a subfolder)",
+            "hf_gptneox_tf4.30.2/safetensors", "model.safetensors.index.json", prepare=_shard_hf_in_subfolder,
+            examples=300),
+    Harness("marker", "formats/marker.py: problems (ckptshim-complete.json, names checked by one listing)",
+            "hf_gptneox_tf4.30.2/safetensors", direct=check_marker, seed_from=_seed_marker, examples=600),
     Harness("hf_config", "formats/hf_dir.py: model_config (config.json beside the weights)",
             "transformers4_moe/mixtral/safetensors", "config.json", examples=300),
     Harness("dcp_metadata", "formats/dcp.py: load_metadata (safe_pickle), parse_metadata",
@@ -184,6 +242,8 @@ HARNESSES: tuple[Harness, ...] = (
             _DS, "global_step0/layer_05-model_00-model_states.pt", examples=180),
     Harness("deepspeed_latest", "formats/deepspeed_pipeline.py: step_directory (latest tag)",
             _DS, "latest", examples=300),
+    Harness("deepspeed_zero_latest", "formats/deepspeed_pipeline.py: read_latest (as the engine's resume and "
+            "deepspeed_zero.tag_folder read it)", _ZERO, "latest", examples=200),
     Harness("deepspeed_zero_optim", "formats/deepspeed_zero.py: ZERO_GLOBALS stand-ins, ZeRO-1/2 partitions",
             _ZERO, "global_step2/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", examples=180),
     Harness("deepspeed_zero_model", "formats/deepspeed_zero.py: model states, ZeRO-3 pieces and frozen fragments",
@@ -191,6 +251,8 @@ HARNESSES: tuple[Harness, ...] = (
             examples=180),
     Harness("megatron_zarray", "formats/megatron_core.py: _array (.zarray of a raw-chunk array), reads",
             _MEGATRON_ZARR, "decoder.layers.self_attention.linear_qkv.weight/.zarray", examples=180),
+    Harness("megatron_dcp_metadata", "formats/dcp.py + rules/profiles/megatron_core.py: model_names (torch_dist "
+            ".metadata: stacked layer counts)", "megatron_core/torch_dist/tp1_pp1", ".metadata", examples=180),
     Harness("megatron_config", "formats/megatron_core.py: config (metadata.json)",
             _MEGATRON_ZARR, "metadata.json", examples=120),
     Harness("flax_msgpack", "formats/msgpack_tree.py: read_tree (Flax legacy file)",

@@ -617,6 +617,45 @@ class PlannerDeepKeysTarget:
         guarded(run, sum(map(len, source)) + sum(map(len, target)), self.limits)
 
 
+# -- text shown on a terminal ----------------------------------------------------------------------
+
+#: What names from a checkpoint are made of: digits (grouped into ranges), separators, the table's
+#: cell separator, control characters and escape sequences, unpaired surrogates, wide characters.
+_KEY_ALPHABET = st.sampled_from(list("0123456789._/-{}, ab") + ["\x1b", "\x07", "\r", "\n", "\t", "\x1f", "\x00",
+                                                                "\x7f", "\x9b", "\u200b", "\u2028", "\udcff", "é",
+                                                                "中", "\\", "'", '"', "\x1b]0;x\x07", "07"])
+
+
+def key_texts() -> st.SearchStrategy[list[str]]:
+    return st.lists(st.lists(_KEY_ALPHABET, max_size=40).map("".join), min_size=1, max_size=30)
+
+
+class KeytextTarget:
+    """Every string that reaches a terminal passes :func:`~ckptshim.keytext.shown`: whatever it
+    holds, what it shows is printable; a printable name is shown as it is; and a table of rows
+    of such names groups into rows of as many cells, each printable (a cell may hold the
+    separator the grouping joins cells with)."""
+
+    limits = Limits(seconds=5.0, seconds_per_byte=1e-3)
+
+    def __init__(self, workdir: Path) -> None:
+        pass
+
+    def __call__(self, names: list[str]) -> None:
+        from ckptshim.keytext import compress, group_rows, shown, shown_lines
+
+        def run() -> None:
+            for name in names:
+                text = shown(name)
+                assert text.isprintable() and (text == name or not name.isprintable()), (name, text)
+            assert all(line.isprintable() for line in shown_lines("\n".join(names)).split("\n"))
+            rows = group_rows((name, "float32", "(2,)", "8 B") for name in names)
+            assert all(len(cells) == 4 and all(cell.isprintable() for cell in cells) for cells, _ in rows), rows
+            assert sum(count for _, count in rows) == len(names)
+            assert all(shown(line).isprintable() for line in compress(names))
+        guarded(run, sum(map(len, names)), self.limits)
+
+
 # -- the registry ---------------------------------------------------------------------------------
 
 
@@ -648,6 +687,8 @@ HARNESSES: tuple[Structured, ...] = (
                lambda: ocdbt_rewrites(), OcdbtGraphTarget, examples=25),
     Structured("deepspeed_glob", "formats/deepspeed_pipeline.py: files_deepspeed_reads, require_pattern_is_itself",
                lambda: glob_folders(), DeepspeedGlobTarget, examples=60),
+    Structured("keytext", "keytext.py: shown, shown_lines, group_rows, compress (every string a terminal shows)",
+               lambda: key_texts(), KeytextTarget, examples=300),
     Structured("planner_deep_keys", "rules/roots.py, planner/: keys 60,000 components deep",
                lambda: deep_key_sets(), PlannerDeepKeysTarget, examples=12),
 )

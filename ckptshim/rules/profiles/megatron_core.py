@@ -29,12 +29,14 @@ inspect`` lists and ``convert`` writes.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptshim.inventory import Entry, Inventory, KeyPath
+from ckptshim.errors import CorruptCheckpointError
+from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, KeyPath, join_key
 from ckptshim.rules.aliases import Alias
 from ckptshim.rules.context import LoadContext
 from ckptshim.rules.decoder import HALVES, Fused, Naming
@@ -91,11 +93,26 @@ def _model_key(key: KeyPath, at: int, layer: int) -> KeyPath:
     return (*key[:at + 1], str(layer), *rest)
 
 
-def model_names(stored: Inventory) -> tuple[Inventory, int]:
+def model_names(stored: Inventory, stored_bytes: int) -> tuple[Inventory, int]:
     """The tensors a plain model holds for a Megatron-Core checkpoint's ``stored`` inventory --
     per layer at the global index its offset on the stacked axis says, the layer norms under the
     model's names -- and how many stored ``_extra_state`` objects it leaves out. In the model's
-    order: what precedes the layers, each layer's tensors, what follows them."""
+    order: what precedes the layers, each layer's tensors, what follows them.
+
+    The layer count is metadata's word, and listing a layer is work: the layers of every stacked
+    key together may not need more than ``stored_bytes``, what the checkpoint's files hold (a
+    layer of no elements counting as one byte), or the metadata lies -- a few KiB declaring
+    10^12 layers -- and is refused before a layer is listed."""
+    needed = 0
+    for entry in stored.values():
+        at = _stacked(entry.key)
+        if at is not None and entry.shape and not _SHARD.fullmatch(entry.key[-1]):
+            needed += entry.shape[0] * max(math.prod(entry.shape[1:]) * DTYPE_SIZES[entry.dtype], 1)
+            if needed > stored_bytes:
+                raise CorruptCheckpointError(
+                    f"{stored.source}: {join_key(entry.key)} declares {entry.shape[0]:,} stacked layers; with "
+                    f"the keys before it that is more than the {stored_bytes:,} bytes its files hold. The "
+                    "metadata is damaged or built to exhaust time and memory; re-copy the checkpoint.")
     before: list[Entry] = []
     layers: dict[int, list[Entry]] = {}
     after: list[Entry] = []
