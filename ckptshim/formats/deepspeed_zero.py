@@ -446,7 +446,9 @@ class _Archive:
     offsets: Mapping[str, int]  # where each storage's bytes begin in the file
 
 
-def _read(file: Path, step: Path, extra: torch_globals.ExtraGlobals, writer: str) -> _Archive:
+def _unpickle(file: Path, extra: torch_globals.ExtraGlobals) -> torch_pickle.Archive:
+    """``file``'s ``torch.save`` archive, read through the allow-listed unpickler (``extra``
+    besides torch's globals); a file that is not a regular, whole archive is named."""
     if regular_size(file) is None:  # a pipe would block the read; a folder is no archive
         raise CorruptCheckpointError(f"{file}: not a regular file; DeepSpeed writes a torch.save archive there")
     try:
@@ -456,6 +458,11 @@ def _read(file: Path, step: Path, extra: torch_globals.ExtraGlobals, writer: str
         raise CorruptCheckpointError(f"{file}: cannot be read ({error})") from None
     if archive.problems:
         raise CorruptCheckpointError(f"{file}: {'; '.join(archive.problems)}. Re-copy it from the original.")
+    return archive
+
+
+def _read(file: Path, step: Path, extra: torch_globals.ExtraGlobals, writer: str) -> _Archive:
+    archive = _unpickle(file, extra)
     if not isinstance(archive.tree, dict):
         raise CorruptCheckpointError(f"{file}: holds a {type(archive.tree).__name__}, not the dictionary "
                                      "DeepSpeed's save_checkpoint writes")
@@ -467,12 +474,13 @@ def _read(file: Path, step: Path, extra: torch_globals.ExtraGlobals, writer: str
                     archive.offsets)
 
 
-def read_state_file(file: Path, step: Path) -> None:
-    """Read ``file`` (a model- or optimizer-state file of tag folder ``step``) as DeepSpeed's
-    engine would unpickle it, through the allow-listed unpickler: a file needing any global but
-    torch's and :data:`MODEL_STATE_GLOBALS` is refused (:class:`~ckptshim.errors.UnsafeCheckpointError`),
-    a damaged one named (:class:`~ckptshim.errors.CorruptCheckpointError`)."""
-    _read(file, step, MODEL_STATE_GLOBALS, "").part.close()
+def read_state_file(file: Path) -> None:
+    """Read ``file`` (a ``.pt`` file DeepSpeed's engine would unpickle: model or optimizer states,
+    a universal checkpoint's per-parameter tensors) through the allow-listed unpickler: a file
+    needing any global but torch's and :data:`MODEL_STATE_GLOBALS` is refused
+    (:class:`~ckptshim.errors.UnsafeCheckpointError`), a damaged one named
+    (:class:`~ckptshim.errors.CorruptCheckpointError`). What it holds is DeepSpeed's to judge."""
+    _unpickle(file, MODEL_STATE_GLOBALS)
 
 
 #: More data-parallel ranks than any run has had: a larger ``dp_world_size`` is a damaged file.
@@ -632,9 +640,16 @@ def _is_flat(value: Any) -> bool:
 
 
 def _shapes(value: Any, what: str, step: Path) -> dict[str, tuple[int, ...]]:
-    if not isinstance(value, dict) or not all(type(k) is str and isinstance(v, torch_globals.Size) for k, v in value.items()):
+    """``{name: shape}`` as saved: ``torch.Size`` values, or plain tuples of sizes (an engine with
+    MoE layers saves those)."""
+    if not isinstance(value, dict) or not all(type(k) is str and _is_shape(v) for k, v in value.items()):
         raise CorruptCheckpointError(f"{step}: {what} is not a mapping of parameter names to shapes")
-    return value
+    return {name: tuple(shape) for name, shape in value.items()}
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, torch_globals.Size) or (type(value) is tuple and all(type(d) is int and d >= 0
+                                                                                  for d in value))
 
 
 def _entries(step: Path, models: dict[int, _Archive], layout: _Layout) -> list[Entry]:

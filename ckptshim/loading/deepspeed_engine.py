@@ -118,7 +118,7 @@ def _read_other_files(engine: Any, load_dir: Path, tag: str, source: ZeroCheckpo
     read = source.files_read if source is not None else frozenset()
     for file in sorted(found - read):
         if file.is_file():
-            deepspeed_zero.read_state_file(file, file.parent)
+            deepspeed_zero.read_state_file(file)
 
 
 def _why_not(engine: Any, source: ZeroCheckpoint, call: Mapping[str, Any]) -> str:
