@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from support.processes import run_ranks
-from support.zero_partitions import assert_recut, own_elements, records
+from support.zero_partitions import AVERAGING, assert_recut, own_elements, records
 
 pytest.importorskip("deepspeed")
 
@@ -34,10 +34,6 @@ DTYPES = ("fp32", "bf16")
 JOB = {"stage": 3, "frozen": True, "sub_group_size": 10, "steps_after": 2}
 FROZEN = "embed.weight"
 RESUMES = ((2, 1), (2, 3), (1, 2), (3, 2))
-#: How far the second step's loss may move with the world size: every rank computes the same
-#: gradient, and its average over 3 ranks rounds (in bf16 training, at bf16's precision) where
-#: over 1 or 2 it is exact.
-AVERAGING = {"fp32": 1e-6, "bf16": 1e-4}
 
 
 def _jobs(mode: str, source: Path, out: Path) -> list[dict]:

@@ -18,6 +18,10 @@ import numpy as np
 
 #: The flat states a ZeRO rank holds per sub-group: its fp32 master and Adam's moments.
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
+#: How far the second training step's loss after a resume may move with the world size (relative):
+#: every rank computes the same gradient, and its average over 3 ranks rounds (in bf16 training,
+#: at bf16's precision) where over 1 or 2 it is exact. The first step's loss is bit for bit.
+AVERAGING = {"fp32": 1e-6, "bf16": 1e-4}
 
 
 def records(folder: Path, world: int) -> list[np.lib.npyio.NpzFile]:
