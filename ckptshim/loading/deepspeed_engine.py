@@ -45,7 +45,7 @@ from ckptshim.errors import NoPlan
 from ckptshim.execute.torch import as_tensor
 from ckptshim.formats import deepspeed_zero
 from ckptshim.formats.deepspeed_zero import MOMENTS, ZeroCheckpoint
-from ckptshim.formats.torch_globals import TensorRef
+from ckptshim.formats.torch_globals import TensorRef, dtype_of
 from ckptshim.log import logger
 
 HOOK = "deepspeed DeepSpeedEngine.load_checkpoint"
@@ -342,9 +342,13 @@ def _value(rank: Any, value: Any, name: str) -> Any:
 
 
 def _plain(value: Any, name: str) -> Any:
-    """``value`` if it is plain data (numbers, strings, containers of them), else :class:`NoPlan`."""
+    """``value`` if it is plain data (numbers, strings, containers of them; a torch dtype, as a
+    dynamic loss scaler keeps one), else :class:`NoPlan`."""
     if value is None or type(value) in (bool, int, float, str):
         return value
+    dtype = dtype_of(value)
+    if dtype is not None:
+        return getattr(torch, dtype)
     if type(value) in (list, tuple):
         return type(value)(_plain(item, name) for item in value)
     if type(value) is dict:
