@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from support.processes import run_ranks
+from support.zero_partitions import STATES, assert_recut, records
 
 pytest.importorskip("deepspeed")
 
 WORKER = "deepspeed_engine_worker.py"
 ENV = {"DS_ACCELERATOR": "cpu"}
-STATES = ("fp32", "exp_avg", "exp_avg_sq")
 #: (ZeRO stage, training dtype) of the checkpoints saved by 2 ranks.
 FROM_TWO = ((1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16"))
 #: ... and by 1 rank.
@@ -57,40 +57,6 @@ def _load(source: Path, target: Path, world: int, variants: tuple) -> list[list[
     return run_ranks(WORKER, jobs, world, target, ENV)
 
 
-def _ranks(folder: Path, world: int) -> list[np.lib.npyio.NpzFile]:
-    return [np.load(folder / f"{rank}.npz") for rank in range(world)]
-
-
-def _assert_recut(saved_dir: Path, loaded_dir: Path, saved_world: int, world: int, stage: int,
-                  names: list[str]) -> None:
-    """Each rank's partition after the load is the saved state re-cut for ``world`` ranks."""
-    before, after = _ranks(saved_dir, saved_world), _ranks(loaded_dir, world)
-    for rank in after:  # every parameter whole (fp32 master, moments, training-dtype weight)
-        for key in before[0].files:
-            if key.startswith("full/"):
-                assert rank[key].tobytes() == before[0][key].tobytes(), key
-    for state in STATES:
-        if world == saved_world:  # DeepSpeed's own load: each rank's partition as saved, padding included
-            assert all(new[f"{state}/0"].tobytes() == old[f"{state}/0"].tobytes() for old, new in zip(before, after))
-            continue
-        if stage < 3:  # one flat group, the ranks' partitions in rank order; only the tail padding differs
-            old = np.concatenate([rank[f"{state}/0"] for rank in before])
-            new = np.concatenate([rank[f"{state}/0"] for rank in after])
-            common = min(len(old), len(new))
-            assert new[:common].tobytes() == old[:common].tobytes(), state
-            assert not old[common:].any() and not new[common:].any(), state
-            continue
-        layout = after[0]["layout"]  # (numel, piece at ``world``) per parameter, in partition order
-        for index, rank in enumerate(after):
-            expected = []
-            for name, (numel, piece) in zip(names, layout):
-                assert piece == math.ceil(numel / world)
-                whole = np.zeros(piece * world, np.float32)
-                whole[:numel] = before[0][f"full/{state}/{name}"].reshape(-1)
-                expected.append(whole[index * piece:(index + 1) * piece])
-            assert rank[f"{state}/0"].tobytes() == np.concatenate(expected).tobytes(), (state, index)
-
-
 def _check(saved: dict, saved_world: int, target: Path, world: int, variants: tuple, results: list,
            native: bool = False) -> None:
     root, recorded = saved[saved_world]
@@ -105,12 +71,13 @@ def _check(saved: dict, saved_world: int, target: Path, world: int, variants: tu
             assert result["global_steps"] == at_save["global_steps"] == 2
             assert result["adam_step"] == at_save["adam_step"]
             assert result["scheduler"] == at_save["scheduler"] and result["lr"] == at_save["lr"]
-            assert math.isfinite(result["loss_after"])
-        for rank, partitions in enumerate(_ranks(target / name, world)):  # each rank read only its partition
+            assert all(math.isfinite(loss) for loss in result["losses_after"])
+        for rank, partitions in enumerate(records(target / name, world)):  # each rank read only its partition
             held = sum(len(partitions[key]) for key in partitions.files if key.startswith("fp32/"))
-            assert results[rank][index]["elements_read"] <= len(STATES) * held if not native else \
-                results[rank][index]["elements_read"] == 0
-        _assert_recut(root / "saved" / name, target / name, saved_world, world, stage, results[0][index]["names"])
+            assert results[rank][index]["bytes_read"] <= 4 * len(STATES) * held if not native else \
+                results[rank][index]["bytes_read"] == 0
+        assert_recut(records(root / "saved" / name, saved_world), records(target / name, world), stage,
+                     results[0][index]["names"])
 
 
 def test_saved_masters_are_deepspeeds_own_fp32_state_dict(saved: dict) -> None:

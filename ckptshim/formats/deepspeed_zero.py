@@ -60,7 +60,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import deepspeed_pipeline, safe_pickle, torch_globals, torch_pickle
-from ckptshim.formats.base import Checkpoint, FileInfo, Piece, file_info, open_regular, reader
+from ckptshim.formats.base import Checkpoint, FileInfo, Piece, file_info, open_regular, reader, storage_dtype
 from ckptshim.formats.dcp import read_exact
 from ckptshim.formats.kvstore import regular_size
 from ckptshim.formats.torch_globals import TensorRef
@@ -188,9 +188,9 @@ class Slot:
 
 @dataclass(frozen=True)
 class Flat:
-    """One rank's flat partition of one group (under ZeRO-3, of all its sub-groups): its 1-D
-    tensors in order, each read from the rank's file, whose storages' bytes begin at
-    ``storage_starts`` (the archive's offsets)."""
+    """One rank's flat partition of one group (under ZeRO-3, of all its sub-groups; or one rank's
+    piece of a ZeRO-3 frozen parameter): its 1-D tensors in order, each read from the rank's
+    file, whose storages' bytes begin at ``storage_starts`` (the archive's offsets)."""
 
     part: torch_pickle.TorchPickleCheckpoint
     refs: tuple[TensorRef, ...]
@@ -206,8 +206,9 @@ class Flat:
                 for ref in self.refs]
 
     def copy(self, start: int, stop: int, out: np.ndarray) -> None:
-        """Elements ``start .. stop`` of the concatenated tensors into ``out`` (1-D float32, that
-        long): a ``pread`` straight into ``out`` per tensor it spans, so that no page of the file
+        """Elements ``start .. stop`` of the concatenated tensors into ``out`` (1-D, that long, of
+        their storage dtype: :func:`~ckptshim.formats.base.storage_dtype`): a ``pread`` straight
+        into ``out`` per tensor it spans, so that no page of the file
         stays mapped (a load's memory is its destination); a tensor that is not one run of its
         storage is copied from the memory map."""
         base = 0
@@ -252,8 +253,10 @@ class Rank:
 class ZeroCheckpoint(Checkpoint):
     """A ZeRO tag folder; entries are the fp32 state dict DeepSpeed's ``zero_to_fp32`` makes.
 
-    ``slots`` places each trainable parameter in the partitions, ``ranks`` holds each readable
-    rank's partitions, ``engine`` the model states' bookkeeping (``ds_version``, ``global_steps``,
+    ``slots`` places each trainable parameter in the partitions, ``frozen`` lists the ZeRO-3
+    frozen parameters (their entries: shape, saved dtype) whose pieces every rank's model states
+    hold, ``ranks`` holds
+    each readable rank's partitions, ``engine`` the model states' bookkeeping (``ds_version``, ``global_steps``,
     ``ds_config``...): what a resume at another world size re-cuts.
     """
 
@@ -265,6 +268,8 @@ class ZeroCheckpoint(Checkpoint):
         self.ranks: Mapping[int, Rank] = layout.ranks
         self.engine: Mapping[str, Any] = layout.engine
         self._whole = layout.whole
+        self.frozen: Mapping[str, Entry] = layout.frozen
+        self._frozen_pieces = layout.frozen_pieces
         self._parts = layout.parts
 
     def read(self, entry: Entry) -> np.ndarray:
@@ -331,18 +336,32 @@ class ZeroCheckpoint(Checkpoint):
             found = self.ranks[rank]
             return found.fp32 if state is None else found.states[state]
 
-        if self.stage == 3:  # rank r holds elements r * piece .. (r + 1) * piece of every parameter
-            piece = -(-slot.numel // self.world)
-            for rank in range(start // piece, min(self.world, -(-end // piece))) if end > start else ():
-                lo, hi = max(start, rank * piece), min(end, (rank + 1) * piece)
-                flats(rank)[0].copy(slot.offset + lo - rank * piece, slot.offset + hi - rank * piece,
-                                    out[lo - start:hi - start])
+        if self.stage == 3:
+            _copy_pieces([flats(rank)[0] for rank in range(self.world)], slot.offset, slot.numel, start, stop, out)
             return out
         for rank, first, size in _rank_ranges(self.ranks, slot.group, self.world):
             lo, hi = max(slot.offset + start, first), min(slot.offset + end, first + size)
             if lo < hi:  # a moment is as long as the padded partition; its first ``size`` elements match
                 flats(rank)[slot.group].copy(lo - first, hi - first,
                                              out[lo - slot.offset - start:hi - slot.offset - start])
+        return out
+
+    def flat_group_of(self, name: str) -> int:
+        """The saved flat group holding trainable parameter ``name``: its param group's (ZeRO-1/2),
+        or the sub-group of every rank's partition its piece lies in (ZeRO-3)."""
+        slot = self.slots[name]
+        if self.stage != 3:
+            return slot.group
+        ends = np.cumsum([ref.shape[0] for ref in self.ranks[min(self.ranks)].fp32[0].refs])
+        return int(np.searchsorted(ends, slot.offset, side="right"))
+
+    def read_frozen_elements(self, name: str, start: int, stop: int) -> np.ndarray:
+        """ZeRO-3: elements ``start .. stop`` of frozen parameter ``name`` (one of :attr:`frozen`),
+        flattened, in the dtype its fragments were saved in (bfloat16 as its bits); zeros past its
+        end. Reads only the saved ranks' pieces that hold those elements."""
+        pieces = self._frozen_pieces[name]
+        out = np.zeros(stop - start, storage_dtype(pieces[0].refs[0].storage.dtype))
+        _copy_pieces(pieces, 0, math.prod(self.frozen[name].shape), start, stop, out)
         return out
 
     def _require_every_rank(self) -> None:
@@ -376,6 +395,20 @@ def _rank_ranges(ranks: Mapping[int, Rank], group: int, world: int) -> list[tupl
     return ranges
 
 
+def _copy_pieces(flats: list[Flat] | tuple[Flat, ...], offset: int, numel: int, start: int, stop: int,
+                 out: np.ndarray) -> None:
+    """ZeRO-3's geometry: rank ``r``'s flat (of ``len(flats)`` ranks) holds, from ``offset`` on,
+    elements ``r * piece .. (r + 1) * piece`` of a parameter of ``numel`` elements, ``piece``
+    being ``ceil(numel / world)``. Elements ``start .. stop`` of the parameter into ``out``
+    (those past ``numel`` are left as they are: the zero padding), reading only the ranks that
+    hold them."""
+    world, end = len(flats), min(stop, numel)
+    piece = -(-numel // world)
+    for rank in range(start // piece, min(world, -(-end // piece))) if end > start else ():
+        lo, hi = max(start, rank * piece), min(end, (rank + 1) * piece)
+        flats[rank].copy(offset + lo - rank * piece, offset + hi - rank * piece, out[lo - start:hi - start])
+
+
 def _as_float32(value: np.ndarray, stored: str) -> np.ndarray:
     """A floating buffer as float32, as ``zero_to_fp32`` makes it (``tensor.float()``): bfloat16
     widened by its bits, float16 and float64 as numpy casts them (IEEE round to nearest, as torch)."""
@@ -396,6 +429,8 @@ class _Layout:
     ranks: dict[int, Rank] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
     whole: dict[str, list[tuple[torch_pickle.TorchPickleCheckpoint, TensorRef]]] = field(default_factory=dict)
+    frozen: dict[str, Entry] = field(default_factory=dict)
+    frozen_pieces: dict[str, tuple[Flat, ...]] = field(default_factory=dict)
     parts: list[torch_pickle.TorchPickleCheckpoint] = field(default_factory=list)
     files: list[FileInfo] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -411,7 +446,9 @@ class _Archive:
     offsets: Mapping[str, int]  # where each storage's bytes begin in the file
 
 
-def _read(file: Path, step: Path, extra: torch_globals.ExtraGlobals, writer: str) -> _Archive:
+def _unpickle(file: Path, extra: torch_globals.ExtraGlobals) -> torch_pickle.Archive:
+    """``file``'s ``torch.save`` archive, read through the allow-listed unpickler (``extra``
+    besides torch's globals); a file that is not a regular, whole archive is named."""
     if regular_size(file) is None:  # a pipe would block the read; a folder is no archive
         raise CorruptCheckpointError(f"{file}: not a regular file; DeepSpeed writes a torch.save archive there")
     try:
@@ -421,6 +458,11 @@ def _read(file: Path, step: Path, extra: torch_globals.ExtraGlobals, writer: str
         raise CorruptCheckpointError(f"{file}: cannot be read ({error})") from None
     if archive.problems:
         raise CorruptCheckpointError(f"{file}: {'; '.join(archive.problems)}. Re-copy it from the original.")
+    return archive
+
+
+def _read(file: Path, step: Path, extra: torch_globals.ExtraGlobals, writer: str) -> _Archive:
+    archive = _unpickle(file, extra)
     if not isinstance(archive.tree, dict):
         raise CorruptCheckpointError(f"{file}: holds a {type(archive.tree).__name__}, not the dictionary "
                                      "DeepSpeed's save_checkpoint writes")
@@ -432,12 +474,13 @@ def _read(file: Path, step: Path, extra: torch_globals.ExtraGlobals, writer: str
                     archive.offsets)
 
 
-def read_state_file(file: Path, step: Path) -> None:
-    """Read ``file`` (a model- or optimizer-state file of tag folder ``step``) as DeepSpeed's
-    engine would unpickle it, through the allow-listed unpickler: a file needing any global but
-    torch's and :data:`MODEL_STATE_GLOBALS` is refused (:class:`~ckptshim.errors.UnsafeCheckpointError`),
-    a damaged one named (:class:`~ckptshim.errors.CorruptCheckpointError`)."""
-    _read(file, step, MODEL_STATE_GLOBALS, "").part.close()
+def read_state_file(file: Path) -> None:
+    """Read ``file`` (a ``.pt`` file DeepSpeed's engine would unpickle: model or optimizer states,
+    a universal checkpoint's per-parameter tensors) through the allow-listed unpickler: a file
+    needing any global but torch's and :data:`MODEL_STATE_GLOBALS` is refused
+    (:class:`~ckptshim.errors.UnsafeCheckpointError`), a damaged one named
+    (:class:`~ckptshim.errors.CorruptCheckpointError`). What it holds is DeepSpeed's to judge."""
+    _unpickle(file, MODEL_STATE_GLOBALS)
 
 
 #: More data-parallel ranks than any run has had: a larger ``dp_world_size`` is a damaged file.
@@ -597,9 +640,16 @@ def _is_flat(value: Any) -> bool:
 
 
 def _shapes(value: Any, what: str, step: Path) -> dict[str, tuple[int, ...]]:
-    if not isinstance(value, dict) or not all(type(k) is str and isinstance(v, torch_globals.Size) for k, v in value.items()):
+    """``{name: shape}`` as saved: ``torch.Size`` values, or plain tuples of sizes (an engine with
+    MoE layers saves those)."""
+    if not isinstance(value, dict) or not all(type(k) is str and _is_shape(v) for k, v in value.items()):
         raise CorruptCheckpointError(f"{step}: {what} is not a mapping of parameter names to shapes")
-    return value
+    return {name: tuple(shape) for name, shape in value.items()}
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, torch_globals.Size) or (type(value) is tuple and all(type(d) is int and d >= 0
+                                                                                  for d in value))
 
 
 def _entries(step: Path, models: dict[int, _Archive], layout: _Layout) -> list[Entry]:
@@ -618,8 +668,10 @@ def _entries(step: Path, models: dict[int, _Archive], layout: _Layout) -> list[E
     for name, shape in _shapes(first.tree.get("frozen_param_shapes") or {}, "frozen_param_shapes", step).items():
         pieces = _frozen_pieces(name, shape, models, layout)
         if pieces:
-            layout.whole[name] = pieces
-            entries.append(Entry(split_key(name), shape, pieces[0][1].storage.dtype, ("whole", name)))
+            layout.whole[name] = [(piece.part, piece.refs[0]) for piece in pieces]
+            entries.append(Entry(split_key(name), shape, pieces[0].refs[0].storage.dtype, ("whole", name)))
+            if layout.stage == 3:
+                layout.frozen[name], layout.frozen_pieces[name] = entries[-1], tuple(pieces)
     groups = first.tree.get("param_shapes")
     if not isinstance(groups, list):
         raise CorruptCheckpointError(f"{step}: the model states hold no param_shapes; not a ZeRO checkpoint")
@@ -694,11 +746,10 @@ def _place_zero3(groups: list[dict[str, tuple[int, ...]]], layout: _Layout) -> N
                                    "param_shapes")
 
 
-def _frozen_pieces(name: str, shape: tuple[int, ...], models: dict[int, _Archive],
-                   layout: _Layout) -> list[tuple[torch_pickle.TorchPickleCheckpoint, TensorRef]]:
+def _frozen_pieces(name: str, shape: tuple[int, ...], models: dict[int, _Archive], layout: _Layout) -> list[Flat]:
     """Where a frozen parameter's values are: whole in dp rank 0's fragments (ZeRO-2), or one
-    ``ceil(numel / world)`` piece in each rank's (ZeRO-3). Empty (and a problem) if a piece is
-    missing; a missing ZeRO-3 model file is already listed as missing."""
+    flat ``ceil(numel / world)`` piece in each rank's (ZeRO-3). Empty (and a problem) if a piece
+    is missing; a missing ZeRO-3 model file is already listed as missing."""
     numel = math.prod(shape)
     ranks, want = (range(layout.world), -(-numel // layout.world)) if layout.stage == 3 else ((0,), numel)
     pieces = []
@@ -708,10 +759,11 @@ def _frozen_pieces(name: str, shape: tuple[int, ...], models: dict[int, _Archive
             return []
         fragments = model.tree.get("frozen_param_fragments")
         ref = fragments.get(name) if isinstance(fragments, dict) else None
-        if not isinstance(ref, TensorRef) or math.prod(ref.shape) != want:
+        if not isinstance(ref, TensorRef) or math.prod(ref.shape) != want or \
+                (layout.stage == 3 and len(ref.shape) != 1):
             layout.problems.append(f"{model.info.path}: frozen_param_fragments holds no {want}-element piece of {name}")
             return []
-        pieces.append((model.part, ref))
+        pieces.append(Flat(model.part, (ref,), model.offsets))
     return pieces
 
 

@@ -42,9 +42,10 @@ import numpy as np
 import torch
 
 from ckptshim.errors import NoPlan
+from ckptshim.execute.destinations import as_tensor
 from ckptshim.formats import deepspeed_pipeline, deepspeed_zero
 from ckptshim.formats.deepspeed_zero import MOMENTS, ZeroCheckpoint
-from ckptshim.formats.torch_globals import TensorRef
+from ckptshim.formats.torch_globals import TensorRef, dtype_of
 from ckptshim.log import logger
 
 HOOK = "deepspeed DeepSpeedEngine.load_checkpoint"
@@ -73,13 +74,14 @@ def load_checkpoint(engine: Any, call: Mapping[str, Any], native: Callable[[], A
                          f"only {reason}.")
         source.require_complete()
         state = (_zero3_state if source.stage == 3 else _zero12_state)(engine.optimizer, source)
+        frozen = _zero3_frozen(engine, source) if source.stage == 3 else {}
     finally:
         if source is not None:
             source.close()
     logger.info("%s: ZeRO-%d checkpoint of %d data-parallel ranks re-cut for %d (rank %d read only the "
                 "elements of its own partition)", HOOK, source.stage, source.world, engine.seq_dp_world_size,
                 _dp_rank(engine.optimizer))
-    return _resume(engine, source.stage, state, native)
+    return _resume(engine, source.stage, state, frozen, native)
 
 
 # -- which files, which tag --------------------------------------------------------------------------
@@ -116,7 +118,7 @@ def _read_other_files(engine: Any, load_dir: Path, tag: str, source: ZeroCheckpo
     read = source.files_read if source is not None else frozenset()
     for file in sorted(found - read):
         if file.is_file():
-            deepspeed_zero.read_state_file(file, file.parent)
+            deepspeed_zero.read_state_file(file)
 
 
 def _why_not(engine: Any, source: ZeroCheckpoint, call: Mapping[str, Any]) -> str:
@@ -136,13 +138,21 @@ def _why_not(engine: Any, source: ZeroCheckpoint, call: Mapping[str, Any]) -> st
     live = {name: tuple(shape) for group in engine._get_zero_param_shapes() for name, shape in group.items()}
     saved = {name: slot.shape for name, slot in source.slots.items()}
     if live != saved:
-        differ = sorted(set(live) ^ set(saved)) or sorted(n for n in live if live[n] != saved[n])
-        return f"into an engine with the checkpoint's trainable parameters (they differ at {differ[:5]})"
+        return f"into an engine with the checkpoint's trainable parameters (they differ at {_differ(live, saved)})"
+    frozen = {name: tuple(param.ds_shape) for name, param in _frozen_params(engine).items()}
+    if source.frozen and frozen != {name: entry.shape for name, entry in source.frozen.items()}:
+        return (f"into an engine with the checkpoint's frozen parameters (they differ at "
+                f"{_differ(frozen, {name: entry.shape for name, entry in source.frozen.items()})})")
     extra = sorted({key for rank in source.ranks.values() for state in _group_states(source, rank)
                     for key, value in state.items() if _per_element(value) and key not in MOMENTS})
     if extra:
         return f"for the optimizer states {list(MOMENTS)} (the checkpoint also has {extra})"
     return ""
+
+
+def _differ(live: Mapping[str, tuple], saved: Mapping[str, tuple]) -> list[str]:
+    """The first few names where two ``{name: shape}`` mappings differ."""
+    return (sorted(set(live) ^ set(saved)) or sorted(n for n in live if live[n] != saved[n]))[:5]
 
 
 # -- this rank's state dict at M ranks -------------------------------------------------------------
@@ -206,46 +216,99 @@ def _zero3_layout(optimizer: Any, sub_group: int) -> list[tuple[str | None, int,
     return layout
 
 
-def _torch_state(source: ZeroCheckpoint, saved: Mapping[str, Any], layouts: Sequence[list], key: str) -> dict:
-    """The torch optimizer's state dict for this rank: per flat group, the saved scalars (``step``)
-    and the moments re-cut to ``layouts``; the saved hyperparameters."""
+def _torch_state(source: ZeroCheckpoint, saved: Mapping[str, Any], key: str, layouts: Sequence[list],
+                 held_in: Sequence[Sequence[int]], param_groups: Sequence[Sequence[int]]) -> dict:
+    """The torch optimizer's state dict for this rank. Per live flat group (``layouts``), the
+    moments re-cut to its layout and the other states (``step``) of the saved flat groups that
+    held its parameters (``held_in``), which must agree: a flat group only buckets per-parameter
+    states. The saved hyperparameters, param group ``g`` listing the flat groups
+    ``param_groups[g]``."""
     rank = source.ranks[min(source.ranks)]
-    inner = saved[key]
     states = _group_states(source, rank)
-    if len(states) != len(layouts) or not isinstance(inner.get("param_groups"), list):
-        raise NoPlan(f"{HOOK}: the checkpoint's optimizer has {len(states)} flat group(s), the engine's "
-                     f"{len(layouts)}; ckptshim re-cuts only the same groups.")
+    groups = saved[key].get("param_groups") if isinstance(saved[key], dict) else None  # an elastic one: a list
+    if not isinstance(groups, list) or len(groups) != len(param_groups):
+        raise NoPlan(f"{HOOK}: the checkpoint's optimizer has {len(groups) if isinstance(groups, list) else 'no'} "
+                     f"param group(s), the engine's {len(param_groups)}; ckptshim re-cuts only the same groups.")
     out = {}
-    for index, (state, layout) in enumerate(zip(states, layouts)):
-        out[index] = {name: _cut(source, layout, name) if name in MOMENTS else _value(rank, value, name)
-                      for name, value in state.items()}
-    return {"state": out, "param_groups": _plain(inner["param_groups"], "param_groups")}
+    for index, (layout, held) in enumerate(zip(layouts, held_in)):
+        scalars = [{name: _value(rank, value, name) for name, value in states[old].items() if name not in MOMENTS}
+                   for old in held]
+        if len({tuple(states[old]) for old in held}) > 1 or any(not _same(other, scalars[0]) for other in scalars):
+            raise NoPlan(f"{HOOK}: the checkpoint's flat groups {list(held)} hold flat group {index}'s parameters "
+                         "with different optimizer states besides the moments; ckptshim re-cuts only equal ones.")
+        out[index] = {name: _cut(source, layout, name) if name in MOMENTS else scalars[0][name]
+                      for name in (states[held[0]] if held else ())}
+    return {"state": out, "param_groups": [{**_plain(group, "param_groups"), "params": list(members)}
+                                           for group, members in zip(groups, param_groups)]}
 
 
 def _zero12_state(optimizer: Any, source: ZeroCheckpoint) -> dict:
-    """What ``DeepSpeedZeroOptimizer.state_dict()`` would have saved on this rank at M ranks."""
+    """What ``DeepSpeedZeroOptimizer.state_dict()`` would have saved on this rank at M ranks
+    (one flat group per param group, at any world size)."""
     saved = source.ranks[min(source.ranks)].optimizer
     layouts = [_zero12_layout(optimizer, group) for group in range(len(optimizer.round_robin_bit16_groups))]
+    if len(_group_states(source, source.ranks[min(source.ranks)])) != len(layouts):
+        raise NoPlan(f"{HOOK}: the checkpoint's optimizer has other flat groups than the engine's "
+                     f"{len(layouts)}; ckptshim re-cuts only the same groups.")
+    groups = [[group] for group in range(len(layouts))]
     return {
         **_globals(optimizer, saved),
         "clip_grad": _plain(saved.get("clip_grad", optimizer.clip_grad), "clip_grad"),
-        "base_optimizer_state": _torch_state(source, saved, layouts, "base_optimizer_state"),
+        "base_optimizer_state": _torch_state(source, saved, "base_optimizer_state", layouts, groups, groups),
         "single_partition_of_fp32_groups": [_cut(source, layout, None) for layout in layouts],
         "param_alignment_paddings": optimizer.round_robin_bit16_padding,  # the layout the cut follows
     }
 
 
 def _zero3_state(optimizer: Any, source: ZeroCheckpoint) -> dict:
-    """What ``DeepSpeedZeroOptimizer_Stage3.state_dict()`` would have saved on this rank at M ranks."""
+    """What ``DeepSpeedZeroOptimizer_Stage3.state_dict()`` would have saved on this rank at M
+    ranks. Its sub-groups are the engine's (``sub_group_size`` buckets each param group by the
+    elements of a rank's partition, so their number changes with the world size); each is filled
+    from the saved sub-groups holding its parameters, which must be of the same param group."""
     saved = source.ranks[min(source.ranks)].optimizer
     if saved.get("ds_zero_partition_groups") is not None:
         raise NoPlan(f"{HOOK}: the checkpoint records AutoEP partition groups, which ckptshim does not re-cut.")
     layouts = [_zero3_layout(optimizer, group) for group in range(len(optimizer.fp16_groups))]
+    held_in = [sorted({source.flat_group_of(name) for name, _, _ in layout}) for layout in layouts]
+    members = [[sub for sub, group in sorted(optimizer.sub_group_to_group_id.items()) if group == index]
+               for index in range(len(optimizer.optimizer.param_groups))]
+    saved_groups = saved["optimizer_state_dict"].get("param_groups")
+    saved_members = [group.get("params") if isinstance(group, dict) else None for group in saved_groups] \
+        if isinstance(saved_groups, list) else []
+    for index, subs in enumerate(members):
+        stray = [old for sub in subs for old in held_in[sub]
+                 if index >= len(saved_members) or old not in (saved_members[index] or ())]
+        if stray:
+            raise NoPlan(f"{HOOK}: the engine's param group {index} holds parameters the checkpoint kept in "
+                         f"another param group (its flat groups {sorted(set(stray))}); ckptshim re-cuts only the "
+                         "same param groups.")
     return {
         **_globals(optimizer, saved),
-        "optimizer_state_dict": _torch_state(source, saved, layouts, "optimizer_state_dict"),
+        "optimizer_state_dict": _torch_state(source, saved, "optimizer_state_dict", layouts, held_in, members),
         "fp32_flat_groups": [_cut(source, layout, None) for layout in layouts],
     }
+
+
+def _frozen_params(engine: Any) -> dict[str, Any]:
+    """The engine's ZeRO-3 parameters its optimizer does not own, by name: those DeepSpeed saves
+    in ``frozen_param_fragments`` (``_get_zero_frozen_param_attributes``)."""
+    from deepspeed.runtime.utils import is_optimized_parameter
+
+    return {engine.param_names[param]: param for param in engine.module.parameters()
+            if hasattr(param, "ds_id") and not is_optimized_parameter(param)}
+
+
+def _zero3_frozen(engine: Any, source: ZeroCheckpoint) -> dict[str, torch.Tensor]:
+    """What ``frozen_param_fragments`` would hold on this rank at M ranks: each frozen
+    parameter's ``ceil(numel / M)`` piece (``ds_tensor``), in the dtype it was saved in, read
+    from the saved ranks' pieces that hold it."""
+    rank, out = _dp_rank(engine.optimizer), {}
+    for name, param in _frozen_params(engine).items():
+        if name in source.frozen:
+            piece = param.ds_tensor.numel()
+            values = source.read_frozen_elements(name, rank * piece, (rank + 1) * piece)
+            out[name] = as_tensor(values, getattr(torch, source.frozen[name].dtype))
+    return out
 
 
 def _globals(optimizer: Any, saved: Mapping[str, Any]) -> dict:
@@ -262,6 +325,13 @@ def _globals(optimizer: Any, saved: Mapping[str, Any]) -> dict:
             **{key: _plain(saved[key], key) for key in ("dynamic_loss_scale", "overflow") if key in saved}}
 
 
+def _same(one: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
+    """Whether two flat groups' scalar states (``step``...) are equal, tensors bit for bit."""
+    return one.keys() == other.keys() and all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else
+        type(a) is type(b) and a == b for a, b in ((one[k], other[k]) for k in one))
+
+
 def _value(rank: Any, value: Any, name: str) -> Any:
     """A saved scalar state (``step``): a 0-d tensor read from the rank's file, or plain data."""
     if isinstance(value, TensorRef):
@@ -272,9 +342,13 @@ def _value(rank: Any, value: Any, name: str) -> Any:
 
 
 def _plain(value: Any, name: str) -> Any:
-    """``value`` if it is plain data (numbers, strings, containers of them), else :class:`NoPlan`."""
+    """``value`` if it is plain data (numbers, strings, containers of them; a torch dtype, as a
+    dynamic loss scaler keeps one), else :class:`NoPlan`."""
     if value is None or type(value) in (bool, int, float, str):
         return value
+    dtype = dtype_of(value)
+    if dtype is not None:
+        return getattr(torch, dtype)
     if type(value) in (list, tuple):
         return type(value)(_plain(item, name) for item in value)
     if type(value) is dict:
@@ -284,10 +358,12 @@ def _plain(value: Any, name: str) -> Any:
 
 # -- DeepSpeed's own load, with the re-cut state -----------------------------------------------------
 
-def _resume(engine: Any, stage: int, state: dict, native: Callable[[], Any]) -> Any:
+def _resume(engine: Any, stage: int, state: dict, frozen: Mapping[str, torch.Tensor], native: Callable[[], Any]) -> Any:
     """DeepSpeed's own ``load_checkpoint``, its ZeRO step handed ``state`` for this rank; under
     ZeRO-3 every rank reads dp rank 0's model states (as DeepSpeed's universal load does: they
-    hold placeholders and whole buffers, and an added rank has no file of its own)."""
+    hold placeholders and whole buffers, and an added rank has no file of its own), and its
+    ``load_module_state_dict`` copies this rank's pieces of the frozen parameters (``frozen``)
+    where dp rank 0's file has its own."""
     optimizer = engine.optimizer
 
     def load_zero_checkpoint(load_dir: str, tag: str, load_optimizer_states: bool = True) -> bool:
@@ -303,6 +379,12 @@ def _resume(engine: Any, stage: int, state: dict, native: Callable[[], Any]) -> 
             return sorted(glob.glob(engine._get_ckpt_name(checkpoints_path, tag, mp_placeholder="*",
                                                           pp_placeholder="0")))
         overrides["_get_all_ckpt_names"] = model_state_files
+
+        def load_module_state_dict(checkpoint: dict, *args: Any, **kwargs: Any) -> Any:
+            if checkpoint.get("frozen_param_fragments") is not None:
+                checkpoint = {**checkpoint, "frozen_param_fragments": frozen}
+            return type(engine).load_module_state_dict(engine, checkpoint, *args, **kwargs)
+        overrides["load_module_state_dict"] = load_module_state_dict
     with _instance_overrides(engine, overrides):
         return native()
 
