@@ -16,18 +16,16 @@ import orbax.checkpoint as ocp
 import pytest
 
 from ckptshim.errors import ShimError
-from support.fixtures import FIXTURES, copy_fixture
+from support.fixtures import copy_fixture, tiny_decoder_values
 from support.native import diagnosis
-from support.trees import assert_same, flat, nest, scanned_expected
+from support.trees import assert_same, flat, nest
 
 LAYERS = 3
 
 
 @pytest.fixture(scope="module")
 def values():
-    with np.load(FIXTURES / "_shared" / "tiny_decoder_values.npz") as npz:
-        unscanned = {"params/" + key: npz[key] for key in npz.files}
-    return {"unscanned": unscanned, "scanned": scanned_expected(unscanned, LAYERS, lambda key: 1)}
+    return tiny_decoder_values(LAYERS)
 
 
 @pytest.fixture(scope="module")

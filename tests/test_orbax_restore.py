@@ -18,7 +18,7 @@ import ckptshim
 from ckptshim.errors import ShimError
 from ckptshim.loading import jax as jax_loading
 from support.fixtures import copy_fixture
-from support.maxtext_states import LAYERS, abstract, items, key_data, restored_natively, train_state
+from support.maxtext_states import LAYERS, abstract, axis_of, items, key_data, restored_natively, train_state
 from support.native import diagnosis
 from support.trees import assert_same, flat, scanned_expected, unscanned_expected
 
@@ -31,10 +31,6 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def native(runs):
     return restored_natively(runs)
-
-
-def axis_of(key: str) -> int:
-    return 0 if "/rngs/" in key else 1
 
 
 @pytest.mark.parametrize("kind", ["abstract", "concrete"])

@@ -17,9 +17,9 @@ import ckptshim
 from ckptshim.errors import ShimError
 from ckptshim.hooks import orbax_v1
 from ckptshim.loading import jax as jax_loading
-from support.fixtures import FIXTURES, copy_fixture
-from support.maxtext_states import LAYERS, abstract, items, key_data, restored_natively, train_state
-from support.native import diagnosis, same_failure, without_and_with
+from support.fixtures import copy_fixture, tiny_decoder_values
+from support.maxtext_states import LAYERS, abstract, axis_of, items, key_data, restored_natively, train_state
+from support.native import same_failure, without_and_with
 from support.trees import assert_same, flat, nest, scanned_expected, unscanned_expected
 
 v1 = ocp.v1
@@ -33,10 +33,6 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def native(runs):
     return restored_natively(runs)
-
-
-def axis_of(key: str) -> int:
-    return 0 if "/rngs/" in key else 1
 
 
 def step_of(item):
@@ -112,9 +108,7 @@ def test_no_plan_leaves_v1s_error_with_ckptshims_note(runs, native):
 
 @pytest.fixture(scope="module")
 def old_values():
-    with np.load(FIXTURES / "_shared" / "tiny_decoder_values.npz") as npz:
-        unscanned = {"params/" + key: npz[key] for key in npz.files}
-    return {"unscanned": unscanned, "scanned": scanned_expected(unscanned, LAYERS, lambda key: 1)}
+    return tiny_decoder_values(LAYERS)
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ import numpy as np
 
 from ckptshim.execute import blocks
 from ckptshim.formats.base import Checkpoint, numpy_dtype, storage_dtype
-from ckptshim.inventory import Entry, KeyPath
-from ckptshim.ops import Drop, DropIfDerived, LayoutOp, Scale, Synthesize, require_kinds
+from ckptshim.inventory import Entry
+from ckptshim.ops import Drop, DropIfDerived, Scale, Synthesize, require_kinds
 from ckptshim.planner import Plan
 
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptshim.formats import safe_pickle, tensor_parallel, torch_globals, torch_pickle
-from ckptshim.formats.base import Checkpoint, FileInfo, file_info, open_regular, read_regular, reader
+from ckptshim.formats.base import Checkpoint, FileInfo, file_info, open_regular, reader
 from ckptshim.inventory import Entry, Inventory, KeyPath, dtype_name, join_key
 from ckptshim.layouts import neox
 from ckptshim.storage import Location

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from ckptshim.errors import NoPlan, ShimError, add_diagnosis

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key
-from ckptshim.ops import Chunk, Concat, JoinGroups, Op, Rename, Reorder, SplitGroups, Unstack, fits
+from ckptshim.ops import Chunk, Op, Rename, Reorder, SplitGroups, Unstack, fits
 from ckptshim.rules import Paired
 from ckptshim.rules.prefixes import strip_wrappers
 

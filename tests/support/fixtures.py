@@ -65,3 +65,15 @@ def array_sha256(array: np.ndarray) -> str:
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+def tiny_decoder_values(layers: int = 3) -> dict[str, dict[str, "np.ndarray"]]:
+    """The values every tiny-decoder fixture holds (``_shared/tiny_decoder_values.npz``), as flat
+    ``params/...`` keys: ``unscanned`` as stored, ``scanned`` stacked on axis 1 with numpy."""
+    import numpy as np
+
+    from support.trees import scanned_expected
+
+    with np.load(FIXTURES / "_shared" / "tiny_decoder_values.npz") as npz:
+        unscanned = {"params/" + key: npz[key] for key in npz.files}
+    return {"unscanned": unscanned, "scanned": scanned_expected(unscanned, layers, lambda key: 1)}

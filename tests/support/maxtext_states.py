@@ -11,6 +11,11 @@ RUNS = ("tiny_scanned", "tiny_unscanned")
 LAYERS = 3
 
 
+def axis_of(key: str) -> int:
+    """MaxText's scan axis of a flat key: NNX rng state stacks on axis 0, everything else on 1."""
+    return 0 if "/rngs/" in key else 1
+
+
 def items(root: Path) -> dict[str, Path]:
     """Each run's step-1 item folder below a copy of the fixture at ``root``."""
     return {name: root / name / "checkpoints" / "1" / "items" for name in RUNS}
