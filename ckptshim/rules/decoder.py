@@ -21,7 +21,7 @@ family is one :class:`Naming`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ckptshim.errors import PlanError
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key
@@ -30,13 +30,16 @@ from ckptshim.rules import Paired
 from ckptshim.rules.prefixes import strip_wrappers
 
 #: One layer's slots, and those outside the layers.
-LAYER_SLOTS = ("q", "k", "v", "o", "q_norm", "k_norm", "gate", "up", "down", "attn_norm", "mlp_norm")
+LAYER_SLOTS = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "gate", "up", "down",
+               "attn_norm", "mlp_norm")
 TOP_SLOTS = ("embed", "norm", "head")
 #: How a rotary embedding takes each head's dimensions: two halves (Hugging Face, Megatron-Core)
 #: or interleaved pairs (Meta's original layout, torchtitan's Llama, torchtune).
 HALVES, PAIRS = "halves", "pairs"
-#: The slots the rotary embedding turns.
-ROTARY = ("q", "k")
+#: The slots the rotary embedding turns (the query and key rows, and their biases where a model
+#: has them: Qwen2), and those of them laid out by query head (the others by key/value head).
+ROTARY = ("q", "k", "q_bias", "k_bias")
+QUERY = ("q", "q_bias")
 #: A layer index that stands for every layer: a producer's stacked array (Megatron-Core stores
 #: its layers so, one array per slot with the layer on axis 0).
 STACKED = -1
@@ -55,7 +58,7 @@ class Dims:
 
     def of(self, slot: str) -> tuple[int, str]:
         """A rotary slot's head count and the metadata field that gave it."""
-        return (self.heads, self.fields[0]) if slot == "q" else (self.kv_heads, self.fields[1])
+        return (self.heads, self.fields[0]) if slot in QUERY else (self.kv_heads, self.fields[1])
 
     def text(self) -> str:
         return (f"{self.heads} heads ({self.fields[0]}) in {self.kv_heads} key/value groups ({self.fields[1]}), "
@@ -79,7 +82,8 @@ class Naming:
     - ``rows``: per slot (or fused part, a key of ``fused``) its spellings under one layer, its
       own first (Megatron-Core's local spec stores its layer norms under the fused modules' names);
     - ``top``: per slot outside the layers, its key;
-    - ``rotary``: :data:`HALVES` or :data:`PAIRS`;
+    - ``rotary``: :data:`HALVES` or :data:`PAIRS`; ``None`` for a producer whose convention is its
+      model family's (torchtune's), until the model's config names the family (:meth:`with_rotary`);
     - ``stacked``: whether its checkpoints store each slot once for all layers (on axis 0).
     """
 
@@ -87,7 +91,7 @@ class Naming:
     layers: KeyPath
     rows: Mapping[str, tuple[KeyPath, ...]]
     top: Mapping[str, KeyPath]
-    rotary: str
+    rotary: str | None
     fused: Mapping[str, Fused] = field(default_factory=dict)
     stacked: bool = False
 
@@ -98,6 +102,10 @@ class Naming:
         spellings = {spelling: part for part, spelled in self.rows.items() for spelling in spelled}
         object.__setattr__(self, "_parts", spellings)
         object.__setattr__(self, "_top", {key: slot for slot, key in self.top.items()})
+
+    def with_rotary(self, rotary: str) -> Naming:
+        """These names with the rotary convention of the model family a config named."""
+        return replace(self, rotary=rotary)
 
     def slots(self, part: str) -> tuple[str, ...]:
         return self.fused[part].slots if part in self.fused else (part,)
@@ -146,7 +154,8 @@ HUGGING_FACE = Naming(
     "Hugging Face", ("model", "layers"),
     rows={"q": (("self_attn", "q_proj", "weight"),), "k": (("self_attn", "k_proj", "weight"),),
           "v": (("self_attn", "v_proj", "weight"),), "o": (("self_attn", "o_proj", "weight"),),
-          "q_norm": (("self_attn", "q_norm", "weight"),), "k_norm": (("self_attn", "k_norm", "weight"),),
+          "q_bias": (("self_attn", "q_proj", "bias"),), "k_bias": (("self_attn", "k_proj", "bias"),),
+          "v_bias": (("self_attn", "v_proj", "bias"),), "q_norm": (("self_attn", "q_norm", "weight"),), "k_norm": (("self_attn", "k_norm", "weight"),),
           "gate": (("mlp", "gate_proj", "weight"),), "up": (("mlp", "up_proj", "weight"),),
           "down": (("mlp", "down_proj", "weight"),), "attn_norm": (("input_layernorm", "weight"),),
           "mlp_norm": (("post_attention_layernorm", "weight"),)},
@@ -251,6 +260,11 @@ class _Composer:
         (target,) = targets
         if slot not in ROTARY or self.source.rotary == self.target.rotary:
             return Rename(entry.key, target.key)
+        unknown = next((names for names in (self.source, self.target) if names.rotary is None), None)
+        if unknown is not None:
+            return (f"{unknown.name} lays out {join_key(entry.key)}'s rotary dimensions as its model family does "
+                    "(interleaved pairs for a Llama, halves for a Qwen2), and no config of this load names the "
+                    "family (config.json's model_type); keep the checkpoint's own config.json beside it")
         dims = self.dims()
         if isinstance(dims, str):
             return dims.format(target=join_key(target.key), source=join_key(entry.key))

@@ -1,7 +1,7 @@
 """The hub's profile: a load between two producers' names of one decoder-only transformer.
 
 Each producer is one :class:`~ckptshim.rules.decoder.Naming` (Hugging Face's here, the others in
-their own modules: torchtitan's, Meta's original layout's, Megatron-Core's GPTModel's); a load
+their own modules: torchtitan's, Meta's original layout's, Megatron-Core's GPTModel's, torchtune's); a load
 from one into another is :func:`~ckptshim.rules.decoder.pair`'s composition through the
 canonical model. The profile fires only where the key sets prove it: the checkpoint holds one
 producer's names (Megatron-Core's stacked arrays only where its ``metadata.json`` says it wrote
@@ -20,10 +20,10 @@ from ckptshim.inventory import Inventory
 from ckptshim.rules import Paired, Rules
 from ckptshim.rules.context import LoadContext
 from ckptshim.rules.decoder import HUGGING_FACE, Dims, Naming, agreeing, pair, read_dims
-from ckptshim.rules.profiles import megatron_core, meta_llama, torchtitan
+from ckptshim.rules.profiles import megatron_core, meta_llama, torchtitan, torchtune
 
 #: Every producer's names, in the order a side is recognised.
-NAMINGS: tuple[Naming, ...] = (HUGGING_FACE, torchtitan.NAMES, meta_llama.NAMES, megatron_core.NAMES)
+NAMINGS: tuple[Naming, ...] = (HUGGING_FACE, torchtitan.NAMES, meta_llama.NAMES, megatron_core.NAMES, torchtune.NAMES)
 
 
 def side(inventory: Inventory, stacked: bool = False) -> Naming | None:
@@ -59,6 +59,7 @@ class DecoderLayout:
 
     def pair(self, source: Inventory, target: Inventory, rules: Rules) -> Paired:
         names = torchtitan.variants(self.source_names, self.target_names, source, target, self.config)
+        names = torchtune.variants(*names, self.config, self.target_config)
         return pair(*names, source, target, self._dims, self.stacked)
 
     def _dims(self) -> Dims | str:

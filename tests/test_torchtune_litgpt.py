@@ -1,0 +1,83 @@
+"""torchtune 0.6.1 and litgpt 0.5.13 checkpoints into Hugging Face's names, through the decoder
+hub: each family one more naming onto the canonical model.
+
+Against what each producer's own converter made of the same weights (tests/fixtures/torchtune_0.6.1
+and tests/fixtures/litgpt_0.5.13, see their ``produce.py``): torchtune's ``tune_to_hf`` /
+``qwen2_tune_to_hf``, litgpt's ``convert_lit_checkpoint``. Bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from support.markers import QUIET
+from test_decoder_hub import assert_same, empty_like
+
+pytestmark = QUIET
+
+TORCHTUNE = Path(__file__).parent / "fixtures" / "torchtune_0.6.1"
+LITGPT = Path(__file__).parent / "fixtures" / "litgpt_0.5.13"
+
+
+def hf_model(folder: Path) -> torch.nn.Module:
+    """The transformers model a folder's ``config.json`` describes, with its own random values."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).to(torch.bfloat16)
+
+
+def tune(family: str) -> dict[str, torch.Tensor]:
+    return torch.load(TORCHTUNE / family / "torchtune" / "epoch_0" / "model-00001-of-00001.bin", weights_only=True)
+
+
+def tune_to_hf(family: str) -> dict[str, torch.Tensor]:
+    """What torchtune's own converter made of the weights."""
+    return load_file(TORCHTUNE / family / "expected_hf.safetensors")
+
+
+# -- torchtune -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_load_state_dict_of_a_torchtune_checkpoint(family):
+    """``LlamaForCausalLM``/``Qwen2ForCausalLM``'s ``load_state_dict(torch.load(bin))``: Llama's
+    q/k permuted per head as ``tune_to_hf`` does, Qwen2's (and its biases) renamed only."""
+    model = hf_model(TORCHTUNE / family / "torchtune" / "epoch_0")
+    model.load_state_dict(tune(family))
+    assert_same(model.state_dict(), tune_to_hf(family))
+
+
+def test_qwen2_is_not_permuted_as_llama():
+    """The Qwen2 load renames q/k; Llama's permutation, which the Llama load applies, would have
+    moved them (the check can fail: the rows differ from their permuted selves)."""
+    model = hf_model(TORCHTUNE / "qwen2" / "torchtune" / "epoch_0")
+    model.load_state_dict(tune("qwen2"))
+    q = tune("qwen2")["layers.0.attn.q_proj.weight"]
+    loaded = model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(loaded, q)
+    permuted = q.view(8, 4, 2, -1).transpose(1, 2).reshape(q.shape)
+    assert not torch.equal(loaded, permuted)
+
+
+def test_without_a_family_the_query_rows_are_not_guessed():
+    """A torchtune state dict into a model with no config (no family): the load is torch's, which
+    refuses the names; the hint says why ckptshim did not map them."""
+    from ckptshim.inventory import Entry, Inventory, split_key
+    from ckptshim.planner import plan as make_plan
+    from ckptshim.rules.context import LoadContext
+    from ckptshim.rules.profiles import rules_for
+
+    def inventory(state_dict):
+        return Inventory([Entry(split_key(k), tuple(v.shape), "bfloat16") for k, v in state_dict.items()])
+
+    source, target = inventory(tune("llama3")), inventory(tune_to_hf("llama3"))
+    config = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8}
+    plan = make_plan(source, target, rules_for(LoadContext(source, target, "torch", target_config=config)))
+    assert not plan.complete
+    assert "model_type" in plan.hints[split_key("model.layers.0.self_attn.q_proj.weight")]
+    assert split_key("model.layers.0.self_attn.v_proj.weight") not in plan.missing
