@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from support.markers import QUIET
@@ -81,3 +82,33 @@ def test_without_a_family_the_query_rows_are_not_guessed():
     assert not plan.complete
     assert "model_type" in plan.hints[split_key("model.layers.0.self_attn.q_proj.weight")]
     assert split_key("model.layers.0.self_attn.v_proj.weight") not in plan.missing
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_dcp_load_of_a_torchtune_folder(family):
+    """``dcp.load`` of the ``epoch_0`` folder: its ``.bin`` read as a torch.save file, its
+    ``config.json`` naming the family (and the head counts)."""
+    folder = TORCHTUNE / family / "torchtune" / "epoch_0"
+    state_dict = hf_model(folder).state_dict()
+    dcp.load(state_dict, checkpoint_id=folder)
+    assert_same(state_dict, tune_to_hf(family))
+
+
+def test_dcp_load_of_a_torchtune_meta_folder():
+    """``FullModelMetaCheckpointer``'s folder: Meta's names, read through the same folder format."""
+    folder = TORCHTUNE / "llama3" / "meta" / "epoch_0"
+    state_dict = hf_model(folder).state_dict()
+    dcp.load(state_dict, checkpoint_id=folder)
+    assert_same(state_dict, tune_to_hf("llama3"))
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_a_hugging_face_folder_into_torchtune_names(family, tmp_path):
+    """The way back (``hf_to_tune``): a Hugging Face folder of the converted weights into
+    torchtune's names."""
+    model = hf_model(TORCHTUNE / family / "torchtune" / "epoch_0")
+    model.load_state_dict(tune_to_hf(family))
+    model.save_pretrained(tmp_path / "hf")
+    state_dict = empty_like(tune(family))
+    dcp.load(state_dict, checkpoint_id=tmp_path / "hf")
+    assert_same(state_dict, tune(family))
