@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
+from ckptshim.cli import main
 from support.markers import QUIET
 from test_decoder_hub import assert_same, empty_like
 
@@ -112,3 +113,63 @@ def test_a_hugging_face_folder_into_torchtune_names(family, tmp_path):
     state_dict = empty_like(tune(family))
     dcp.load(state_dict, checkpoint_id=tmp_path / "hf")
     assert_same(state_dict, tune(family))
+
+
+# -- litgpt ----------------------------------------------------------------------------------------
+
+
+def lit() -> dict[str, torch.Tensor]:
+    return torch.load(LITGPT / "final" / "lit_model.pth", weights_only=True)["model"]
+
+
+def lit_to_hf() -> dict[str, torch.Tensor]:
+    """What litgpt's own ``convert_lit_checkpoint`` made of the weights."""
+    return torch.load(LITGPT / "expected_hf" / "model.pth", weights_only=True)
+
+
+def lit_llama(**heads) -> torch.nn.Module:
+    """``LlamaForCausalLM`` of the litgpt model's dimensions (``model_config.yaml``'s)."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    dims = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8, **heads}
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=48, num_hidden_layers=2, vocab_size=37,
+                                  tie_word_embeddings=False, **dims)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def test_load_state_dict_of_a_litgpt_checkpoint_into_llama():
+    """``load_state_dict(torch.load("lit_model.pth")["model"])``: ``attn.qkv`` cut into q, k, v."""
+    model = lit_llama()
+    model.load_state_dict(lit())
+    assert_same(model.state_dict(), lit_to_hf())
+
+
+def test_dcp_load_of_a_litgpt_file_into_llama():
+    """``dcp.load`` of ``lit_model.pth``: the ``{"model": ...}`` root, and the heads of the
+    ``model_config.yaml`` beside it."""
+    state_dict = lit_llama().state_dict()
+    dcp.load(state_dict, checkpoint_id=LITGPT / "final" / "lit_model.pth")
+    assert_same(state_dict, lit_to_hf())
+
+
+def test_a_litgpt_near_miss_is_refused_naming_both_head_counts(tmp_path, capsys):
+    """``convert --like`` a folder of 4 heads of 16 in 1 group: the same shapes as litgpt's 8 heads
+    of 8 in 2 groups (model_config.yaml), which would load without an error and compute garbage."""
+    lit_llama(num_attention_heads=4, num_key_value_heads=1, head_dim=16).save_pretrained(tmp_path / "like")
+    assert main(["convert", str(LITGPT / "final" / "lit_model.pth"), str(tmp_path / "out.safetensors"), "--to",
+                 "safetensors", "--like", str(tmp_path / "like")]) != 0
+    said = capsys.readouterr().err
+    assert "8 heads (n_head) in 2 key/value groups (n_query_groups), head_dim 8" in said
+    assert "4 heads (num_attention_heads) in 1 key/value groups (num_key_value_heads), head_dim 16" in said
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_hugging_face_folder_into_litgpt_names(tmp_path):
+    """The way back (litgpt's ``convert_hf_checkpoint``): q, k and v joined into ``attn.qkv``."""
+    model = lit_llama()
+    model.load_state_dict(lit_to_hf())
+    model.save_pretrained(tmp_path / "hf")
+    state_dict = empty_like(lit())
+    dcp.load(state_dict, checkpoint_id=tmp_path / "hf")
+    assert_same(state_dict, lit())

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
-from ckptshim.errors import PlanError
+from ckptshim.errors import MetadataConflict, PlanError
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key
 from ckptshim.ops import Chunk, Concat, JoinGroups, Op, Rename, Reorder, SplitGroups, Unstack, fits
 from ckptshim.rules import Paired
@@ -141,12 +141,13 @@ class Naming:
             del found[unit]
         return found
 
-    def marks(self, inventory: Inventory) -> bool:
+    def marks(self, inventory: Inventory, root: KeyPath = ()) -> bool:
         """Whether ``inventory`` holds layer 0's first row (the query projection, or the fused
-        array holding it) under these names: looked up, not searched for, so that loads of other
-        models pay one lookup per producer."""
+        array holding it) under these names (below ``root``: the attribute a Lightning module
+        holds the model in): looked up, not searched for, so that loads of other models pay one
+        lookup per producer."""
         first = next(iter(self.rows.values()))[0]
-        return (*self.layers, "0", *first) in inventory
+        return (*root, *self.layers, "0", *first) in inventory
 
 
 #: ``LlamaForCausalLM`` (and the Llama-like models transformers names alike: Mistral, Qwen2/3).
@@ -288,6 +289,8 @@ class _Composer:
         how = fusing.fused[part]
         keys = tuple(p.key for p in parts)
         if not how.by_group:
+            if any(slot in ROTARY for slot in how.slots):
+                self.dims()  # cut by sizes, but two sides' head counts that disagree are refused
             sizes = tuple(p.shape[0] for p in parts[:len(how.slots)])
             op = (Chunk(fused.key, _by_slot(keys, len(how.slots)), 1, sizes, 0) if stacked
                   else Chunk(fused.key, keys, 0, sizes))
@@ -329,18 +332,19 @@ def _shapes(fused: Entry, parts: list[Entry]) -> Callable[[KeyPath], tuple[int, 
 #: defaults from (``hidden // heads``, as each producer defaults it).
 DESCRIPTIONS = {"meta": ("params.json", "n_heads", "n_kv_heads", None, "dim"),
                 "megatron": ("run_config.yaml", "num_attention_heads", "num_query_groups", "kv_channels", "hidden_size"),
+                "litgpt": ("model_config.yaml", "n_head", "n_query_groups", "head_size", "n_embd"),
                 "hf": ("the Hugging Face folder's config.json", "num_attention_heads", "num_key_value_heads",
                        "head_dim", "hidden_size")}
 
 
 def read_dims(config: Mapping | None) -> Dims | None:
     """The :class:`Dims` a model description gives -- Meta's ``params.json`` (``n_heads``),
-    Megatron's run config (``num_query_groups``, ``kv_channels``), a Hugging Face
-    ``config.json`` -- or ``None`` without one; a value that is no positive whole number is
+    litgpt's ``model_config.yaml`` (``n_head``, ``n_query_groups``, ``head_size``), Megatron's run
+    config (``num_query_groups``, ``kv_channels``), a Hugging Face ``config.json`` -- or ``None`` without one; a value that is no positive whole number is
     refused, naming it."""
     if config is None:
         return None
-    kind = ("meta" if "n_heads" in config else
+    kind = ("meta" if "n_heads" in config else "litgpt" if "n_head" in config else
             "megatron" if "num_query_groups" in config or "kv_channels" in config else "hf")
     origin, heads_field, kv_field, head_dim_field, hidden_field = DESCRIPTIONS[kind]
     heads = _positive(config, heads_field, origin)
@@ -358,7 +362,7 @@ def agreeing(source: Dims | None, target: Dims | None) -> Dims | None:
     if source is None or target is None:
         return source or target
     if (source.heads, source.kv_heads, source.head_dim) != (target.heads, target.kv_heads, target.head_dim):
-        raise PlanError(f"{source.origin} (the checkpoint's) says {source.text()}, but {target.origin} (the "
+        raise MetadataConflict(f"{source.origin} (the checkpoint's) says {source.text()}, but {target.origin} (the "
                         f"target's) says {target.text()}: the same shapes under another head grouping would load "
                         "without an error and compute garbage. Build the target from the checkpoint's own config.")
     return source
