@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from ckptshim.cli import main
+from support.fixtures import writable_copy
 from support.markers import QUIET
 from test_decoder_hub import assert_same, empty_like
 
@@ -173,3 +174,34 @@ def test_a_hugging_face_folder_into_litgpt_names(tmp_path):
     state_dict = empty_like(lit())
     dcp.load(state_dict, checkpoint_id=tmp_path / "hf")
     assert_same(state_dict, lit())
+
+
+def test_convert_a_litgpt_file_like_a_hugging_face_folder(tmp_path):
+    lit_llama().save_pretrained(tmp_path / "like")
+    out = tmp_path / "model.safetensors"
+    assert main(["convert", str(LITGPT / "final" / "lit_model.pth"), str(out), "--to", "safetensors", "--like",
+                 str(tmp_path / "like")]) == 0
+    assert_same(load_file(out), lit_to_hf())
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_convert_a_torchtune_folder_like_a_hugging_face_folder(family, tmp_path):
+    hf_model(TORCHTUNE / family / "torchtune" / "epoch_0").save_pretrained(tmp_path / "like")
+    out = tmp_path / "model.safetensors"
+    assert main(["convert", str(TORCHTUNE / family / "torchtune" / "epoch_0"), str(out), "--to", "safetensors",
+                 "--like", str(tmp_path / "like")]) == 0
+    assert_same(load_file(out), tune_to_hf(family))
+
+
+def test_a_torchtune_folder_missing_a_file_is_incomplete(tmp_path, capsys):
+    """A two-file save with its second file gone: ``inspect`` names it, and a load refuses the
+    folder, leaving the target untouched."""
+    folder = writable_copy(TORCHTUNE / "llama3" / "torchtune" / "epoch_0", tmp_path / "epoch_0")
+    (folder / "model-00001-of-00001.bin").rename(folder / "model-00001-of-00002.bin")
+    main(["inspect", str(folder)])
+    assert "model-00002-of-00002.bin: missing" in capsys.readouterr().out
+    model = hf_model(folder)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(BaseException, match=r"model-00002-of-00002\.bin"):
+        dcp.load(model.state_dict(), checkpoint_id=folder)
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
