@@ -41,18 +41,23 @@ def sides(context: LoadContext) -> tuple[Naming, Naming] | None:
     checkpoint's names may be below a root prefix the target lacks (litgpt's ``{"model": ...}``,
     a Lightning module's attribute): the planner sets it aside (:mod:`ckptshim.rules.roots`) and
     plans the re-keyed checkpoint with these rules."""
-    root = root_prefix(context.source, context.target)
-    root = root.prefix if root is not None and root.side == "checkpoint" else ()
-    if context.backend != "torch" or not any(naming.marks(inv, at) for naming in NAMINGS
-                                            for inv, at in ((context.source, root), (context.target, ()))):
-        if context.producer != megatron_core.PRODUCER:
-            return None
-    source = side(context.source, context.producer == megatron_core.PRODUCER) or (
-        side(context.source, root=root) if root else None)
+    megatron = context.producer == megatron_core.PRODUCER
+    if context.backend != "torch" and not megatron:
+        return None
     target = side(context.target)
-    if source is None or target is None or source is target:
+    if target is None:
+        return None
+    source = side(context.source, megatron) or _below_root(context.source, context.target)
+    if source is None or source is target:
         return None
     return source, target
+
+
+def _below_root(source: Inventory, target: Inventory) -> Naming | None:
+    """The producer whose names ``source`` holds below a root prefix ``target`` lacks (looked for
+    only once the target's names are known and the checkpoint's are not at its top)."""
+    root = root_prefix(source, target)
+    return side(source, root=root.prefix) if root is not None and root.side == "checkpoint" else None
 
 
 @dataclass(frozen=True, eq=False)  # holds the model configs
