@@ -8,6 +8,7 @@ and tests/fixtures/litgpt_0.5.13, see their ``produce.py``): torchtune's ``tune_
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -204,4 +205,19 @@ def test_a_torchtune_folder_missing_a_file_is_incomplete(tmp_path, capsys):
     before = {key: value.clone() for key, value in model.state_dict().items()}
     with pytest.raises(BaseException, match=r"model-00002-of-00002\.bin"):
         dcp.load(model.state_dict(), checkpoint_id=folder)
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+
+
+def test_a_torchtune_folder_of_another_family_is_not_permuted_on_a_guess(tmp_path):
+    """Its config.json names a family ckptshim has no rotary convention for: the query and key rows
+    are not mapped, the load refused with the hint, and the target left untouched."""
+    folder = writable_copy(TORCHTUNE / "llama3" / "torchtune" / "epoch_0", tmp_path / "epoch_0")
+    config = json.loads((folder / "config.json").read_text())
+    model = hf_model(folder)
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(BaseException) as error:
+        dcp.load(model.state_dict(), checkpoint_id=folder)
+    said = str(error.value) + "".join(getattr(error.value, "__notes__", []))
+    assert "model_type" in said and "self_attn.q_proj.weight" in said
     assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())

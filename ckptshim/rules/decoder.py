@@ -264,8 +264,9 @@ class _Composer:
         unknown = next((names for names in (self.source, self.target) if names.rotary is None), None)
         if unknown is not None:
             return (f"{unknown.name} lays out {join_key(entry.key)}'s rotary dimensions as its model family does "
-                    "(interleaved pairs for a Llama, halves for a Qwen2), and no config of this load names the "
-                    "family (config.json's model_type); keep the checkpoint's own config.json beside it")
+                    "(interleaved pairs for a Llama, halves for a Qwen2), and no config of this load names a "
+                    "family whose convention ckptshim knows (config.json's model_type); keep the checkpoint's "
+                    "own config.json beside it, or convert it with the producer's own converter")
         dims = self.dims()
         if isinstance(dims, str):
             return dims.format(target=join_key(target.key), source=join_key(entry.key))
