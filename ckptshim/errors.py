@@ -45,6 +45,11 @@ class PlanError(ShimError):
     """The source cannot be mapped onto the target without guessing or losing data."""
 
 
+class MetadataConflict(PlanError):
+    """The checkpoint's model description and the target's disagree on what decides the layout
+    (head counts of the same shapes): whatever the key names, a load would compute garbage."""
+
+
 class NoPlan(PlanError):
     """ckptshim has no plan that makes this checkpoint fit this target (names, shapes or dtypes
     that no rule mends). The load is the framework's to carry out or refuse: a hook that meets

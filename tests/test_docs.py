@@ -252,6 +252,10 @@ QUOTED_ERRORS = {
     ("megatron-core.md", "RuntimeError: Missing key in checkpoint state_dict: lm_head.weight."): "megatron into llama",
     ("meta-llama.md", "AssertionError: metadata is None; global metadata read failed: [Errno 2] No such file or directory: '.../mp2/.metadata'"): "meta dcp",
     ("meta-llama.md", 'Error(s) in loading state_dict for LlamaForCausalLM: Missing key(s) in state_dict: "model.embed_tokens.weight", ...'): "meta state dict",
+    ("torchtune.md", "AssertionError: metadata is None; global metadata read failed: [Errno 2] No such file or directory: '.../epoch_0/.metadata'"): "torchtune dcp",
+    ("torchtune.md", 'Error(s) in loading state_dict for LlamaForCausalLM: Missing key(s) in state_dict: "model.embed_tokens.weight", ...'): "torchtune state dict",
+    ("litgpt.md", "AssertionError: metadata is None; global metadata read failed: [Errno 20] Not a directory: '.../lit_model.pth/.metadata'"): "litgpt dcp",
+    ("litgpt.md", 'Error(s) in loading state_dict for LlamaForCausalLM: Missing key(s) in state_dict: "model.embed_tokens.weight", ...'): "litgpt state dict",
 }
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from ckptshim.errors import CorruptCheckpointError, InternalError, UnknownFormatError
 from ckptshim.formats import (dcp, deepspeed_pipeline, deepspeed_zero, flax_msgpack, hf_dir, megatron_core,
-                              meta_llama, orbax, orbax_manager, paxml, paxml_flax, safetensors, t5x, torch_pickle)
+                              meta_llama, orbax, orbax_manager, paxml, paxml_flax, safetensors, t5x, torch_pickle,
+                              torchtune)
 from ckptshim.formats.base import Checkpoint, Format, reading
 from ckptshim.storage import Location, UnsupportedLocation
 
@@ -29,6 +30,7 @@ from ckptshim.storage import Location, UnsupportedLocation
 PRECEDENCE: tuple[tuple[Format, Format, str], ...] = (
     (hf_dir, safetensors, "a Hugging Face folder's weights are safetensors files; the folder says which"),
     (hf_dir, torch_pickle, "a Hugging Face folder's weights may be pytorch_model.bin; the folder says which"),
+    (hf_dir, torchtune, "a Hugging Face folder's weights file is the one transformers reads, whatever else is beside it"),
     (deepspeed_zero, deepspeed_pipeline,
      "a ZeRO folder holds mp_rank_00_model_states.pt too (its 16-bit module), which the pipeline reader "
      "would read, missing the fp32 masters in the optimizer partitions"),
@@ -51,8 +53,8 @@ def ranked(formats: tuple[Format, ...], precedence: tuple[tuple[Format, Format, 
 
 #: Every format, most specific first: a directory format before the single files it may contain,
 #: and each pair of :data:`PRECEDENCE` in its order.
-FORMATS: tuple[Format, ...] = ranked((hf_dir, dcp, megatron_core, meta_llama, deepspeed_zero, deepspeed_pipeline, paxml_flax, t5x,
-                                      paxml, orbax, orbax_manager, safetensors, torch_pickle, flax_msgpack), PRECEDENCE)
+FORMATS: tuple[Format, ...] = ranked((hf_dir, torchtune, dcp, megatron_core, meta_llama, deepspeed_zero,
+                                      deepspeed_pipeline, paxml_flax, t5x, paxml, orbax, orbax_manager, safetensors, torch_pickle, flax_msgpack), PRECEDENCE)
 #: The backends whose load calls name a checkpoint (see each format's ``READERS``).
 BACKENDS = ("torch", "jax")
 #: The formats whose ``open_checkpoint`` reads a remote :class:`~ckptshim.storage.Location`, in

@@ -98,10 +98,14 @@ def _open_file(path: Path) -> Checkpoint:
 
 
 class HFDirCheckpoint(Checkpoint):
-    def __init__(self, path: Path, version: str, parts: dict[str, Checkpoint], files, problems) -> None:
-        entries = [Entry(e.key, e.shape, e.dtype, (name, e.location))
-                   for name, part in parts.items() for e in part.inventory.values()]
-        super().__init__(path, NAME, version, Inventory(entries, str(path)), tuple(files), tuple(problems))
+    """A folder of weight files that together hold the model (``name``: the format that found
+    them, a Hugging Face folder's or another producer's); each entry is read from its file."""
+
+    def __init__(self, path: Path, version: str, parts: dict[str, Checkpoint], files, problems,
+                 name: str = NAME) -> None:
+        entries = [Entry(e.key, e.shape, e.dtype, (shard, e.location))
+                   for shard, part in parts.items() for e in part.inventory.values()]
+        super().__init__(path, name, version, Inventory(entries, str(path)), tuple(files), tuple(problems))
         self._parts = parts
         #: every shard stores its arrays row-major (see ``SafetensorsCheckpoint.row_major``)
         self.row_major = all(getattr(part, "row_major", False) for part in parts.values())

@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
-from ckptshim.formats import dcp, zarr
+from ckptshim.formats import dcp, model_yaml, zarr
 from ckptshim.formats.kvstore import regular_size
-from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, read_regular, reader,
-                                   reading, storage_dtype, strict_json)
+from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, reader,
+                                   storage_dtype, strict_json)
 from ckptshim.inventory import Entry, Inventory, split_key
 from ckptshim.storage import Location
 
@@ -77,7 +77,6 @@ def config(path: Path) -> Config | None:
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 #: Megatron-Bridge's record of the run beside each iteration: the model's config under ``model:``.
 RUN_CONFIG_FILE = "run_config.yaml"
-MAX_RUN_CONFIG_BYTES = 1024 * 1024
 
 
 def iteration_folder(path: Path) -> Path | None:
@@ -99,14 +98,10 @@ def run_config(path: Path) -> dict | None:
     """The model's config from ``run_config.yaml`` in a Megatron-Core checkpoint folder (its
     ``model:`` mapping, where the run nests it so), the head counts the hub needs; ``None``
     without one. Parsed with PyYAML's safe loader (plain data only), from a small regular file."""
-    where = Path(path) / RUN_CONFIG_FILE
-    if config(path) is None or not where.is_file():
+    if config(path) is None:
         return None
-    import yaml  # transformers' own dependency: present wherever an HF target is
-
-    with reading(where, "reading Megatron's run config"):
-        found = yaml.safe_load(read_regular(where, MAX_RUN_CONFIG_BYTES))
-    model = found.get("model", found) if isinstance(found, dict) else None
+    found = model_yaml.read_mapping(Path(path) / RUN_CONFIG_FILE, "reading Megatron's run config")
+    model = found.get("model", found) if found is not None else None
     return model if isinstance(model, dict) else None
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptshim.formats import megatron_core as megatron_core_format
+from ckptshim.formats import model_yaml
 from ckptshim.formats.base import Checkpoint
 from ckptshim.inventory import Inventory
 from ckptshim.loading.paths import local_path
@@ -31,11 +32,13 @@ def producer(location: Any) -> str | None:
 
 def producer_config(location: Any) -> dict | None:
     """The model description a producer keeps beside its checkpoint where it is no Hugging Face
-    ``config.json``: Megatron's ``run_config.yaml`` (the head counts of its fused QKV)."""
+    ``config.json``: Megatron's ``run_config.yaml`` in its folder (the head counts of its fused
+    QKV), litgpt's ``model_config.yaml`` beside ``lit_model.pth`` (``n_head``, ``n_query_groups``)."""
     path = None if location is None else local_path(location)
-    if path is None or not Path(path).is_dir():
+    if path is None or not Path(path).exists():
         return None
-    return megatron_core_format.run_config(Path(path))
+    megatron = megatron_core_format.run_config(Path(path)) if Path(path).is_dir() else None
+    return megatron if megatron is not None else model_yaml.litgpt_config(Path(path))
 
 
 def model_names(checkpoint: Checkpoint) -> tuple[Inventory, str] | None:

@@ -29,7 +29,7 @@ import dataclasses
 from itertools import repeat
 from operator import attrgetter
 
-from ckptshim.errors import AmbiguousNameError, PlanError
+from ckptshim.errors import AmbiguousNameError, MetadataConflict, PlanError
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory, KeyPath, gc_paused, join_key
 from ckptshim.keytext import ranges
 from ckptshim.ops import (NOT_PERSISTENT, OWN_VALUE, Cast, DropIfDerived, Op, Rename, Scale, Stack, Synthesize, Tie,
@@ -70,11 +70,13 @@ def _rooted(source: Inventory, target: Inventory, rules: Rules) -> Plan:
     """The plan with the root prefix set aside where the prefix alone makes the two key sets
     one (the plan then is the root's renames); else the plan without it where that is complete;
     else the plan with it (every other rule applied to the re-keyed checkpoint) where that one
-    is; else the plan without it, whose answer names what does not match."""
+    is; else, where the two sides' model descriptions disagree (:class:`MetadataConflict`), that
+    refusal: no key naming makes such a load right; else the plan without it, whose answer names
+    what does not match."""
     plain = dataclasses.replace(rules, root=None)
     if rules.root.exact(source, target):
         rooted = _under_root(source, target, plain, rules.root)
-        if rooted is not None and rooted.complete:
+        if isinstance(rooted, Plan) and rooted.complete:
             return rooted
         return plan(source, target, plain)
     try:
@@ -85,6 +87,8 @@ def _rooted(source: Inventory, target: Inventory, rules: Rules) -> Plan:
         if found.complete:
             return found
     rooted = _under_root(source, target, plain, rules.root) if _may_fit(source, target, rules) else None
+    if isinstance(rooted, MetadataConflict):
+        raise rooted
     if rooted is not None and rooted.complete:
         return rooted
     if found is None:
@@ -102,9 +106,11 @@ def _may_fit(source: Inventory, target: Inventory, rules: Rules) -> bool:
     return rules.root.heads(source) == heads(target)
 
 
-def _under_root(source: Inventory, target: Inventory, rules: Rules, root: RootPrefix) -> Plan | None:
+def _under_root(source: Inventory, target: Inventory, rules: Rules,
+                root: RootPrefix) -> Plan | MetadataConflict | None:
     """The plan of the checkpoint re-keyed by ``root``, its ops naming the checkpoint's own keys;
-    ``None`` where a key falls outside the prefix, two keys become one, or planning fails."""
+    ``None`` where a key falls outside the prefix, two keys become one, or planning fails; the
+    refusal where the two sides' model descriptions disagree."""
     original: dict[KeyPath, KeyPath] = {}
     entries = []
     for entry in source.values():
@@ -114,6 +120,8 @@ def _under_root(source: Inventory, target: Inventory, rules: Rules, root: RootPr
         entries.append(Entry(key, entry.shape, entry.dtype, entry.location))
     try:
         found = plan(Inventory(entries, source.source), target, rules)
+    except MetadataConflict as error:
+        return error
     except PlanError:
         return None
     if all(type(op) is Rename for op in found.ops):  # a million renames: in bulk

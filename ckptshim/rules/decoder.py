@@ -21,22 +21,25 @@ family is one :class:`Naming`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from ckptshim.errors import PlanError
+from ckptshim.errors import MetadataConflict, PlanError
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key
 from ckptshim.ops import Chunk, Op, Rename, Reorder, SplitGroups, Unstack, fits
 from ckptshim.rules import Paired
 from ckptshim.rules.prefixes import strip_wrappers
 
 #: One layer's slots, and those outside the layers.
-LAYER_SLOTS = ("q", "k", "v", "o", "q_norm", "k_norm", "gate", "up", "down", "attn_norm", "mlp_norm")
+LAYER_SLOTS = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "gate", "up", "down",
+               "attn_norm", "mlp_norm")
 TOP_SLOTS = ("embed", "norm", "head")
 #: How a rotary embedding takes each head's dimensions: two halves (Hugging Face, Megatron-Core)
 #: or interleaved pairs (Meta's original layout, torchtitan's Llama, torchtune).
 HALVES, PAIRS = "halves", "pairs"
-#: The slots the rotary embedding turns.
-ROTARY = ("q", "k")
+#: The slots the rotary embedding turns (the query and key rows, and their biases where a model
+#: has them: Qwen2), and those of them laid out by query head (the others by key/value head).
+ROTARY = ("q", "k", "q_bias", "k_bias")
+QUERY = ("q", "q_bias")
 #: A layer index that stands for every layer: a producer's stacked array (Megatron-Core stores
 #: its layers so, one array per slot with the layer on axis 0).
 STACKED = -1
@@ -55,7 +58,7 @@ class Dims:
 
     def of(self, slot: str) -> tuple[int, str]:
         """A rotary slot's head count and the metadata field that gave it."""
-        return (self.heads, self.fields[0]) if slot == "q" else (self.kv_heads, self.fields[1])
+        return (self.heads, self.fields[0]) if slot in QUERY else (self.kv_heads, self.fields[1])
 
     def text(self) -> str:
         return (f"{self.heads} heads ({self.fields[0]}) in {self.kv_heads} key/value groups ({self.fields[1]}), "
@@ -79,7 +82,8 @@ class Naming:
     - ``rows``: per slot (or fused part, a key of ``fused``) its spellings under one layer, its
       own first (Megatron-Core's local spec stores its layer norms under the fused modules' names);
     - ``top``: per slot outside the layers, its key;
-    - ``rotary``: :data:`HALVES` or :data:`PAIRS`;
+    - ``rotary``: :data:`HALVES` or :data:`PAIRS`; ``None`` for a producer whose convention is its
+      model family's (torchtune's), until the model's config names the family (:meth:`with_rotary`);
     - ``stacked``: whether its checkpoints store each slot once for all layers (on axis 0).
     """
 
@@ -87,7 +91,7 @@ class Naming:
     layers: KeyPath
     rows: Mapping[str, tuple[KeyPath, ...]]
     top: Mapping[str, KeyPath]
-    rotary: str
+    rotary: str | None
     fused: Mapping[str, Fused] = field(default_factory=dict)
     stacked: bool = False
 
@@ -98,6 +102,10 @@ class Naming:
         spellings = {spelling: part for part, spelled in self.rows.items() for spelling in spelled}
         object.__setattr__(self, "_parts", spellings)
         object.__setattr__(self, "_top", {key: slot for slot, key in self.top.items()})
+
+    def with_rotary(self, rotary: str) -> Naming:
+        """These names with the rotary convention of the model family a config named."""
+        return replace(self, rotary=rotary)
 
     def slots(self, part: str) -> tuple[str, ...]:
         return self.fused[part].slots if part in self.fused else (part,)
@@ -133,12 +141,13 @@ class Naming:
             del found[unit]
         return found
 
-    def marks(self, inventory: Inventory) -> bool:
+    def marks(self, inventory: Inventory, root: KeyPath = ()) -> bool:
         """Whether ``inventory`` holds layer 0's first row (the query projection, or the fused
-        array holding it) under these names: looked up, not searched for, so that loads of other
-        models pay one lookup per producer."""
+        array holding it) under these names (below ``root``: the attribute a Lightning module
+        holds the model in): looked up, not searched for, so that loads of other models pay one
+        lookup per producer."""
         first = next(iter(self.rows.values()))[0]
-        return (*self.layers, "0", *first) in inventory
+        return (*root, *self.layers, "0", *first) in inventory
 
 
 #: ``LlamaForCausalLM`` (and the Llama-like models transformers names alike: Mistral, Qwen2/3).
@@ -146,7 +155,8 @@ HUGGING_FACE = Naming(
     "Hugging Face", ("model", "layers"),
     rows={"q": (("self_attn", "q_proj", "weight"),), "k": (("self_attn", "k_proj", "weight"),),
           "v": (("self_attn", "v_proj", "weight"),), "o": (("self_attn", "o_proj", "weight"),),
-          "q_norm": (("self_attn", "q_norm", "weight"),), "k_norm": (("self_attn", "k_norm", "weight"),),
+          "q_bias": (("self_attn", "q_proj", "bias"),), "k_bias": (("self_attn", "k_proj", "bias"),),
+          "v_bias": (("self_attn", "v_proj", "bias"),), "q_norm": (("self_attn", "q_norm", "weight"),), "k_norm": (("self_attn", "k_norm", "weight"),),
           "gate": (("mlp", "gate_proj", "weight"),), "up": (("mlp", "up_proj", "weight"),),
           "down": (("mlp", "down_proj", "weight"),), "attn_norm": (("input_layernorm", "weight"),),
           "mlp_norm": (("post_attention_layernorm", "weight"),)},
@@ -251,6 +261,12 @@ class _Composer:
         (target,) = targets
         if slot not in ROTARY or self.source.rotary == self.target.rotary:
             return Rename(entry.key, target.key)
+        unknown = next((names for names in (self.source, self.target) if names.rotary is None), None)
+        if unknown is not None:
+            return (f"{unknown.name} lays out {join_key(entry.key)}'s rotary dimensions as its model family does "
+                    "(interleaved pairs for a Llama, halves for a Qwen2), and no config of this load names a "
+                    "family whose convention ckptshim knows (config.json's model_type); keep the checkpoint's "
+                    "own config.json beside it, or convert it with the producer's own converter")
         dims = self.dims()
         if isinstance(dims, str):
             return dims.format(target=join_key(target.key), source=join_key(entry.key))
@@ -274,6 +290,8 @@ class _Composer:
         how = fusing.fused[part]
         keys = tuple(p.key for p in parts)
         if not how.by_group:
+            if any(slot in ROTARY for slot in how.slots):
+                self.dims()  # cut by sizes, but two sides' head counts that disagree are refused
             sizes = tuple(p.shape[0] for p in parts[:len(how.slots)])
             op = (Chunk(fused.key, _by_slot(keys, len(how.slots)), 1, sizes, 0) if stacked
                   else Chunk(fused.key, keys, 0, sizes))
@@ -315,18 +333,19 @@ def _shapes(fused: Entry, parts: list[Entry]) -> Callable[[KeyPath], tuple[int, 
 #: defaults from (``hidden // heads``, as each producer defaults it).
 DESCRIPTIONS = {"meta": ("params.json", "n_heads", "n_kv_heads", None, "dim"),
                 "megatron": ("run_config.yaml", "num_attention_heads", "num_query_groups", "kv_channels", "hidden_size"),
+                "litgpt": ("model_config.yaml", "n_head", "n_query_groups", "head_size", "n_embd"),
                 "hf": ("the Hugging Face folder's config.json", "num_attention_heads", "num_key_value_heads",
                        "head_dim", "hidden_size")}
 
 
 def read_dims(config: Mapping | None) -> Dims | None:
     """The :class:`Dims` a model description gives -- Meta's ``params.json`` (``n_heads``),
-    Megatron's run config (``num_query_groups``, ``kv_channels``), a Hugging Face
-    ``config.json`` -- or ``None`` without one; a value that is no positive whole number is
+    litgpt's ``model_config.yaml`` (``n_head``, ``n_query_groups``, ``head_size``), Megatron's run
+    config (``num_query_groups``, ``kv_channels``), a Hugging Face ``config.json`` -- or ``None`` without one; a value that is no positive whole number is
     refused, naming it."""
     if config is None:
         return None
-    kind = ("meta" if "n_heads" in config else
+    kind = ("meta" if "n_heads" in config else "litgpt" if "n_head" in config else
             "megatron" if "num_query_groups" in config or "kv_channels" in config else "hf")
     origin, heads_field, kv_field, head_dim_field, hidden_field = DESCRIPTIONS[kind]
     heads = _positive(config, heads_field, origin)
@@ -344,7 +363,7 @@ def agreeing(source: Dims | None, target: Dims | None) -> Dims | None:
     if source is None or target is None:
         return source or target
     if (source.heads, source.kv_heads, source.head_dim) != (target.heads, target.kv_heads, target.head_dim):
-        raise PlanError(f"{source.origin} (the checkpoint's) says {source.text()}, but {target.origin} (the "
+        raise MetadataConflict(f"{source.origin} (the checkpoint's) says {source.text()}, but {target.origin} (the "
                         f"target's) says {target.text()}: the same shapes under another head grouping would load "
                         "without an error and compute garbage. Build the target from the checkpoint's own config.")
     return source

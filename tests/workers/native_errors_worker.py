@@ -1,6 +1,6 @@
 """Runs with ``CKPTSHIM_DISABLE=1``: the errors the frameworks themselves raise on the fixtures
 the docs quote (docs/paxml.md, docs/gpt-neox.md, docs/deepspeed.md, docs/megatron-core.md,
-docs/meta-llama.md, docs/jax.md). Usage: ``python native_errors_worker.py DIR``
+docs/meta-llama.md, docs/torchtune.md, docs/litgpt.md, docs/jax.md). Usage: ``python native_errors_worker.py DIR``
 (``DIR`` a scratch folder); prints one JSON line, case -> ``"Type: message"``."""
 
 from __future__ import annotations
@@ -68,6 +68,22 @@ def hub_cases() -> dict[str, str]:
             torch.load(FIXTURE / "mp1" / "consolidated.00.pth", weights_only=True))),
         "megatron into llama": error_of(lambda: dcp.load(megatron_llama().state_dict(),
                                                          checkpoint_id=MEGATRON / "tp2" / "iter_0000007")),
+        **tune_and_lit_cases(),
+    }
+
+
+def tune_and_lit_cases() -> dict[str, str]:
+    """torchtune's and litgpt's checkpoints into ``LlamaForCausalLM`` (docs/torchtune.md, docs/litgpt.md)."""
+    import torch.distributed.checkpoint as dcp
+
+    from test_torchtune_litgpt import LITGPT, TORCHTUNE, hf_model, lit, lit_llama, tune
+
+    epoch, lit_file = TORCHTUNE / "llama3" / "torchtune" / "epoch_0", LITGPT / "final" / "lit_model.pth"
+    return {
+        "torchtune dcp": error_of(lambda: dcp.load(hf_model(epoch).state_dict(), checkpoint_id=epoch)),
+        "torchtune state dict": error_of(lambda: hf_model(epoch).load_state_dict(tune("llama3"))),
+        "litgpt dcp": error_of(lambda: dcp.load(lit_llama().state_dict(), checkpoint_id=lit_file)),
+        "litgpt state dict": error_of(lambda: lit_llama().load_state_dict(lit())),
     }
 
 

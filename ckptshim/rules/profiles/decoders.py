@@ -1,7 +1,7 @@
 """The hub's profile: a load between two producers' names of one decoder-only transformer.
 
 Each producer is one :class:`~ckptshim.rules.decoder.Naming` (Hugging Face's here, the others in
-their own modules: torchtitan's, Meta's original layout's, Megatron-Core's GPTModel's); a load
+their own modules: torchtitan's, Meta's original layout's, Megatron-Core's GPTModel's, torchtune's, litgpt's); a load
 from one into another is :func:`~ckptshim.rules.decoder.pair`'s composition through the
 canonical model. The profile fires only where the key sets prove it: the checkpoint holds one
 producer's names (Megatron-Core's stacked arrays only where its ``metadata.json`` says it wrote
@@ -16,35 +16,48 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptshim.inventory import Inventory
+from ckptshim.inventory import Inventory, KeyPath
 from ckptshim.rules import Paired, Rules
 from ckptshim.rules.context import LoadContext
 from ckptshim.rules.decoder import HUGGING_FACE, Dims, Naming, agreeing, pair, read_dims
-from ckptshim.rules.profiles import megatron_core, meta_llama, torchtitan
+from ckptshim.rules.roots import root_prefix
+from ckptshim.rules.profiles import litgpt, megatron_core, meta_llama, torchtitan, torchtune
 
 #: Every producer's names, in the order a side is recognised.
-NAMINGS: tuple[Naming, ...] = (HUGGING_FACE, torchtitan.NAMES, meta_llama.NAMES, megatron_core.NAMES)
+NAMINGS: tuple[Naming, ...] = (HUGGING_FACE, torchtitan.NAMES, meta_llama.NAMES, megatron_core.NAMES, torchtune.NAMES,
+                                litgpt.NAMES)
 
 
-def side(inventory: Inventory, stacked: bool = False) -> Naming | None:
-    """The one producer whose names ``inventory`` holds (its embeddings or layer 0's first row),
+def side(inventory: Inventory, stacked: bool = False, root: KeyPath = ()) -> Naming | None:
+    """The one producer whose names ``inventory`` holds (layer 0's first row, below ``root``),
     ``None`` for none or several."""
-    found = [naming for naming in NAMINGS if naming.marks(inventory)
+    found = [naming for naming in NAMINGS if naming.marks(inventory, root)
              or stacked and naming.stacked and naming.units(inventory, True)]
     return found[0] if len(found) == 1 else None
 
 
 def sides(context: LoadContext) -> tuple[Naming, Naming] | None:
-    """The checkpoint's producer and the target's, where they are two (else ``None``)."""
-    if context.backend != "torch" or not any(naming.marks(inv) for naming in NAMINGS
-                                            for inv in (context.source, context.target)):
-        if context.producer != megatron_core.PRODUCER:
-            return None
-    source = side(context.source, context.producer == megatron_core.PRODUCER)
+    """The checkpoint's producer and the target's, where they are two (else ``None``). The
+    checkpoint's names may be below a root prefix the target lacks (litgpt's ``{"model": ...}``,
+    a Lightning module's attribute): the planner sets it aside (:mod:`ckptshim.rules.roots`) and
+    plans the re-keyed checkpoint with these rules."""
+    megatron = context.producer == megatron_core.PRODUCER
+    if context.backend != "torch" and not megatron:
+        return None
     target = side(context.target)
-    if source is None or target is None or source is target:
+    if target is None:
+        return None
+    source = side(context.source, megatron) or _below_root(context.source, context.target)
+    if source is None or source is target:
         return None
     return source, target
+
+
+def _below_root(source: Inventory, target: Inventory) -> Naming | None:
+    """The producer whose names ``source`` holds below a root prefix ``target`` lacks (looked for
+    only once the target's names are known and the checkpoint's are not at its top)."""
+    root = root_prefix(source, target)
+    return side(source, root=root.prefix) if root is not None and root.side == "checkpoint" else None
 
 
 @dataclass(frozen=True, eq=False)  # holds the model configs
@@ -59,6 +72,7 @@ class DecoderLayout:
 
     def pair(self, source: Inventory, target: Inventory, rules: Rules) -> Paired:
         names = torchtitan.variants(self.source_names, self.target_names, source, target, self.config)
+        names = torchtune.variants(*names, self.config, self.target_config)
         return pair(*names, source, target, self._dims, self.stacked)
 
     def _dims(self) -> Dims | str:
@@ -67,7 +81,7 @@ class DecoderLayout:
             return dims
         return torchtitan.NO_CONFIG if torchtitan.NAMES in (self.source_names, self.target_names) else (
             "{target} is laid out from {source} per head, and the head counts come from the checkpoint's own "
-            "model description (config.json, params.json or Megatron's run_config.yaml), which this load has "
+            "model description (config.json, params.json, Megatron's run_config.yaml or litgpt's model_config.yaml), which this load has "
             "none of; keep it beside the checkpoint")
 
 

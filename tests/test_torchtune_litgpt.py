@@ -1,0 +1,223 @@
+"""torchtune 0.6.1 and litgpt 0.5.13 checkpoints into Hugging Face's names, through the decoder
+hub: each family one more naming onto the canonical model.
+
+Against what each producer's own converter made of the same weights (tests/fixtures/torchtune_0.6.1
+and tests/fixtures/litgpt_0.5.13, see their ``produce.py``): torchtune's ``tune_to_hf`` /
+``qwen2_tune_to_hf``, litgpt's ``convert_lit_checkpoint``. Bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from ckptshim.cli import main
+from support.fixtures import writable_copy
+from support.markers import QUIET
+from test_decoder_hub import assert_same, empty_like
+
+pytestmark = QUIET
+
+TORCHTUNE = Path(__file__).parent / "fixtures" / "torchtune_0.6.1"
+LITGPT = Path(__file__).parent / "fixtures" / "litgpt_0.5.13"
+
+
+def hf_model(folder: Path) -> torch.nn.Module:
+    """The transformers model a folder's ``config.json`` describes, with its own random values."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).to(torch.bfloat16)
+
+
+def tune(family: str) -> dict[str, torch.Tensor]:
+    return torch.load(TORCHTUNE / family / "torchtune" / "epoch_0" / "model-00001-of-00001.bin", weights_only=True)
+
+
+def tune_to_hf(family: str) -> dict[str, torch.Tensor]:
+    """What torchtune's own converter made of the weights."""
+    return load_file(TORCHTUNE / family / "expected_hf.safetensors")
+
+
+# -- torchtune -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_load_state_dict_of_a_torchtune_checkpoint(family):
+    """``LlamaForCausalLM``/``Qwen2ForCausalLM``'s ``load_state_dict(torch.load(bin))``: Llama's
+    q/k permuted per head as ``tune_to_hf`` does, Qwen2's (and its biases) renamed only."""
+    model = hf_model(TORCHTUNE / family / "torchtune" / "epoch_0")
+    model.load_state_dict(tune(family))
+    assert_same(model.state_dict(), tune_to_hf(family))
+
+
+def test_qwen2_is_not_permuted_as_llama():
+    """The Qwen2 load renames q/k; Llama's permutation, which the Llama load applies, would have
+    moved them (the check can fail: the rows differ from their permuted selves)."""
+    model = hf_model(TORCHTUNE / "qwen2" / "torchtune" / "epoch_0")
+    model.load_state_dict(tune("qwen2"))
+    q = tune("qwen2")["layers.0.attn.q_proj.weight"]
+    loaded = model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(loaded, q)
+    permuted = q.view(8, 4, 2, -1).transpose(1, 2).reshape(q.shape)
+    assert not torch.equal(loaded, permuted)
+
+
+def test_without_a_family_the_query_rows_are_not_guessed():
+    """A torchtune state dict into a model with no config (no family): the load is torch's, which
+    refuses the names; the hint says why ckptshim did not map them."""
+    from ckptshim.inventory import Entry, Inventory, split_key
+    from ckptshim.planner import plan as make_plan
+    from ckptshim.rules.context import LoadContext
+    from ckptshim.rules.profiles import rules_for
+
+    def inventory(state_dict):
+        return Inventory([Entry(split_key(k), tuple(v.shape), "bfloat16") for k, v in state_dict.items()])
+
+    source, target = inventory(tune("llama3")), inventory(tune_to_hf("llama3"))
+    config = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8}
+    plan = make_plan(source, target, rules_for(LoadContext(source, target, "torch", target_config=config)))
+    assert not plan.complete
+    assert "model_type" in plan.hints[split_key("model.layers.0.self_attn.q_proj.weight")]
+    assert split_key("model.layers.0.self_attn.v_proj.weight") not in plan.missing
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_dcp_load_of_a_torchtune_folder(family):
+    """``dcp.load`` of the ``epoch_0`` folder: its ``.bin`` read as a torch.save file, its
+    ``config.json`` naming the family (and the head counts)."""
+    folder = TORCHTUNE / family / "torchtune" / "epoch_0"
+    state_dict = hf_model(folder).state_dict()
+    dcp.load(state_dict, checkpoint_id=folder)
+    assert_same(state_dict, tune_to_hf(family))
+
+
+def test_dcp_load_of_a_torchtune_meta_folder():
+    """``FullModelMetaCheckpointer``'s folder: Meta's names, read through the same folder format."""
+    folder = TORCHTUNE / "llama3" / "meta" / "epoch_0"
+    state_dict = hf_model(folder).state_dict()
+    dcp.load(state_dict, checkpoint_id=folder)
+    assert_same(state_dict, tune_to_hf("llama3"))
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_a_hugging_face_folder_into_torchtune_names(family, tmp_path):
+    """The way back (``hf_to_tune``): a Hugging Face folder of the converted weights into
+    torchtune's names."""
+    model = hf_model(TORCHTUNE / family / "torchtune" / "epoch_0")
+    model.load_state_dict(tune_to_hf(family))
+    model.save_pretrained(tmp_path / "hf")
+    state_dict = empty_like(tune(family))
+    dcp.load(state_dict, checkpoint_id=tmp_path / "hf")
+    assert_same(state_dict, tune(family))
+
+
+# -- litgpt ----------------------------------------------------------------------------------------
+
+
+def lit() -> dict[str, torch.Tensor]:
+    return torch.load(LITGPT / "final" / "lit_model.pth", weights_only=True)["model"]
+
+
+def lit_to_hf() -> dict[str, torch.Tensor]:
+    """What litgpt's own ``convert_lit_checkpoint`` made of the weights."""
+    return torch.load(LITGPT / "expected_hf" / "model.pth", weights_only=True)
+
+
+def lit_llama(**heads) -> torch.nn.Module:
+    """``LlamaForCausalLM`` of the litgpt model's dimensions (``model_config.yaml``'s)."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    dims = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8, **heads}
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=48, num_hidden_layers=2, vocab_size=37,
+                                  tie_word_embeddings=False, **dims)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def test_load_state_dict_of_a_litgpt_checkpoint_into_llama():
+    """``load_state_dict(torch.load("lit_model.pth")["model"])``: ``attn.qkv`` cut into q, k, v."""
+    model = lit_llama()
+    model.load_state_dict(lit())
+    assert_same(model.state_dict(), lit_to_hf())
+
+
+def test_dcp_load_of_a_litgpt_file_into_llama():
+    """``dcp.load`` of ``lit_model.pth``: the ``{"model": ...}`` root, and the heads of the
+    ``model_config.yaml`` beside it."""
+    state_dict = lit_llama().state_dict()
+    dcp.load(state_dict, checkpoint_id=LITGPT / "final" / "lit_model.pth")
+    assert_same(state_dict, lit_to_hf())
+
+
+def test_a_litgpt_near_miss_is_refused_naming_both_head_counts(tmp_path, capsys):
+    """``convert --like`` a folder of 4 heads of 16 in 1 group: the same shapes as litgpt's 8 heads
+    of 8 in 2 groups (model_config.yaml), which would load without an error and compute garbage."""
+    lit_llama(num_attention_heads=4, num_key_value_heads=1, head_dim=16).save_pretrained(tmp_path / "like")
+    assert main(["convert", str(LITGPT / "final" / "lit_model.pth"), str(tmp_path / "out.safetensors"), "--to",
+                 "safetensors", "--like", str(tmp_path / "like")]) != 0
+    said = capsys.readouterr().err
+    assert "8 heads (n_head) in 2 key/value groups (n_query_groups), head_dim 8" in said
+    assert "4 heads (num_attention_heads) in 1 key/value groups (num_key_value_heads), head_dim 16" in said
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_hugging_face_folder_into_litgpt_names(tmp_path):
+    """The way back (litgpt's ``convert_hf_checkpoint``): q, k and v joined into ``attn.qkv``."""
+    model = lit_llama()
+    model.load_state_dict(lit_to_hf())
+    model.save_pretrained(tmp_path / "hf")
+    state_dict = empty_like(lit())
+    dcp.load(state_dict, checkpoint_id=tmp_path / "hf")
+    assert_same(state_dict, lit())
+
+
+def test_convert_a_litgpt_file_like_a_hugging_face_folder(tmp_path):
+    lit_llama().save_pretrained(tmp_path / "like")
+    out = tmp_path / "model.safetensors"
+    assert main(["convert", str(LITGPT / "final" / "lit_model.pth"), str(out), "--to", "safetensors", "--like",
+                 str(tmp_path / "like")]) == 0
+    assert_same(load_file(out), lit_to_hf())
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_convert_a_torchtune_folder_like_a_hugging_face_folder(family, tmp_path):
+    hf_model(TORCHTUNE / family / "torchtune" / "epoch_0").save_pretrained(tmp_path / "like")
+    out = tmp_path / "model.safetensors"
+    assert main(["convert", str(TORCHTUNE / family / "torchtune" / "epoch_0"), str(out), "--to", "safetensors",
+                 "--like", str(tmp_path / "like")]) == 0
+    assert_same(load_file(out), tune_to_hf(family))
+
+
+def test_a_torchtune_folder_missing_a_file_is_incomplete(tmp_path, capsys):
+    """A two-file save with its second file gone: ``inspect`` names it, and a load refuses the
+    folder, leaving the target untouched."""
+    folder = writable_copy(TORCHTUNE / "llama3" / "torchtune" / "epoch_0", tmp_path / "epoch_0")
+    (folder / "model-00001-of-00001.bin").rename(folder / "model-00001-of-00002.bin")
+    main(["inspect", str(folder)])
+    assert "model-00002-of-00002.bin: missing" in capsys.readouterr().out
+    model = hf_model(folder)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(BaseException, match=r"model-00002-of-00002\.bin"):
+        dcp.load(model.state_dict(), checkpoint_id=folder)
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+
+
+def test_a_torchtune_folder_of_another_family_is_not_permuted_on_a_guess(tmp_path):
+    """Its config.json names a family ckptshim has no rotary convention for: the query and key rows
+    are not mapped, the load refused with the hint, and the target left untouched."""
+    folder = writable_copy(TORCHTUNE / "llama3" / "torchtune" / "epoch_0", tmp_path / "epoch_0")
+    config = json.loads((folder / "config.json").read_text())
+    model = hf_model(folder)
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(BaseException) as error:
+        dcp.load(model.state_dict(), checkpoint_id=folder)
+    said = str(error.value) + "".join(getattr(error.value, "__notes__", []))
+    assert "model_type" in said and "self_attn.q_proj.weight" in said
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
