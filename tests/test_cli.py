@@ -24,6 +24,10 @@ TORCH_FILES = [
 
 
 def run_json(capsys, *argv: str) -> tuple[int, dict]:
+    """The command's exit code and its JSON, read from what it alone printed (not what the test
+    printed before it: DeepSpeed, which transformers imports once accelerate is installed, prints
+    its accelerator on standard output the first time)."""
+    capsys.readouterr()
     code = main(list(argv))
     return code, json.loads(capsys.readouterr().out)
 

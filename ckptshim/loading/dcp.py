@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from ckptshim.errors import NoPlan, ShimError, UnknownFormatError, describe
 from ckptshim.execute.dcp_storage import DcpReader, FormatReader, RemoteDcpReader
 from ckptshim.execute.dcp_planner import RemappingLoadPlanner
-from ckptshim.formats import dcp, hf_dir
+from ckptshim.formats import dcp, hf_dir, torchtune
 from ckptshim.storage import Location
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def checkpoint_folder(checkpoint_id: Any) -> Any:
 
 #: The first formats :func:`~ckptshim.formats.detect.detect` tries for a torch load, in its
 #: order (``tests/test_first_call.py`` checks it against ``detect.FORMATS``).
-FIRST_TRIED = (hf_dir, dcp)
+FIRST_TRIED = (hf_dir, torchtune, dcp)
 
 
 def _torch_format(location: str | Path) -> Any:
