@@ -89,9 +89,11 @@ class PeerError(ShimError):
     raised on every process, so that none goes on alone (see ``ckptshim.loading.agreement``)."""
 
 
-class StorageUnreachableError(ShimError):
+class StorageUnreachableError(NoPlan):
     """The object storage that holds a checkpoint could not be reached (a connection refused or
-    timed out after the client's own retries): nothing is known about the checkpoint itself."""
+    timed out after the client's own retries): nothing is known about the checkpoint itself. No
+    plan, then: a hook leaves the load to the framework, whose own error gets this as a note;
+    ``inspect``/``plan``/``convert`` say it as it is."""
 
 
 class InternalError(ShimError):
