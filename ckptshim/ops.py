@@ -54,7 +54,7 @@ from typing import ClassVar, Protocol
 from ckptshim.errors import InternalError, PlanError
 from ckptshim.geometry import Piece, View, at, axis_groups, inverse_perm, tiles, unravel, whole
 from ckptshim.inventory import KeyPath, join_key
-from ckptshim.keytext import keys_text
+from ckptshim.keytext import keys_text, runs_text
 
 Shapes = Sequence[tuple[int, ...]]
 
@@ -605,7 +605,7 @@ class _Parts:
     def parts_text(self, keys: Sequence[KeyPath], sep: str) -> str:
         """The many keys, part by part (each part's run of stacked keys compressed to a range)."""
         per_part = len(keys) // len(self.sizes)
-        return ", ".join(keys_text(keys[start:start + per_part], sep) for start in range(0, len(keys), per_part))
+        return runs_text([keys[start:start + per_part] for start in range(0, len(keys), per_part)], sep)
 
     def note(self, sep: str = ".") -> str:
         stacked = "" if self.stack_axis is None else f", each part stacked on axis {self.stack_axis}"
@@ -815,7 +815,7 @@ class JoinGroups(_Moves, _Defaults, _IntoTarget, _Groups):
                 f"{join_key(self.target, sep)}")
 
     def parts_text(self, keys: Sequence[KeyPath], sep: str) -> str:
-        return ", ".join(keys_text(keys[part::len(self.heads)], sep) for part in range(len(self.heads)))
+        return runs_text([keys[part::len(self.heads)] for part in range(len(self.heads))], sep)
 
     def tally(self) -> tuple[str, int]:
         return "joined by query group", len(self.sources)
