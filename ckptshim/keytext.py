@@ -169,14 +169,48 @@ def _interleave(pieces: tuple[str, ...], numbers: list[str]) -> str:
 def keys_text(keys: Sequence[KeyPath], sep: str = ".") -> str:
     """Several keys that differ in one number -> one key with a ``{range}``; keys that differ
     in one name only -> one key with the names in braces, in order (a split's
-    ``self_attention/{query,key,value}/kernel``); others listed."""
+    ``self_attention/{query,key,value}/kernel``), and so runs of layers that differ in one span
+    of one name (``model.layers.{0..1}.self_attn.{q,k,v}_proj.weight``); others listed."""
     shown = compress([join_key(key, sep) for key in keys])
+    if 1 < len(shown) < len(keys):  # runs of layers, one per part: q, k and v of every layer
+        return _folded(shown, sep) or ", ".join(shown)
     if len(shown) == len(keys) > 1:
         place = _one_differing_name(keys)
         if place is not None:
             names = ",".join(key[place] for key in keys)
             return join_key((*keys[0][:place], f"{{{names}}}", *keys[0][place + 1:]), sep)
     return ", ".join(shown)
+
+
+def runs_text(runs: Sequence[Sequence[KeyPath]], sep: str = ".") -> str:
+    """Runs of keys, one per part of a fused array (each run's keys differ in a layer number),
+    as :func:`keys_text` says them: one key where the runs differ in one span of one name."""
+    texts = [keys_text(run, sep) for run in runs]
+    return _folded(texts, sep) or ", ".join(texts)
+
+
+def _folded(texts: Sequence[str], sep: str) -> str | None:
+    """Texts that differ in one span of one name only, as one text with the spans in braces, in
+    order (``model.layers.{0..1}.self_attn.{q,k,v}_proj.weight``), else ``None``. Spans of
+    digits alone are not folded: ``experts.{0..3}.w{1,3}`` would read as a range."""
+    if len(texts) < 2 or len(set(texts)) < len(texts):
+        return None
+    start = len(_common_prefix(texts))
+    end = len(_common_prefix([text[start:][::-1] for text in texts]))
+    spans = [text[start:len(text) - end] for text in texts]
+    prefix = texts[0][:start]
+    if (any(not span or span.isdigit() or set(span) & {sep, "{", "}", ",", " "} for span in spans)
+            or prefix.count("{") != prefix.count("}")):
+        return None
+    return f"{prefix}{{{','.join(spans)}}}{texts[0][len(texts[0]) - end:]}"
+
+
+def _common_prefix(texts: Sequence[str]) -> str:
+    shortest = min(texts, key=len)
+    for index, char in enumerate(shortest):
+        if any(text[index] != char for text in texts):
+            return shortest[:index]
+    return shortest
 
 
 def _one_differing_name(keys: Sequence[KeyPath]) -> int | None:

@@ -54,7 +54,7 @@ from typing import ClassVar, Protocol
 from ckptshim.errors import InternalError, PlanError
 from ckptshim.geometry import Piece, View, at, axis_groups, inverse_perm, tiles, unravel, whole
 from ckptshim.inventory import KeyPath, join_key
-from ckptshim.keytext import keys_text
+from ckptshim.keytext import keys_text, runs_text
 
 Shapes = Sequence[tuple[int, ...]]
 
@@ -605,7 +605,7 @@ class _Parts:
     def parts_text(self, keys: Sequence[KeyPath], sep: str) -> str:
         """The many keys, part by part (each part's run of stacked keys compressed to a range)."""
         per_part = len(keys) // len(self.sizes)
-        return ", ".join(keys_text(keys[start:start + per_part], sep) for start in range(0, len(keys), per_part))
+        return runs_text([keys[start:start + per_part] for start in range(0, len(keys), per_part)], sep)
 
     def note(self, sep: str = ".") -> str:
         stacked = "" if self.stack_axis is None else f", each part stacked on axis {self.stack_axis}"
@@ -815,7 +815,7 @@ class JoinGroups(_Moves, _Defaults, _IntoTarget, _Groups):
                 f"{join_key(self.target, sep)}")
 
     def parts_text(self, keys: Sequence[KeyPath], sep: str) -> str:
-        return ", ".join(keys_text(keys[part::len(self.heads)], sep) for part in range(len(self.heads)))
+        return runs_text([keys[part::len(self.heads)] for part in range(len(self.heads))], sep)
 
     def tally(self) -> tuple[str, int]:
         return "joined by query group", len(self.sources)
@@ -1070,11 +1070,15 @@ class Reshape(_Moves, _Defaults):
     def simplified(self) -> LayoutOp:
         """The same op as the plainest kind that says it, so a plan reads as what it does: where
         no axis is split or merged, a ``Rename`` or ``Transpose`` of one array, or a ``Stack``
-        of several that only gain an axis; else this ``Reshape``."""
+        of several that only gain an axis (an ``Unstack`` of one that loses it); a ``Reorder``
+        where one axis's factors are permuted among themselves; else this ``Reshape``."""
         sources, targets = len(self.sources), len(self.targets)
+        if targets > 1:
+            inverse = self.inverse().simplified()
+            return Unstack(inverse.target, inverse.sources, inverse.axis) if isinstance(inverse, Stack) else self
         whole_axes = (self.factors == self.source_shape and self.target_factors == self.shape)
-        if not whole_axes or targets > 1:
-            return self
+        if not whole_axes:
+            return self._reorder() or self
         if sources == 1:
             if self.perm == tuple(range(len(self.perm))):
                 return Rename(self.sources[0], self.targets[0])
@@ -1083,6 +1087,19 @@ class Reshape(_Moves, _Defaults):
         if tuple(p for p in self.perm if p != 0) == tuple(range(1, len(self.perm))):
             return Stack(self.sources, self.targets[0], axis)
         return self
+
+    def _reorder(self) -> Reorder | None:
+        """This op as a :class:`Reorder`: one array into one of its shape, each axis keeping its
+        own factors, those of one axis permuted among themselves."""
+        if len(self.sources) != 1 or self.source_shape != self.shape:
+            return None
+        groups = axis_groups(self.factors, self.source_shape)
+        moved = [group for group in groups if tuple(self.perm[i] for i in group) != tuple(group)]
+        if len(moved) != 1 or any(sorted(self.perm[i] for i in group) != list(group) for group in groups):
+            return None
+        (group,) = moved
+        return Reorder(self.sources[0], self.targets[0], groups.index(group), tuple(self.factors[i] for i in group),
+                       tuple(self.perm[i] - group.start for i in group))
 
     def describe(self, sep: str = ".") -> str:
         return f"{keys_text(self.sources, sep)} -> reshape({self.note()}) -> {keys_text(self.targets, sep)}"

@@ -192,8 +192,7 @@ def test_meta_names_straight_into_gptmodel_names():
                      rules_for(LoadContext(source, _inventory(expected), "torch", model_config=model_config)))
     assert plan.complete
     described = [op.describe() for op in plan.ops if op.kind == "join-groups"]
-    assert described[0] == ("layers.0.attention.wq.weight, layers.0.attention.wk.weight, "
-                            "layers.0.attention.wv.weight -> join by query group (2 × [4 q, 1 k, 1 v]; q, k "
+    assert described[0] == ("layers.0.attention.w{q,k,v}.weight -> join by query group (2 × [4 q, 1 k, 1 v]; q, k "
                             "rotary pairs <-> halves) -> decoder.layers.0.self_attention.linear_qkv.weight")
 
 
@@ -203,8 +202,7 @@ def test_the_plan_says_the_query_group_split():
     plan = make_plan(source, target, rules_for(LoadContext(source, target, "torch", model_config=config)))
     assert plan.complete
     assert ("decoder.layers.1.self_attention.linear_qkv.weight -> split by query group (2 × [4 q, 1 k, 1 v]) -> "
-            "model.layers.1.self_attn.q_proj.weight, model.layers.1.self_attn.k_proj.weight, "
-            "model.layers.1.self_attn.v_proj.weight") in [op.describe() for op in plan.ops]
+            "model.layers.1.self_attn.{q,k,v}_proj.weight") in [op.describe() for op in plan.ops]
 
 
 # -- Megatron-Core checkpoints (torch_dist) --------------------------------------------------------
@@ -262,6 +260,20 @@ def test_inspect_of_a_megatron_save_root_names_the_producer_and_the_head_counts(
     assert out.startswith(f"{MEGATRON / 'tp2' / 'iter_0000007'}: torch-dcp")
     assert ("Megatron-Core wrote it, 8 heads (num_attention_heads) in 2 key/value groups (num_query_groups), "
             "head_dim 4 (run_config.yaml)") in out
+
+
+def test_plan_of_a_megatron_save_root_like_llama_shows_the_composed_ops(tmp_path, capsys):
+    """``ckptshim plan`` says each fused array's split once for every layer, the parts folded."""
+    like = tmp_path / "like"
+    megatron_llama().save_pretrained(like)
+    assert main(["plan", str(MEGATRON / "tp1"), "--like", str(like)]) == 1  # its _extra_state objects are unexpected
+    out = capsys.readouterr().out
+    assert all("_extra_state" in line for line in out.splitlines() if line.endswith("-> unexpected"))
+    assert ("decoder.layers.self_attention.linear_qkv.weight -> split by query group (2 × [4 q, 1 k, 1 v]) -> "
+            "model.layers.{0..1}.self_attn.{q,k,v}_proj.weight") in out
+    assert ("decoder.layers.mlp.linear_fc1.weight -> chunk(axis 1, sizes 86,86, each part stacked on axis 0) -> "
+            "model.layers.{0..1}.mlp.{gate,up}_proj.weight") in out
+    assert "missing" not in out
 
 
 def test_convert_a_megatron_checkpoint_like_a_hugging_face_folder(tmp_path):

@@ -14,6 +14,7 @@ import random
 import pytest
 
 from ckptshim.errors import CorruptCheckpointError, ShimError
+from ckptshim.keytext import keys_text, runs_text
 from ckptshim.inventory import Entry, Inventory
 from ckptshim.ops import Rename, Stack, renames
 from ckptshim.planner import plan, runs
@@ -232,3 +233,15 @@ def test_wide_layers_with_a_missing_layer_are_refused_alike(monkeypatch):
         with pytest.raises(ShimError, match=r"checkpoint has layers \{0\.\.1,3\} of "
                                             r"'decoder\.layers\.block\.w0' but not \{2\}"):
             plan(source, _stacked(4, 10))
+
+
+def test_runs_of_layers_that_differ_in_one_span_of_one_name_are_one_key():
+    """A fused array's parts over every layer read as one key; a span of digits stays listed
+    (``w{1,3}`` would read as a range), and so do runs that differ in more than one place."""
+    qkv = [("model", "layers", str(i), "self_attn", f"{p}_proj", "weight") for i in range(3) for p in "qkv"]
+    assert keys_text(qkv) == "model.layers.{0..2}.self_attn.{q,k,v}_proj.weight"
+    experts = [[("experts", str(e), w, "weight") for e in range(4)] for w in ("w1", "w3")]
+    assert runs_text(experts) == "experts.{0..3}.w1.weight, experts.{0..3}.w3.weight"
+    assert runs_text([[("m", "0", f"{p}_proj")] for p in ("gate", "up")]) == "m.0.{gate,up}_proj"
+    apart = [("a", str(i), p, "x" if p == "q" else "y") for i in range(2) for p in ("q", "k")]
+    assert keys_text(apart) == "a.{0..1}.q.x, a.{0..1}.k.y"

@@ -5,7 +5,7 @@ checkpoint, or what a ``module:function`` of the user's returns (:mod:`ckptshim.
 The rules are the ones a load through that backend would use: JAX's when either side is a JAX
 tree (``/`` keys), torch's otherwise -- with the model the source's ``config.json`` (else the
 ``--like`` folder's) describes: transformers' conversion mapping of it, as a load without a
-module uses, or the Hugging Face <-> MaxText layout of its family.
+module uses, or the decoder hub's composition between two producers' names (MaxText's among them).
 """
 
 from __future__ import annotations

@@ -10,22 +10,27 @@ read from metadata only (:func:`read_dims`).
 
 A producer is one :class:`Naming` onto it: where each slot lives under its names, which slots it
 keeps fused in one array (Megatron-Core's ``linear_qkv`` by query group, its ``linear_fc1`` as
-``[gate; up]``), and whether its rotary embedding takes each head's pairs interleaved (Meta's
-original layout, torchtitan). :func:`pair` plans one load between two namings slot by slot: a
-rename where both keep a slot alike, a :class:`~ckptshim.ops.Reorder` per head where their rotary
-conventions differ, a split or join where one fuses what the other keeps apart -- each an op
-ckptshim already has, or the query-group kinds (:class:`~ckptshim.ops.SplitGroups`), so adding a
-family is one :class:`Naming`.
+``[gate; up]``), whether its rotary embedding takes each head's pairs interleaved (Meta's
+original layout, torchtitan, MaxText's Llama), how it lays out a slot's factors (MaxText's
+kernels ``[in, out]``, its query ``[in, heads, head_dim]``), on which axis it stacks the layers,
+and whether its attention expects the query pre-scaled. :func:`pair` plans one load between two
+namings slot by slot: for a slot both keep apart, one op that reads the source's factors and
+lays them out as the target's (a :class:`~ckptshim.ops.Reshape`, said as the plainest kind that
+says it: a rename, a transpose, an (un)stack, a per-head :class:`~ckptshim.ops.Reorder`), and
+the query's :class:`~ckptshim.ops.Scale` where one side expects it; a split or join where one
+fuses what the other keeps apart (the query-group kinds, :class:`~ckptshim.ops.SplitGroups`). So
+adding a family is one :class:`Naming`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from ckptshim.errors import MetadataConflict, PlanError
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key
-from ckptshim.ops import Chunk, Op, Rename, Reorder, SplitGroups, Unstack, fits
+from ckptshim.ops import Chunk, Op, Rename, Reshape, Scale, SplitGroups, Stack, Unstack, fits, float32, rsqrt_float32
 from ckptshim.rules import Paired
 from ckptshim.rules.prefixes import strip_wrappers
 
@@ -37,12 +42,27 @@ TOP_SLOTS = ("embed", "norm", "head")
 #: or interleaved pairs (Meta's original layout, torchtitan's Llama, torchtune).
 HALVES, PAIRS = "halves", "pairs"
 #: The slots the rotary embedding turns (the query and key rows, and their biases where a model
-#: has them: Qwen2), and those of them laid out by query head (the others by key/value head).
+#: has them: Qwen2), and the slots laid out by query head (the others by key/value head).
 ROTARY = ("q", "k", "q_bias", "k_bias")
-QUERY = ("q", "q_bias")
+QUERY = ("q", "q_bias", "o")
 #: A layer index that stands for every layer: a producer's stacked array (Megatron-Core stores
-#: its layers so, one array per slot with the layer on axis 0).
+#: its layers so, one array per slot with the layer on axis 0; MaxText's scanned params on its
+#: ``param_scan_axis``).
 STACKED = -1
+#: One layer's array of a slot as runs of named factors, one run per axis, row-major.
+Axes = tuple[tuple[str, ...], ...]
+#: The canonical array of each slot whose factors a producer may lay out otherwise: the query,
+#: key and value rows are heads x head_dim, so are the output projection's columns; every
+#: Linear is ``[out, in]``. The other slots' axes are their own (norms, the embedding).
+CANONICAL_AXES: Mapping[str, Axes] = {
+    **dict.fromkeys(("q", "k", "v"), (("heads", "head_dim"), ("in",))), "o": (("out",), ("heads", "head_dim")),
+    **dict.fromkeys(("gate", "up", "down", "head"), (("out",), ("in",)))}
+#: Each head's rotary dimensions as factors: which half, then the place in it (halves), or the
+#: place, then which of the pair (interleaved pairs).
+_ROTARY_FACTORS = {HALVES: ("which", "within"), PAIRS: ("within", "which")}
+#: How a producer that stacks its layers on an axis of its own choosing (MaxText's
+#: ``param_scan_axis``) picks it: from the axes each stacked array's shape fits, and strictness.
+ScanChoice = Callable[[Mapping[KeyPath, set[int]], bool], int]
 
 
 @dataclass(frozen=True)
@@ -57,12 +77,17 @@ class Dims:
     fields: tuple[str, str, str] = ("heads", "kv heads", "head_dim")
 
     def of(self, slot: str) -> tuple[int, str]:
-        """A rotary slot's head count and the metadata field that gave it."""
+        """A slot's head count and the metadata field that gave it."""
         return (self.heads, self.fields[0]) if slot in QUERY else (self.kv_heads, self.fields[1])
 
     def text(self) -> str:
         return (f"{self.heads} heads ({self.fields[0]}) in {self.kv_heads} key/value groups ({self.fields[1]}), "
                 f"head_dim {self.head_dim}")
+
+    @property
+    def file(self) -> str:
+        """The file the dimensions were read from (``config.json``)."""
+        return self.origin.rsplit(" ", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -84,7 +109,19 @@ class Naming:
     - ``top``: per slot outside the layers, its key;
     - ``rotary``: :data:`HALVES` or :data:`PAIRS`; ``None`` for a producer whose convention is its
       model family's (torchtune's), until the model's config names the family (:meth:`with_rotary`);
-    - ``stacked``: whether its checkpoints store each slot once for all layers (on axis 0).
+    - ``stacked``: whether its checkpoints store each slot once for all layers (on axis 0);
+    - ``scan``: for a producer whose own names stack the layers on an axis of its choosing
+      (MaxText's ``param_scan_axis``), how it picks that axis; its stacked names are then always
+      its own (no metadata needed);
+    - ``axes``: per slot, how one layer's array lays out the canonical factors where it differs
+      from :data:`CANONICAL_AXES` (MaxText's kernels ``[in, out]``, its query ``[in, heads,
+      head_dim]``);
+    - ``roots``: the prefixes its names may sit under, longest first (MaxText's train state keeps
+      its params under ``params/params``);
+    - ``joined``: whether a layer's index joins the layer list's last name (MaxText's unscanned
+      ``decoder/layers_0``) rather than following it;
+    - ``query_scale``: why its attention expects the query pre-multiplied by ``1/sqrt(head_dim)``
+      (MaxText's Llama), empty where it does not.
     """
 
     name: str
@@ -94,6 +131,11 @@ class Naming:
     rotary: str | None
     fused: Mapping[str, Fused] = field(default_factory=dict)
     stacked: bool = False
+    scan: ScanChoice | None = None
+    axes: Mapping[str, Axes] = field(default_factory=dict)
+    roots: tuple[KeyPath, ...] = ((),)
+    joined: bool = False
+    query_scale: str = ""
 
     def __post_init__(self) -> None:
         if self.rotary != HALVES and any(how.by_group for how in self.fused.values()):
@@ -110,23 +152,46 @@ class Naming:
     def slots(self, part: str) -> tuple[str, ...]:
         return self.fused[part].slots if part in self.fused else (part,)
 
+    def layout(self, slot: str, rank: int) -> Axes:
+        """How one layer's array of ``slot`` (of ``rank`` axes) lays out the canonical factors."""
+        return self.axes.get(slot) or CANONICAL_AXES.get(slot) or tuple((f"axis {i}",) for i in range(rank))
+
+    def stacks(self, stacked: bool) -> bool:
+        """Whether its stacked names are read: its own (``scan``), or where metadata says so."""
+        return self.scan is not None or (stacked and self.stacked)
+
     def locate(self, key: KeyPath, stacked: bool = False) -> tuple[int | None, str] | None:
         """``(layer, part)`` of a key under these names (wrappers left out): ``layer`` ``None``
         outside the layers, :data:`STACKED` for a stacked array (only where ``stacked``)."""
         key = strip_wrappers(key)
+        for root in self.roots:
+            if key[:len(root)] == root:
+                found = self._locate(key[len(root):], stacked)
+                if found is not None:
+                    return found
+        return None
+
+    def _locate(self, key: KeyPath, stacked: bool) -> tuple[int | None, str] | None:
         prefix = len(self.layers)
+        if self.joined and key[:prefix - 1] == self.layers[:-1] and len(key) > prefix:
+            index = key[prefix - 1].removeprefix(f"{self.layers[-1]}_")
+            if index != key[prefix - 1] and index.isdigit() and key[prefix:] in self._parts:
+                return int(index), self._parts[key[prefix:]]
         if key[:prefix] == self.layers and len(key) > prefix + 1:
-            if key[prefix].isdigit() and key[prefix + 1:] in self._parts:
+            if not self.joined and key[prefix].isdigit() and key[prefix + 1:] in self._parts:
                 return int(key[prefix]), self._parts[key[prefix + 1:]]
             if stacked and key[prefix:] in self._parts:
                 return STACKED, self._parts[key[prefix:]]
         slot = self._top.get(key)
         return None if slot is None else (None, slot)
 
+    def _layer(self, layer: int) -> KeyPath:
+        return (*self.layers[:-1], f"{self.layers[-1]}_{layer}") if self.joined else (*self.layers, str(layer))
+
     def key(self, unit: tuple[int | None, str]) -> KeyPath:
         """A unit's key under these names (its own spelling)."""
         layer, part = unit
-        return self.top[part] if layer is None else (*self.layers, str(layer), *self.rows[part][0])
+        return self.top[part] if layer is None else (*self._layer(layer), *self.rows[part][0])
 
     def units(self, inventory: Inventory, stacked: bool = False) -> dict[tuple[int | None, str], Entry]:
         """Each entry of ``inventory`` these names know, by ``(layer, part)``; two entries of one
@@ -134,7 +199,7 @@ class Naming:
         found: dict[tuple[int | None, str], Entry] = {}
         clashes = set()
         for key, entry in inventory.items():
-            unit = self.locate(key, stacked and self.stacked)
+            unit = self.locate(key, self.stacks(stacked))
             if unit is not None and found.setdefault(unit, entry) is not entry:
                 clashes.add(unit)
         for unit in clashes:
@@ -147,7 +212,8 @@ class Naming:
         holds the model in): looked up, not searched for, so that loads of other models pay one
         lookup per producer."""
         first = next(iter(self.rows.values()))[0]
-        return (*root, *self.layers, "0", *first) in inventory
+        return any((*root, *at, *layer, *first) in inventory for at in self.roots
+                   for layer in (self._layer(0), *((self.layers,) if self.scan is not None else ())))
 
 
 #: ``LlamaForCausalLM`` (and the Llama-like models transformers names alike: Mistral, Qwen2/3).
@@ -169,35 +235,45 @@ DimsSource = Callable[[], "Dims | str"]
 
 
 def pair(source_names: Naming, target_names: Naming, source: Inventory, target: Inventory, dims: DimsSource,
-         stacked: bool = False) -> Paired:
+         stacked: bool = False, strict: bool = False) -> Paired:
     """The ops that carry what ``source`` holds under ``source_names`` into ``target``'s keys
     under ``target_names``: the composition source -> canonical -> target, slot by slot.
 
     ``dims`` gives the dimensions (read lazily: a load that needs no head count reads none); a
     target it cannot fill without them is missing, with the hint. ``stacked``: the checkpoint's
-    own metadata says its producer stored its layers stacked.
+    own metadata says its producer stored its layers stacked. ``strict``: a stacking axis the
+    shapes leave open is refused rather than taken as the producer's default.
     """
     have = source_names.units(source, stacked)
     want = target_names.units(target)
-    composer = _Composer(source_names, target_names, have, dims)
+    composer = _Composer(source_names, target_names, have, dims, strict)
     for unit in want:
         if unit not in composer.done:
             composer.fill(unit, want)
+    composer.settle()
     return Paired(tuple(composer.ops), composer.missing, (f"{source_names.name} -> {target_names.name} names",))
+
+
+#: One composed op (a target's shapes fitting it or not), a hint why there is none, or ``None``:
+#: left to the name matcher.
+Composed = tuple[Op, bool] | str | None
 
 
 @dataclass(eq=False)
 class _Composer:
     """One :func:`pair`: the ops found so far, the targets missing (with hints), the target units
-    done, and the dimensions once read."""
+    done, the dimensions once read, and the stacked arrays whose axis the shapes choose (``open``:
+    each with the op each axis it fits gives)."""
 
     source: Naming
     target: Naming
     have: Mapping[tuple[int | None, str], Entry]
     dims_source: DimsSource
+    strict: bool = False
     ops: list[Op] = field(default_factory=list)
     missing: dict[KeyPath, str] = field(default_factory=dict)
     done: set = field(default_factory=set)
+    open: list[tuple[Entry, dict[int, list[Op]], list[Entry]]] = field(default_factory=list)
     _dims: Dims | str | None = None
 
     def dims(self) -> Dims | str:
@@ -208,17 +284,26 @@ class _Composer:
     def fill(self, unit: tuple[int | None, str], want: Mapping[tuple[int | None, str], Entry]) -> None:
         layer, part = unit
         slots = self.target.slots(part)
+        if layer == STACKED:  # the target stacks every layer: from each of the source's
+            sources = _every_layer(self.have, part)
+            if sources and slots == self.source.slots(part):
+                self._same(slots[0], sources, [want[unit]], into_stack=True)
+            return
         holder = self._holder(layer, slots[0])
         if holder is None:
             return  # left to the name matcher, which reports it
         (held_layer, held_part), entry = holder
         held_slots = self.source.slots(held_part)
-        layers = _layers(entry) if held_layer == STACKED else (layer,)
+        if held_layer == STACKED:
+            layers = (_layers(entry) if self.source.scan is None else
+                      sorted(at for at, p in want if p == part and at is not None and at != STACKED))
+        else:
+            layers = (layer,)
         if held_slots == slots:
             targets = [want.get((at, part)) for at in layers]
             if None in targets:
                 return
-            self._add(self._same(entry, targets, slots[0], held_layer == STACKED), targets)
+            self._same(slots[0], [entry], targets, held_layer == STACKED)
         elif len(held_slots) > 1:  # the source fuses what the target keeps apart
             targets = [want.get((at, slot)) for at in layers for slot in held_slots]
             if None in targets:
@@ -240,54 +325,155 @@ class _Composer:
                     return (at, part), entry
         return None
 
-    def _add(self, op: Op | str | None, targets: list[Entry], invert: bool = False) -> None:
+    def _add(self, op: Op | list[Op] | str | None, targets: list[Entry], invert: bool = False) -> None:
         for entry in targets:
-            self.done.add(self.target.locate(entry.key))
+            self.done.add(self.target.locate(entry.key, True))
         if op is None:
             return
         if isinstance(op, str):
             for entry in targets:
                 self.missing[entry.key] = op
             return
-        self.ops.append(op.inverse() if invert else op)
+        for each in op if isinstance(op, list) else [op]:
+            self.ops.append(each.inverse() if invert else each)
 
-    def _same(self, entry: Entry, targets: list[Entry], slot: str, stacked: bool) -> Op | str | None:
-        """One slot (or one fused part) kept alike: a rename or an unstack, or, where the rotary
-        conventions differ, each head's rotary dimensions reordered."""
-        if stacked:
-            if slot in ROTARY and self.source.rotary != self.target.rotary:
-                return None  # no producer stacks an unfused query; left to the name matcher
-            return Unstack(entry.key, tuple(t.key for t in targets), 0)
-        (target,) = targets
-        if slot not in ROTARY or self.source.rotary == self.target.rotary:
-            return Rename(entry.key, target.key)
-        unknown = next((names for names in (self.source, self.target) if names.rotary is None), None)
-        if unknown is not None:
-            return (f"{unknown.name} lays out {join_key(entry.key)}'s rotary dimensions as its model family does "
+    def _same(self, slot: str, sources: list[Entry], targets: list[Entry], stacked: bool = False,
+              into_stack: bool = False) -> None:
+        """One slot (or one fused part) the two producers keep alike, up to its layout: a rename,
+        a transpose, an (un)stack, each head's rotary dimensions reordered -- or all of these as
+        one :class:`~ckptshim.ops.Reshape` -- and the query's scale where one side expects it.
+        ``stacked``: the one source stacks every layer, listed in ``targets``; ``into_stack``: the
+        one target stacks every layer, listed in ``sources``. A stacking axis the producer chooses
+        (``scan``) is each axis the shapes fit, settled once every slot is known."""
+        listed = "targets" if stacked else "sources" if into_stack else None
+        stacker = self.source if stacked else self.target if into_stack else None
+        stack = sources[0] if stacked else targets[0]
+        open_axis = stacker is not None and stacker.scan is not None
+        axes = range(len(stack.shape)) if open_axis else [0 if stacker is not None else None]
+        fits: dict[int | None, list[Op]] = {}
+        errors = []
+        for axis in axes:
+            try:
+                composed = self._compose(slot, sources, targets, listed, axis)
+            except PlanError as error:  # on a wrong axis, other sizes read as the heads
+                if not open_axis:
+                    raise
+                errors.append(error)
+                continue
+            if isinstance(composed, str) or (composed is None and not open_axis):
+                self._add(composed, targets)
+                return
+            if composed is None:
+                continue
+            op, fitting = composed
+            if not fitting and (open_axis or not isinstance(op, _PLAIN)):
+                if not open_axis:
+                    raise PlanError(self._unfit(sources, targets, op))
+                continue
+            fits[axis] = [op, *self._scale(slot, sources, targets)]  # a plain op's shapes: the planner's
+        if not open_axis:
+            self._add(fits[axes[0]], targets)
+            return
+        if not fits and errors and len(errors) == len(axes):
+            raise errors[0]
+        self.open.append((stack, fits, targets))
+        for entry in targets:
+            self.done.add(self.target.locate(entry.key, True))
+
+    def settle(self) -> None:
+        """The stacked arrays whose axis the shapes choose: the one axis all of them fit, as
+        their producer picks it (MaxText's ``param_scan_axis``)."""
+        if not self.open:
+            return
+        for stack, fits, targets in self.open:
+            if not fits:
+                raise PlanError(f"{join_key(stack.key)} has shape {list(stack.shape)}, which stacks the layers of "
+                                f"{join_key(targets[0].key)} {list(targets[0].shape)} on none of its axes in "
+                                f"{self.target.name}'s layout. Build the target with the checkpoint's model "
+                                "dimensions.")
+        stacker = self.source if self.source.scan is not None else self.target
+        axis = stacker.scan({stack.key: set(fits) for stack, fits, _ in self.open}, self.strict)
+        for _, fits, _ in self.open:
+            self.ops.extend(fits[axis])
+
+    def _compose(self, slot: str, sources: list[Entry], targets: list[Entry], listed: str | None,
+                 axis: int | None) -> Composed:
+        """The one op that lays ``sources`` out as ``targets``, and whether the targets' shapes are
+        what it makes. ``listed``: the side (``"sources"``, ``"targets"``) whose arrays are each
+        one layer of the other side's one array, which stacks them on ``axis``."""
+        shape = (len(sources), *sources[0].shape) if listed == "sources" and len(sources) > 1 else sources[0].shape
+        source_at = axis if listed == "targets" else _listed_at(listed == "sources", len(sources))
+        target_at = axis if listed == "sources" else _listed_at(listed == "targets", len(targets))
+        layer_shape = shape[:source_at] + shape[source_at + 1:] if isinstance(source_at, int) else shape
+        src, tgt = self.source.layout(slot, len(layer_shape)), self.target.layout(slot, len(layer_shape))
+        if len(src) != len(layer_shape):
+            return None
+        reorder = slot in ROTARY and self.source.rotary != self.target.rotary
+        if reorder and None in (self.source.rotary, self.target.rotary):
+            unknown = self.source if self.source.rotary is None else self.target
+            return (f"{unknown.name} lays out {join_key(sources[0].key)}'s rotary dimensions as its model family does "
                     "(interleaved pairs for a Llama, halves for a Qwen2), and no config of this load names a "
                     "family whose convention ckptshim knows (config.json's model_type); keep the checkpoint's "
                     "own config.json beside it, or convert it with the producer's own converter")
-        dims = self.dims()
-        if isinstance(dims, str):
-            return dims.format(target=join_key(target.key), source=join_key(entry.key))
-        heads, heads_field = dims.of(slot)
-        half = dims.head_dim // 2
-        rows = entry.shape[0] if entry.shape else 0
-        if rows != heads * dims.head_dim or dims.head_dim % 2 or entry.shape != target.shape:
-            raise PlanError(f"{join_key(entry.key)} {list(entry.shape)}: {dims.origin} says {heads} heads "
-                            f"({heads_field}) of head_dim {dims.head_dim}, which do not divide its {rows} rows into "
-                            f"rotary halves (or {self.target.name}'s {join_key(target.key)} is "
-                            f"{list(target.shape)}); the metadata is not this checkpoint's. Keep the checkpoint's "
-                            "own config beside it.")
-        factors = (heads, 2, half) if self.source.rotary == HALVES else (heads, half, 2)
-        return Reorder(entry.key, target.key, 0, factors, (0, 2, 1))
+        apart = reorder or not (_heads_together(src) and _heads_together(tgt))
+        sizes = {"layer": shape[source_at] if isinstance(source_at, int) else len(sources)}
+        if apart:
+            dims = self.dims()
+            if isinstance(dims, str):
+                return dims.format(target=join_key(targets[0].key), source=join_key(sources[0].key))
+            heads, heads_field = dims.of(slot)
+            if reorder and dims.head_dim % 2:
+                raise PlanError(f"{dims.origin}: head_dim {dims.head_dim} is odd, so {join_key(sources[0].key)} has no "
+                                "rotary halves to lay out as pairs. Keep the checkpoint's own config beside it.")
+            sizes.update(heads=heads, head_dim=dims.head_dim, which=2, within=dims.head_dim // 2)
+        src = _refined(src, apart, self.source.rotary if reorder else None)
+        tgt = _refined(tgt, apart, self.target.rotary if reorder else None)
+        for index, (axis, size) in enumerate(zip(src, layer_shape)):
+            unknown = [name for name in axis if name not in sizes]
+            known = math.prod(sizes[name] for name in axis if name in sizes)
+            if len(unknown) == 1 and size % known == 0:
+                sizes[unknown[0]] = size // known
+            elif unknown or known != size:
+                raise PlanError(f"{join_key(sources[0].key)} has shape {tuple(sources[0].shape)}: its axis {index} is "
+                                f"not {dims.file}'s {heads_field} {heads} x {dims.fields[2]} {dims.head_dim} = "
+                                f"{heads * dims.head_dim}, the [heads, head_dim] {self.target.name} lays it out by. "
+                                f"Check that {dims.file} belongs to these weights.")
+        src, tgt = _with_layer(src, source_at), _with_layer(tgt, target_at)
+        order, wanted = [n for axis in src for n in axis], [n for axis in tgt for n in axis]
+        if sorted(order) != sorted(wanted) or (listed == "targets" and sizes["layer"] != len(targets)):
+            return None
+        target_shape = tuple(math.prod(sizes[name] for name in axis) for axis in tgt)
+        op = Reshape(tuple(s.key for s in sources), tuple(t.key for t in targets), shape,
+                     tuple(sizes[name] for name in order), tuple(order.index(name) for name in wanted), target_shape)
+        expected = target_shape[1:] if len(targets) > 1 else target_shape
+        return op.simplified(), all(t.shape == expected for t in targets)
+
+    def _scale(self, slot: str, sources: list[Entry], targets: list[Entry]) -> list[Op]:
+        """The query multiplied by ``1/sqrt(head_dim)`` where only the target expects it so
+        (MaxText's Llama, as its converter does), or back where only the source holds it so."""
+        if slot != "q" or bool(self.source.query_scale) == bool(self.target.query_scale):
+            return []
+        head_dim = self.dims().head_dim
+        into = bool(self.target.query_scale)
+        down, up = rsqrt_float32(head_dim), float32(math.sqrt(head_dim))
+        return [Scale(tuple(s.key for s in sources), tuple(t.key for t in targets), down if into else up,
+                      up if into else down, (sources if into else targets)[0].dtype,
+                      self.target.query_scale or self.source.query_scale)]
+
+    def _unfit(self, sources: list[Entry], targets: list[Entry], op: Op) -> str:
+        return (f"{join_key(targets[0].key)} has shape {list(targets[0].shape)}, but {self.source.name}'s "
+                f"{join_key(sources[0].key)} {list(sources[0].shape)} is laid out in {self.target.name}'s layout as "
+                f"{op.describe()}. Build the target with the checkpoint's model dimensions.")
 
     def _split(self, fused: Entry, parts: list[Entry], part: str, stacked: bool, fusing: Naming | None = None,
-               apart: Naming | None = None) -> Op | str:
+               apart: Naming | None = None) -> Op | str | None:
         """The fused array ``fused`` (``part`` of ``fusing``'s names) cut into ``parts`` (layer by
-        layer when ``stacked``), kept apart by ``apart``."""
+        layer when ``stacked``), kept apart by ``apart`` (in the canonical layout: a producer
+        that lays the parts out otherwise is left to the name matcher)."""
         fusing, apart = fusing or self.source, apart or self.target
         how = fusing.fused[part]
+        if apart.axes.keys() & set(how.slots):
+            return None
         keys = tuple(p.key for p in parts)
         if not how.by_group:
             if any(slot in ROTARY for slot in how.slots):
@@ -309,6 +495,49 @@ class _Composer:
                             f"{', '.join(f'{join_key(p.key)} {list(p.shape)}' for p in parts[:len(how.slots)])} as "
                             f"{dims.origin} says ({dims.text()}); the metadata is not this checkpoint's.")
         return op
+
+
+#: The kinds whose shapes the planner checks itself (a target of another shape is its mismatch).
+_PLAIN = (Rename, Stack, Unstack)
+
+
+def _every_layer(have: Mapping[tuple[int | None, str], Entry], part: str) -> list[Entry]:
+    """Each layer's ``part``, layer 0 on, where the layers run without a gap (else none)."""
+    layers = []
+    while (len(layers), part) in have:
+        layers.append(have[len(layers), part])
+    return layers if layers and not any(at not in (None, STACKED) and at >= len(layers) and p == part
+                                        for at, p in have) else []
+
+
+def _listed_at(listed: bool, count: int) -> int | str | None:
+    """Where the layer factor of a side whose arrays are each one layer lies: on a leading axis
+    of their own (several), or, one array, joined to its last axis (a factor of 1)."""
+    return None if not listed else 0 if count > 1 else "join"
+
+
+def _with_layer(axes: Axes, at: int | str | None) -> Axes:
+    if at is None:
+        return axes
+    if at == "join":
+        return (*axes[:-1], (*axes[-1], "layer"))
+    return (*axes[:at], ("layer",), *axes[at:])
+
+
+def _heads_together(axes: Axes) -> bool:
+    """Whether ``axes`` keep each head's rows in one axis (heads x head_dim), or have no heads."""
+    return all(("heads" in axis) == ("head_dim" in axis) for axis in axes)
+
+
+def _refined(axes: Axes, apart: bool, rotary: str | None) -> Axes:
+    """``axes`` with heads x head_dim as one factor (``apart`` false: no head count needed), or
+    with each head's rotary dimensions as ``rotary`` lays them out."""
+    if not apart:
+        return tuple(tuple("rows" if name == "heads" else name for name in axis if name != "head_dim") for axis in axes)
+    if rotary is None:
+        return axes
+    return tuple(tuple(part for name in axis for part in (_ROTARY_FACTORS[rotary] if name == "head_dim" else (name,)))
+                 for axis in axes)
 
 
 def _layers(entry: Entry) -> tuple[int, ...]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from ckptshim import config
 from ckptshim.rules import DEFAULT_RULES, Rules
 from ckptshim.rules.context import LoadContext, Profile
-from ckptshim.rules.profiles import (conventions, decoders, flax_nnx, hf_maxtext, maxtext, megatron_core, paxml,
-                                     paxml_gpt3, transformers_mapping)
+from ckptshim.rules.profiles import (conventions, decoders, flax_nnx, maxtext, megatron_core, paxml, paxml_gpt3,
+                                     transformers_mapping)
 
 #: Every profile, in the order :func:`rules_for` folds them: each call's conventions first, then
 #: the model families (the decoder hub and transformers' mapping exclude each other).
@@ -28,7 +28,6 @@ PROFILES: tuple[Profile, ...] = (
     maxtext.RNG_PROFILE,
     paxml.PROFILE,
     paxml_gpt3.PROFILE,
-    hf_maxtext.PROFILE,
 )
 
 
@@ -44,8 +43,9 @@ def rules_for(context: LoadContext) -> Rules:
       (heads from the model configs); else transformers' conversion mapping of each transformers model in the
       target, or, where the target is none, of the model the checkpoint's model config names;
     - JAX restores: Linen/NNX spellings (and flax < 0.9's ``raw_value``, for a state of that era); MaxText's scan axes (and its rng state kept from the
-      target, by opt-in); PaxML ``Repeat`` stacks; the PaxML GPT-3 -> MaxText layout; a Hugging
-      Face Llama 3 / Qwen3 <-> MaxText, by the model config. A JAX restore leaves every
+      target, by opt-in); PaxML ``Repeat`` stacks; the PaxML GPT-3 -> MaxText layout; a decoder
+      between MaxText's names and another producer's (a Hugging Face Llama 3 / Qwen3) through
+      the canonical model, by the model config. A JAX restore leaves every
       checkpoint key the target does not ask for on disk and reads no value it could check, so
       nothing is dropped as derivable.
     """

@@ -21,11 +21,11 @@ from ckptshim.rules import Paired, Rules
 from ckptshim.rules.context import LoadContext
 from ckptshim.rules.decoder import HUGGING_FACE, Dims, Naming, agreeing, pair, read_dims
 from ckptshim.rules.roots import root_prefix
-from ckptshim.rules.profiles import litgpt, megatron_core, meta_llama, torchtitan, torchtune
+from ckptshim.rules.profiles import litgpt, maxtext, megatron_core, meta_llama, torchtitan, torchtune
 
 #: Every producer's names, in the order a side is recognised.
 NAMINGS: tuple[Naming, ...] = (HUGGING_FACE, torchtitan.NAMES, meta_llama.NAMES, megatron_core.NAMES, torchtune.NAMES,
-                                litgpt.NAMES)
+                                litgpt.NAMES, maxtext.NAMES)
 
 
 def side(inventory: Inventory, stacked: bool = False, root: KeyPath = ()) -> Naming | None:
@@ -42,13 +42,14 @@ def sides(context: LoadContext) -> tuple[Naming, Naming] | None:
     a Lightning module's attribute): the planner sets it aside (:mod:`ckptshim.rules.roots`) and
     plans the re-keyed checkpoint with these rules."""
     megatron = context.producer == megatron_core.PRODUCER
-    if context.backend != "torch" and not megatron:
+    jax = context.backend == "jax"
+    if context.backend != "torch" and not megatron and not jax:
         return None
     target = side(context.target)
     if target is None:
         return None
     source = side(context.source, megatron) or _below_root(context.source, context.target)
-    if source is None or source is target:
+    if source is None or source is target or jax and maxtext.NAMES not in (source, target):
         return None
     return source, target
 
@@ -73,7 +74,8 @@ class DecoderLayout:
     def pair(self, source: Inventory, target: Inventory, rules: Rules) -> Paired:
         names = torchtitan.variants(self.source_names, self.target_names, source, target, self.config)
         names = torchtune.variants(*names, self.config, self.target_config)
-        return pair(*names, source, target, self._dims, self.stacked)
+        names = maxtext.variants(*names, source, target, self.config or self.target_config)
+        return pair(*names, source, target, self._dims, self.stacked, rules.strict)
 
     def _dims(self) -> Dims | str:
         dims = agreeing(read_dims(self.config), read_dims(self.target_config))
