@@ -2,9 +2,10 @@
 
 Meta's original layout against what transformers' own ``convert_llama_weights_to_hf.py`` made of
 it (tests/fixtures/meta_llama, see its ``produce.py``: a tiny GQA Llama, 8 heads in 2 groups,
-bfloat16), and Megatron-Core ``GPTModel`` names against a straightforward reimplementation of
-Megatron-Bridge's documented QKV merge (``QKVMapping``: each query group's query heads, then its
-key and value head) and gated-MLP merge (``linear_fc1 = [gate; up]``). Bit for bit, both ways.
+bfloat16), and Megatron-Core ``GPTModel`` checkpoints against Megatron-Bridge's own conversions
+of them (tests/fixtures/megatron_llama, see its ``produce.py``: Bridge's import of a tiny GQA Llama
+at TP 1 and 2, its ``export_ckpt`` of each, and the ``GPTModel`` its import built). Bit for bit,
+both ways.
 """
 
 from __future__ import annotations
@@ -50,32 +51,11 @@ def meta() -> dict[str, torch.Tensor]:
     return torch.load(FIXTURE / "mp1" / "consolidated.00.pth", weights_only=True)
 
 
-def megatron(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``GPTModel``'s state dict of a Hugging Face Llama's, as Megatron-Bridge lays it out: the
-    query, key and value fused per query group; gate and up side by side; the rest renamed."""
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"], "output_layer.weight": hf["lm_head.weight"]}
-    for i in range(LAYERS):
-        hf_layer, layer = f"model.layers.{i}.", f"decoder.layers.{i}."
-        q, k, v = (hf[f"{hf_layer}self_attn.{name}_proj.weight"] for name in "qkv")
-        hidden = q.shape[1]
-        groups = [torch.cat([q.view(GROUPS, -1, hidden)[g], k.view(GROUPS, -1, hidden)[g],
-                             v.view(GROUPS, -1, hidden)[g]]) for g in range(GROUPS)]
-        out[f"{layer}self_attention.linear_qkv.weight"] = torch.cat(groups)
-        out[f"{layer}self_attention.linear_proj.weight"] = hf[f"{hf_layer}self_attn.o_proj.weight"]
-        out[f"{layer}mlp.linear_fc1.weight"] = torch.cat([hf[f"{hf_layer}mlp.gate_proj.weight"],
-                                                          hf[f"{hf_layer}mlp.up_proj.weight"]])
-        out[f"{layer}mlp.linear_fc2.weight"] = hf[f"{hf_layer}mlp.down_proj.weight"]
-        out[f"{layer}input_layernorm.weight"] = hf[f"{hf_layer}input_layernorm.weight"]
-        out[f"{layer}pre_mlp_layernorm.weight"] = hf[f"{hf_layer}post_attention_layernorm.weight"]
-    return out
-
-
 def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    """Bit for bit; an expected value of another dtype (Megatron-Core keeps its RMSNorm weights in
-    float32 in a bfloat16 model) as torch casts it."""
+    """Bit for bit, dtypes included."""
     assert set(expected) <= set(actual)
-    different = [key for key, value in expected.items() if not torch.equal(actual[key], value.to(actual[key].dtype))]
+    different = [key for key, value in expected.items()
+                 if actual[key].dtype != value.dtype or not torch.equal(actual[key], value)]
     assert not different, different
 
 
@@ -166,98 +146,54 @@ def test_dcp_load_of_a_hugging_face_folder_into_meta_names():
     assert_same(state_dict, meta())
 
 
-# -- Megatron-Core GPTModel ------------------------------------------------------------------------
+# -- Megatron-Core GPTModel checkpoints against Megatron-Bridge ------------------------------------
 
 
-def test_dcp_load_of_a_hugging_face_folder_into_gptmodel_names():
-    expected = megatron(converted())
-    state_dict = empty_like(expected)
-    dcp.load(state_dict, checkpoint_id=FIXTURE / "hf_mp1")
-    assert_same(state_dict, expected)
-
-
-def test_load_state_dict_of_gptmodel_names_into_llama():
-    model = llama()
-    model.load_state_dict(megatron(converted()))
-    assert_same(model.state_dict(), converted())
-
-
-def test_meta_names_straight_into_gptmodel_names():
-    """Meta -> canonical -> Megatron: the query and key heads from interleaved pairs to halves
-    inside the query-group fusion, in one op per layer."""
-    model_config = {"dim": 32, "n_heads": HEADS, "n_kv_heads": GROUPS}
-    expected = megatron(converted())
-    source = _inventory(meta())
-    plan = make_plan(source, _inventory(expected),
-                     rules_for(LoadContext(source, _inventory(expected), "torch", model_config=model_config)))
-    assert plan.complete
-    described = [op.describe() for op in plan.ops if op.kind == "join-groups"]
-    assert described[0] == ("layers.0.attention.w{q,k,v}.weight -> join by query group (2 × [4 q, 1 k, 1 v]; q, k "
-                            "rotary pairs <-> halves) -> decoder.layers.0.self_attention.linear_qkv.weight")
-
-
-def test_the_plan_says_the_query_group_split():
-    source, target = _inventory(megatron(converted())), _inventory(converted())
-    config = {"num_attention_heads": HEADS, "num_query_groups": GROUPS, "kv_channels": HEAD_DIM}
-    plan = make_plan(source, target, rules_for(LoadContext(source, target, "torch", model_config=config)))
-    assert plan.complete
-    assert ("decoder.layers.1.self_attention.linear_qkv.weight -> split by query group (2 × [4 q, 1 k, 1 v]) -> "
-            "model.layers.1.self_attn.{q,k,v}_proj.weight") in [op.describe() for op in plan.ops]
-
-
-# -- Megatron-Core checkpoints (torch_dist) --------------------------------------------------------
-
-
-def gptmodel() -> dict[str, torch.Tensor]:
-    """The ``GPTModel.state_dict()`` Megatron-Core's own load of the checkpoint gave."""
+def bridge_import() -> dict[str, torch.Tensor]:
+    """The ``GPTModel.state_dict()`` Megatron-Bridge's import built from ``megatron_llama/hf``."""
     return load_file(MEGATRON / "gptmodel.safetensors")
 
 
-def split_by_query_group(gpt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A ``GPTModel``'s state dict as ``LlamaForCausalLM``'s: Megatron-Bridge's documented QKV split
-    (``linear_qkv`` viewed as ``[groups, heads per group + 2, head_dim, hidden]``: each group's
-    query heads, then its key and value head) and ``linear_fc1`` cut into gate and up."""
-    out = {"model.embed_tokens.weight": gpt["embedding.word_embeddings.weight"],
-           "model.norm.weight": gpt["decoder.final_layernorm.weight"], "lm_head.weight": gpt["output_layer.weight"]}
-    for i in range(LAYERS):
-        layer, hf_layer = f"decoder.layers.{i}.", f"model.layers.{i}."
-        qkv = gpt[f"{layer}self_attention.linear_qkv.weight"]
-        grouped = qkv.view(GROUPS, HEADS // GROUPS + 2, HEAD_DIM, qkv.shape[1])
-        out[f"{hf_layer}self_attn.q_proj.weight"] = grouped[:, :-2].reshape(-1, qkv.shape[1])
-        out[f"{hf_layer}self_attn.k_proj.weight"] = grouped[:, -2].reshape(-1, qkv.shape[1])
-        out[f"{hf_layer}self_attn.v_proj.weight"] = grouped[:, -1].reshape(-1, qkv.shape[1])
-        out[f"{hf_layer}self_attn.o_proj.weight"] = gpt[f"{layer}self_attention.linear_proj.weight"]
-        gate, up = gpt[f"{layer}mlp.linear_fc1.weight"].chunk(2)
-        out[f"{hf_layer}mlp.gate_proj.weight"], out[f"{hf_layer}mlp.up_proj.weight"] = gate, up
-        out[f"{hf_layer}mlp.down_proj.weight"] = gpt[f"{layer}mlp.linear_fc2.weight"]
-        out[f"{hf_layer}input_layernorm.weight"] = gpt[f"{layer}input_layernorm.weight"]
-        out[f"{hf_layer}post_attention_layernorm.weight"] = gpt[f"{layer}pre_mlp_layernorm.weight"]
-    return out
+def bridge_export(tp: int) -> dict[str, torch.Tensor]:
+    """What Megatron-Bridge's ``export_ckpt`` wrote of the TP ``tp`` checkpoint."""
+    return load_file(MEGATRON / f"hf_tp{tp}" / "model.safetensors")
 
 
 def megatron_llama() -> torch.nn.Module:
+    """transformers' ``LlamaForCausalLM`` of the config Bridge exported, with its own random values."""
     from transformers import AutoConfig, LlamaForCausalLM
 
-    config = AutoConfig.for_model("llama", hidden_size=32, num_attention_heads=HEADS, num_key_value_heads=GROUPS,
-                                  head_dim=HEAD_DIM, intermediate_size=86, num_hidden_layers=LAYERS, vocab_size=38,
-                                  tie_word_embeddings=False)
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(torch.bfloat16)
+    return LlamaForCausalLM(AutoConfig.from_pretrained(MEGATRON / "hf_tp1")).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("where", ["tp1/iter_0000007", "tp2/iter_0000007", "tp1", "tp2"])
+def gptmodel_entries(intermediate: int) -> Inventory:
+    """``GPTModel``'s names and shapes as Bridge's import has them, for an FFN ``intermediate`` wide
+    (the Meta fixture's is 85, Bridge's 86): names and shapes only, no values."""
+    widths = {"mlp.linear_fc1.weight": (2 * intermediate, 32), "mlp.linear_fc2.weight": (32, intermediate)}
+    return Inventory([Entry(split_key(key), widths.get(key.split(".", 3)[-1], tuple(value.shape)), "bfloat16")
+                      for key, value in bridge_import().items()])
+
+
+@pytest.mark.parametrize("where", ["tp1/iter_0000000", "tp2/iter_0000000", "tp1", "tp2"])
 def test_dcp_load_of_a_megatron_checkpoint_into_llama(where):
     """The iteration folder or the save root (``latest_checkpointed_iteration.txt``), TP 1 or 2:
-    the heads from its run_config.yaml."""
+    the heads from Bridge's run_config.yaml; the values Bridge's ``export_ckpt`` wrote."""
     state_dict = megatron_llama().state_dict()
     dcp.load(state_dict, checkpoint_id=MEGATRON / where)
-    assert_same(state_dict, split_by_query_group(gptmodel()))
+    assert_same(state_dict, bridge_export(int(where[2])))
+
+
+def test_load_state_dict_of_gptmodel_names_into_llama():
+    model = megatron_llama()
+    model.load_state_dict(bridge_import())
+    assert_same(model.state_dict(), bridge_export(1))
 
 
 def test_inspect_of_a_megatron_save_root_names_the_producer_and_the_head_counts(capsys):
     assert main(["inspect", str(MEGATRON / "tp2")]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"{MEGATRON / 'tp2' / 'iter_0000007'}: torch-dcp")
+    assert out.startswith(f"{MEGATRON / 'tp2' / 'iter_0000000'}: torch-dcp")
     assert ("Megatron-Core wrote it, 8 heads (num_attention_heads) in 2 key/value groups (num_query_groups), "
             "head_dim 4 (run_config.yaml)") in out
 
@@ -277,33 +213,54 @@ def test_plan_of_a_megatron_save_root_like_llama_shows_the_composed_ops(tmp_path
 
 
 def test_convert_a_megatron_checkpoint_like_a_hugging_face_folder(tmp_path):
-    like = tmp_path / "like"
-    megatron_llama().save_pretrained(like)
     out = tmp_path / "model.safetensors"
-    assert main(["convert", str(MEGATRON / "tp2" / "iter_0000007"), str(out), "--to", "safetensors",
-                 "--like", str(like)]) == 0
-    assert_same(load_file(out), split_by_query_group(gptmodel()))
+    assert main(["convert", str(MEGATRON / "tp2" / "iter_0000000"), str(out), "--to", "safetensors",
+                 "--like", str(MEGATRON / "hf_tp1")]) == 0
+    assert_same(load_file(out), bridge_export(2))
 
 
-def test_a_hugging_face_folder_back_into_gptmodel_names(tmp_path, monkeypatch):
-    """``dcp.load`` into GPTModel's names, and ``convert --to dcp --like mod:fn``."""
-    model = megatron_llama()
-    model.load_state_dict(split_by_query_group(gptmodel()))
-    model.save_pretrained(tmp_path / "hf")
-    expected = {key: value.to(torch.bfloat16).to(value.dtype) for key, value in gptmodel().items()}
-    state_dict = empty_like(expected)
-    dcp.load(state_dict, checkpoint_id=tmp_path / "hf")
-    assert_same(state_dict, expected)
+def test_dcp_load_of_a_hugging_face_folder_into_gptmodel_names():
+    """The way back: the folder Bridge imported, into ``GPTModel``'s names (heads from its
+    config.json), against what Bridge's import built of it."""
+    state_dict = empty_like(bridge_import())
+    dcp.load(state_dict, checkpoint_id=MEGATRON / "hf")
+    assert_same(state_dict, bridge_import())
+
+
+def test_convert_a_hugging_face_folder_to_dcp_like_a_gptmodel(tmp_path, monkeypatch):
+    """``convert --to dcp --like mod:fn``, the function giving a ``GPTModel``'s state dict."""
+    expected = bridge_import()
     shapes = {key: (tuple(value.shape), str(value.dtype).removeprefix("torch.")) for key, value in expected.items()}
     (tmp_path / "gpt_names.py").write_text(
         "import torch\n\n\ndef state_dict():\n"
         f"    return {{key: torch.zeros(shape, dtype=getattr(torch, dtype)) for key, (shape, dtype) in {shapes!r}.items()}}\n")
     monkeypatch.chdir(tmp_path)
-    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--to", "dcp", "--like",
+    assert main(["convert", str(MEGATRON / "hf"), str(tmp_path / "dcp"), "--to", "dcp", "--like",
                  "gpt_names:state_dict"]) == 0
     back = empty_like(expected)
     dcp.load(back, checkpoint_id=tmp_path / "dcp")
     assert_same(back, expected)
+
+
+def test_meta_names_straight_into_gptmodel_names():
+    """Meta -> canonical -> Megatron: the query and key heads from interleaved pairs to halves
+    inside the query-group fusion, in one op per layer."""
+    model_config = {"dim": 32, "n_heads": HEADS, "n_kv_heads": GROUPS}
+    source, target = _inventory(meta()), gptmodel_entries(85)
+    plan = make_plan(source, target, rules_for(LoadContext(source, target, "torch", model_config=model_config)))
+    assert plan.complete
+    described = [op.describe() for op in plan.ops if op.kind == "join-groups"]
+    assert described[0] == ("layers.0.attention.w{q,k,v}.weight -> join by query group (2 × [4 q, 1 k, 1 v]; q, k "
+                            "rotary pairs <-> halves) -> decoder.layers.0.self_attention.linear_qkv.weight")
+
+
+def test_the_plan_says_the_query_group_split():
+    source, target = _inventory(bridge_import()), _inventory(bridge_export(1))
+    config = {"num_attention_heads": HEADS, "num_query_groups": GROUPS, "kv_channels": HEAD_DIM}
+    plan = make_plan(source, target, rules_for(LoadContext(source, target, "torch", model_config=config)))
+    assert plan.complete
+    assert ("decoder.layers.1.self_attention.linear_qkv.weight -> split by query group (2 × [4 q, 1 k, 1 v]) -> "
+            "model.layers.1.self_attn.{q,k,v}_proj.weight") in [op.describe() for op in plan.ops]
 
 
 # -- near misses -----------------------------------------------------------------------------------
@@ -312,7 +269,7 @@ def test_a_hugging_face_folder_back_into_gptmodel_names(tmp_path, monkeypatch):
 def test_a_near_miss_is_refused_naming_both_head_counts():
     """4 heads of 8 in 1 group have the shapes of 8 heads of 4 in 2 groups: loaded, they would
     compute garbage without an error. The two sides' metadata disagree, and the load says so."""
-    source, target = _inventory(megatron(converted())), _inventory(converted())
+    source, target = _inventory(bridge_import()), _inventory(bridge_export(1))
     checkpoint = {"num_attention_heads": HEADS, "num_query_groups": GROUPS, "kv_channels": HEAD_DIM}
     model = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 8}
     with pytest.raises(PlanError, match=r"8 heads \(num_attention_heads\) in 2 key/value groups") as error:
@@ -322,7 +279,7 @@ def test_a_near_miss_is_refused_naming_both_head_counts():
 
 
 def test_without_head_counts_the_fused_array_stays_missing():
-    source, target = _inventory(megatron(converted())), _inventory(converted())
+    source, target = _inventory(bridge_import()), _inventory(bridge_export(1))
     plan = make_plan(source, target, rules_for(LoadContext(source, target, "torch")))
     assert not plan.complete
     assert "run_config.yaml" in plan.hints[split_key("model.layers.0.self_attn.q_proj.weight")]

@@ -67,7 +67,7 @@ def hub_cases() -> dict[str, str]:
         "meta state dict": error_of(lambda: llama().load_state_dict(
             torch.load(FIXTURE / "mp1" / "consolidated.00.pth", weights_only=True))),
         "megatron into llama": error_of(lambda: dcp.load(megatron_llama().state_dict(),
-                                                         checkpoint_id=MEGATRON / "tp2" / "iter_0000007")),
+                                                         checkpoint_id=MEGATRON / "tp2" / "iter_0000000")),
         **tune_and_lit_cases(),
     }
 
