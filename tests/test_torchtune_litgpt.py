@@ -117,6 +117,62 @@ def test_a_hugging_face_folder_into_torchtune_names(family, tmp_path):
     assert_same(state_dict, tune(family))
 
 
+def model_of_other_family(family: str) -> torch.nn.Module:
+    """The transformers model of the *other* family, of the fixture's dimensions: a
+    ``LlamaForCausalLM`` built with ``attention_bias=True`` (q/k/v slots for a Qwen2's biases) for
+    the Qwen2 checkpoint, a ``Qwen2ForCausalLM`` for the Llama one."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = json.loads((TORCHTUNE / family / "torchtune" / "epoch_0" / "config.json").read_text())
+    dims = {key: config[key] for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                         "num_attention_heads", "num_key_value_heads", "head_dim",
+                                         "tie_word_embeddings")}
+    other = AutoConfig.for_model("llama", attention_bias=True, **dims) if family == "qwen2" else \
+        AutoConfig.for_model("qwen2", **dims)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(other).to(torch.bfloat16)
+
+
+QUERY_AND_KEY = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3"])
+def test_a_family_the_biases_contradict_is_not_taken_from_the_target(family):
+    """A torchtune state dict with no config beside it, into a model of the other family: the
+    target's family would decide the rotary layout (a Qwen2's q/k permuted as a Llama's, or a
+    Llama's left unpermuted), and the checkpoint's own q/k/v biases say it is not of that family.
+
+    - strict: torch's own error, the hint on it saying to put the producer's config.json beside
+      the weights, the target untouched;
+    - non-strict: the query and key rows are not loaded (torch lists them missing), where before
+      they were written permuted the wrong way, without an error.
+    """
+    model = model_of_other_family(family)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="Error\\(s\\) in loading state_dict") as error:
+        model.load_state_dict(tune(family))
+    said = "".join(error.value.__notes__)
+    assert "q/k/v biases" in said and "config.json" in said and "self_attn.q_proj.weight" in said
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+    result = model.load_state_dict(tune(family), strict=False)
+    assert set(QUERY_AND_KEY) <= set(result.missing_keys)
+    assert all(torch.equal(model.state_dict()[key], before[key]) for key in QUERY_AND_KEY)
+
+
+def test_dcp_load_of_a_torchtune_file_without_its_config_into_a_biased_llama(tmp_path):
+    """``dcp.load`` of the Qwen2 ``.bin`` alone (no config.json beside it) into a
+    ``LlamaForCausalLM`` with q/k/v biases: refused with the hint, the target untouched."""
+    bin_file = writable_copy(TORCHTUNE / "qwen2" / "torchtune" / "epoch_0" / "model-00001-of-00001.bin",
+                             tmp_path / "model-00001-of-00001.bin")
+    state_dict = model_of_other_family("qwen2").state_dict()
+    before = {key: value.clone() for key, value in state_dict.items()}
+    with pytest.raises(BaseException) as error:
+        dcp.load(state_dict, checkpoint_id=bin_file)
+    said = str(error.value) + "".join(getattr(error.value, "__notes__", []))
+    assert "config.json" in said and "self_attn.q_proj.weight" in said
+    assert all(torch.equal(before[key], value) for key, value in state_dict.items())
+
+
 # -- litgpt ----------------------------------------------------------------------------------------
 
 

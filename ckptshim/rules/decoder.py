@@ -84,7 +84,9 @@ class Naming:
     - ``top``: per slot outside the layers, its key;
     - ``rotary``: :data:`HALVES` or :data:`PAIRS`; ``None`` for a producer whose convention is its
       model family's (torchtune's), until the model's config names the family (:meth:`with_rotary`);
-    - ``stacked``: whether its checkpoints store each slot once for all layers (on axis 0).
+    - ``stacked``: whether its checkpoints store each slot once for all layers (on axis 0);
+    - ``no_rotary``: where ``rotary`` is ``None``, why, and what to do: the hint on each query and
+      key row left unmapped (``{source}``: the checkpoint's key).
     """
 
     name: str
@@ -94,8 +96,11 @@ class Naming:
     rotary: str | None
     fused: Mapping[str, Fused] = field(default_factory=dict)
     stacked: bool = False
+    no_rotary: str = ""
 
     def __post_init__(self) -> None:
+        if self.rotary is None and not self.no_rotary:
+            raise ValueError(f"{self.name}: names without a rotary convention say why (no_rotary)")
         if self.rotary != HALVES and any(how.by_group for how in self.fused.values()):
             raise ValueError(f"{self.name}: a query-group fusion is read as rotary halves (SplitGroups' pairs "
                              "flag marks the parts that hold interleaved pairs)")
@@ -263,10 +268,7 @@ class _Composer:
             return Rename(entry.key, target.key)
         unknown = next((names for names in (self.source, self.target) if names.rotary is None), None)
         if unknown is not None:
-            return (f"{unknown.name} lays out {join_key(entry.key)}'s rotary dimensions as its model family does "
-                    "(interleaved pairs for a Llama, halves for a Qwen2), and no config of this load names a "
-                    "family whose convention ckptshim knows (config.json's model_type); keep the checkpoint's "
-                    "own config.json beside it, or convert it with the producer's own converter")
+            return unknown.no_rotary.format(source=join_key(entry.key))
         dims = self.dims()
         if isinstance(dims, str):
             return dims.format(target=join_key(target.key), source=join_key(entry.key))

@@ -72,7 +72,7 @@ class DecoderLayout:
 
     def pair(self, source: Inventory, target: Inventory, rules: Rules) -> Paired:
         names = torchtitan.variants(self.source_names, self.target_names, source, target, self.config)
-        names = torchtune.variants(*names, self.config, self.target_config)
+        names = torchtune.variants(*names, self.config, self.target_config, source)
         return pair(*names, source, target, self._dims, self.stacked)
 
     def _dims(self) -> Dims | str:
