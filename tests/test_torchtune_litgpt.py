@@ -2,8 +2,8 @@
 hub: each family one more naming onto the canonical model.
 
 Against what each producer's own converter made of the same weights (tests/fixtures/torchtune_0.6.1
-and tests/fixtures/litgpt_0.5.13, see their ``produce.py``): torchtune's ``tune_to_hf`` /
-``qwen2_tune_to_hf``, litgpt's ``convert_lit_checkpoint``. Bit for bit.
+and tests/fixtures/litgpt_0.5.13 and litgpt_0.5.4, see their ``produce.py``): torchtune's ``tune_to_hf`` /
+``qwen2_tune_to_hf``, each litgpt release's ``convert_lit_checkpoint``. Bit for bit.
 """
 
 from __future__ import annotations
@@ -175,13 +175,24 @@ def test_dcp_load_of_a_torchtune_file_without_its_config_into_a_biased_llama(tmp
 
 # -- litgpt ----------------------------------------------------------------------------------------
 
+#: Each release's fixture (its ``produce.py``): litgpt 0.5.13's ``attn.qkv`` (``[all q; all k; all
+#: v]``), and 0.5.4's ``attn.attn`` (by query group, lit-gpt's layout until litgpt 0.5.5).
+LITGPT_LAYOUTS = ["0.5.13", "0.5.4"]
 
-def lit() -> dict[str, torch.Tensor]:
-    return torch.load(LITGPT / "final" / "lit_model.pth", weights_only=True)["model"]
+
+def lit_file(release: str = "0.5.13") -> Path:
+    return Path(__file__).parent / "fixtures" / f"litgpt_{release}" / "final" / "lit_model.pth"
 
 
-def lit_to_hf() -> dict[str, torch.Tensor]:
-    """What litgpt's own ``convert_lit_checkpoint`` made of the weights."""
+def lit(release: str = "0.5.13") -> dict[str, torch.Tensor]:
+    return torch.load(lit_file(release), weights_only=True)["model"]
+
+
+def lit_to_hf(release: str = "0.5.13") -> dict[str, torch.Tensor]:
+    """What that release's own ``convert_lit_checkpoint`` made of the weights (0.5.4's file
+    re-stored as safetensors by its producer: its pickler is not ``weights_only``-loadable)."""
+    if release == "0.5.4":
+        return load_file(lit_file(release).parent.parent / "expected_hf.safetensors")
     return torch.load(LITGPT / "expected_hf" / "model.pth", weights_only=True)
 
 
@@ -196,26 +207,40 @@ def lit_llama(**heads) -> torch.nn.Module:
     return LlamaForCausalLM(config).to(torch.bfloat16)
 
 
-def test_load_state_dict_of_a_litgpt_checkpoint_into_llama():
-    """``load_state_dict(torch.load("lit_model.pth")["model"])``: ``attn.qkv`` cut into q, k, v."""
+def test_the_two_litgpt_layouts_are_the_two_fixtures():
+    """0.5.13 stores ``attn.qkv``, 0.5.4 ``attn.attn``, and 0.5.4's rows are by query group: its
+    converter's q rows are not the first 64 rows (so a load that cut it as ``[all q; all k; all
+    v]`` would fail the tests below)."""
+    assert "transformer.h.0.attn.qkv.weight" in lit() and "transformer.h.0.attn.attn.weight" not in lit()
+    legacy = lit("0.5.4")["transformer.h.0.attn.attn.weight"]
+    assert "transformer.h.0.attn.qkv.weight" not in lit("0.5.4")
+    assert not torch.equal(legacy[:64], lit_to_hf("0.5.4")["model.layers.0.self_attn.q_proj.weight"])
+
+
+@pytest.mark.parametrize("release", LITGPT_LAYOUTS)
+def test_load_state_dict_of_a_litgpt_checkpoint_into_llama(release):
+    """``load_state_dict(torch.load("lit_model.pth")["model"])``: ``attn.qkv`` cut into q, k, v by
+    their sizes; ``attn.attn`` group by group, with the model's own head counts."""
     model = lit_llama()
-    model.load_state_dict(lit())
-    assert_same(model.state_dict(), lit_to_hf())
+    model.load_state_dict(lit(release))
+    assert_same(model.state_dict(), lit_to_hf(release))
 
 
-def test_dcp_load_of_a_litgpt_file_into_llama():
+@pytest.mark.parametrize("release", LITGPT_LAYOUTS)
+def test_dcp_load_of_a_litgpt_file_into_llama(release):
     """``dcp.load`` of ``lit_model.pth``: the ``{"model": ...}`` root, and the heads of the
     ``model_config.yaml`` beside it."""
     state_dict = lit_llama().state_dict()
-    dcp.load(state_dict, checkpoint_id=LITGPT / "final" / "lit_model.pth")
-    assert_same(state_dict, lit_to_hf())
+    dcp.load(state_dict, checkpoint_id=lit_file(release))
+    assert_same(state_dict, lit_to_hf(release))
 
 
-def test_a_litgpt_near_miss_is_refused_naming_both_head_counts(tmp_path, capsys):
+@pytest.mark.parametrize("release", LITGPT_LAYOUTS)
+def test_a_litgpt_near_miss_is_refused_naming_both_head_counts(release, tmp_path, capsys):
     """``convert --like`` a folder of 4 heads of 16 in 1 group: the same shapes as litgpt's 8 heads
     of 8 in 2 groups (model_config.yaml), which would load without an error and compute garbage."""
     lit_llama(num_attention_heads=4, num_key_value_heads=1, head_dim=16).save_pretrained(tmp_path / "like")
-    assert main(["convert", str(LITGPT / "final" / "lit_model.pth"), str(tmp_path / "out.safetensors"), "--to",
+    assert main(["convert", str(lit_file(release)), str(tmp_path / "out.safetensors"), "--to",
                  "safetensors", "--like", str(tmp_path / "like")]) != 0
     said = capsys.readouterr().err
     assert "8 heads (n_head) in 2 key/value groups (n_query_groups), head_dim 8" in said
@@ -223,22 +248,37 @@ def test_a_litgpt_near_miss_is_refused_naming_both_head_counts(tmp_path, capsys)
     assert not (tmp_path / "out.safetensors").exists()
 
 
-def test_a_hugging_face_folder_into_litgpt_names(tmp_path):
-    """The way back (litgpt's ``convert_hf_checkpoint``): q, k and v joined into ``attn.qkv``."""
+@pytest.mark.parametrize("release", LITGPT_LAYOUTS)
+def test_a_hugging_face_folder_into_litgpt_names(release, tmp_path):
+    """The way back (litgpt's ``convert_hf_checkpoint``): q, k and v joined into ``attn.qkv``, or
+    into ``attn.attn`` group by group."""
     model = lit_llama()
-    model.load_state_dict(lit_to_hf())
+    model.load_state_dict(lit_to_hf(release))
     model.save_pretrained(tmp_path / "hf")
-    state_dict = empty_like(lit())
+    state_dict = empty_like(lit(release))
     dcp.load(state_dict, checkpoint_id=tmp_path / "hf")
-    assert_same(state_dict, lit())
+    assert_same(state_dict, lit(release))
 
 
-def test_convert_a_litgpt_file_like_a_hugging_face_folder(tmp_path):
+@pytest.mark.parametrize("release", LITGPT_LAYOUTS)
+def test_convert_a_litgpt_file_like_a_hugging_face_folder(release, tmp_path):
     lit_llama().save_pretrained(tmp_path / "like")
     out = tmp_path / "model.safetensors"
-    assert main(["convert", str(LITGPT / "final" / "lit_model.pth"), str(out), "--to", "safetensors", "--like",
+    assert main(["convert", str(lit_file(release)), str(out), "--to", "safetensors", "--like",
                  str(tmp_path / "like")]) == 0
-    assert_same(load_file(out), lit_to_hf())
+    assert_same(load_file(out), lit_to_hf(release))
+
+
+def test_attn_attn_is_not_renamed_to_attn_qkv(tmp_path):
+    """0.5.4's ``attn.attn`` into a state dict of 0.5.13's names: one array, fused two ways (by
+    query group, ``[all q; all k; all v]``), is no rename; without a plan that regroups it, the
+    load is DCP's own refusal, the state dict untouched. (litgpt's own ``GPT`` regroups it on
+    ``load_state_dict``: ckptshim leaves that load to it.)"""
+    state_dict = empty_like(lit())
+    with pytest.raises(BaseException) as error:
+        dcp.load(state_dict, checkpoint_id=lit_file("0.5.4"))
+    assert "attn.qkv.weight" in str(error.value) + "".join(getattr(error.value, "__notes__", []))
+    assert all(not value.any() for value in state_dict.values())
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2"])

@@ -220,6 +220,8 @@ class _Composer:
         held_slots = self.source.slots(held_part)
         layers = _layers(entry) if held_layer == STACKED else (layer,)
         if held_slots == slots:
+            if self.source.fused.get(held_part) != self.target.fused.get(part):
+                return  # one array fused two ways (litgpt's two layouts): left to the name matcher
             targets = [want.get((at, part)) for at in layers]
             if None in targets:
                 return

@@ -25,7 +25,7 @@ from ckptshim.rules.profiles import litgpt, megatron_core, meta_llama, torchtita
 
 #: Every producer's names, in the order a side is recognised.
 NAMINGS: tuple[Naming, ...] = (HUGGING_FACE, torchtitan.NAMES, meta_llama.NAMES, megatron_core.NAMES, torchtune.NAMES,
-                                litgpt.NAMES)
+                                litgpt.NAMES, litgpt.LEGACY)
 
 
 def side(inventory: Inventory, stacked: bool = False, root: KeyPath = ()) -> Naming | None:
