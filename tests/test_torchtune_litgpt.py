@@ -269,6 +269,55 @@ def test_convert_a_litgpt_file_like_a_hugging_face_folder(release, tmp_path):
     assert_same(load_file(out), lit_to_hf(release))
 
 
+PRETRAIN = LITGPT / "pretrain"
+
+
+def pretrain_to_hf() -> dict[str, torch.Tensor]:
+    """What 0.5.13's ``convert_lit_checkpoint`` made of the ``litgpt pretrain`` file (its model)."""
+    return torch.load(PRETRAIN / "expected_hf" / "model.pth", weights_only=True)
+
+
+def test_a_litgpt_pretrain_file_holds_training_state_beside_the_model():
+    """What ``litgpt pretrain`` saved (``produce_pretrain.py``): the model beside AdamW's state, the
+    data loader's position and the counters, as ``litgpt.pretrain.save_checkpoint`` saves them."""
+    saved = torch.load(PRETRAIN / "final" / "lit_model.pth", weights_only=True)
+    assert set(saved) == {"model", "optimizer", "train_dataloader", "iter_num", "step_count"}
+    assert saved["iter_num"] == 4 and saved["step_count"] == 2
+    assert "exp_avg" in saved["optimizer"]["state"][0]
+
+
+def test_load_state_dict_of_a_litgpt_pretrain_model_entry():
+    model = lit_llama()
+    model.load_state_dict(torch.load(PRETRAIN / "final" / "lit_model.pth", weights_only=True)["model"])
+    assert_same(model.state_dict(), pretrain_to_hf())
+
+
+def test_dcp_load_of_a_litgpt_pretrain_file_loads_its_model_entry(caplog):
+    """``dcp.load`` of the file: its ``model`` entry, the optimizer's state set aside, which the
+    load's summary says."""
+    state_dict = lit_llama().state_dict()
+    with caplog.at_level("INFO", logger="ckptshim"):
+        dcp.load(state_dict, checkpoint_id=PRETRAIN / "final" / "lit_model.pth")
+    assert_same(state_dict, pretrain_to_hf())
+    assert "'optimizer' set aside: an optimizer's state, not weights" in caplog.text
+
+
+def test_convert_a_litgpt_pretrain_file_like_a_hugging_face_folder(tmp_path, capsys):
+    """``convert --like``: the model entry alone, bit for bit; the dry run says the optimizer's
+    state is set aside and plans none of it."""
+    lit_llama().save_pretrained(tmp_path / "like")
+    source = str(PRETRAIN / "final" / "lit_model.pth")
+    assert main(["plan", source, "--like", str(tmp_path / "like")]) == 0
+    said = capsys.readouterr().out
+    assert "'optimizer' set aside: an optimizer's state, not weights" in said
+    assert "optimizer.state" not in said
+    out = tmp_path / "model.safetensors"
+    assert main(["convert", source, str(out), "--to", "safetensors", "--like", str(tmp_path / "like")]) == 0
+    converted = load_file(out)
+    assert set(converted) == set(pretrain_to_hf())
+    assert_same(converted, pretrain_to_hf())
+
+
 def test_attn_attn_is_not_renamed_to_attn_qkv(tmp_path):
     """0.5.4's ``attn.attn`` into a state dict of 0.5.13's names: one array, fused two ways (by
     query group, ``[all q; all k; all v]``), is no rename; without a plan that regroups it, the
