@@ -852,6 +852,31 @@ def test_a_root_prefix_that_is_not_exact_is_not_one():
     assert set(found.unexpected) == set(source) and set(found.missing) == set(bare)
 
 
+def test_an_optimizers_state_beside_the_model_is_set_aside_not_planned():
+    """A training loop's ``{"model": ..., "optimizer": optimizer.state_dict()}`` (``litgpt
+    pretrain``'s file): the optimizer's entry is set aside, said in the note, and in no op; an
+    entry that is not wholly an optimizer's state (an array outside ``state.<index>``), or one the
+    target has an entry of, is not, and the plan reports what does not match."""
+    from ckptshim.rules.context import LoadContext
+    from ckptshim.rules.profiles import rules_for
+    from ckptshim.rules.roots import RootPrefix, root_prefix
+
+    bare = inv({"layers.0.w": (2, 3), "norm.w": (3,)})
+    model = {"model.layers.0.w": (2, 3), "model.norm.w": (3,)}
+    optimizer = {"optimizer.state.0.exp_avg": (2, 3), "optimizer.state.0.step": (), "optimizer.state.1.exp_avg": (3,)}
+    source = inv({**model, **optimizer})
+    assert root_prefix(source, bare) == RootPrefix("checkpoint", ("model",), frozenset({"optimizer"}))
+    found = plan(source, bare, rules_for(LoadContext(source, bare, "torch")))
+    assert found.complete and not any(key[0] == "optimizer" for op in found.ops for key in op.sources)
+    assert found.notes == ("root prefix 'model.' removed from every checkpoint key; 'optimizer' set aside: an "
+                           "optimizer's state, not weights",)
+    for other in (inv({**model, **optimizer, "optimizer.head.w": (3,)}), inv({**model, "optimizer.state.0.w": (3,)})):
+        assert root_prefix(other, bare) is None
+        assert not plan(other, bare, rules_for(LoadContext(other, bare, "torch"))).complete
+    wanted = inv({"layers.0.w": (2, 3), "norm.w": (3,), "optimizer.state.0.exp_avg": (2, 3)})
+    assert root_prefix(source, wanted) is None
+
+
 def test_a_root_prefix_composes_with_wrappers_and_stacking():
     """Lightning's ``model.`` on the checkpoint, ``_orig_mod.`` on the target, layers stacked in
     the target: each rule exact on its own, all taken together; and a partial load whose sides

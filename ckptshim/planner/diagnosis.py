@@ -19,17 +19,12 @@ from typing import Any, Protocol
 from ckptshim.errors import NoPlan, PlanError
 from ckptshim.inventory import Inventory, KeyPath, join_key
 from ckptshim.keytext import group
+from ckptshim.rules.training_state import optimizer_state_key
 
 #: How many lines (a group of per-layer keys is one) a refusal lists per kind before it stops.
 MAX_LISTED = 12
 #: How many grouped candidates :func:`nearest` compares a missing key with.
 _MAX_CANDIDATES = 5000
-
-#: What ``torch.optim`` optimizers keep per parameter (``state_dict()["state"][i]``): Adam(W)'s
-#: moments, SGD's momentum, Adagrad's sums, RMSprop's averages, Adadelta's, and every one's step.
-OPTIMIZER_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum",
-                             "square_avg", "grad_avg", "acc_delta", "ax", "eta", "mu", "prev",
-                             "step_size", "mu_product", "step"})
 
 
 class Plan(Protocol):
@@ -155,13 +150,6 @@ def _other_model(plan: Plan) -> str | None:
         return None
     return (f"the checkpoint is a model of type {source:.60}, the target a model of type "
             f"{target:.60}: a checkpoint of another model, which no rule turns into this one.")
-
-
-def optimizer_state_key(key: KeyPath) -> bool:
-    """Whether ``key`` is a value an optimizer keeps for a parameter: ``state.<param>.<name>``
-    (at any depth, as ``{"optimizer": optimizer.state_dict()}`` is saved) with ``<name>`` one
-    of :data:`OPTIMIZER_STATE`."""
-    return len(key) >= 3 and key[-1] in OPTIMIZER_STATE and "state" in key[:-2]
 
 
 def _optimizer_state(plan: Plan, sep: str) -> str | None:

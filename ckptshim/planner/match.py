@@ -114,6 +114,8 @@ def _under_root(source: Inventory, target: Inventory, rules: Rules,
     original: dict[KeyPath, KeyPath] = {}
     entries = []
     for entry in source.values():
+        if root.sets_aside(entry.key):
+            continue  # an optimizer's state beside the model (the root's note says so)
         key = root.rekey(entry.key)
         if key is None or original.setdefault(key, entry.key) != entry.key:
             return None

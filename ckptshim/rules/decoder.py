@@ -121,7 +121,9 @@ class Naming:
     - ``joined``: whether a layer's index joins the layer list's last name (MaxText's unscanned
       ``decoder/layers_0``) rather than following it;
     - ``query_scale``: why its attention expects the query pre-multiplied by ``1/sqrt(head_dim)``
-      (MaxText's Llama), empty where it does not.
+      (MaxText's Llama), empty where it does not;
+    - ``no_rotary``: where ``rotary`` is ``None``, why, and what to do: the hint on each query and
+      key row left unmapped (``{source}``: the checkpoint's key).
     """
 
     name: str
@@ -136,8 +138,11 @@ class Naming:
     roots: tuple[KeyPath, ...] = ((),)
     joined: bool = False
     query_scale: str = ""
+    no_rotary: str = ""
 
     def __post_init__(self) -> None:
+        if self.rotary is None and not self.no_rotary:
+            raise ValueError(f"{self.name}: names without a rotary convention say why (no_rotary)")
         if self.rotary != HALVES and any(how.by_group for how in self.fused.values()):
             raise ValueError(f"{self.name}: a query-group fusion is read as rotary halves (SplitGroups' pairs "
                              "flag marks the parts that hold interleaved pairs)")
@@ -300,6 +305,8 @@ class _Composer:
         else:
             layers = (layer,)
         if held_slots == slots:
+            if self.source.fused.get(held_part) != self.target.fused.get(part):
+                return  # one array fused two ways (litgpt's two layouts): left to the name matcher
             targets = [want.get((at, part)) for at in layers]
             if None in targets:
                 return
@@ -411,10 +418,7 @@ class _Composer:
         reorder = slot in ROTARY and self.source.rotary != self.target.rotary
         if reorder and None in (self.source.rotary, self.target.rotary):
             unknown = self.source if self.source.rotary is None else self.target
-            return (f"{unknown.name} lays out {join_key(sources[0].key)}'s rotary dimensions as its model family does "
-                    "(interleaved pairs for a Llama, halves for a Qwen2), and no config of this load names a "
-                    "family whose convention ckptshim knows (config.json's model_type); keep the checkpoint's "
-                    "own config.json beside it, or convert it with the producer's own converter")
+            return unknown.no_rotary.format(source=join_key(sources[0].key))
         apart = reorder or not (_heads_together(src) and _heads_together(tgt))
         sizes = {"layer": shape[source_at] if isinstance(source_at, int) else len(sources)}
         if apart:

@@ -25,7 +25,7 @@ from ckptshim.rules.profiles import litgpt, maxtext, megatron_core, meta_llama, 
 
 #: Every producer's names, in the order a side is recognised.
 NAMINGS: tuple[Naming, ...] = (HUGGING_FACE, torchtitan.NAMES, meta_llama.NAMES, megatron_core.NAMES, torchtune.NAMES,
-                                litgpt.NAMES, maxtext.NAMES)
+                                litgpt.NAMES, litgpt.LEGACY, maxtext.NAMES)
 
 
 def side(inventory: Inventory, stacked: bool = False, root: KeyPath = ()) -> Naming | None:
@@ -73,7 +73,7 @@ class DecoderLayout:
 
     def pair(self, source: Inventory, target: Inventory, rules: Rules) -> Paired:
         names = torchtitan.variants(self.source_names, self.target_names, source, target, self.config)
-        names = torchtune.variants(*names, self.config, self.target_config)
+        names = torchtune.variants(*names, self.config, self.target_config, source)
         names = maxtext.variants(*names, source, target, self.config or self.target_config)
         return pair(*names, source, target, self._dims, self.stacked, rules.strict)
 
