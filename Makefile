@@ -35,8 +35,12 @@ demo: $(DEMO_STAMP)
 	@echo "Running examples/demo.py: eight stories, about a minute."
 	$(DEMO_VENV)/bin/python examples/demo.py
 
+# Two pytest-xdist workers, each taking whole test files (a module's fixtures, such as DeepSpeed's
+# saved engines, are built once): most tests wait on child processes, servers or pip, so two
+# workers on two cores take about half the time of one. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The documentation site, as published, in site/ (tests/test_docs.py builds it too, and checks
 # each page's layout in headless Chromium).

@@ -24,42 +24,54 @@ from support.processes import environment
 pytestmark = QUIET
 NEOX = FIXTURES / "neox_deepspeed" / "pp1_mp1"
 
-#: The demo's NeoX story with ``L`` layers: GPT-NeoX's names (what convert_neox_to_hf.py reads,
-#: transcribed in the fixture's hf_mapping.json) of a model's own values, loaded with the INFO table.
+#: The demo's NeoX story with ``L`` layers, for each ``L`` given: GPT-NeoX's names (what
+#: convert_neox_to_hf.py reads, transcribed in the fixture's hf_mapping.json) of a model's own
+#: values, loaded with the INFO table. One process for every ``L`` (torch and transformers imported
+#: once); a ``LAYERS L`` line on stderr opens each load's output.
 NEOX_LOAD = """
 import json, sys
 import ckptshim, torch, transformers
-layers, fixture = int(sys.argv[1]), sys.argv[2]
+fixture, counts = sys.argv[1], [int(arg) for arg in sys.argv[2:]]
 mapping = json.load(open(fixture + "/hf_mapping.json"))["hf_dirs"]["hf"]["mapping"]
-config = transformers.AutoConfig.from_pretrained(fixture + "/hf", num_hidden_layers=layers)
-torch.manual_seed(0)
-values = transformers.GPTNeoXForCausalLM(config).state_dict()
-values["embed_out.weight"] = values["lm_head.weight"]  # the mapping's (transformers 4) name of the head
-saved = {}
-for entry in mapping:
-    stage = entry["neox_layer_file"]
-    if stage == 2:  # the first layer's keys, for every layer
-        for i in range(layers):
-            saved[f"sequential.{i + 2}.{entry['neox_key']}"] = values[entry["hf_key"].replace(".layers.0.", f".layers.{i}.")]
-    elif stage in (0, 5, 6):  # embedding; final norm and output after the layers
-        saved[f"sequential.{stage if stage == 0 else layers + stage - 2}.{entry['neox_key']}"] = values[entry["hf_key"]]
-model = transformers.GPTNeoXForCausalLM(config)
-model.load_state_dict(saved)
-print(json.dumps(all(torch.equal(v, values[k]) for k, v in model.state_dict().items())))
+loaded = []
+for layers in counts:
+    print(f"LAYERS {layers}", file=sys.stderr, flush=True)
+    config = transformers.AutoConfig.from_pretrained(fixture + "/hf", num_hidden_layers=layers)
+    torch.manual_seed(0)
+    values = transformers.GPTNeoXForCausalLM(config).state_dict()
+    values["embed_out.weight"] = values["lm_head.weight"]  # the mapping's (transformers 4) name of the head
+    saved = {}
+    for entry in mapping:
+        stage = entry["neox_layer_file"]
+        if stage == 2:  # the first layer's keys, for every layer
+            for i in range(layers):
+                saved[f"sequential.{i + 2}.{entry['neox_key']}"] = values[entry["hf_key"].replace(".layers.0.", f".layers.{i}.")]
+        elif stage in (0, 5, 6):  # embedding; final norm and output after the layers
+            saved[f"sequential.{stage if stage == 0 else layers + stage - 2}.{entry['neox_key']}"] = values[entry["hf_key"]]
+    model = transformers.GPTNeoXForCausalLM(config)
+    model.load_state_dict(saved)
+    loaded.append(all(torch.equal(v, values[k]) for k, v in model.state_dict().items()))
+print(json.dumps(loaded))
 """
 
 
-def _info_table(layers: int) -> list[str]:
-    run = subprocess.run([sys.executable, "-c", NEOX_LOAD, str(layers), str(NEOX)], capture_output=True, text=True,
-                         env=environment({"CKPTSHIM_LOG": "info"}), timeout=240)
-    assert run.returncode == 0 and json.loads(run.stdout.strip().splitlines()[-1]), run.stderr[-3000:]
-    lines = run.stderr.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split()[:5] == ["Key", "|", "Status", "|", "Details"])
-    return [" ".join(line.split()) for line in lines[start + 2:] if line.startswith("  ")]
+def _info_tables(*counts: int) -> list[list[str]]:
+    """The INFO table of each load, in the order of ``counts``."""
+    run = subprocess.run([sys.executable, "-c", NEOX_LOAD, str(NEOX), *map(str, counts)], capture_output=True,
+                         text=True, env=environment({"CKPTSHIM_LOG": "info"}), timeout=240)
+    assert run.returncode == 0 and json.loads(run.stdout.strip().splitlines()[-1]) == [True] * len(counts), \
+        run.stderr[-3000:]
+    tables = []
+    for layers, output in zip(counts, run.stderr.split("LAYERS ")[1:], strict=True):
+        lines = output.splitlines()
+        assert lines[0] == str(layers), lines[0]
+        start = next(i for i, line in enumerate(lines) if line.split()[:5] == ["Key", "|", "Status", "|", "Details"])
+        tables.append([" ".join(line.split()) for line in lines[start + 2:] if line.startswith("  ")])
+    return tables
 
 
 def test_a_neox_load_table_of_64_layers_is_as_long_as_one_of_2():
-    two, sixty_four = _info_table(2), _info_table(64)
+    two, sixty_four = _info_tables(2, 64)
     assert two and len(sixty_four) == len(two), "\n".join(sixty_four)
     assert "gpt_neox.layers.{0..1}.attention.dense.weight | renamed | from sequential.{2..3}.attention.dense.weight" in two
     assert "gpt_neox.layers.{0..63}.attention.dense.weight | renamed | from sequential.{2..65}.attention.dense.weight" \

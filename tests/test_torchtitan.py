@@ -276,13 +276,14 @@ def test_dcp_load_of_torchtitan_checkpoint_into_hugging_face_names(tmp_path, nam
     assert all(torch.equal(state[key], value) for key, value in original.items())
 
 
-def test_plan_cli_names_the_per_head_permutation():
-    run = subprocess.run([sys.executable, "-m", "ckptshim", "plan", str(FIXTURE / "llama3" / "hf"),
-                          "--like", str(FIXTURE / "llama3" / "dcp")], capture_output=True, text=True,
-                         env=environment(), timeout=120, check=False)
-    assert run.returncode == 0, run.stderr
+def test_plan_cli_names_the_per_head_permutation(capsys):
+    from ckptshim import cli
+
+    code = cli.main(["plan", str(FIXTURE / "llama3" / "hf"), "--like", str(FIXTURE / "llama3" / "dcp")])
+    shown = capsys.readouterr()
+    assert code == 0, shown.err
     assert ("model.layers.{0..1}.self_attn.q_proj.weight -> reorder(axis 0 as 4x2x8, perm 0,2,1) -> "
-            "layers.{0..1}.attention.qkv_linear.wq.weight") in run.stdout
+            "layers.{0..1}.attention.qkv_linear.wq.weight") in shown.out
 
 
 def test_a_converted_copy_saved_by_safetensors_loads_too(tmp_path):
