@@ -272,6 +272,8 @@ def main() -> int:
                         help="with --gs: the GCS server, the Python emulator (default) or fake-gcs-server")
     parser.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                         help="also time native and idle alternated in one process, ROUNDS rounds")
+    parser.add_argument("--show-requests", action="store_true",
+                        help="with --gs --server fake-gcs: list each case's HTTP requests (its last run)")
     parser.add_argument("--measure", nargs=2, metavar=("DIR", "CASE"), help=argparse.SUPPRESS)
     parser.add_argument("--write", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--scanned", action="store_true", help=argparse.SUPPRESS)
@@ -306,7 +308,7 @@ def main() -> int:
         if args.gs:
             from support import object_stores
 
-            store = object_stores.start("gs", args.server)
+            store = object_stores.start("gs", args.server, access_log=args.server == "fake-gcs")
             stack.callback(store.stop)
             env |= store.client_env()
             root = store.new_bucket() + "/run"
@@ -314,14 +316,24 @@ def main() -> int:
             subprocess.run([sys.executable, "-c", _UPLOAD, tmp, root], check=True, env=env)
             print(f"uploaded to {root} in {time.perf_counter() - start:.0f} s", flush=True)
         runs: dict[str, list[dict]] = {case: [] for case in cases}
+        requests: dict[str, list[str]] = {}  # each case's HTTP requests, fake-gcs-server's access log
+        counting = args.gs and args.server == "fake-gcs"
         for round_ in range(args.rounds):
             for case in cases[round_ % len(cases):] + cases[:round_ % len(cases)]:
                 load = os.getloadavg()[0]
+                before = len(store.requests()) if counting else 0
                 out = subprocess.run([sys.executable, __file__, "--measure", root, case, "--layers", str(layers)]
                                      + ["--cold"] * args.cold,
                                      check=True, env=env, capture_output=True, text=True).stdout
                 runs[case].append(json.loads(out.strip().splitlines()[-1]) | {"load": load})
-                print(f"  {case}: {runs[case][-1]['seconds']:.2f} s (load average {load:.2f})", flush=True)
+                if counting:
+                    requests[case] = store.requests()[before:]
+                    runs[case][-1]["requests"] = len(requests[case])
+                print(f"  {case}: {runs[case][-1]['seconds']:.2f} s (load average {load:.2f})"
+                      + (f", {len(requests[case])} requests" if case in requests else ""), flush=True)
+        if args.show_requests:
+            for case, made in requests.items():
+                print(f"{case}: the requests of its last run\n  " + "\n  ".join(made), flush=True)
         if args.paired:
             load = os.getloadavg()[0]
             out = subprocess.run([sys.executable, __file__, "--measure", root, "paired", "--layers", str(layers),
@@ -339,6 +351,8 @@ def main() -> int:
                         "peak_over_baseline_GiB": round(peak / 2**30, 3),
                         "peak_over_restored": round(peak / restored, 3),
                         "load_average": [round(run["load"], 2) for run in runs[case]]}
+        if "requests" in runs[case][0]:
+            report[case]["requests"] = [run["requests"] for run in runs[case]]
         if "refused" in runs[case][0]:
             report[case] |= {"refused": runs[case][0]["refused"], "message": runs[case][0]["message"]}
     passed = True

