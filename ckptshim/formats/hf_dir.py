@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
-from ckptshim.formats import marker, safetensors, torch_pickle
+from ckptshim.formats import marker, torch_pickle
 from ckptshim.formats.base import (UNREAD, Checkpoint, FileInfo, file_info, read_regular, reader,
                                    require_inside, strict_json)
 from ckptshim.inventory import Entry, Inventory
@@ -94,6 +94,8 @@ READERS = {"torch": sniff, "jax": sniff}
 
 
 def _open_file(path: Path) -> Checkpoint:
+    from ckptshim.formats import safetensors  # only to open: the sniffers run before dcp.load's first read
+
     return safetensors.open_checkpoint(path) if path.suffix == ".safetensors" else torch_pickle.open_checkpoint(path)
 
 
@@ -261,6 +263,8 @@ def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoi
 def _open_objects(shards: dict[str, ObjectInfo]) -> dict[str, Checkpoint]:
     """Each shard in a bucket opened by its name, as :func:`_open_file` opens a local one: the
     safetensors shards' heads in one parallel batch, the ``torch.save`` shards' ends in another."""
+    from ckptshim.formats import safetensors
+
     tensors = {shard: found for shard, found in shards.items() if shard.endswith(".safetensors")}
     pickles = {shard: found for shard, found in shards.items() if shard not in tensors}
     heads = safetensors.heads([(found.location, found.size) for found in tensors.values()])
