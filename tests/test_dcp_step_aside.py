@@ -266,3 +266,15 @@ def test_dcps_own_planner_errors_are_dcps(tmp_path, written):
     error = same_error(raised(lambda: load(written["root"] / "plain", state=target)),
                        raised(lambda: natively(lambda: load(written["root"] / "plain", state=target))))
     assert "Missing key in checkpoint state_dict: model.extra.weight" in str(error)
+
+
+def test_a_dcp_folder_beside_megatrons_latest_iteration_file_is_read_as_dcp_reads_it(tmp_path):
+    """A folder with DCP metadata of its own is what DCP reads, whatever else lies in it: a
+    ``latest_checkpointed_iteration.txt`` there (Megatron-LM's save-root marker) sends ckptshim to
+    no iteration folder."""
+    folder = tmp_path / "with_latest"
+    state = saved(build(seed=2).state_dict())
+    natively(lambda: dcp.save(state, checkpoint_id=folder, no_dist=True))
+    (folder / "latest_checkpointed_iteration.txt").write_text("1000")
+    assert_same(values(load(folder)), values(natively(lambda: load(folder))))
+    assert_same(values(load(folder)), values(state))

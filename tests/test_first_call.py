@@ -37,9 +37,12 @@ from support.processes import environment
 pytestmark = QUIET
 build = fixture_module("torch_dcp_single/dcp_tiny_model.py").build
 CHECKPOINTS = {name: FIXTURES / "torch_dcp_single" / name for name in ("dcp_plain", "dcp_compiled", "dcp_plain_toplevel")}
-#: What a load that only steps aside must not import (``fsspec``: DCP's own local load does not).
+#: What a load that only steps aside must not import (``fsspec``: DCP's own local load does not; the
+#: readers of other formats: a DCP folder is told from them by file names alone).
 PLANNING = ("ckptshim.planner", "ckptshim.ops", "ckptshim.rules", "ckptshim.geometry", "ckptshim.formats.detect",
-            "ckptshim.loading.dcp_mapping", "ckptshim.execute.dcp_virtual", "fsspec")
+            "ckptshim.loading.dcp_mapping", "ckptshim.execute.dcp_virtual", "fsspec",
+            "ckptshim.formats.safetensors", "ckptshim.formats.megatron_core", "ckptshim.formats.kvstore",
+            "ckptshim.formats.zarr")
 
 LOAD = """
 import json, sys

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
-from ckptshim.formats import marker, safetensors, torch_pickle
+from ckptshim.formats import marker, torch_pickle
 from ckptshim.formats.base import (UNREAD, Checkpoint, FileInfo, file_info, read_regular, reader,
                                    require_inside, strict_json)
 from ckptshim.inventory import Entry, Inventory
@@ -99,6 +99,8 @@ READERS = {"torch": sniff, "jax": sniff}
 
 
 def _open_file(path: Path) -> Checkpoint:
+    from ckptshim.formats import safetensors  # only to open: the sniffers run before dcp.load's first read
+
     return safetensors.open_checkpoint(path) if path.suffix == ".safetensors" else torch_pickle.open_checkpoint(path)
 
 
@@ -272,6 +274,8 @@ def _fetch_together(listed: dict[str, ObjectInfo]) -> dict[str, bytes]:
     whole (those no larger than a config may be: a larger one is refused where it is read), and
     the head of every ``.safetensors`` object listed (:data:`~ckptshim.formats.safetensors.HEAD_BYTES`),
     ahead of the index that names the shards -- a folder's safetensors objects are its shards."""
+    from ckptshim.formats import safetensors
+
     small = [name for name in (CONFIG, *WEIGHT_FILES) if name.endswith(".json") and name in listed
              and listed[name].size <= MAX_CONFIG_BYTES]
     shards = [name for name in listed if name.endswith(".safetensors")]
@@ -284,6 +288,8 @@ def _open_objects(shards: dict[str, ObjectInfo], fetched: dict[str, bytes]) -> d
     """Each shard in a bucket opened by its name, as :func:`_open_file` opens a local one: the
     safetensors shards from their heads (``fetched`` already, or here in one parallel batch),
     the ``torch.save`` shards' ends in another."""
+    from ckptshim.formats import safetensors
+
     tensors = {shard: found for shard, found in shards.items() if shard.endswith(".safetensors")}
     pickles = {shard: found for shard, found in shards.items() if shard not in tensors}
     missing = [shard for shard in tensors if shard not in fetched]

@@ -72,10 +72,11 @@ def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageRe
 def checkpoint_folder(checkpoint_id: Any) -> Any:
     """The folder ``dcp.load`` reads for ``checkpoint_id``: for a Megatron-LM save root
     (``latest_checkpointed_iteration.txt``), which DCP cannot read, the iteration folder it
-    names; else ``checkpoint_id`` itself."""
-    if checkpoint_id is None or "://" in str(checkpoint_id) or not Path(checkpoint_id).is_dir():
+    names; else ``checkpoint_id`` itself (a folder with DCP metadata of its own is what DCP reads)."""
+    if checkpoint_id is None or "://" in str(checkpoint_id) or not Path(checkpoint_id).is_dir() \
+            or dcp.sniff(Path(checkpoint_id)):
         return checkpoint_id
-    from ckptshim.formats import megatron_core  # only for a folder
+    from ckptshim.formats import megatron_core  # only for a folder DCP cannot read
 
     return megatron_core.iteration_folder(Path(checkpoint_id)) or checkpoint_id
 
