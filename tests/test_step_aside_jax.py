@@ -269,11 +269,14 @@ def test_flax_restores_its_arrays_into_a_smaller_target(legacy_flax):
 
 
 @pytest.mark.parametrize("url", ["gs://bucket/ckpt", "s3://bucket/ckpt"])
-def test_a_url_is_never_read_as_a_local_path(tmp_path, monkeypatch, url):
+def test_a_url_is_never_read_as_a_local_path(tmp_path, monkeypatch, request, url):
     """``pathlib.Path`` collapses ``gs://bucket/ckpt`` into ``gs:/bucket/ckpt``. A checkpoint
     waiting at that local path (relative to the working directory) must not be read in the
     URL's place: every JAX hook leaves the URL to the framework's own file systems, and what the
-    framework does with it (here: no client for the scheme is installed) stands."""
+    framework does with it stands. The clients are pointed at the tests' local server of the
+    scheme, where the URL's bucket does not exist: what they do with it is decided here, never
+    by the real cloud (reaching it can hang)."""
+    request.getfixturevalue({"gs": "gcs_server", "s3": "s3_server"}[url.split(":")[0]])
     monkeypatch.chdir(tmp_path)
     decoy = tmp_path / os.fspath(url).replace("://", ":/", 1)
     layers = {"layers_0": {"w": np.zeros(4, np.float32)}, "layers_1": {"w": np.ones(4, np.float32)}}
