@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError, brief, describe
-from ckptshim.formats import marker, safe_pickle
+from ckptshim.formats import located, marker, safe_pickle
 from ckptshim.formats.base import Budget, Checkpoint, FileInfo, Piece, metadata_limit, reader, reading, storage_dtype
 from ckptshim.formats.torch_globals import ExtraGlobals, Globals, Layout, Size, TensorRef, dtype_of, members
 from ckptshim.formats.torch_pickle import read_archive, tensor_view
@@ -650,16 +650,16 @@ def open_checkpoint(path: Path | Location, listed: Sequence[ObjectInfo] | None =
     leave it and for anything neither a file nor a folder (which a bucket cannot hold)."""
     root = Location.of(path)
     root.refuse_links_leaving()
-    listed_by_name = {info.location.name: info for info in (_listing(root) if listed is None else listed)}
+    listed_by_name = {info.location.name: info for info in (located.listing(root) if listed is None else listed)}
     sources = metadata_names(listed_by_name)
     if not sources:
         raise _no_metadata(path)
     for name in sources:
         if listed_by_name[name].kind != "file":
+            kind = listed_by_name[name].kind
             raise CorruptCheckpointError(
-                f"{root / name} is a {KIND_WORDS.get(listed_by_name[name].kind, listed_by_name[name].kind)}, "
-                "not a file; DCP reads its metadata from there. Restore the checkpoint's metadata file "
-                "(re-copy the checkpoint from the original).")
+                f"{root / name} is not a file (a {KIND_WORDS.get(kind, kind)}); DCP reads its metadata "
+                "from there. Restore the checkpoint's metadata file (re-copy the checkpoint from the original).")
     marker.require_complete(root, listed_by_name)  # a folder ckptshim convert wrote: every object it lists
     array_bytes = sum(info.size for info in listed_by_name.values() if info.kind == "file")
     parts = [load_metadata(root / name, array_bytes, listed_by_name[name].size) for name in sources]
@@ -669,14 +669,6 @@ def open_checkpoint(path: Path | Location, listed: Sequence[ObjectInfo] | None =
         return FileInfo(name, None if found is None else found.size, size,
                         kind="file" if found is None else found.kind, **kw)
     return _checkpoint(path, sources, parts, info)
-
-
-def _listing(root: Location) -> Sequence[ObjectInfo]:
-    """What lies directly in ``root``; nothing where it is no folder or prefix."""
-    try:
-        return root.list()
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 
 def _no_metadata(path: object) -> CorruptCheckpointError:
