@@ -18,7 +18,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import unquote
 
@@ -70,7 +70,10 @@ def list_files(root: Root) -> dict[str, int | None]:
         listed = where.list(recursive=True)
     except (FileNotFoundError, NotADirectoryError):
         return {}
-    return {info.location.relative_to(where): info.size for info in listed if info.kind == "file"}
+    # by the name the listing found each file under (a link's, not its target's: ``relative_to``
+    # would resolve it, and a link leaving the folder is the opener's to refuse, naming it)
+    return {PurePosixPath(info.location.key).relative_to(where.key).as_posix(): info.size
+            for info in listed if info.kind == "file"}
 
 
 def read_values(root: Root, ocdbt: bool, keys: list[str], context=None,
