@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 import ckptshim
 from ckptshim.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptshim.execute import dcp_storage
+from ckptshim.storage import objects
 from ckptshim.formats import base as formats_base
 from support.markers import QUIET
 
@@ -95,7 +96,7 @@ def test_chunks_staged_and_batched(bucket, monkeypatch):
              "step": torch.tensor(3)}
     dcp.save(state, checkpoint_id=url)
     monkeypatch.setattr(dcp_storage, "HEADER_BATCH", 1)
-    monkeypatch.setattr(dcp_storage, "STAGING_BYTES", 1)
+    monkeypatch.setattr(objects, "READ_AHEAD_BYTES", 1)
     never_pickled(monkeypatch)
     base = torch.zeros(6, 4)
     target = {"_orig_mod.w": base.t(), "_orig_mod.b": torch.zeros(6, dtype=torch.bfloat16),

@@ -61,19 +61,11 @@ PATHS = ("load-remap", "load", "convert-safetensors", "convert-dcp", "inspect")
 #: Cells that fail today for a filed reason: a pattern over the cell's id ("FORMAT-STORAGE-DTYPE-
 #: PATH", fnmatch) and the reason. Each is a strict xfail: delete an entry once its fix lands.
 KNOWN: dict[str, str] = {}
-#: Cells the matrix found failing beside issue 31's four (open in issue 31's note), as the same
-#: pattern -> reason: listed, not run. Their outcome depends on what ran before them in the
-#: process, and formatting one's failure has crashed the whole pytest session (CPython 3.11's
-#: "AST constructor recursion depth mismatch", with aiohttp's finalizers running inside it).
-#: Delete an entry once its fix lands: the cell then runs like every other.
-FINDINGS: dict[str, str] = {
-    "orbax-per-leaf-truncated-[gs]*-*": "a per-leaf zarr chunk cut short in a bucket: inspect says complete (a "
-                                        "bucket's chunk frames are not checked) and loads fail at the read with "
-                                        "tensorstore's error, where locally both name the short chunk up front",
-    "flax-msgpack-truncated-gcs-*-load-remap": "a Flax msgpack file cut short in gs://: the remapped restore steps "
-                                               "aside (Orbax's 'Found incomplete checkpoint') where locally ckptshim "
-                                               "refuses it naming the file",
-}
+#: Cells the matrix found failing that are not fixed yet, as the same pattern -> reason: listed,
+#: not run (formatting a failure once crashed the whole pytest session: CPython 3.11's "AST
+#: constructor recursion depth mismatch", with aiohttp's finalizers running inside it; run such a
+#: cell alone with ``--assert=plain`` to see its error). Delete an entry once its fix lands.
+FINDINGS: dict[str, str] = {}
 
 
 def written_arrays() -> dict[tuple[str, str], np.ndarray]:

@@ -22,12 +22,12 @@ destination through the format's ``read_blocks`` (one ``pread`` of exactly the r
 needs, for a local safetensors file; for one in a bucket, a window of blocks' byte ranges at a
 time, in parallel).
 
-:class:`RemoteDcpReader` is :class:`DcpReader` over a checkpoint in object storage: DCP's own
-``FsspecReader`` file system for whatever torch reads itself, ckptshim's
-:class:`~ckptshim.storage.Location` for the rest -- the metadata fetched under a size cap and
-parsed by the same unpickler, chunk headers fetched in parallel batches, and chunk bytes read as
-the byte ranges the metadata declares, in parallel, straight into the destinations (each checked
-against the object's size). Where the planner remaps nothing, every tensor chunk is read by
+:class:`DcpReader` reads a local folder and a bucket prefix the same way, through
+:class:`~ckptshim.storage.Location`: the metadata read whole under a size cap, chunk headers
+fetched in batches, and chunk bytes read as the byte ranges the metadata declares, a window of
+the store's ``read_ahead_bytes`` at a time (from a bucket, in parallel), straight into the
+destinations. :class:`RemoteDcpReader` is it over DCP's own ``FsspecReader`` file system, for
+whatever torch reads itself; where the planner remaps nothing, every tensor chunk is read by
 torch's own ``FsspecReader`` data path, as without ckptshim.
 
 A checkpoint that ckptshim refuses does not raise inside ``read_metadata`` -- DCP would turn
@@ -68,7 +68,7 @@ from ckptshim import progress
 from ckptshim.errors import CorruptCheckpointError, ShimError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.execute import destinations
 from ckptshim.formats import dcp
-from ckptshim.formats.base import Checkpoint, Format, metadata_limit, open_regular, storage_dtype, windows
+from ckptshim.formats.base import Checkpoint, Format, metadata_limit, storage_dtype, windows
 from ckptshim.inventory import Entry, dtype_name, join_key, split_key
 from ckptshim.keytext import shown_error
 from ckptshim.log import logger
@@ -157,23 +157,33 @@ class DcpReader(FileSystemReader):
     for it (a checkpoint saved without collectives), and a metadata file that is not there fails
     with torch's own ``OSError`` (DCP then tries the rank's file)."""
 
-    def __init__(self, path: str | os.PathLike, _extension_registry: Any = None) -> None:
+    def __init__(self, path: str | os.PathLike, _extension_registry: Any = None,
+                 listed: list[ObjectInfo] | None = None) -> None:
         super().__init__(path, _extension_registry)
         self._checkpoint: dcp.DcpCheckpoint | None = None
         self._layouts: dict[MetadataIndex, dcp.ChunkLayout] = {}
         self._objects: dict[MetadataIndex, bytes] = {}
         self._by_torch: set[MetadataIndex] = set()
+        self._listed = (Location.of(path), listed)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
         self._checkpoint, self._layouts, self._objects, self._by_torch = None, {}, {}, set()
 
-    def _file(self, name: str) -> Path | Location:
+    @property
+    def location(self) -> Location:
+        """Where the checkpoint is: the folder or prefix torch's file system reads (``self.path``)."""
+        return Location.of(self.path)
+
+    def _file(self, name: str) -> Location:
         """Where the checkpoint's file ``name`` is."""
-        return Path(self.path) / name
+        return self.location / name
 
     def _open_checkpoint(self) -> dcp.DcpCheckpoint:
-        return dcp.open_checkpoint(Path(self.path))
+        """The checkpoint at :attr:`location`, opened from the listing whoever chose this reader
+        made (``listed``, used once, for that same location), else listed here."""
+        (listed_at, listed), self._listed = self._listed, (None, None)
+        return dcp.open_checkpoint(self.location, listed if listed_at == self.location else None)
 
     @property
     def checkpoint(self) -> dcp.DcpCheckpoint | None:
@@ -318,16 +328,19 @@ class DcpReader(FileSystemReader):
         return _done()
 
 
-    def _copy_file(self, file: Path | Location,
+    def _copy_file(self, file: Location,
                    chunks: list[tuple[MetadataIndex, dcp.ChunkLayout, list[tuple[ReadItem, torch.Tensor]]]]) -> None:
-        """Every destination of the chunks of one file, each chunk read once, in file order."""
-        with open_regular(file, buffering=0) as raw:
-            for index, layout, items in chunks:
-                copy = _chunk_copy(layout, items)
-                if copy is not None:
-                    for begin, view in copy.reads:
-                        dcp.read_exact(raw, view, begin, f"{file}: {index.fqn!r}")
-                    copy.finish()
+        """Every destination of the chunks of one file, each chunk read once, in file order: the
+        byte ranges of a window of chunks at a time (the file's store's ``read_ahead_bytes`` of
+        staging buffers at most, for chunks not read straight into their destinations: one
+        chunk at a time locally; in parallel from a bucket), each range checked against the
+        file's size."""
+        copies = [copy for _, layout, items in chunks if (copy := _chunk_copy(layout, items)) is not None]
+        for window in windows(copies, lambda copy: copy.staged, file.read_ahead_bytes):
+            reads = [(begin, view) for copy in window for begin, view in copy.reads]
+            read_ranges([ByteRange(file, begin, len(view)) for begin, view in reads], [view for _, view in reads])
+            for copy in window:
+                copy.finish()
 
 
 class RemoteDcpReader(DcpReader):
@@ -335,20 +348,17 @@ class RemoteDcpReader(DcpReader):
 
     Its file system is ``FsspecReader``'s (``self.fs``, ``self.path`` as there), so what torch
     reads itself goes through the user's fsspec client as without ckptshim; ckptshim reads
-    through :class:`~ckptshim.storage.Location` (the same fsspec instances). ``listed`` is the
-    listing of ``location`` that whoever chose this reader made, used by the first
-    ``read_metadata`` of that same location; ``remaps()`` says, once DCP has planned, whether
-    the plan reads some key from stored chunks of another name or layout (the
-    :class:`~ckptshim.execute.dcp_planner.RemappingLoadPlanner`'s ``remaps``)."""
+    through :class:`~ckptshim.storage.Location` as it reads a local folder. ``remaps()`` says,
+    once DCP has planned, whether the plan reads some key from stored chunks of another name or
+    layout (the :class:`~ckptshim.execute.dcp_planner.RemappingLoadPlanner`'s ``remaps``)."""
 
     def __init__(self, location: Location, _extension_registry: Any = None,
                  listed: list[ObjectInfo] | None = None, remaps: Callable[[], bool] = lambda: True) -> None:
         from torch.distributed.checkpoint._fsspec_filesystem import FileSystem  # fsspec: for buckets only
 
-        super().__init__(str(location), _extension_registry)
+        super().__init__(str(location), _extension_registry, listed)
         self.fs = FileSystem()  # as FsspecReader.__init__
         self.path = self.fs.init_path(str(location))
-        self._listed = (location, listed)
         self._remaps = remaps
 
     @classmethod
@@ -357,55 +367,14 @@ class RemoteDcpReader(DcpReader):
 
         return FsspecReader.validate_checkpoint_id(checkpoint_id)
 
-    @property
-    def location(self) -> Location:
-        return Location.of(str(self.path))
-
-    def _file(self, name: str) -> Location:
-        return self.location / name
-
-    def _open_checkpoint(self) -> dcp.DcpCheckpoint:
-        (listed_at, listed), self._listed = self._listed, (None, None)
-        return dcp.open_checkpoint(self.location, listed if listed_at == self.location else None)
-
     def _reads_chunks(self) -> bool:
         """Only where ckptshim remaps keys: every other load's chunks are read by torch's own
         ``FsspecReader`` data path, as without ckptshim."""
         return self._remaps()
 
-    def _copy_file(self, file: Path | Location,
-                   chunks: list[tuple[MetadataIndex, dcp.ChunkLayout, list[tuple[ReadItem, torch.Tensor]]]]) -> None:
-        """The byte ranges of many chunks in parallel; at most :data:`STAGING_BYTES` of them
-        (those not read straight into a destination) held at once."""
-        batch: list[_ChunkCopy] = []
-        staged = 0
-        for _, layout, items in chunks:
-            copy = _chunk_copy(layout, items)
-            if copy is None:
-                continue
-            if batch and staged + copy.staged > STAGING_BYTES:
-                _fetch(file, batch)
-                batch, staged = [], 0
-            batch.append(copy)
-            staged += copy.staged
-        _fetch(file, batch)
 
-
-#: Chunks whose archive headers a remote reader fetches in one parallel batch.
+#: Chunks whose archive headers a reader fetches in one parallel batch (from a bucket).
 HEADER_BATCH = 256
-#: The most bytes of chunks a remote reader holds in staging buffers at once (chunks read
-#: straight into their destinations need none).
-STAGING_BYTES = 256 << 20
-
-
-def _fetch(file: Location, copies: list[_ChunkCopy]) -> None:
-    """The reads of ``copies`` (all in ``file``) in parallel, then each copy finished."""
-    reads = [(begin, view) for copy in copies for begin, view in copy.reads]
-    read_ranges([ByteRange(file, begin, len(view)) for begin, view in reads], [view for _, view in reads])
-    for copy in copies:
-        copy.finish()
-
-
 #: The most bytes a stored Python object may decode to through a stream extension (a small
 #: value: optimizer hyper-parameters, a step count); more is refused before it is held.
 OBJECT_LIMIT = 256 << 20

@@ -17,11 +17,11 @@ chunk (a whole tensor, or one rank's block of it) as a complete ``torch.save`` a
 parsed with :mod:`ckptshim.formats.torch_pickle` only when their bytes are wanted. Reads go
 through ``pread`` into buffers the caller owns, so every byte is read once and only when needed.
 
-A checkpoint in object storage (a remote :class:`~ckptshim.storage.Location`) is read the same
-way: its prefix listed once (bounded), its metadata fetched whole under a size cap
-(:func:`metadata_limit`) and parsed by the same unpickler, each file's size taken from the
-listing for completeness, and each chunk's archive read by byte ranges through a
-:class:`~ckptshim.storage.ranged.RangedFile` (the stand-in for a descriptor: :func:`pread`).
+A local folder and a bucket prefix are read the same way, through
+:class:`~ckptshim.storage.Location`: the folder listed once (bounded), its metadata read whole
+under a size cap (:func:`metadata_limit`) and parsed by the unpickler, each file's size taken
+from the listing for completeness, and each chunk's archive read through
+:func:`~ckptshim.storage.ranged.open_source` (a local descriptor, or an object's byte ranges).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import enum
 import functools
 import importlib
 import math
-import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,13 +41,13 @@ from typing import Any
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError, brief, describe
-from ckptshim.formats import marker, safe_pickle
-from ckptshim.formats.base import (Budget, Checkpoint, FileInfo, Piece, file_info, metadata_limit,
-                                   read_regular, reader, reading, storage_dtype)
+from ckptshim.formats import located, marker, safe_pickle
+from ckptshim.formats.base import Budget, Checkpoint, FileInfo, Piece, metadata_limit, reader, reading, storage_dtype
 from ckptshim.formats.torch_globals import ExtraGlobals, Globals, Layout, Size, TensorRef, dtype_of, members
 from ckptshim.formats.torch_pickle import read_archive, tensor_view
 from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
 from ckptshim.storage import Location, ObjectInfo
+from ckptshim.storage.problems import KIND_WORDS
 from ckptshim.storage.ranged import RangedFile, Source, Window, archive_spans, open_source, pread
 
 NAME = "torch-dcp"
@@ -296,15 +295,15 @@ def parse_metadata(root: Any) -> DcpMetadata:
                        None if version is None else _text(version, "the version"), root)
 
 
-def load_metadata(file: Path | Location, array_bytes: int = 0) -> DcpMetadata:
+def load_metadata(file: Path | Location, array_bytes: int = 0, size: int | None = None) -> DcpMetadata:
     """Read a DCP ``.metadata`` file (or one rank's) with the allow-listed unpickler; its
     object budget is credited with ``array_bytes``, what the checkpoint's rank files hold.
-    A remote one is fetched whole, refused first when larger than :func:`metadata_limit`."""
+    It is read whole, refused first when larger than :func:`metadata_limit` (``size``: its size,
+    where a listing gave it)."""
     where = str(file)
     with reading(file):
         try:
-            remote = isinstance(file, Location) and file.is_remote
-            data = file.read_bytes(metadata_limit(array_bytes)) if remote else read_regular(file)
+            data = Location.of(file).read_bytes(metadata_limit(array_bytes), size)
         except OSError as error:
             raise CorruptCheckpointError(f"{file}: cannot be read ({error})") from None
         return loads_metadata(data, where, array_bytes)
@@ -390,16 +389,6 @@ def to_torch(records: Any, where: str) -> Any:
         raise CorruptCheckpointError(
             f"{where}: does not hold DCP metadata as torch.distributed.checkpoint writes it "
             f"({type(error).__name__}: {str(error)[:200]}). Re-save the checkpoint with dcp.save.") from None
-
-
-def metadata_files(path: Path) -> list[Path]:
-    """The metadata DCP's ``FileSystemReader`` would read in the folder ``path``: ``.metadata``
-    if there is anything of that name, else every rank's ``__<rank>.metadata`` (rank order)."""
-    if not path.is_dir():
-        return []
-    if os.path.lexists(path / METADATA_FILE):
-        return [path / METADATA_FILE]
-    return [path / name for name in metadata_names(child.name for child in path.iterdir())]
 
 
 def metadata_names(names: Iterable[str]) -> list[str]:
@@ -518,8 +507,10 @@ def read_chunk(raw: Source, layout: ChunkLayout, where: str) -> np.ndarray:
 
 
 def sniff(path: Path) -> bool:
-    """A folder DCP's reader would unpickle metadata from (see :func:`metadata_files`)."""
-    return bool(metadata_files(path))
+    """A local folder DCP's reader would unpickle metadata from (see :func:`metadata_names`;
+    its names alone, nothing stat-ed: a folder of 100,000 per-array entries is sniffed too).
+    A bucket prefix is recognised from the listing detection makes anyway."""
+    return path.is_dir() and bool(metadata_names(child.name for child in path.iterdir()))
 
 
 READERS = {"torch": sniff}
@@ -653,40 +644,31 @@ def _first_overlap(chunks: Sequence[Chunk]) -> tuple[Chunk, Chunk] | None:
 
 @reader
 def open_checkpoint(path: Path | Location, listed: Sequence[ObjectInfo] | None = None) -> DcpCheckpoint:
-    """The DCP folder ``path`` (or prefix, for a remote location, whose listing ``listed`` may
-    already be at hand): its ``.metadata``, or the union of its ranks' metadata files."""
-    if isinstance(path, Location) and path.is_remote:
-        return _open_remote(path, path.list() if listed is None else listed)
-    Location.of(path).refuse_links_leaving()
-    sources = metadata_files(path)
+    """The DCP folder or bucket prefix ``path``: its ``.metadata``, or the union of its ranks'
+    metadata files. One bounded listing (``listed``, where the caller already made it) gives the
+    metadata files and every file's size; locally the folder is walked first for links that
+    leave it and for anything neither a file nor a folder (which a bucket cannot hold)."""
+    root = Location.of(path)
+    root.refuse_links_leaving()
+    listed_by_name = {info.location.name: info for info in (located.listing(root) if listed is None else listed)}
+    sources = metadata_names(listed_by_name)
     if not sources:
         raise _no_metadata(path)
-    if not all(source.is_file() for source in sources):
-        raise CorruptCheckpointError(f"{sources[0]} is not a file; DCP writes its metadata there.")
-    array_bytes = sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
-    parts = [load_metadata(source, array_bytes) for source in sources]
-    return _checkpoint(path, [source.name for source in sources], parts,
-                       lambda name, size, **kw: file_info(path / name, size, root=path, **kw))
-
-
-def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> DcpCheckpoint:
-    """A DCP checkpoint below a bucket prefix: one bounded listing gives its metadata files and
-    every file's size (an object store has no links, FIFOs or devices to refuse)."""
-    listed = {info.location.name: info for info in listing}
-    sources = metadata_names(listed)
-    if not sources:
-        raise _no_metadata(root)
-    if any(listed[name].kind != "file" for name in sources):
-        raise CorruptCheckpointError(f"{root / sources[0]} is not an object; DCP writes its metadata there.")
-    marker.require_complete(root, listed)  # a folder ckptshim convert wrote: every object it lists
-    array_bytes = sum(info.size for info in listed.values() if info.kind == "file")
-    parts = [load_metadata(root / name, array_bytes) for name in sources]
+    for name in sources:
+        if listed_by_name[name].kind != "file":
+            kind = listed_by_name[name].kind
+            raise CorruptCheckpointError(
+                f"{root / name} is not a file (a {KIND_WORDS.get(kind, kind)}); DCP reads its metadata "
+                "from there. Restore the checkpoint's metadata file (re-copy the checkpoint from the original).")
+    marker.require_complete(root, listed_by_name)  # a folder ckptshim convert wrote: every object it lists
+    array_bytes = sum(info.size for info in listed_by_name.values() if info.kind == "file")
+    parts = [load_metadata(root / name, array_bytes, listed_by_name[name].size) for name in sources]
 
     def info(name: str, size: int, **kw: Any) -> FileInfo:
-        found = listed.get(name)
+        found = listed_by_name.get(name)
         return FileInfo(name, None if found is None else found.size, size,
                         kind="file" if found is None else found.kind, **kw)
-    return _checkpoint(root, sources, parts, info)
+    return _checkpoint(path, sources, parts, info)
 
 
 def _no_metadata(path: object) -> CorruptCheckpointError:

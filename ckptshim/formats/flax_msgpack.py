@@ -16,31 +16,33 @@ import re
 import numpy as np
 
 from ckptshim.formats import located, msgpack_tree
-from ckptshim.formats.base import Checkpoint, numpy_dtype, reader, require_inside, storage_dtype
+from ckptshim.formats.base import Checkpoint, numpy_dtype, reader, storage_dtype
 from ckptshim.formats.located import Where
 from ckptshim.inventory import Entry, Inventory
-from ckptshim.storage.local import require_plain, target_mode
+from ckptshim.storage import Location
+from ckptshim.storage.problems import not_regular
 
 NAME = "flax-msgpack"
 PREFIX = "checkpoint_"
 _STEP = re.compile(r"^(-?\d+(?:\.\d+)?(?:e[+-]?\d+)?)$")
 
 
-def step_files(folder: Where, prefix: str = PREFIX) -> list[Where]:
+def step_files(folder: Where, prefix: str = PREFIX) -> list[Location]:
     """Legacy step files in ``folder`` (a local folder or a bucket prefix, listed once), oldest
     first (Flax's natural order of the step suffix).
 
-    Flax picks its latest step by name alone, so a local step name that is neither a file nor a
-    folder (a FIFO, which Flax would open and wait on) is refused, not passed over for an older
-    step. (An object store holds only objects.)
+    Flax picks its latest step by name alone, so a step name that is neither a file nor a
+    folder (a local FIFO, which Flax would open and wait on) is refused, not passed over for an
+    older step; a dangling link is no step.
     """
     found = []
-    for child in located.children(folder):
+    for info in located.listing(folder):
+        child = info.location
         suffix = child.name[len(prefix):] if child.name.startswith(prefix) else ""
         if not _STEP.match(suffix):
             continue
-        if not located.is_remote(child):
-            require_plain(child, target_mode(child))  # a dangling link: no step
+        if info.kind not in ("file", "directory"):
+            raise not_regular(child, info.kind)
         if msgpack_tree.is_msgpack_file(child):
             found.append((float(suffix), child))
     return [path for _, path in sorted(found)]
@@ -79,10 +81,9 @@ def open_checkpoint(path: Where) -> FlaxMsgpackCheckpoint:
     """A step file, or a folder (or prefix) of them (its latest step)."""
     version = "legacy msgpack"
     if path.is_dir():
+        Location.of(path).refuse_links_leaving()  # the step Flax picks by name must lie inside
         steps = step_files(path)
         version += f", latest of {len(steps)} step file(s)"
-        if not located.is_remote(path):
-            require_inside(path, steps[-1])
         path = steps[-1]
     data = msgpack_tree.contents(path)
     tree = msgpack_tree.read_tree(data, str(path))

@@ -19,9 +19,8 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from pathlib import Path
 
-from ckptshim.formats.base import open_regular
+from ckptshim.storage import Location
 
 _ZSTD_MAGIC = 0xFD2FB528
 _ZSTD_SKIPPABLE = 0x184D2A50  # 0x184D2A50..5F: a skippable frame, length in its header
@@ -123,19 +122,21 @@ def _zstd_frame(data: bytes | mmap.mmap, start: int) -> tuple[int, int] | None:
             return length, declared if declared is not None else blocks
 
 
-def short_chunk(path: Path, compressor: str, name: str, chunk_bytes: int | None = None) -> str | None:
-    """Why the chunk file at ``path`` (``name`` in messages) is too short, not ``compressor``
-    data, or declares more decompressed bytes than ``chunk_bytes`` (what its array's chunk
-    holds); ``None`` when its headers are satisfied."""
+def short_chunk(path: str | os.PathLike | Location, compressor: str, name: str, chunk_bytes: int | None = None,
+                size: int | None = None) -> str | None:
+    """Why the chunk file or object at ``path`` (``name`` in messages) is too short, not
+    ``compressor`` data, or declares more decompressed bytes than ``chunk_bytes`` (what its
+    array's chunk holds); ``None`` when its headers are satisfied. Read through its
+    :class:`~ckptshim.storage.Location` (:meth:`~ckptshim.storage.Location.whole`: a local
+    file mapped, an object fetched whole; ``size``, where a listing gave it), so a bucket's
+    chunk is checked as a disk's."""
     try:
-        raw = open_regular(path, buffering=0)
+        data = Location.of(path).whole(size=size)
     except OSError as error:
-        return f"{name} cannot be opened ({error.strerror})"
-    with raw:
-        data = _mapped(raw.fileno())
-        size = len(data)
-        needed = _needed_length(data, compressor) if compressor in MEASURABLE else size
-        content = _declared_content(data, compressor) if chunk_bytes is not None else None
+        return f"{name} cannot be opened ({error.strerror or error})"
+    size = len(data)
+    needed = _needed_length(data, compressor) if compressor in MEASURABLE else size
+    content = _declared_content(data, compressor) if chunk_bytes is not None else None
     if needed is None:
         return f"{name} is damaged: its {size} bytes are not the {compressor} data its metadata promises"
     if size < needed:

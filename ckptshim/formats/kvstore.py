@@ -18,7 +18,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import unquote
 
@@ -50,7 +50,7 @@ def kvstore_spec(root: Root, ocdbt: bool) -> dict[str, Any]:
 
 
 def list_keys(root: Path, ocdbt: bool, context=None) -> list[str]:
-    """Every key in the store (for a plain folder: every file path below it)."""
+    """Every key in the store (for a plain folder: every file path below it), as tensorstore lists it."""
     ts = _ts()
     try:
         store = ts.KvStore.open(kvstore_spec(root, ocdbt), context=context).result()
@@ -62,31 +62,31 @@ def list_keys(root: Path, ocdbt: bool, context=None) -> list[str]:
 
 
 def list_files(root: Root) -> dict[str, int | None]:
-    """Every file below the folder ``root``, by its name relative to it, with its size: from one
-    bounded listing of a bucket prefix; locally by tensorstore's listing (sizes ``None``: a
-    local file's size is taken where it is reported, links resolved)."""
-    if isinstance(root, Location) and root.is_remote:
-        return {info.location.relative_to(root): info.size for info in root.list(recursive=True)
-                if info.kind == "file"}
-    return dict.fromkeys(list_keys(Path(root), False))
+    """Every regular file (or object) below the folder or bucket prefix ``root``, by its name
+    relative to it, with its size: from one bounded listing (locally, links followed as a read
+    follows them; a dangling one is no file); empty where nothing is there."""
+    where = Location.of(root)
+    try:
+        listed = where.list(recursive=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    # by the name the listing found each file under (a link's, not its target's: ``relative_to``
+    # would resolve it, and a link leaving the folder is the opener's to refuse, naming it)
+    return {PurePosixPath(info.location.key).relative_to(where.key).as_posix(): info.size
+            for info in listed if info.kind == "file"}
 
 
 def read_values(root: Root, ocdbt: bool, keys: list[str], context=None,
                 sizes: Mapping[str, int | None] | None = None, limit: int | None = None) -> dict[str, bytes | None]:
     """Small values (metadata files) by key; ``None`` for a key that is absent.
 
-    Below a bucket prefix (files only), ``sizes`` is the prefix's listing (:func:`list_files`):
-    each file is fetched whole, in parallel, and refused before it is fetched when larger than
-    metadata can be (:func:`~ckptshim.formats.base.metadata_limit` of the listed bytes, or
-    ``limit``, the bound of the files' own format, where smaller). A file of a local folder larger
-    than ``limit`` is refused before it is read too."""
-    if isinstance(root, Location) and root.is_remote and not ocdbt:
-        return _read_remote_values(root, keys, sizes if sizes is not None else list_files(root), limit)
-    if limit is not None and not ocdbt:
-        for key in keys:
-            size = regular_size(Path(root) / key)
-            if size is not None and size > limit:
-                raise too_large(Path(root) / key, size, limit)
+    In a plain folder or bucket prefix, ``sizes`` is its listing (:func:`list_files`): each file
+    is read whole, together (from a bucket, in parallel), refused before it is read when larger
+    than metadata can be (:func:`~ckptshim.formats.base.metadata_limit` of the listed bytes, or
+    ``limit``, the bound of the files' own format, where smaller). In an OCDBT database, by
+    tensorstore."""
+    if not ocdbt:
+        return _read_files(Location.of(root), keys, sizes if sizes is not None else list_files(root), limit)
     ts = _ts()
     store = ts.KvStore.open(kvstore_spec(root, ocdbt), context=context).result()
     futures = {key: store.read(key.encode()) for key in keys}
@@ -102,8 +102,8 @@ def read_values(root: Root, ocdbt: bool, keys: list[str], context=None,
     return out
 
 
-def _read_remote_values(root: Location, keys: list[str], sizes: Mapping[str, int | None],
-                        bound: int | None) -> dict[str, bytes | None]:
+def _read_files(root: Location, keys: list[str], sizes: Mapping[str, int | None],
+                bound: int | None) -> dict[str, bytes | None]:
     limit = metadata_limit(sum(size or 0 for size in sizes.values()))
     limit = limit if bound is None else min(limit, bound)
     present = [key for key in keys if sizes.get(key) is not None]

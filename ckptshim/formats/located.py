@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckptshim.formats.base import FileInfo, Piece, file_info
-from ckptshim.storage import Location
+from ckptshim.storage import Location, ObjectInfo
 
 #: Where a checkpoint or one of its files lies: a local path, or a remote location.
 Where = Path | Location
@@ -42,14 +42,11 @@ def read_whole(path: Where, limit: int, size: int | None = None) -> bytes:
     return Location.of(path).read_bytes(limit, size)
 
 
-def children(root: Where) -> list[Where]:
-    """What lies directly in the folder or prefix ``root``, as the same kind of value (a
-    :class:`~pathlib.Path` for a local folder); empty when ``root`` is no folder."""
-    if not is_remote(root):
-        path = Path(root)
-        return list(path.iterdir()) if path.is_dir() else []
+def listing(root: Where) -> list[ObjectInfo]:
+    """What lies directly in the folder or bucket prefix ``root`` (one bounded listing); nothing
+    where it is no folder or prefix."""
     try:
-        return [info.location for info in root.list()]
+        return Location.of(root).list()
     except (FileNotFoundError, NotADirectoryError):
         return []
 

@@ -23,9 +23,10 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import located
-from ckptshim.formats.base import Budget, as_values, numpy_dtype, open_regular
+from ckptshim.formats.base import Budget, as_values, numpy_dtype
 from ckptshim.formats.located import Where
 from ckptshim.inventory import DTYPE_SIZES, Entry, KeyPath, dtype_name, flatten
+from ckptshim.storage import Location
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3
 _CHUNKED = "__msgpack_chunked_array__"
@@ -246,13 +247,9 @@ def is_msgpack_file(path: Where) -> bool:
 
 
 def contents(path: Where, limit: int | None = None) -> Any:
-    """The bytes of the msgpack file at ``path``: locally a read-only memory map (an empty bytes
-    object for an empty file), so that listing touches only the headers; remotely the whole
-    object, as Flax and T5X read it (their arrays are inline), refused beyond ``limit`` (where
-    the file is metadata, whose size no other file vouches for) before a byte is fetched."""
-    if located.is_remote(path):
-        return path.read_bytes(limit if limit is not None else path.stat().size)
-    import mmap
-
-    with open_regular(path) as f:
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if f.seek(0, 2) else b""
+    """The bytes of the msgpack file at ``path``, through its :class:`~ckptshim.storage.Location`
+    (:meth:`~ckptshim.storage.Location.whole`): locally a read-only memory map, so that listing
+    touches only the headers; from a bucket the whole object, as Flax and T5X read it (their
+    arrays are inline). Refused beyond ``limit`` (where the file is metadata, whose size no
+    other file vouches for) before a byte is read, on a disk as in a bucket."""
+    return Location.of(path).whole(limit)

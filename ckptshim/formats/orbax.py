@@ -28,7 +28,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import kvstore, located, msgpack_tree, zarr
-from ckptshim.formats.base import (Checkpoint, as_values, FileInfo, Piece, file_info, folder_bytes, metadata_limit, numpy_dtype,
+from ckptshim.formats.base import (Checkpoint, as_values, FileInfo, Piece, metadata_limit, numpy_dtype,
                                    reader, storage_dtype, strict_json)
 from ckptshim.formats.ts_arrays import TensorstoreArrays
 from ckptshim.inventory import Entry, Inventory, KeyPath
@@ -177,11 +177,11 @@ def _require_plain_names(path: Path | Location, leaves: list[tuple[KeyPath, obje
 @reader
 def open_checkpoint(path: Path | Location) -> OrbaxCheckpoint:
     """The Orbax item folder ``path``, or, in a bucket, the item below the prefix ``path``."""
-    found = _Found.remote(path) if located.is_remote(path) else _Found.local(path)
+    found = _Found.of(path)
     native, ocdbt = found.has(METADATA), found.has(OCDBT_MANIFEST)
     aggregate = None
     walked = None
-    if ocdbt and found.size_of is not None:
+    if ocdbt:
         # in a bucket the index is walked while _METADATA is fetched and parsed: each is a round
         # trip or more, and a restore that steps aside waits for both before Orbax's own starts
         walking = ThreadPoolExecutor(1, thread_name_prefix="ckptshim-ocdbt")
@@ -189,7 +189,7 @@ def open_checkpoint(path: Path | Location) -> OrbaxCheckpoint:
         walking.shutdown(wait=False)
     if native:
         meta_file = path / METADATA
-        size = found.size_of(METADATA) if found.size_of is not None else None  # the listing's: a round trip less
+        size = found.size_of(METADATA)  # the listing's: a round trip less
         leaves, meta = _metadata_leaves(meta_file, lambda: located.read_whole(meta_file, found.limit, size),
                                         found.array_bytes)
     elif found.has(AGGREGATE):
@@ -223,29 +223,23 @@ def _aggregate_leaves(path: Path | Location, tree: object) -> list[tuple[KeyPath
 
 @dataclass(frozen=True)
 class _Found:
-    """What an item's folder holds, as opening it needs to know: locally by asking the file
-    system (links leaving the folder refused first: tensorstore follows them); in a bucket from
-    one bounded listing of the prefix (every file and its size; an object store has no links),
-    which also bounds its metadata files and says whether the save was committed
-    (:func:`_uncommitted`)."""
+    """What an item's folder or bucket prefix holds, as opening it needs to know, from one
+    bounded listing (every file and its size), after a local folder was walked for links that
+    leave it (tensorstore follows them; an object store has none). The listing bounds its
+    metadata files and says whether a save to object storage was committed (:func:`_uncommitted`)."""
 
     has: Callable[[str], bool]
     array_bytes: int
     limit: int                             # the most bytes a metadata file read whole may have
     info: Callable[..., FileInfo]
-    size_of: kvstore.SizeOf | None = None  # None: a local file's, asked of the file system
-    listed: dict[str, int | None] | None = None
+    size_of: kvstore.SizeOf
+    listed: dict[str, int | None]
     problems: tuple[str, ...] = ()
 
     @classmethod
-    def local(cls, path: Path) -> _Found:
-        Location.of(path).refuse_links_leaving()  # array folders, chunks, OCDBT data files: tensorstore follows links
-        array_bytes = folder_bytes(path)
-        return cls(lambda name: (path / name).is_file(), array_bytes, metadata_limit(array_bytes),
-                   lambda name, size, **kw: file_info(path / name, size, root=path, **kw))
-
-    @classmethod
-    def remote(cls, root: Location) -> _Found:
+    def of(cls, path: Path | Location) -> _Found:
+        root = Location.of(path)
+        root.refuse_links_leaving()  # array folders, chunks, OCDBT data files: tensorstore follows links
         listed = kvstore.list_files(root)
         array_bytes = sum(size or 0 for size in listed.values())
         return cls(listed.__contains__, array_bytes, metadata_limit(array_bytes),

@@ -52,18 +52,10 @@ def _version(step_dir: Where) -> tuple[float | None, dict]:
 
 
 def _zarr_folders(folder: Where) -> list[str]:
-    """Names of the zarr array folders directly in ``folder`` (a bucket prefix: from one listing)."""
-    if located.is_remote(folder):
-        try:
-            listed = kvstore.list_files(folder)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        return sorted({name.partition("/")[0] for name in listed
-                       if name.count("/") == 1 and name.partition("/")[2] in zarr.METADATA_FILES})
-    if not folder.is_dir():
-        return []
-    return sorted(child.name for child in folder.iterdir()
-                  if child.is_dir() and any((child / m).is_file() for m in zarr.METADATA_FILES))
+    """Names of the zarr array folders directly in ``folder`` (a local folder or a bucket
+    prefix: from one listing)."""
+    return sorted({name.partition("/")[0] for name in kvstore.list_files(folder)
+                   if name.count("/") == 1 and name.partition("/")[2] in zarr.METADATA_FILES})
 
 
 def is_state_dir(path: Where) -> bool:

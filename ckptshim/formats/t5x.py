@@ -199,8 +199,8 @@ class T5XCheckpoint(orbax.OrbaxCheckpoint):
 
 
 def read_contents(step_dir: Where, limit: int | None = None) -> tuple[Any, Any, int]:
-    """(its bytes, tree, version) of a legacy step's msgpack (a memory map locally; from a
-    bucket, refused beyond ``limit``); refuses versions T5X does not read."""
+    """(its bytes, tree, version) of a legacy step's msgpack (a memory map locally, fetched whole
+    from a bucket; refused beyond ``limit``); refuses versions T5X does not read."""
     where = step_dir / AGGREGATE
     data = msgpack_tree.contents(where, limit)
     tree = msgpack_tree.read_tree(data, str(where))

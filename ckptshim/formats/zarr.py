@@ -13,7 +13,6 @@ import math
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 
 import numpy as np
 
@@ -138,8 +137,6 @@ class ZarrArray:
         files cut short or damaged (see :meth:`short_chunks`) -- each naming the folder."""
         files, unlisted = self.folder_files(folder, present, key, required, root)
         problems = [f"{folder.name}: {unlisted} more chunk file(s) missing"] if unlisted else []
-        if located.is_remote(folder):  # a bucket's chunks: present, their sizes listed; frames checked as read
-            return files, problems
         count, short = self.short_chunks(folder, present)
         if count:
             problems.append(f"{count} chunk(s) cut short or damaged: {'; '.join(short)}")
@@ -150,13 +147,17 @@ class ZarrArray:
         """Bytes one chunk decompresses to (zarr v2 stores every chunk whole, edges padded)."""
         return math.prod(self.chunks) * DTYPE_SIZES[self.dtype]
 
-    def short_chunks(self, folder: Path, present: Collection[str], shown: int = 4) -> tuple[int, list[str]]:
-        """How many of the chunk files ``present`` in ``folder`` are shorter than their own
+    def short_chunks(self, folder: Where, present: Collection[str] | Mapping[str, int | None],
+                     shown: int = 4) -> tuple[int, list[str]]:
+        """How many of the chunk files ``present`` in ``folder`` (a local folder or a bucket
+        prefix; ``present`` may map each name to its listed size) are shorter than their own
         compressed frames say, or declare more decompressed bytes than a chunk holds, and why
         for the first ``shown`` (see :mod:`frames`)."""
         if self.compressor not in frames.SIZED:
             return 0, []
-        problems = (frames.short_chunk(folder / key, self.compressor, f"{folder.name}/{key}", self.chunk_bytes)
+        sizes = present if isinstance(present, Mapping) else {}
+        problems = (frames.short_chunk(folder / key, self.compressor, f"{folder.name}/{key}", self.chunk_bytes,
+                                       sizes.get(key))
                     for key in sorted(present) if self.is_chunk_key(key))
         found = [problem for problem in problems if problem]
         return len(found), found[:shown]

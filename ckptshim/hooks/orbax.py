@@ -191,10 +191,11 @@ def _restore_every_item(step_dir, where: str, native, orbax_all) -> Any:
 def _shim_file(wrapped, instance, args, kwargs) -> Any:
     """Two things Orbax refuses as an incomplete checkpoint before reading them, which ckptshim
     restores itself: a file in a format ckptshim reads (a ``model.safetensors``, say: Orbax
-    restores folders only), and a legacy T5X step in ``gs://``, which has no commit file
-    (:func:`~ckptshim.loading.orbax.uncommitted_t5x_step`). Any other path goes on to Orbax's
-    restore, and through it to :func:`_shim_restore`; the T5X step only once Orbax refused it,
-    so that every other restore pays nothing for the check."""
+    restores folders only), and a legacy T5X step or Flax msgpack checkpoint in ``gs://``, which
+    has no commit file (:func:`~ckptshim.loading.orbax.uncommitted_foreign_step`). Any other
+    path goes on to Orbax's restore, and through it to :func:`_shim_restore`; the T5X step and
+    the Flax checkpoint only once Orbax refused them, so that every other restore pays nothing
+    for the check."""
     call = bind(wrapped, args, kwargs)
     path = None if call is None else local_path(call["directory"])
     if path is not None and path.is_file():
@@ -203,10 +204,11 @@ def _shim_file(wrapped, instance, args, kwargs) -> Any:
         return framework_call(wrapped)(*args, **kwargs)
     except FrameworkRaised as refused:
         found = None if call is None else item_location(call["directory"])
-        if not isinstance(refused.error, ValueError) or not loading.uncommitted_t5x_step(found):
+        if not isinstance(refused.error, ValueError) or not loading.uncommitted_foreign_step(found):
             raise
-        logger.info("orbax %s.restore(%s): a legacy T5X step, which has no %s; ckptshim checks it by "
-                    "T5X's own rule and restores it", type(instance).__name__, found, "commit_success.txt")
+        logger.info("orbax %s.restore(%s): a checkpoint Orbax did not write, which has no %s; ckptshim "
+                    "checks it by its writer's own rule and restores it", type(instance).__name__, found,
+                    "commit_success.txt")
         return _restore_refused(wrapped, instance, call, found, args, kwargs)
 
 

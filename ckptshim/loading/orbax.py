@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptshim.errors import NoPlan, ShimError
-from ckptshim.formats import orbax, orbax_manager, t5x
+from ckptshim.formats import flax_msgpack, orbax, orbax_manager, t5x
 from ckptshim.formats.detect import detect
 from ckptshim.formats.orbax import COMMIT_SUCCESS, orbax_readers
 from ckptshim.loading import agreement, jax as jax_loading
@@ -44,13 +44,16 @@ class Request:
     partial: bool = False
 
 
-def uncommitted_t5x_step(where: Path | Location | None) -> bool:
+def uncommitted_foreign_step(where: Path | Location | None) -> bool:
     """Whether Orbax's refusal of ``where`` as an unfinished save is one ckptshim carries past: a
-    legacy T5X step in object storage. There Orbax wants the ``commit_success.txt`` its own saves
-    write, which T5X's legacy checkpointer never does (it finishes a step by renaming its
-    temporary folder, the rule Orbax applies locally); ckptshim checks the step by T5X's own
-    rule when it opens it (every file the ``checkpoint`` msgpack names, as large as it says)."""
-    return (isinstance(where, Location) and where.is_remote and t5x.is_legacy_step(where)
+    checkpoint in object storage that Orbax did not write and that ckptshim reads, a legacy T5X
+    step or a legacy Flax msgpack checkpoint (a ``checkpoint_<step>`` file, or their folder).
+    There Orbax wants the ``commit_success.txt`` its own saves write, which those writers never
+    do (they finish by renaming, the rule Orbax applies locally, where it lets them through);
+    ckptshim checks them by their own rules when it opens them (a T5X step's every file as large
+    as its ``checkpoint`` msgpack says; a Flax file read whole), as it does locally."""
+    return (isinstance(where, Location) and where.is_remote
+            and (t5x.is_legacy_step(where) or flax_msgpack.sniff(where))
             and not (where / COMMIT_SUCCESS).exists())
 
 

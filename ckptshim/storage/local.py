@@ -10,6 +10,7 @@ opened, refusing a link that leaves it and anything neither a file nor a folder
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 from collections.abc import Iterator, Sequence
@@ -18,7 +19,7 @@ from typing import BinaryIO
 
 from ckptshim.errors import UnsafeCheckpointError
 from ckptshim.storage.location import ByteRange, Location, ObjectInfo
-from ckptshim.storage.problems import not_regular, too_many, truncated
+from ckptshim.storage.problems import not_regular, too_large, too_many, truncated
 
 
 def kind(mode: int) -> str:
@@ -154,6 +155,14 @@ class LocalFiles:
     def read_at_most(self, location: Location, count: int) -> bytes:
         with open_regular(location) as handle:
             return handle.read(count)
+
+    def whole(self, location: Location, limit: int | None, size: int | None) -> bytes | mmap.mmap:
+        """The file memory-mapped (an empty one as ``b""``, which cannot be mapped)."""
+        with open_regular(location, buffering=0) as raw:
+            length = os.fstat(raw.fileno()).st_size
+            if limit is not None and length > limit:
+                raise too_large(location, length, limit)
+            return mmap.mmap(raw.fileno(), length, access=mmap.ACCESS_READ) if length else b""
 
     def read_ranges(self, ranges: Sequence[ByteRange], buffers: Sequence[memoryview]) -> None:
         for where, buffer in zip(ranges, buffers):

@@ -17,6 +17,7 @@ other file through fsspec (``etils.epath``).
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from collections.abc import Callable, Collection, Sequence
@@ -325,6 +326,13 @@ class Location:
         object store, whose every read is a round trip."""
         return store_for(self).read_ahead_bytes
 
+    def whole(self, limit: int | None = None, size: int | None = None) -> bytes | bytearray | mmap.mmap:
+        """The whole file, for a parser that walks headers spread through it (a msgpack tree, a
+        compressed chunk's frames): a local file memory-mapped (only the pages the walk touches
+        are read; an empty one as ``b""``), an object fetched whole (``size``: its size, where a
+        listing gave it). Refused, before a byte is read, when larger than ``limit``."""
+        return store_for(self).whole(self, limit, size)
+
     def read_bytes(self, limit: int, size: int | None = None) -> bytes:
         """The whole file, refused (before any byte is read) when it is larger than ``limit``:
         for metadata files, whose size no other file vouches for. ``size`` is its size where a
@@ -391,6 +399,8 @@ class Store(Protocol):
     def read_at_most(self, location: Location, count: int) -> bytes:
         """The file's first ``count`` bytes, or all of it where it is shorter."""
         ...
+
+    def whole(self, location: Location, limit: int | None, size: int | None) -> bytes | bytearray | mmap.mmap: ...
 
     def refuse_links_leaving(self, location: Location, also: Sequence[Location]) -> None: ...
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptshim.storage.location import ByteRange, Location, ObjectInfo
-from ckptshim.storage.problems import outside, too_many, truncated, unreachable
+from ckptshim.storage.problems import outside, too_large, too_many, truncated, unreachable
 
 #: Byte ranges in flight at once, per call.
 MAX_PARALLEL_READS = 16
@@ -125,6 +125,15 @@ class FsspecObjects:
         if not found and location.key:  # object stores hold no empty folders
             raise FileNotFoundError(f"{location}: nothing is stored below this prefix")
         return sorted(found, key=lambda info: info.location.key)
+
+    def whole(self, location: Location, limit: int | None, size: int | None) -> bytearray:
+        """The object fetched whole (in parallel pieces): every byte a header walk may touch."""
+        size = self.stat(location).size if size is None else size
+        if limit is not None and size > limit:
+            raise too_large(location, size, limit)
+        buffer = bytearray(size)
+        self.read_ranges([ByteRange(location, 0, size)], [memoryview(buffer)])
+        return buffer
 
     def read_ranges(self, ranges: Sequence[ByteRange], buffers: Sequence[memoryview]) -> None:
         for where in ranges:
