@@ -565,6 +565,7 @@ def test_cell(matrix, fmt, storage, dtype, path):
 # -- the gcs column against the other GCS server --------------------------------------------------
 
 
+@pytest.mark.timeout(1200)  # the whole gcs column again: about 360 cells
 def test_the_gcs_column_on_fake_gcs_server(request, tmp_path_factory):
     """The GCS clients read their server's address once per process: the gcs cells run again in
     a child pytest whose session server is fake-gcs-server. Its failures are this test's."""
@@ -573,7 +574,7 @@ def test_the_gcs_column_on_fake_gcs_server(request, tmp_path_factory):
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEX",
                           "--gcs-server=fake-gcs", "-k", "gcs and not fake_gcs", __file__,
                           "--basetemp", str(tmp_path_factory.mktemp("fake-gcs-child"))],
-                         cwd=TESTS.parent, env=environment(), capture_output=True, text=True, timeout=900)
+                         cwd=TESTS.parent, env=environment(), capture_output=True, text=True, timeout=1100)
     summary = run.stdout[-6000:] + run.stderr[-2000:]
     assert run.returncode == 0, f"the matrix's gcs column on fake-gcs-server:\n{summary}"
 

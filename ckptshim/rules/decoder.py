@@ -392,16 +392,16 @@ class _Composer:
         their producer picks it (MaxText's ``param_scan_axis``)."""
         if not self.open:
             return
-        for stack, fits, targets in self.open:
-            if not fits:
+        for stack, fitting, targets in self.open:
+            if not fitting:
                 raise PlanError(f"{join_key(stack.key)} has shape {list(stack.shape)}, which stacks the layers of "
                                 f"{join_key(targets[0].key)} {list(targets[0].shape)} on none of its axes in "
                                 f"{self.target.name}'s layout. Build the target with the checkpoint's model "
                                 "dimensions.")
         stacker = self.source if self.source.scan is not None else self.target
-        axis = stacker.scan({stack.key: set(fits) for stack, fits, _ in self.open}, self.strict)
-        for _, fits, _ in self.open:
-            self.ops.extend(fits[axis])
+        axis = stacker.scan({stack.key: set(fitting) for stack, fitting, _ in self.open}, self.strict)
+        for _, fitting, _ in self.open:
+            self.ops.extend(fitting[axis])
 
     def _compose(self, slot: str, sources: list[Entry], targets: list[Entry], listed: str | None,
                  axis: int | None) -> Composed:
