@@ -108,8 +108,9 @@ print(json.dumps({"seconds": time.perf_counter() - start, "peak": (status_kib("V
     "load": COMMON + TARGET + """
 from pathlib import Path
 from safetensors.torch import load_file
+files = sorted(Path(ARGS["hf"]).glob("*.safetensors"))
 model, state = target(ARGS["hf_config"]); base = reset_peak(); start = time.perf_counter()
-model.load_state_dict({k: v for shard in sorted(Path(ARGS["hf"]).glob("*.safetensors")) for k, v in load_file(shard).items()})
+model.load_state_dict({key: value for file in files for key, value in load_file(file).items()})
 seconds = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, "peak": (status_kib("VmHWM") - base) * 1024, "digest": digest(model.state_dict())}))
 """,
