@@ -290,6 +290,41 @@ def box_maps(piece: Piece, source_shape: Sequence[int], target_shape: Sequence[i
             yield from _lowered(source_index, back.source_index(source_index), piece, source_shape, target_shape)
 
 
+@dataclass(frozen=True, slots=True)
+class StridedMap:
+    """``target[target_box]``, its axes split row-major into ``factors`` and those permuted by
+    ``order``, is ``source[source_box]`` with its axes split row-major: one strided copy (a
+    view of either side) where :func:`box_maps` would cut a reordered axis into a map per run."""
+
+    source_box: tuple[range, ...]
+    target_box: tuple[range, ...]
+    factors: tuple[int, ...]
+    order: tuple[int, ...]
+
+
+def strided_map(piece: Piece, source_shape: Sequence[int], target_shape: Sequence[int],
+                source_box: Sequence[range]) -> StridedMap | None:
+    """What ``piece`` takes from ``source_box`` as one :class:`StridedMap`, or ``None`` when it
+    is not one: only for a piece that permutes the factors of split axes, every factor kept on
+    both sides (a reorder), where the box is one box in the source's factors and its part of
+    the target one box of the target."""
+    if (piece.ordered or piece.source.factors == tuple(source_shape)
+            or len(piece.source.kept) != len(piece.source.factors) or len(piece.target.kept) != len(piece.target.factors)):
+        return None
+    boxes = list(factor_boxes(source_box, source_shape, piece.source.factors))
+    if len(boxes) != 1:
+        return None
+    source_index = meet(boxes[0][1], piece.source.index)
+    if source_index is None:
+        return None
+    target_index = piece.inverse().source_index(source_index)
+    target_box = View(piece.target.array, piece.target.factors, target_index).bounds(target_shape)
+    factors = tuple(len(part) for part in target_index)
+    if math.prod(map(len, target_box)) != math.prod(factors):  # not one box of the target
+        return None
+    return StridedMap(tuple(boxes[0][0]), target_box, factors, inverse_perm(piece.perm))
+
+
 def _unsplit(piece: Piece, source_box: Sequence[range]) -> Iterator[BoxMap]:
     """:func:`box_maps` of a piece that splits no axis on either side: one map, each kept target
     axis running along the source axis the permutation names."""

@@ -80,6 +80,7 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
         super().__init__()
         self._prepare = prepare
         self._base: LoadPlanner = inner if inner is not None else super()
+        self._own_planning = inner is None
         self._allow_missing = bool(getattr(inner, "allow_partial_load", False))
         self._links: dict[tuple[str, Any], Link] = {}
         self._virtual_items: dict[ReadItem, tuple[ReadItem, Link]] = {}
@@ -103,8 +104,19 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
                     from ckptshim.execute.dcp_virtual import keeps_stored_names, virtual_metadata
 
                     if not keeps_stored_names(mapping):
-                        metadata, self._links = virtual_metadata(metadata, mapping)
+                        metadata, self._links = virtual_metadata(metadata, mapping, self._reads_whole(state_dict))
         self._base.set_up_planner(state_dict, metadata, is_coordinator)
+
+    def _reads_whole(self, state_dict: dict[str, Any]) -> Callable[[str], bool]:
+        """Whether each destination key (a flat key) has every chunk read whole: DCP's own
+        planner reads a plain tensor as one piece per chunk (a caller's planner, a DTensor's
+        shard, may read part of one)."""
+        if not self._own_planning:
+            return lambda fqn: False
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        flat, _ = flatten_state_dict(state_dict)
+        return lambda fqn: type(flat.get(fqn)) is torch.Tensor
 
     @property
     def remaps(self) -> bool:
@@ -147,6 +159,16 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
         virtual, link = found
         tensor = self._resolved[read_item] = self._base.resolve_tensor(virtual)
         return link.stored_view(tensor)
+
+    def destination_shape(self, read_item: ReadItem) -> tuple[int, ...]:
+        """The shape :meth:`resolve_tensor` gives ``read_item``: its lengths, or, for a strided
+        copy (:attr:`~ckptshim.execute.dcp_virtual.Link.factors`), them split row-major into the
+        stored block's factors -- which the storage reader copies the block into, so split."""
+        found = self._virtual_items.get(read_item)
+        if found is None or found[1].factors is None:
+            return tuple(read_item.lengths)
+        link = found[1]
+        return tuple(link.factors[axis] for axis in link.order)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         found = self._virtual_items.get(read_item)
