@@ -269,7 +269,7 @@ class BoxMap:
 
 
 def box_maps(piece: Piece, source_shape: Sequence[int], target_shape: Sequence[int],
-             source_box: Sequence[range]) -> Iterator[BoxMap]:
+             source_box: Sequence[range], strided: bool = False) -> Iterator[BoxMap | StridedMap]:
     """What ``piece`` takes from ``source_box`` (a box of the source array: a stored chunk), as
     maps between boxes of the two arrays (:class:`BoxMap`).
 
@@ -278,23 +278,31 @@ def box_maps(piece: Piece, source_shape: Sequence[int], target_shape: Sequence[i
     innermost factors that are also, in the same order, the innermost factors of one source
     axis; every other factor that varies is enumerated, one map per index. So a transpose, a
     stacked layer or a fused part is one map per box, and a reordered axis one map per run of
-    target rows whose source rows are consecutive.
+    target rows whose source rows are consecutive -- or, with ``strided`` (a reader that copies
+    a block into a permuted view of its destination), one :class:`StridedMap` per box of the
+    source in its factors whose part of the target is one box (a reorder of whole heads).
     """
     if piece.source.factors == tuple(source_shape) and piece.target.factors == tuple(target_shape):
         yield from _unsplit(piece, source_box)
         return
-    back = piece.inverse()
-    for _, parts in factor_boxes(source_box, source_shape, piece.source.factors):
+    back, strided = piece.inverse(), strided and not piece.ordered
+    for box, parts in factor_boxes(source_box, source_shape, piece.source.factors):
         source_index = meet(parts, piece.source.index)
-        if source_index is not None:
-            yield from _lowered(source_index, back.source_index(source_index), piece, source_shape, target_shape)
+        if source_index is None:
+            continue
+        target_index = back.source_index(source_index)
+        whole = _strided(piece, box, source_index, target_index, target_shape) if strided else None
+        if whole is not None:
+            yield whole
+        else:
+            yield from _lowered(source_index, target_index, piece, source_shape, target_shape)
 
 
 @dataclass(frozen=True, slots=True)
 class StridedMap:
     """``target[target_box]``, its axes split row-major into ``factors`` and those permuted by
     ``order``, is ``source[source_box]`` with its axes split row-major: one strided copy (a
-    view of either side) where :func:`box_maps` would cut a reordered axis into a map per run."""
+    view of either side) where :class:`BoxMap`\\ s would cut a reordered axis into one per run."""
 
     source_box: tuple[range, ...]
     target_box: tuple[range, ...]
@@ -302,27 +310,18 @@ class StridedMap:
     order: tuple[int, ...]
 
 
-def strided_map(piece: Piece, source_shape: Sequence[int], target_shape: Sequence[int],
-                source_box: Sequence[range]) -> StridedMap | None:
-    """What ``piece`` takes from ``source_box`` as one :class:`StridedMap`, or ``None`` when it
-    is not one: only for a piece that permutes the factors of split axes, every factor kept on
-    both sides (a reorder), where the box is one box in the source's factors and its part of
-    the target one box of the target."""
-    if (piece.ordered or piece.source.factors == tuple(source_shape)
-            or len(piece.source.kept) != len(piece.source.factors) or len(piece.target.kept) != len(piece.target.factors)):
+def _strided(piece: Piece, box: tuple[range, ...], source_index: tuple[Index, ...], target_index: tuple[Index, ...],
+             target_shape: Sequence[int]) -> StridedMap | None:
+    """One box of the source (``box``; ``source_index`` in its factors) of a piece that keeps
+    every factor on both sides as one :class:`StridedMap`, where its part of the target
+    (``target_index``) is one box of the target too."""
+    if len(piece.source.kept) != len(piece.source.factors) or len(piece.target.kept) != len(piece.target.factors):
         return None
-    boxes = list(factor_boxes(source_box, source_shape, piece.source.factors))
-    if len(boxes) != 1:
-        return None
-    source_index = meet(boxes[0][1], piece.source.index)
-    if source_index is None:
-        return None
-    target_index = piece.inverse().source_index(source_index)
     target_box = View(piece.target.array, piece.target.factors, target_index).bounds(target_shape)
     factors = tuple(len(part) for part in target_index)
-    if math.prod(map(len, target_box)) != math.prod(factors):  # not one box of the target
+    if math.prod(map(len, target_box)) != math.prod(factors):
         return None
-    return StridedMap(tuple(boxes[0][0]), target_box, factors, inverse_perm(piece.perm))
+    return StridedMap(box, target_box, factors, inverse_perm(piece.perm))
 
 
 def _unsplit(piece: Piece, source_box: Sequence[range]) -> Iterator[BoxMap]:

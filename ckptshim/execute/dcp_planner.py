@@ -71,16 +71,19 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
     (on the virtual metadata) and receives every ``resolve_tensor``/``commit_tensor``/
     ``load_bytes`` call for its own read items. Without one, this planner is DCP's default.
     ``prepare`` maps the checkpoint's keys onto the state dict's (the loading layer's decision).
+    ``strided_reads``: the storage reader is ckptshim's, which takes a reordered block as one
+    strided copy (a destination of the block's lengths split into factors,
+    :meth:`destination_shape`); any other reader gets one read item per run of rows.
     A read item whose destination is remapped resolves to a view of the caller's tensor shaped
     like the stored block (:meth:`~ckptshim.execute.dcp_virtual.Link.stored_view`), so the
     storage reader copies straight into it.
     """
 
-    def __init__(self, inner: LoadPlanner | None, prepare: Prepare) -> None:
+    def __init__(self, inner: LoadPlanner | None, prepare: Prepare, strided_reads: bool = False) -> None:
         super().__init__()
         self._prepare = prepare
         self._base: LoadPlanner = inner if inner is not None else super()
-        self._own_planning = inner is None
+        self._strided_reads = strided_reads and inner is None
         self._allow_missing = bool(getattr(inner, "allow_partial_load", False))
         self._links: dict[tuple[str, Any], Link] = {}
         self._virtual_items: dict[ReadItem, tuple[ReadItem, Link]] = {}
@@ -108,10 +111,10 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
         self._base.set_up_planner(state_dict, metadata, is_coordinator)
 
     def _reads_whole(self, state_dict: dict[str, Any]) -> Callable[[str], bool]:
-        """Whether each destination key (a flat key) has every chunk read whole: DCP's own
-        planner reads a plain tensor as one piece per chunk (a caller's planner, a DTensor's
-        shard, may read part of one)."""
-        if not self._own_planning:
+        """Whether each destination key (a flat key) has every chunk read whole, by a reader that
+        takes strided copies: DCP's own planner reads a plain tensor as one piece per chunk (a
+        caller's planner, a DTensor's shard, may read part of one)."""
+        if not self._strided_reads:
             return lambda fqn: False
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptshim.errors import InternalError
-from ckptshim.geometry import box_maps, strided_map
+from ckptshim.geometry import BoxMap, StridedMap, box_maps
 from ckptshim.inventory import Inventory, KeyPath
 from ckptshim.ops import Cast, Drop, LayoutOp, Op, Rename, Synthesize, Tie, is_layout, pieces_by_target, require_kinds
 
@@ -129,6 +129,15 @@ def _chunks(md: TensorStorageMetadata) -> Iterator[tuple[Offsets, Offsets]]:
         yield tuple(chunk.offsets), tuple(chunk.sizes)
 
 
+def _link(part: BoxMap | StridedMap, src: str, offsets: Offsets) -> Link:
+    """How the virtual chunk that is ``part``'s target box reads the stored chunk ``src`` at ``offsets``."""
+    origin = tuple(r.start - at for r, at in zip(part.source_box, offsets))
+    if isinstance(part, StridedMap):
+        return Link(src, offsets, origin, factors=part.factors, order=part.order,
+                    lengths=tuple(map(len, part.source_box)))
+    return Link(src, offsets, origin, part.axes)
+
+
 class _Virtual:
     """The metadata the wrapped planner sees, built op by op, and how each of its chunks maps to
     a stored one."""
@@ -164,8 +173,8 @@ class _Virtual:
         """Each target of a layout op as the stored chunks of its sources, placed where their
         elements land (:func:`~ckptshim.geometry.box_maps` of each of the op's pieces); a target
         that is its source as it is (one piece, the identity) as that source's own chunks. Where
-        the target is read whole (``whole``), a piece's part of a stored chunk that is one
-        strided copy (:func:`~ckptshim.geometry.strided_map`: a reorder) is one chunk."""
+        the target is read whole (``whole``), each part of a stored chunk that is one strided
+        copy (:class:`~ckptshim.geometry.StridedMap`: a reorder's whole heads) is one chunk."""
         sources = [self.source.fqn(key) for key in op.sources]
         source_shapes = [self.source.inventory[key].shape for key in op.sources]
         target_shapes = [self.target.inventory[key].shape for key in op.targets]
@@ -174,22 +183,14 @@ class _Virtual:
                 self._as_stored(sources[pieces[0].source.array], key)
                 continue
             chunks = []
-            whole = self.whole(self.target.fqn(key))
+            strided = self.whole(self.target.fqn(key))
             for piece in pieces:
                 src, shape = sources[piece.source.array], source_shapes[piece.source.array]
                 for o, n in _chunks(self.stored[src]):
-                    box = tuple(map(range, o, map(sum, zip(o, n))))
-                    strided = strided_map(piece, shape, target_shapes[index], box) if whole else None
-                    if strided is not None:
-                        chunks.append((tuple(r.start for r in strided.target_box), tuple(map(len, strided.target_box)),
-                                       Link(src, o, tuple(r.start - at for r, at in zip(strided.source_box, o)),
-                                            factors=strided.factors, order=strided.order,
-                                            lengths=tuple(map(len, strided.source_box)))))
-                        continue
-                    for part in box_maps(piece, shape, target_shapes[index], box):
+                    for part in box_maps(piece, shape, target_shapes[index], tuple(map(range, o, map(sum, zip(o, n)))),
+                                         strided):
                         chunks.append((tuple(r.start for r in part.target_box), tuple(map(len, part.target_box)),
-                                       Link(src, o, tuple(r.start - at for r, at in zip(part.source_box, o)),
-                                             part.axes)))
+                                       _link(part, src, o)))
             self._place(key, sources[pieces[0].source.array], chunks)
 
     def _as_stored(self, src: str, target: KeyPath) -> None:
