@@ -117,11 +117,11 @@ def _resolve(planner: LoadPlanner, items: Iterable[ReadItem]) -> list[tuple[Read
     """Every item's destination, checked before anything is written."""
     resolved = []
     for item in items:
-        destination = planner.resolve_tensor(item).detach()
-        if tuple(destination.shape) != _destination_shape(planner, item):
+        destination, shape = planner.resolve_tensor(item).detach(), _destination_shape(planner, item)
+        if tuple(destination.shape) != shape:
             raise CorruptCheckpointError(
                 f"read of {item.storage_index.fqn!r} at {list(item.storage_offsets)} needs a "
-                f"{list(_destination_shape(planner, item))} destination but the planner gave {list(destination.shape)}; "
+                f"{list(shape)} destination but the planner gave {list(destination.shape)}; "
                 "the planner and the checkpoint disagree.")
         resolved.append((item, destination))
     return resolved
