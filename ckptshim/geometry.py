@@ -24,7 +24,8 @@ Each executor implements one primitive over pieces, whatever the op's kind:
   cuts a target block into boxes in the target's factors (:func:`factor_boxes`), keeps what
   each piece holds (:func:`meet`) and reads the matching source box (:meth:`Piece.source_index`);
 - the DCP load planner shows each stored chunk where its elements land, as the maps between
-  boxes of the two arrays that DCP's read items can express (:func:`box_maps`).
+  boxes of the two arrays that DCP's read items can express (:func:`box_maps`), or, for a
+  reader that copies into a permuted view, a reorder's whole heads as one strided copy.
 
 Nothing here imports numpy, torch or jax.
 """
@@ -268,6 +269,18 @@ class BoxMap:
     axes: tuple[int | None, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class StridedMap:
+    """``target[target_box]``, its axes split row-major into ``factors`` and those permuted by
+    ``order``, is ``source[source_box]`` with its axes split row-major: one strided copy (a
+    view of either side) where :class:`BoxMap`\\ s would cut a reordered axis into one per run."""
+
+    source_box: tuple[range, ...]
+    target_box: tuple[range, ...]
+    factors: tuple[int, ...]
+    order: tuple[int, ...]
+
+
 def box_maps(piece: Piece, source_shape: Sequence[int], target_shape: Sequence[int],
              source_box: Sequence[range], strided: bool = False) -> Iterator[BoxMap | StridedMap]:
     """What ``piece`` takes from ``source_box`` (a box of the source array: a stored chunk), as
@@ -296,18 +309,6 @@ def box_maps(piece: Piece, source_shape: Sequence[int], target_shape: Sequence[i
             yield whole
         else:
             yield from _lowered(source_index, target_index, piece, source_shape, target_shape)
-
-
-@dataclass(frozen=True, slots=True)
-class StridedMap:
-    """``target[target_box]``, its axes split row-major into ``factors`` and those permuted by
-    ``order``, is ``source[source_box]`` with its axes split row-major: one strided copy (a
-    view of either side) where :class:`BoxMap`\\ s would cut a reordered axis into one per run."""
-
-    source_box: tuple[range, ...]
-    target_box: tuple[range, ...]
-    factors: tuple[int, ...]
-    order: tuple[int, ...]
 
 
 def _strided(piece: Piece, box: tuple[range, ...], source_index: tuple[Index, ...], target_index: tuple[Index, ...],
