@@ -24,7 +24,8 @@ Each executor implements one primitive over pieces, whatever the op's kind:
   cuts a target block into boxes in the target's factors (:func:`factor_boxes`), keeps what
   each piece holds (:func:`meet`) and reads the matching source box (:meth:`Piece.source_index`);
 - the DCP load planner shows each stored chunk where its elements land, as the maps between
-  boxes of the two arrays that DCP's read items can express (:func:`box_maps`).
+  boxes of the two arrays that DCP's read items can express (:func:`box_maps`), or, for a
+  reader that copies into a permuted view, a reorder's whole heads as one strided copy.
 
 Nothing here imports numpy, torch or jax.
 """
@@ -268,8 +269,20 @@ class BoxMap:
     axes: tuple[int | None, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class StridedMap:
+    """``target[target_box]``, its axes split row-major into ``factors`` and those permuted by
+    ``order``, is ``source[source_box]`` with its axes split row-major: one strided copy (a
+    view of either side) where :class:`BoxMap`\\ s would cut a reordered axis into one per run."""
+
+    source_box: tuple[range, ...]
+    target_box: tuple[range, ...]
+    factors: tuple[int, ...]
+    order: tuple[int, ...]
+
+
 def box_maps(piece: Piece, source_shape: Sequence[int], target_shape: Sequence[int],
-             source_box: Sequence[range]) -> Iterator[BoxMap]:
+             source_box: Sequence[range], strided: bool = False) -> Iterator[BoxMap | StridedMap]:
     """What ``piece`` takes from ``source_box`` (a box of the source array: a stored chunk), as
     maps between boxes of the two arrays (:class:`BoxMap`).
 
@@ -278,16 +291,38 @@ def box_maps(piece: Piece, source_shape: Sequence[int], target_shape: Sequence[i
     innermost factors that are also, in the same order, the innermost factors of one source
     axis; every other factor that varies is enumerated, one map per index. So a transpose, a
     stacked layer or a fused part is one map per box, and a reordered axis one map per run of
-    target rows whose source rows are consecutive.
+    target rows whose source rows are consecutive -- or, with ``strided`` (a reader that copies
+    a block into a permuted view of its destination), one :class:`StridedMap` per box of the
+    source in its factors whose part of the target is one box (a reorder of whole heads).
     """
     if piece.source.factors == tuple(source_shape) and piece.target.factors == tuple(target_shape):
         yield from _unsplit(piece, source_box)
         return
-    back = piece.inverse()
-    for _, parts in factor_boxes(source_box, source_shape, piece.source.factors):
+    back, strided = piece.inverse(), strided and not piece.ordered
+    for box, parts in factor_boxes(source_box, source_shape, piece.source.factors):
         source_index = meet(parts, piece.source.index)
-        if source_index is not None:
-            yield from _lowered(source_index, back.source_index(source_index), piece, source_shape, target_shape)
+        if source_index is None:
+            continue
+        target_index = back.source_index(source_index)
+        whole = _strided(piece, box, source_index, target_index, target_shape) if strided else None
+        if whole is not None:
+            yield whole
+        else:
+            yield from _lowered(source_index, target_index, piece, source_shape, target_shape)
+
+
+def _strided(piece: Piece, box: tuple[range, ...], source_index: tuple[Index, ...], target_index: tuple[Index, ...],
+             target_shape: Sequence[int]) -> StridedMap | None:
+    """One box of the source (``box``; ``source_index`` in its factors) of a piece that keeps
+    every factor on both sides as one :class:`StridedMap`, where its part of the target
+    (``target_index``) is one box of the target too."""
+    if len(piece.source.kept) != len(piece.source.factors) or len(piece.target.kept) != len(piece.target.factors):
+        return None
+    target_box = View(piece.target.array, piece.target.factors, target_index).bounds(target_shape)
+    factors = tuple(len(part) for part in target_index)
+    if math.prod(map(len, target_box)) != math.prod(factors):
+        return None
+    return StridedMap(box, target_box, factors, inverse_perm(piece.perm))
 
 
 def _unsplit(piece: Piece, source_box: Sequence[range]) -> Iterator[BoxMap]:

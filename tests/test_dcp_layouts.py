@@ -32,7 +32,7 @@ import ckptshim
 from ckptshim.execute.dcp_planner import RemappingLoadPlanner
 from ckptshim.execute.dcp_virtual import FlatKeys, KeyMapping
 from ckptshim.inventory import Entry, Inventory, join_key
-from ckptshim.ops import Concat, Join
+from ckptshim.ops import Concat, Join, Reorder
 from ckptshim.planner import Plan
 from support.markers import QUIET
 from test_plan_properties import execute, layout_plans, same_bits
@@ -41,10 +41,14 @@ pytestmark = QUIET
 
 
 class ChunkedArrays(StorageReader):
-    """A checkpoint held in memory, each array stored as the chunks of a grid."""
+    """A checkpoint held in memory, each array stored as the chunks of a grid. ``strided``: it
+    takes a block's destination split into factors, as ckptshim's own readers do (the planner's
+    ``destination_shape``); else it asserts, as torch's reader does, that the shapes match."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], cuts: dict[str, list[list[int]]]) -> None:
+    def __init__(self, arrays: dict[str, np.ndarray], cuts: dict[str, list[list[int]]], strided: bool = False) -> None:
         super().__init__()
+        self.strided = strided
+        self.read_items = 0
         self.chunks: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
         self.metadata: dict[str, TensorStorageMetadata] = {}
         for fqn, array in arrays.items():
@@ -74,12 +78,14 @@ class ChunkedArrays(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        self.read_items += len(plan.items)
         for item in plan.items:
             chunk = self.chunks[item.storage_index.fqn, tuple(item.storage_index.offset)]
             block = chunk[tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))]
             destination = planner.resolve_tensor(item)
-            assert tuple(destination.shape) == tuple(item.lengths), item
-            destination.copy_(torch.from_numpy(np.ascontiguousarray(block)))
+            shape = planner.destination_shape(item) if self.strided else tuple(item.lengths)
+            assert tuple(destination.shape) == shape, item
+            destination.copy_(torch.from_numpy(np.ascontiguousarray(block)).reshape(shape))
             planner.commit_tensor(item, destination)
         done: Future = Future()
         done.set_result(None)
@@ -110,21 +116,41 @@ def test_every_layout_op_reads_through_any_stored_chunking(drawn, data):
     rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
     cuts = {join_key(key): [sorted(rng.sample(range(1, size), rng.randint(0, min(2, size - 1)))) if size > 1 else []
                             for size in value.shape] for key, value in arrays.items()}
-    load_and_compare(p, arrays, cuts)
+    load_and_compare(p, arrays, cuts, strided=data.draw(st.booleans()))
 
 
-def load_and_compare(p: Plan, arrays: dict, cuts: dict[str, list[list[int]]]) -> None:
+def load_and_compare(p: Plan, arrays: dict, cuts: dict[str, list[list[int]]], strided: bool = False) -> ChunkedArrays:
     """Load ``arrays``, stored cut at ``cuts``, through ``p`` into destinations that start out
     holding a value no source has (NaN, or the dtype's largest integer), so an element left
-    unwritten cannot pass for a written one; compare with what numpy makes of the plan."""
+    unwritten cannot pass for a written one; compare with what numpy makes of the plan.
+    ``strided``: by a reader that takes a reorder's block as one strided copy. Returns the reader."""
     stored = {join_key(key): value for key, value in arrays.items()}
     mapping = KeyMapping(p, flat(p.source), flat(p.target))
     state_dict = {join_key(key): unwritten(entry.shape, getattr(torch, entry.dtype)) for key, entry in p.target.items()}
-    dcp.load(state_dict, storage_reader=ChunkedArrays(stored, cuts),
-             planner=RemappingLoadPlanner(None, lambda metadata, sd, partial: mapping), no_dist=True)
+    reader = ChunkedArrays(stored, cuts, strided)
+    dcp.load(state_dict, storage_reader=reader,
+             planner=RemappingLoadPlanner(None, lambda metadata, sd, partial: mapping, strided_reads=strided),
+             no_dist=True)
     expected = execute(p, arrays)
     for key, value in expected.items():
         assert same_bits(state_dict[join_key(key)].numpy(), value), (key, p.ops, cuts)
+    return reader
+
+
+@pytest.mark.parametrize(("row_cuts", "strided_items"), [([], 2), ([4], 4), ([6], 12)])
+def test_a_per_head_reorder_is_one_strided_copy_per_stored_chunk(row_cuts, strided_items):
+    """Meta's rotary pairs -> Hugging Face's halves per head (rows as ``(heads, d/2, 2)`` ->
+    ``(heads, 2, d/2)``): a reader that takes strided copies gets one read item per stored
+    chunk whose rows are whole heads (a chunk cut inside a head, at row 6: one per run of rows
+    of its two parts), any other reader one per row; the values are the same."""
+    heads, dim, hidden = 3, 4, 5
+    wq = np.arange(heads * dim * hidden, dtype=np.float32).reshape(heads * dim, hidden)
+    p = Plan(Inventory([Entry(("wq",), wq.shape, "float32", None)], "source"),
+             Inventory([Entry(("w",), wq.shape, "float32", None)], "target"),
+             (Reorder(("wq",), ("w",), 0, (heads, dim // 2, 2), (0, 2, 1)),))
+    cuts = {"wq": [row_cuts, [2]]}
+    assert load_and_compare(p, {("wq",): wq}, cuts, strided=True).read_items == strided_items
+    assert load_and_compare(p, {("wq",): wq}, cuts).read_items == 2 * heads * dim
 
 
 def unwritten(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -276,6 +276,25 @@ def test_dcp_load_of_torchtitan_checkpoint_into_hugging_face_names(tmp_path, nam
     assert all(torch.equal(state[key], value) for key, value in original.items())
 
 
+def test_chunks_written_through_a_stream_extension_are_reordered_too(tmp_path):
+    """torchtitan's checkpoint saved again through DCP's ``ZStandard`` extension: torch's own
+    reader reads those chunks, into a buffer of the stored block's shape (it requires one), and
+    ckptshim's per-head reorder copies it in."""
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    stored = natively(lambda: FileSystemReader(FIXTURE / "llama3" / "dcp").read_metadata()).state_dict_metadata
+    titan = {key: torch.zeros(md.size, dtype=md.properties.dtype) for key, md in stored.items() if hasattr(md, "size")}
+    natively(lambda: dcp.load(titan, checkpoint_id=FIXTURE / "llama3" / "dcp"))
+    folder = tmp_path / "zstd"
+    natively(lambda: dcp.save(titan, storage_writer=FileSystemWriter(folder, _extensions=[ZStandard()])))
+    (folder / "config.json").write_bytes((FIXTURE / "llama3" / "hf" / "config.json").read_bytes())
+    state = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(FIXTURE / "llama3" / "hf")).state_dict()
+    dcp.load(state, checkpoint_id=folder)
+    assert all(torch.equal(state[key], value) for key, value in hf("llama3").items())
+
+
 def test_plan_cli_names_the_per_head_permutation(capsys):
     from ckptshim import cli
 

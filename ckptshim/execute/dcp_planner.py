@@ -71,15 +71,19 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
     (on the virtual metadata) and receives every ``resolve_tensor``/``commit_tensor``/
     ``load_bytes`` call for its own read items. Without one, this planner is DCP's default.
     ``prepare`` maps the checkpoint's keys onto the state dict's (the loading layer's decision).
+    ``strided_reads``: the storage reader is ckptshim's, which takes a reordered block as one
+    strided copy (a destination of the block's lengths split into factors,
+    :meth:`destination_shape`); any other reader gets one read item per run of rows.
     A read item whose destination is remapped resolves to a view of the caller's tensor shaped
     like the stored block (:meth:`~ckptshim.execute.dcp_virtual.Link.stored_view`), so the
     storage reader copies straight into it.
     """
 
-    def __init__(self, inner: LoadPlanner | None, prepare: Prepare) -> None:
+    def __init__(self, inner: LoadPlanner | None, prepare: Prepare, strided_reads: bool = False) -> None:
         super().__init__()
         self._prepare = prepare
         self._base: LoadPlanner = inner if inner is not None else super()
+        self._strided_reads = strided_reads and inner is None
         self._allow_missing = bool(getattr(inner, "allow_partial_load", False))
         self._links: dict[tuple[str, Any], Link] = {}
         self._virtual_items: dict[ReadItem, tuple[ReadItem, Link]] = {}
@@ -103,8 +107,19 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
                     from ckptshim.execute.dcp_virtual import keeps_stored_names, virtual_metadata
 
                     if not keeps_stored_names(mapping):
-                        metadata, self._links = virtual_metadata(metadata, mapping)
+                        metadata, self._links = virtual_metadata(metadata, mapping, self._reads_whole(state_dict))
         self._base.set_up_planner(state_dict, metadata, is_coordinator)
+
+    def _reads_whole(self, state_dict: dict[str, Any]) -> Callable[[str], bool]:
+        """Whether each destination key (a flat key) has every chunk read whole, by a reader that
+        takes strided copies: DCP's own planner reads a plain tensor as one piece per chunk (a
+        caller's planner, a DTensor's shard, may read part of one)."""
+        if not self._strided_reads:
+            return lambda fqn: False
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        flat, _ = flatten_state_dict(state_dict)
+        return lambda fqn: type(flat.get(fqn)) is torch.Tensor
 
     @property
     def remaps(self) -> bool:
@@ -147,6 +162,16 @@ class RemappingLoadPlanner(DefaultLoadPlanner):
         virtual, link = found
         tensor = self._resolved[read_item] = self._base.resolve_tensor(virtual)
         return link.stored_view(tensor)
+
+    def destination_shape(self, read_item: ReadItem) -> tuple[int, ...]:
+        """The shape :meth:`resolve_tensor` gives ``read_item``: its lengths, or, for a strided
+        copy (:attr:`~ckptshim.execute.dcp_virtual.Link.factors`), them split row-major into the
+        stored block's factors -- which the storage reader copies the block into, so split."""
+        found = self._virtual_items.get(read_item)
+        if found is None or found[1].factors is None:
+            return tuple(read_item.lengths)
+        link = found[1]
+        return tuple(link.factors[axis] for axis in link.order)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         found = self._virtual_items.get(read_item)

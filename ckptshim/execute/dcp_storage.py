@@ -99,15 +99,29 @@ def _done() -> Future:
     return future
 
 
+def _destination_shape(planner: LoadPlanner, item: ReadItem) -> tuple[int, ...]:
+    """The shape of ``item``'s destination: its lengths, or, where ckptshim's planner reads a
+    reordered block as one strided copy, them split row-major into the block's factors
+    (:meth:`~ckptshim.execute.dcp_planner.RemappingLoadPlanner.destination_shape`)."""
+    shape = getattr(planner, "destination_shape", None)
+    return tuple(item.lengths) if shape is None else shape(item)
+
+
+def _split(destination: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """``block`` (a read item's block, of its lengths) in ``destination``'s shape: its axes split
+    row-major (a strided copy's destination), else as it is."""
+    return block if block.shape == destination.shape else block.view(destination.shape)
+
+
 def _resolve(planner: LoadPlanner, items: Iterable[ReadItem]) -> list[tuple[ReadItem, torch.Tensor]]:
     """Every item's destination, checked before anything is written."""
     resolved = []
     for item in items:
-        destination = planner.resolve_tensor(item).detach()
-        if tuple(destination.shape) != tuple(item.lengths):
+        destination, shape = planner.resolve_tensor(item).detach(), _destination_shape(planner, item)
+        if tuple(destination.shape) != shape:
             raise CorruptCheckpointError(
                 f"read of {item.storage_index.fqn!r} at {list(item.storage_offsets)} needs a "
-                f"{list(item.lengths)} destination but the planner gave {list(destination.shape)}; "
+                f"{list(shape)} destination but the planner gave {list(destination.shape)}; "
                 "the planner and the checkpoint disagree.")
         resolved.append((item, destination))
     return resolved
@@ -324,7 +338,7 @@ class DcpReader(FileSystemReader):
                 planner.commit_tensor(item, destination)
         by_torch = [item for item in plan.items if item.storage_index in self._by_torch]
         if by_torch:
-            super().read_data(dataclasses.replace(plan, items=by_torch), planner).wait()
+            super().read_data(dataclasses.replace(plan, items=by_torch), _BlockShaped(planner)).wait()
         return _done()
 
 
@@ -443,7 +457,7 @@ def _chunk_copy(layout: dcp.ChunkLayout, items: list[tuple[ReadItem, torch.Tenso
     dtype = getattr(torch, dtype_name(layout.ref.storage.dtype))
     spans = [_span(layout, item) for item, _ in items]
     direct = all(contiguous and type(d) is torch.Tensor and destinations.in_host_memory(d) and d.is_contiguous()
-                 and d.dtype == dtype for (_, d), (_, _, contiguous) in zip(items, spans))
+                 and d.dtype == dtype and d.shape == item.lengths for (item, d), (_, _, contiguous) in zip(items, spans))
     if direct and _disjoint(spans):
         return _ChunkCopy([(begin, _writable_bytes(destination)) for (_, destination), (begin, _, _)
                            in sorted(zip(items, spans), key=lambda pair: pair[1][0])], 0, lambda: None)
@@ -457,8 +471,35 @@ def _chunk_copy(layout: dcp.ChunkLayout, items: list[tuple[ReadItem, torch.Tenso
             block = np.lib.stride_tricks.as_strided(
                 values[(begin - low) // itemsize:], shape=tuple(item.lengths),
                 strides=tuple(s * itemsize for s in layout.ref.stride), writeable=False)
-            destinations.write(destination, destinations.as_tensor(block, dtype))
+            destinations.write(destination, _split(destination, destinations.as_tensor(block, dtype)))
     return _ChunkCopy([(low, memoryview(buffer))], buffer.nbytes, finish)
+
+
+class _BlockShaped:
+    """``planner`` as torch's own reader sees it (for the chunks it reads): a strided copy's
+    destination handed over as a buffer of the read item's lengths, which torch's reader
+    requires, copied into the destination when committed."""
+
+    def __init__(self, planner: LoadPlanner) -> None:
+        self._planner = planner
+        self._split: dict[ReadItem, torch.Tensor] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
+        destination = self._planner.resolve_tensor(item)
+        if destination.shape == item.lengths:
+            return destination
+        self._split[item] = destination
+        return torch.empty(tuple(item.lengths), dtype=destination.dtype)
+
+    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
+        destination = self._split.pop(item, None)
+        if destination is not None:
+            destinations.write(destination, _split(destination, tensor))
+            tensor = destination
+        self._planner.commit_tensor(item, tensor)
 
 
 def _disjoint(spans: list[tuple[int, int, bool]]) -> bool:
@@ -582,14 +623,14 @@ class FormatReader(StorageReader):
                 blocks, staged = [], []
                 for item, destination in window:
                     entry = located[item.storage_index.fqn]
-                    raw = _raw_view(destination, entry)
+                    raw = _raw_view(destination, entry) if destination.shape == item.lengths else None
                     if raw is None:  # a cast: the block alone, as stored, then copied in (no page of the map held)
                         raw = np.empty(tuple(item.lengths), storage_dtype(entry.dtype))
                         staged.append((destination, raw, entry.dtype))
                     blocks.append((entry, _block(item), raw))
                 checkpoint.read_blocks(blocks)
                 for destination, block, dtype in staged:
-                    destinations.write(destination, destinations.as_tensor(block, getattr(torch, dtype)))
+                    destinations.write(destination, _split(destination, destinations.as_tensor(block, getattr(torch, dtype))))
                 progress.advance(sum(_nbytes(destination) for _, destination in window))
         for item, destination in resolved:
             planner.commit_tensor(item, destination)

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptshim.errors import InternalError
-from ckptshim.geometry import box_maps
+from ckptshim.geometry import BoxMap, StridedMap, box_maps
 from ckptshim.inventory import Inventory, KeyPath
 from ckptshim.ops import Cast, Drop, LayoutOp, Op, Rename, Synthesize, Tie, is_layout, pieces_by_target, require_kinds
 
@@ -63,6 +63,11 @@ class Link:
     chunk holds several layers, the read one) -- a :class:`~ckptshim.geometry.BoxMap`. Without
     ``axes`` the virtual chunk is the stored one as it is (a renamed key). ``reads`` is false
     for a key nothing is read for (synthesized, or tied to another).
+
+    With ``factors`` the virtual chunk is read whole, as one strided copy (a
+    :class:`~ckptshim.geometry.StridedMap`): its axes split row-major into ``factors`` and those
+    permuted by ``order`` are the stored block of lengths ``lengths`` at ``origin``, its axes
+    split row-major.
     """
 
     fqn: str = ""
@@ -70,9 +75,17 @@ class Link:
     origin: Offsets = ()
     axes: tuple[int | None, ...] | None = None
     reads: bool = True
+    factors: Offsets | None = None
+    order: Offsets = ()
+    lengths: Offsets = ()
 
     def stored_block(self, offsets: Offsets, lengths: Offsets) -> tuple[Offsets, Offsets]:
         """A block of the virtual chunk as the block of the stored chunk it reads."""
+        if self.factors is not None:
+            if any(offsets) or math.prod(lengths) != math.prod(self.factors):
+                raise InternalError(f"a read of part of a reordered chunk of {self.fqn!r} ({list(offsets)}, "
+                                    f"{list(lengths)}) was planned; this is a bug in ckptshim: please report it.")
+            return self.origin, self.lengths
         if self.axes is None:
             return offsets, lengths
         stored_offsets, stored_lengths = list(self.origin), [1] * len(self.origin)
@@ -84,7 +97,10 @@ class Link:
 
     def stored_view(self, tensor: torch.Tensor) -> torch.Tensor:
         """The destination of a virtual read (a view of the caller's tensor) in the stored
-        chunk's axis order: what the storage reader copies the stored block into."""
+        chunk's axis order: what the storage reader copies the stored block into (split into
+        the stored block's factors, for a strided copy)."""
+        if self.factors is not None:
+            return tensor.view(self.factors).permute(self.order)
         if self.axes is None:
             return tensor
         for axis in reversed(range(len(self.axes))):
@@ -113,12 +129,22 @@ def _chunks(md: TensorStorageMetadata) -> Iterator[tuple[Offsets, Offsets]]:
         yield tuple(chunk.offsets), tuple(chunk.sizes)
 
 
+def _link(part: BoxMap | StridedMap, src: str, offsets: Offsets) -> Link:
+    """How the virtual chunk that is ``part``'s target box reads the stored chunk ``src`` at ``offsets``."""
+    origin = tuple(r.start - at for r, at in zip(part.source_box, offsets))
+    if isinstance(part, StridedMap):
+        return Link(src, offsets, origin, factors=part.factors, order=part.order,
+                    lengths=tuple(map(len, part.source_box)))
+    return Link(src, offsets, origin, part.axes)
+
+
 class _Virtual:
     """The metadata the wrapped planner sees, built op by op, and how each of its chunks maps to
     a stored one."""
 
-    def __init__(self, metadata: Metadata, mapping: KeyMapping) -> None:
+    def __init__(self, metadata: Metadata, mapping: KeyMapping, whole: Callable[[str], bool]) -> None:
         self.stored = metadata.state_dict_metadata
+        self.whole = whole
         self.virtual = dict(self.stored)
         self.links: dict[tuple[str, Any], Link] = {}
         self.source, self.target = mapping.source, mapping.target
@@ -146,7 +172,9 @@ class _Virtual:
     def moved(self, op: LayoutOp) -> None:
         """Each target of a layout op as the stored chunks of its sources, placed where their
         elements land (:func:`~ckptshim.geometry.box_maps` of each of the op's pieces); a target
-        that is its source as it is (one piece, the identity) as that source's own chunks."""
+        that is its source as it is (one piece, the identity) as that source's own chunks. Where
+        the target is read whole (``whole``), each part of a stored chunk that is one strided
+        copy (:class:`~ckptshim.geometry.StridedMap`: a reorder's whole heads) is one chunk."""
         sources = [self.source.fqn(key) for key in op.sources]
         source_shapes = [self.source.inventory[key].shape for key in op.sources]
         target_shapes = [self.target.inventory[key].shape for key in op.targets]
@@ -155,13 +183,14 @@ class _Virtual:
                 self._as_stored(sources[pieces[0].source.array], key)
                 continue
             chunks = []
+            strided = self.whole(self.target.fqn(key))
             for piece in pieces:
                 src, shape = sources[piece.source.array], source_shapes[piece.source.array]
                 for o, n in _chunks(self.stored[src]):
-                    for part in box_maps(piece, shape, target_shapes[index], tuple(map(range, o, map(sum, zip(o, n))))):
+                    for part in box_maps(piece, shape, target_shapes[index], tuple(map(range, o, map(sum, zip(o, n)))),
+                                         strided):
                         chunks.append((tuple(r.start for r in part.target_box), tuple(map(len, part.target_box)),
-                                       Link(src, o, tuple(r.start - at for r, at in zip(part.source_box, o)),
-                                             part.axes)))
+                                       _link(part, src, o)))
             self._place(key, sources[pieces[0].source.array], chunks)
 
     def _as_stored(self, src: str, target: KeyPath) -> None:
@@ -199,10 +228,13 @@ VIRTUAL: Mapping[str, Callable[[_Virtual, Any], None]] = {
 }
 
 
-def virtual_metadata(metadata: Metadata, mapping: KeyMapping) -> tuple[Metadata, dict[tuple[str, Any], Link]]:
-    """The metadata the wrapped planner sees, and how each of its chunks maps to a stored one."""
+def virtual_metadata(metadata: Metadata, mapping: KeyMapping, whole: Callable[[str], bool] = lambda fqn: False
+                     ) -> tuple[Metadata, dict[tuple[str, Any], Link]]:
+    """The metadata the wrapped planner sees, and how each of its chunks maps to a stored one.
+    ``whole(fqn)``: whether the planner reads each chunk of that destination key whole (DCP's
+    own planner, a plain tensor), so a reordered chunk may be read as one strided copy."""
     require_kinds(mapping.plan.ops, VIRTUAL, "DCP load planner")
-    built = _Virtual(metadata, mapping)
+    built = _Virtual(metadata, mapping, whole)
     for op in mapping.plan.ops:
         if is_layout(op):
             built.moved(op)

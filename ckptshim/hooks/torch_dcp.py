@@ -120,7 +120,7 @@ def _load(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict)
 
     def shimmed() -> Any:
         if remote:
-            planner = dcp_loading.load_planner(call["planner"], where)
+            planner = dcp_loading.load_planner(call["planner"], where, remote=True)
             storage_reader = dcp_loading.remote_reader(checkpoint_id, reader, planner)
         else:
             folder = dcp_loading.checkpoint_folder(checkpoint_id)

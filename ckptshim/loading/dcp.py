@@ -172,11 +172,13 @@ def _local_path(url: str) -> str | None:
 
 
 def load_planner(inner: LoadPlanner | None, location: Any = None,
-                 reader: StorageReader | None = None) -> RemappingLoadPlanner:
+                 reader: StorageReader | None = None, remote: bool = False) -> RemappingLoadPlanner:
     """The planner ``dcp.load`` runs: ckptshim's key mapping in front of ``inner`` (or DCP's
     default), for the checkpoint at ``location`` (a local path, where known) that ``reader``
-    reads."""
-    return RemappingLoadPlanner(inner, partial(prepare_mapping, location=location, reader=reader))
+    reads (``remote``: that :func:`remote_reader` gives). A reordered block is one strided copy
+    only for ckptshim's own readers, which copy a block into its destination split into factors."""
+    return RemappingLoadPlanner(inner, partial(prepare_mapping, location=location, reader=reader),
+                                strided_reads=remote or isinstance(reader, (DcpReader, FormatReader)))
 
 
 def prepare_mapping(metadata: Metadata, state_dict: dict[str, Any], allow_missing: bool,
