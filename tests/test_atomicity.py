@@ -117,15 +117,15 @@ _READS_STRAIGHT_IN = pytest.mark.xfail(strict=True, reason=(
 
 @pytest.mark.parametrize("k", [0, pytest.param(3, marks=_READS_STRAIGHT_IN)])
 def test_dcp_load_from_dcp_folder(monkeypatch, k):
-    """``read_exact`` fills one destination (or one chunk buffer) per call."""
+    """``read_ranges`` fills one window of chunks (locally: one chunk) per call."""
     import torch.distributed.checkpoint as dcp
 
     import ckptshim  # noqa: F401
-    from ckptshim.formats import dcp as dcp_format
+    from ckptshim.execute import dcp_storage
 
     state_dict = _dcp_state_dict(seed=3)
     before = digest(state_dict.values())
-    monkeypatch.setattr(dcp_format, "read_exact", fail_after(k, dcp_format.read_exact))
+    monkeypatch.setattr(dcp_storage, "read_ranges", fail_after(k, dcp_storage.read_ranges))
     with pytest.raises(BaseException) as error:  # DCP's CheckpointException is a BaseException
         dcp.load({"model": state_dict}, checkpoint_id=DCP / "dcp_plain")
     assert "injected" in str(error.value)

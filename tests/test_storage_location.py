@@ -237,20 +237,6 @@ def test_reads_of_what_is_missing_or_too_large(place):
         (place.root / "a.bin").read_bytes(limit=1024)
 
 
-def test_a_file_read_whole_without_its_size(place):
-    """``read_at_most``: one read, no stat first; the whole file up to the limit, refused past
-    it (with no more than limit + 1 bytes fetched), missing as missing."""
-    place.put("a.bin", DATA)
-    place.put("empty", b"")
-    where = place.root / "a.bin"
-    assert where.read_at_most(len(DATA)) == DATA and where.read_at_most(10**6) == DATA
-    assert (place.root / "empty").read_at_most(10) == b""
-    with pytest.raises(CorruptCheckpointError, match=r"is 1,025 bytes, more than the 1,024 ckptshim reads"):
-        where.read_at_most(1024)
-    with pytest.raises(FileNotFoundError):
-        (place.root / "missing.bin").read_at_most(10)
-
-
 def recorded_streams(monkeypatch) -> dict:
     """What the store's streamed requests were: ``pieces`` (``(start, end)`` each) and ``most``
     in flight at once (the client's own requests still run, against the real server)."""

@@ -149,21 +149,6 @@ def _metadata_leaves(where: object, read: Callable[[], bytes],
     return leaves, {name: value for name, value in meta.items() if name != "tree_metadata"}  # not the tree: big
 
 
-def recorded_keys(path: Path | Location) -> list[KeyPath] | None:
-    """The key paths of the array leaves the item's ``_METADATA`` records, from that one file
-    read whole in one request (no listing, no array's metadata): what a restore that Orbax
-    carries out as it is needs to be recognised by. ``None`` where the item has none, or one
-    this read does not vouch for (too large or too many values for a file no listing has
-    sized): :func:`open_checkpoint` then reads the item in full, and says what is wrong."""
-    where = Location.of(path) / METADATA
-    try:
-        raw = where.read_at_most(metadata_limit(0))
-        leaves, _ = _metadata_leaves(where, lambda: raw, 0)
-    except (OSError, CorruptCheckpointError):
-        return None
-    return [key for key, _ in leaves]
-
-
 def _require_plain_names(path: Path | Location, leaves: list[tuple[KeyPath, object]]) -> None:
     """Each ``PLACEHOLDER://<name>`` must name a folder of this item: no ``/``, ``..`` or root."""
     for key, name in leaves:

@@ -123,9 +123,8 @@ def _shim_restore(wrapped, instance, args, kwargs) -> Any:
     ckpt_args = call["args"]
     where = f"orbax {type(instance).__name__}.restore({found})"
     if not isinstance(ckpt_args, ocp.args.Composite):
-        request = request_of(ckpt_args)
-        return loading.restore_item(found, request, where,
-                                    lambda: _noting_failure(found, request, where, lambda: _passthrough(wrapped, args, kwargs)))
+        return loading.restore_item(found, request_of(ckpt_args), where,
+                                    lambda: _passthrough(wrapped, args, kwargs))
     requested = dict(ckpt_args.items())
 
     @framework_call
@@ -137,20 +136,6 @@ def _shim_restore(wrapped, instance, args, kwargs) -> Any:
         return _restore_every_item(found, where, native, lambda: _passthrough(wrapped, args, kwargs))
     done = loading.restore_items(found, _requests(requested), where, native)
     return _passthrough(wrapped, args, kwargs) if done is None else ocp.args.Composite(**done)
-
-
-def _noting_failure(found, request: loading.Request | None, where: str, orbax) -> Any:
-    """Orbax's own restore of one item, which the loading layer may have left to it from the
-    item's names alone (:func:`~ckptshim.loading.orbax.restores_as_named`). Where it fails, what
-    ckptshim finds planning the item in full rides on Orbax's error as a note, as where planning
-    finds no plan first."""
-    try:
-        return orbax()
-    except FrameworkRaised as raised:
-        why = None if request is None else loading.why_unplanned(found, request, where)
-        if why is not None:
-            add_diagnosis(raised.error, shown_lines(why))
-        raise
 
 
 def _restore_every_item(step_dir, where: str, native, orbax_all) -> Any:

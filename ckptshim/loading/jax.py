@@ -18,7 +18,6 @@ checkpoint may hold more, e.g. rng state or a data iterator) and counted in the 
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from ckptshim.formats import hf_dir, safetensors
 from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.orbax import orbax_readers
 from ckptshim.formats.detect import open_checkpoint
-from ckptshim.inventory import KeyPath, join_key, unflatten
+from ckptshim.inventory import join_key, unflatten
 from ckptshim.keytext import ranges
 from ckptshim.loading import agreement
 from ckptshim.loading.report import report_load
@@ -157,26 +156,6 @@ def native_fits(prepared: Prepared, *, readable: bool, partial: bool) -> bool:
     if not readable or (plan.unexpected and not partial):
         return False
     return all(op.kind == Cast.kind or op.tally() is None for op in plan.ops)
-
-
-def names_decide(stored: Collection[KeyPath], tree: Any, restore_args: Any = None, *, partial: bool) -> bool:
-    """Whether a restore of a checkpoint whose arrays are ``stored`` (key paths, each once) into
-    ``tree`` is the framework's own, known from the names alone, before any shape is read.
-
-    So it is where the target's array keys are the stored ones (some of them, where the caller
-    allowed a partial restore), the target asks for nothing ckptshim leaves to the framework
-    anyway, and no rule for these keys gives a key another shape or value under its own name
-    (:attr:`~ckptshim.rules.Rules.names_decide`): the plan is then renames in place and casts,
-    which :func:`native_fits` leaves to the framework, or shapes no rule mends, for which
-    ckptshim has no plan either. (Profiles choose by keys, so the target's inventory stands for
-    the checkpoint's, whose keys it has.)
-    """
-    target = TargetTree(tree, restore_args)
-    wanted, recorded = set(target.targets), set(stored)
-    if target.unsupported or target.others or not (wanted == recorded or (partial and wanted <= recorded)):
-        return False
-    inventory = target.inventory("the restore's target")
-    return rules_for(LoadContext(inventory, inventory, "jax")).names_decide
 
 
 def as_stored(checkpoint: Checkpoint) -> dict:

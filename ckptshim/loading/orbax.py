@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptshim.errors import NoPlan, ShimError
-from ckptshim.formats import flax_msgpack, orbax, orbax_manager, t5x
+from ckptshim.formats import flax_msgpack, orbax_manager, t5x
 from ckptshim.formats.detect import detect
 from ckptshim.formats.orbax import COMMIT_SUCCESS, orbax_readers
 from ckptshim.loading import agreement, jax as jax_loading
@@ -66,34 +66,10 @@ def prepare_item(path: Path | Location, request: Request, where: str, stack: Exi
     return jax_loading.prepare(checkpoint, request.item, where, request.restore_args)
 
 
-def why_unplanned(path: Path | Location, request: Request, where: str) -> str | None:
-    """What keeps ckptshim from planning this restore, read from the item in full (for a note
-    on Orbax's own error); ``None`` where it plans it, or cannot read the item."""
-    with ExitStack() as stack:
-        try:
-            prepare_item(path, request, where, stack)
-        except ShimError as error:
-            return str(error)
-    return None
-
-
 def fits(prepared: jax_loading.Prepared, request: Request) -> bool:
     """Whether Orbax itself restores this: a layout it reads, keys matching the target's."""
     readable = request.reader in orbax_readers(prepared.checkpoint)
     return jax_loading.native_fits(prepared, readable=readable, partial=request.partial)
-
-
-def restores_as_named(path: Path | Location, request: Request) -> bool:
-    """Whether Orbax's own restore of the item at ``path`` is this request's, decided from the
-    item's ``_METADATA`` alone (one read, no listing, no array's metadata): an item in the layout
-    Orbax reads with either args, restored as stored or into a target whose keys are those it
-    records and that no rule reshapes (:func:`~ckptshim.loading.jax.names_decide`). An idle hook
-    then costs Orbax's restore one request; ``False`` means: open and plan the item in full."""
-    recorded = orbax.recorded_keys(path)
-    if recorded is None or len(set(recorded)) != len(recorded):
-        return False
-    return request.item is None or jax_loading.names_decide(recorded, request.item, request.restore_args,
-                                                            partial=request.partial)
 
 
 def restore_item(path: Path | Location, request: Request | None, where: str, native: Callable[[], Any]) -> Any:
@@ -101,8 +77,7 @@ def restore_item(path: Path | Location, request: Request | None, where: str, nat
     (or where the request is not one ckptshim understands: ``None``)."""
     with ExitStack() as stack:
         with agreement.agreeing(where, "planning") as planned:
-            as_named = request is None or restores_as_named(path, request)
-            prepared = None if as_named else prepare_item(path, request, where, stack)
+            prepared = None if request is None else prepare_item(path, request, where, stack)
             planned.decision = NATIVE if prepared is None or fits(prepared, request) else SHIM
         if planned.decision == NATIVE:
             return native()
@@ -122,12 +97,19 @@ def restore_items(step_dir: Path | Location, requested: Mapping[str, Request | N
     (used after Orbax failed to). A step in object storage that the client cannot reach is
     Orbax's (``None``), as for one item (:func:`~ckptshim.loading.jax.open_item`).
     """
+    if isinstance(step_dir, Location) and not jax_loading.reachable(step_dir):
+        return None
     with ExitStack() as stack:
         with agreement.agreeing(where, "planning") as planned:
+            folders = match_items(step_dir, requested)
             prepared: dict[str, jax_loading.Prepared] = {}
-            shim = False
-            if force or not _as_named(step_dir, requested):
-                shim = _prepare_items(step_dir, requested, where, stack, prepared, force=force)
+            shim = force or any(folder.name != name for name, folder in folders.items())
+            for name, folder in folders.items():
+                request = requested[name]
+                item = None if request is None else prepare_item(folder, request, f"{where} item {name!r}", stack)
+                if item is not None:
+                    prepared[name] = item
+                    shim = shim or not fits(item, request)
             planned.decision = SHIM if shim else NATIVE
         if planned.decision == NATIVE:
             return None
@@ -135,32 +117,6 @@ def restore_items(step_dir: Path | Location, requested: Mapping[str, Request | N
         results = dict(native(rest)) if rest else {}
         results.update((name, item.run()) for name, item in prepared.items())
     return {name: results[name] for name in requested}
-
-
-def _as_named(step_dir: Path | Location, requested: Mapping[str, Request | None]) -> bool:
-    """Whether Orbax's own restore of these items is the restore, from their ``_METADATA`` alone
-    (:func:`restores_as_named`): each item asked for with args ckptshim reads is one, under its
-    own name, and no other name asked for could stand for the train state (:func:`match_items`)."""
-    return any(request is not None for request in requested.values()) and all(
-        name not in STATE_ITEMS if request is None else restores_as_named(step_dir / name, request)
-        for name, request in requested.items())
-
-
-def _prepare_items(step_dir: Path | Location, requested: Mapping[str, Request | None], where: str, stack: ExitStack,
-                   prepared: dict[str, jax_loading.Prepared], *, force: bool) -> bool:
-    """Open and plan the array items asked for (into ``prepared``); whether ckptshim restores
-    them. A step in object storage that the client cannot reach is Orbax's."""
-    if isinstance(step_dir, Location) and not jax_loading.reachable(step_dir):
-        return False
-    folders = match_items(step_dir, requested)
-    shim = force or any(folder.name != name for name, folder in folders.items())
-    for name, folder in folders.items():
-        request = requested[name]
-        item = None if request is None else prepare_item(folder, request, f"{where} item {name!r}", stack)
-        if item is not None:
-            prepared[name] = item
-            shim = shim or not fits(item, request)
-    return shim
 
 
 #: Item names that each mean "the train state" in a layout ckptshim knows: a single-item

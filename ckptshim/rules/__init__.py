@@ -119,15 +119,6 @@ class Rules:
                 changes[name] = value
         return dataclasses.replace(self, **changes)
 
-    @property
-    def names_decide(self) -> bool:
-        """Whether two inventories with the same keys plan to nothing but renames in place and
-        casts, or else to shape mismatches no rule mends: no rule here gives a key another shape
-        or value under its own name (a layout, a target's own value where the stored one does
-        not fit, a root prefix set aside). Then names alone say that the framework's own load
-        is the load (see :func:`ckptshim.loading.orbax.restores_as_named`)."""
-        return not (self.layouts or self.root is not None or self.own_when_unfit is not None)
-
     def scan_axis(self, stacked: KeyPath) -> int | None:
         for rule in self.scan_axes:
             if rule.component in stacked:

@@ -152,10 +152,6 @@ class LocalFiles:
                     if recursive and entry.is_dir(follow_symlinks=False):
                         pending.append(child)
 
-    def read_at_most(self, location: Location, count: int) -> bytes:
-        with open_regular(location) as handle:
-            return handle.read(count)
-
     def whole(self, location: Location, limit: int | None, size: int | None) -> bytes | mmap.mmap:
         """The file memory-mapped (an empty one as ``b""``, which cannot be mapped)."""
         with open_regular(location, buffering=0) as raw:

@@ -343,16 +343,6 @@ class Location:
             raise too_large(self, size, limit)
         return self.read(0, size)
 
-    def read_at_most(self, limit: int) -> bytes:
-        """The whole file in one read, refused when it holds more than ``limit`` bytes: a
-        metadata file that no listing has sized, read without asking its size first (in a
-        bucket, one round trip where :meth:`read_bytes` takes two). No more than ``limit`` + 1
-        bytes are ever held."""
-        data = store_for(self).read_at_most(self, limit + 1)
-        if len(data) > limit:
-            raise too_large(self, len(data), limit)
-        return data
-
 
 @dataclass(frozen=True)
 class ObjectInfo:
@@ -395,10 +385,6 @@ class Store(Protocol):
     def list(self, location: Location, limit: int, recursive: bool) -> list[ObjectInfo]: ...
 
     def read_ranges(self, ranges: Sequence[ByteRange], buffers: Sequence[memoryview]) -> None: ...
-
-    def read_at_most(self, location: Location, count: int) -> bytes:
-        """The file's first ``count`` bytes, or all of it where it is shorter."""
-        ...
 
     def whole(self, location: Location, limit: int | None, size: int | None) -> bytes | bytearray | mmap.mmap: ...
 

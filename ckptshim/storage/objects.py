@@ -151,20 +151,6 @@ class FsspecObjects:
                 for (run, piece), answer in zip(pieces, answers):
                     self._check(run, piece, answer)
 
-    def read_at_most(self, location: Location, count: int) -> bytes:
-        """One ranged GET of the first ``count`` bytes (the client's own ``cat_file``): a server
-        answers a range past an object's end with what the object holds, and one of an empty
-        object as unsatisfiable (HTTP 416), which a stat then tells apart."""
-        with self._reaching(location):
-            try:
-                return self.fs.cat_file(fsspec_path(location), start=0, end=count)
-            except (FileNotFoundError, PermissionError):
-                raise
-            except OSError:
-                if self.stat(location).size == 0:
-                    return b""
-                raise
-
     def _check(self, run: _Run, piece: ByteRange, answer: int | BaseException) -> None:
         """Raise what went wrong with one piece (``answer``: the bytes it streamed, or the error)."""
         if isinstance(answer, FileNotFoundError | PermissionError):
