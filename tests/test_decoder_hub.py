@@ -284,6 +284,15 @@ def test_dcp_load_of_a_hugging_face_folder_into_gptmodel_names():
     assert_same(state_dict, bridge_import())
 
 
+def test_dcp_load_of_a_hugging_face_folder_into_megatron_core_0_12s_gptmodel():
+    """Into a ``GPTModel`` whose RMSNorm weights are float32 (Megatron-Core 0.12.3's): the
+    bfloat16 norms widened, as 0.12.3's own load of Bridge's import of the folder gives them."""
+    expected = torch.load(MEGATRON / "gptmodel_zarr.pt", weights_only=True)
+    state_dict = empty_like(expected)
+    dcp.load(state_dict, checkpoint_id=MEGATRON / "hf")
+    assert_same(state_dict, expected)
+
+
 def test_convert_a_hugging_face_folder_to_dcp_like_a_gptmodel(tmp_path, monkeypatch):
     """``convert --to dcp --like mod:fn``, the function giving a ``GPTModel``'s state dict."""
     expected = bridge_import()
