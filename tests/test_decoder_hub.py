@@ -4,13 +4,15 @@ Meta's original layout against what transformers' own ``convert_llama_weights_to
 it (tests/fixtures/meta_llama, see its ``produce.py``: a tiny GQA Llama, 8 heads in 2 groups,
 bfloat16), and Megatron-Core ``GPTModel`` checkpoints against Megatron-Bridge's own conversions
 of them (tests/fixtures/megatron_llama, see its ``produce.py``: Bridge's import of a tiny GQA Llama
-at TP 1 and 2, its ``export_ckpt`` of each, and the ``GPTModel`` its import built). Bit for bit,
-both ways.
+at TP 1 and 2, its ``export_ckpt`` of each, and the ``GPTModel`` its import built; and
+``produce_zarr.py``: those checkpoints re-saved by Megatron-Core 0.12.3's zarr backend, with the
+float32 norms that version's ``GPTModel`` keeps). Bit for bit, both ways.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -175,13 +177,50 @@ def gptmodel_entries(intermediate: int) -> Inventory:
                       for key, value in bridge_import().items()])
 
 
-@pytest.mark.parametrize("where", ["tp1/iter_0000000", "tp2/iter_0000000", "tp1", "tp2"])
+@pytest.mark.parametrize("where", ["tp1/iter_0000000", "tp2/iter_0000000", "tp1", "tp2", "zarr_tp1/iter_0000000",
+                                   "zarr_tp2/iter_0000000", "zarr_tp1", "zarr_tp2"])
 def test_dcp_load_of_a_megatron_checkpoint_into_llama(where):
-    """The iteration folder or the save root (``latest_checkpointed_iteration.txt``), TP 1 or 2:
-    the heads from Bridge's run_config.yaml; the values Bridge's ``export_ckpt`` wrote."""
+    """The iteration folder or the save root (``latest_checkpointed_iteration.txt``), TP 1 or 2,
+    torch_dist or zarr: the heads from Bridge's run_config.yaml; the values Bridge's
+    ``export_ckpt`` wrote of the torch_dist checkpoint (the zarr ones hold its values, the norms
+    widened to float32, and are cast back)."""
     state_dict = megatron_llama().state_dict()
     dcp.load(state_dict, checkpoint_id=MEGATRON / where)
-    assert_same(state_dict, bridge_export(int(where[2])))
+    assert_same(state_dict, bridge_export(int(where.removeprefix("zarr_")[2])))
+
+
+@pytest.mark.parametrize("where", ["tp1_fp32norm", "tp1_fp32norm/iter_0000000"])
+def test_float32_norms_are_cast_as_bridge_casts_them(where):
+    """Bridge's import into a model no ``Float16Module`` wraps keeps the RMSNorm weights in float32
+    (values bfloat16 cannot hold); its ``export_ckpt`` rounds them to bfloat16. So does the load."""
+    source = load_file(MEGATRON / "hf_fp32norm" / "model.safetensors")
+    norms = [key for key in source if "norm" in key]
+    assert {source[key].dtype for key in norms} == {torch.float32}
+    assert not all(torch.equal(source[key].to(torch.bfloat16).float(), source[key]) for key in norms)
+    expected = load_file(MEGATRON / "hf_tp1_fp32norm" / "model.safetensors")
+    state_dict = megatron_llama().state_dict()
+    dcp.load(state_dict, checkpoint_id=MEGATRON / where)
+    assert_same(state_dict, expected)
+
+
+def test_the_load_table_names_each_norm_it_casts(caplog):
+    with caplog.at_level(logging.INFO, logger="ckptshim"):
+        dcp.load(megatron_llama().state_dict(), checkpoint_id=MEGATRON / "zarr_tp1")
+    rows = [" ".join(line.split()) for record in caplog.records for line in record.getMessage().splitlines()]
+    assert "5 cast (float32 -> bfloat16)" in "\n".join(rows)
+    for norm in ("model.layers.{0..1}.input_layernorm.weight", "model.layers.{0..1}.post_attention_layernorm.weight",
+                 "model.norm.weight"):
+        assert f"{norm} | cast | float32 -> bfloat16" in rows, rows
+
+
+def test_load_state_dict_of_megatron_core_0_12s_gptmodel_into_llama():
+    """The ``GPTModel.state_dict()`` Megatron-Core 0.12.3 loaded from the zarr checkpoint (its
+    RMSNorm weights float32) into ``LlamaForCausalLM``: Bridge's export, bit for bit."""
+    state = torch.load(MEGATRON / "gptmodel_zarr.pt", weights_only=True)
+    assert {str(v.dtype) for k, v in state.items() if "norm" in k} == {"torch.float32"}
+    model = megatron_llama()
+    model.load_state_dict(state)
+    assert_same(model.state_dict(), bridge_export(1))
 
 
 def test_load_state_dict_of_gptmodel_names_into_llama():
@@ -219,12 +258,39 @@ def test_convert_a_megatron_checkpoint_like_a_hugging_face_folder(tmp_path):
     assert_same(load_file(out), bridge_export(2))
 
 
+@pytest.mark.parametrize("run_config", [True, False])
+def test_convert_a_zarr_checkpoint_like_a_hugging_face_folder(tmp_path, run_config):
+    """``convert`` copies each array as stored (it never casts): the float32 norms stay float32,
+    holding Bridge's bfloat16 values exactly. Without run_config.yaml the heads come from the
+    ``--like`` folder's config.json."""
+    source = writable_copy(MEGATRON / "zarr_tp2" / "iter_0000000", tmp_path / "iter_0000000")
+    if not run_config:
+        (source / "run_config.yaml").unlink()
+    out = tmp_path / "model.safetensors"
+    assert main(["convert", str(source), str(out), "--to", "safetensors", "--like", str(MEGATRON / "hf_tp1")]) == 0
+    converted, expected = load_file(out), bridge_export(2)
+    norms = {key for key in expected if "norm" in key}
+    assert len(norms) == 5 and {converted[key].dtype for key in norms} == {torch.float32}
+    assert_same({key: value.to(torch.bfloat16) if key in norms else value for key, value in converted.items()},
+                expected)
+    assert all(torch.equal(converted[key], expected[key].float()) for key in norms)
+
+
 def test_dcp_load_of_a_hugging_face_folder_into_gptmodel_names():
     """The way back: the folder Bridge imported, into ``GPTModel``'s names (heads from its
     config.json), against what Bridge's import built of it."""
     state_dict = empty_like(bridge_import())
     dcp.load(state_dict, checkpoint_id=MEGATRON / "hf")
     assert_same(state_dict, bridge_import())
+
+
+def test_dcp_load_of_a_hugging_face_folder_into_megatron_core_0_12s_gptmodel():
+    """Into a ``GPTModel`` whose RMSNorm weights are float32 (Megatron-Core 0.12.3's): the
+    bfloat16 norms widened, as 0.12.3's own load of Bridge's import of the folder gives them."""
+    expected = torch.load(MEGATRON / "gptmodel_zarr.pt", weights_only=True)
+    state_dict = empty_like(expected)
+    dcp.load(state_dict, checkpoint_id=MEGATRON / "hf")
+    assert_same(state_dict, expected)
 
 
 def test_convert_a_hugging_face_folder_to_dcp_like_a_gptmodel(tmp_path, monkeypatch):

@@ -250,6 +250,7 @@ QUOTED_ERRORS = {
     ("jax.md", "InvalidLayoutError: Failed to interpret path .../pytree_checkpointer as a V0 Orbax PyTree."): "orbax v1 old layout",
     ("jax.md", "ValueError: Structure mismatch: Target path ('linear', 'bias', 'value') not found in metadata_tree."): "flax 0.8 nnx",
     ("megatron-core.md", "RuntimeError: Missing key in checkpoint state_dict: lm_head.weight."): "megatron into llama",
+    ("megatron-core.md", "AssertionError: metadata is None; global metadata read failed: [Errno 2] No such file or directory: '.../iter_0000000/.metadata'"): "megatron zarr into llama",
     ("meta-llama.md", "AssertionError: metadata is None; global metadata read failed: [Errno 2] No such file or directory: '.../mp2/.metadata'"): "meta dcp",
     ("meta-llama.md", 'Error(s) in loading state_dict for LlamaForCausalLM: Missing key(s) in state_dict: "model.embed_tokens.weight", ...'): "meta state dict",
     ("torchtune.md", "AssertionError: metadata is None; global metadata read failed: [Errno 2] No such file or directory: '.../epoch_0/.metadata'"): "torchtune dcp",

@@ -73,7 +73,7 @@ def table(plan: Plan, sep: str = ".", limit: int | None = None) -> list[str]:
         tally = op.tally()
         if tally is None:
             continue
-        keys = op.targets if op.produces else op.sources
+        keys = op.targets if op.produces or not op.sources else op.sources  # a cast names its target
         origin = f"from {keys_text(op.sources, sep)}" if op.produces and op.sources and op.sources != keys else ""
         detail = "" if op.summary_by_example else op.note(sep)
         rows.append((keys_text(keys, sep), tally[0], f"{origin} ({detail})" if origin and detail else origin or detail))

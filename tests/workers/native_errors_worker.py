@@ -68,6 +68,8 @@ def hub_cases() -> dict[str, str]:
             torch.load(FIXTURE / "mp1" / "consolidated.00.pth", weights_only=True))),
         "megatron into llama": error_of(lambda: dcp.load(megatron_llama().state_dict(),
                                                          checkpoint_id=MEGATRON / "tp2" / "iter_0000000")),
+        "megatron zarr into llama": error_of(lambda: dcp.load(megatron_llama().state_dict(),
+                                                              checkpoint_id=MEGATRON / "zarr_tp2" / "iter_0000000")),
         **tune_and_lit_cases(),
     }
 
