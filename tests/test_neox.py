@@ -275,6 +275,15 @@ def test_missing_tensor_is_refused_before_any_write(tmp_path: Path) -> None:
             assert torch.equal(v, before[index][k])
 
 
+def test_a_degree_that_cuts_a_head_is_refused_by_the_head_count() -> None:
+    """4 heads of 16 at degree 8: every tensor's rows divide evenly (3 x 64 / 8 = 24), but a
+    rank's 24 rows of the per-head query_key_value would be half a head. The head count is
+    config.json's, not the shapes'."""
+    checkpoint = open_checkpoint(HF5 / "save_pretrained_default")
+    with pytest.raises(PlanError, match="4 heads do not divide over 8 tensor-parallel ranks"):
+        layer_state_dicts(checkpoint, neox_layers(tp=8), 0, 8)
+
+
 def test_uneven_tensor_parallel_split_is_refused() -> None:
     checkpoint = open_checkpoint(NEOX / "pp1_mp1" / "checkpoint")
     with pytest.raises(PlanError, match="do not split evenly"):
@@ -285,13 +294,12 @@ def test_uneven_tensor_parallel_split_is_refused() -> None:
 def test_profile_matches_neox_converter_mapping() -> None:
     """Every NeoX -> HF name in the fixture's hf_mapping.json (NeoX's converter) is our alias."""
     mapping = json.loads((NEOX / "pp2_mp2" / "hf_mapping.json").read_text())["hf_dirs"]["hf"]["mapping"]
-    aliases = neox.aliases(LAYERS)
     for row in mapping:
         neox_key = ("sequential", str(row["neox_layer_file"])) + tuple(row["neox_key"].split("."))
         hf_key = tuple(row["hf_key"].split("."))
-        assert neox.to_neox(hf_key, aliases) == neox_key[:2] + tuple(
+        assert neox.pipeline_key(hf_key, neox.HF, LAYERS) == neox_key[:2] + tuple(
             {"linear1": "dense_h_to_4h", "linear2": "dense_4h_to_h"}.get(p, p) for p in neox_key[2:]) \
-            or neox.to_neox(hf_key, aliases) == neox_key
+            or neox.pipeline_key(hf_key, neox.HF, LAYERS) == neox_key
         rule = {"cat_dim0": ("concat", 0), "cat_dim1": ("concat", 1), "sum_over_mp": ("sum", None),
                 "mean_over_mp": ("replicated", None)}.get(row["rule"])
         if rule is not None:
@@ -435,13 +443,8 @@ def test_real_deepspeed_load_state_dir_at_tensor_parallel_degree_2(tmp_path: Pat
 
 
 def _hf_key(key: tuple[str, ...]) -> tuple[str, ...]:
-    """The HF GPT-NeoX name of a NeoX key (the profile's aliases read backwards)."""
-    for alias in neox.aliases(LAYERS):
-        if alias.where == "prefix" and key[:len(alias.other)] == alias.other:
-            key = alias.canonical + key[len(alias.other):]
-            break
-    renames = {new: hf for hf, new in neox_layout.MLP_RENAMES}
-    return tuple(renames.get(part, part) for part in key)
+    """The HF GPT-NeoX name of a NeoX key (its slot on the decoder hub under HF's names)."""
+    return neox.HF.key(neox.NEOX.locate(key))
 
 
 def _free_port() -> str:

@@ -285,6 +285,8 @@ class DeepSpeedPipelineCheckpoint(Checkpoint):
         self.tp_degree = degree
         self.engine = scan.engine
         self._parts = scan.parts
+        args = scan.engine.get("args")
+        self.model_config = args if isinstance(args, dict) else None  # the run's model sizes (head counts)
 
     def read_shard(self, key: KeyPath, rank: int) -> np.ndarray:
         shard = self.shards[key][rank]

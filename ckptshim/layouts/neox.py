@@ -1,7 +1,7 @@
 """GPT-NeoX's own layout: its pipeline layer order, and how it spreads tensors over
 tensor-parallel ranks -- what a NeoX pipeline checkpoint's files hold, for the format that reads
 them (:mod:`ckptshim.formats.deepspeed_pipeline`), the merges and splits
-(:mod:`ckptshim.formats.tensor_parallel`) and the name profile
+(:mod:`ckptshim.formats.tensor_parallel`) and NeoX's names on the decoder hub
 (:mod:`ckptshim.rules.profiles.neox`) alike.
 
 Transcribed from GPT-NeoX itself (commit ea7aefd8; sources in ``docs/gpt-neox.md``) --
@@ -137,17 +137,3 @@ def shard_keys(key: KeyPath, degree: int) -> tuple[KeyPath, ...]:
     (``layer_<i>-model_<rank>-model_states.pt``)."""
     return tuple(key + (f"model_{rank:02d}",) for rank in range(degree))
 
-
-#: Tensors whose first axis is the (padded) vocabulary.
-VOCAB_NAMES: frozenset[KeyPath] = frozenset({
-    ("word_embeddings", "weight"), ("final_linear", "weight"),
-    ("gpt_neox", "embed_in", "weight"), ("embed_out", "weight"), ("lm_head", "weight")})
-
-
-def vocab_role(key: KeyPath) -> str | None:
-    """``"embed"`` or ``"head"`` for a vocab-sized tensor in either naming, else ``None``."""
-    for size in (3, 2):
-        if key[-size:] in VOCAB_NAMES:
-            tail = key[-size:]
-            return "embed" if tail[-2] in ("word_embeddings", "embed_in") else "head"
-    return None

@@ -8,7 +8,8 @@ checkpoint saved with the same names and the same tensor-parallel degree. When `
 holds anything else ckptshim can read -- a Hugging Face GPT-NeoX/Pythia directory, a NeoX
 checkpoint of another tensor-parallel degree, older MLP names, a saved or unsaved rotary
 ``inv_freq`` -- :func:`load_stage` gives each layer exactly the state dict it expects, built in
-memory (no converted files): names mapped by :mod:`ckptshim.rules.profiles.neox`,
+memory (no converted files): names mapped through the decoder hub (NeoX's and Hugging Face's
+GPT-NeoX names, :mod:`ckptshim.rules.profiles.neox`),
 tensor-parallel shards merged and re-split by the ops NeoX's layout gives each tensor
 (``Concat``/``Chunk`` along an axis, ``Sum``/``Share``, ``Replicated``/``Replicate``;
 :mod:`ckptshim.formats.tensor_parallel`), vocab rows padded or cut to the model's padded
@@ -37,6 +38,7 @@ from ckptshim.execute.torch import prepare
 from ckptshim.formats import deepspeed_pipeline, tensor_parallel
 from ckptshim.formats.base import Checkpoint
 from ckptshim.formats.detect import open_checkpoint
+from ckptshim.formats.hf_dir import config_of
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key, split_key
 from ckptshim.layouts import neox
 from ckptshim.loading.report import report_load
@@ -47,8 +49,9 @@ from ckptshim.planner import plan as make_plan
 from ckptshim.rules import TargetFacts
 from ckptshim.rules.buffers import derivable_rule
 from ckptshim.rules.context import LoadContext
+from ckptshim.rules.decoder import Dims, read_dims
 from ckptshim.rules.profiles import rules_for
-from ckptshim.rules.profiles.neox import HF_MARK, aliases_into_neox, to_neox
+from ckptshim.rules.profiles import neox as neox_names
 from ckptshim.targets.derived import OwnBuffers
 
 HOOK = "deepspeed PipelineModule.load_state_dir"
@@ -101,7 +104,7 @@ def is_neox(source: Checkpoint) -> bool:
     """An HF GPT-NeoX checkpoint, or one whose every tensor is a GPT-NeoX layer's. Other
     pipeline models (Megatron-DeepSpeed's ``self_attention``...) are DeepSpeed's to load: its
     own loader re-shards Megatron names, and ckptshim knows only NeoX's."""
-    if HF_MARK in source.inventory:
+    if neox_names.HF.marks(source.inventory):
         return True
     keys = list(source.inventory)
     return bool(keys) and all(key[:1] == (neox.SEQUENTIAL,) and (
@@ -129,26 +132,32 @@ def layer_state_dicts(source: Checkpoint, layers: Mapping[int, nn.Module], rank:
     tensor for derivable buffers the checkpoint lacks; every check runs before this returns.
     """
     source.require_complete()
-    aliases = aliases_into_neox(source.inventory)
-    target, destinations, recomputed, facts = _targets(layers, aliases)
+    model_config = config_of(source)
+    _check_whole_heads(read_dims(model_config), degree)
+    target, destinations, recomputed, facts = _targets(layers)
+    target_names = neox_names.stage_names(target)
+    names = neox_names.side(source.inventory) or target_names
+    count = neox_names.layer_count(names, source.inventory)
     stage = {str(index) for index in layers}
     full_rows = {role: e.shape[0] * degree for e in target.values()
-                 if (role := neox.vocab_role(e.key)) is not None}
+                 if (role := neox_names.vocab_slot(e.key)) is not None}
     reads: dict[KeyPath, tuple[int | None, KeyPath]] = {}  # rows to resize to, NeoX name
     entries = []
     for entry in source.inventory.values():
-        key = to_neox(entry.key, aliases)
+        key = neox_names.pipeline_key(entry.key, names, count)
         if key[:1] == (neox.SEQUENTIAL,) and len(key) > 1 and key[1] not in stage:
             continue  # another pipeline stage's layer
         shape = entry.shape
-        rows = full_rows.get(neox.vocab_role(entry.key) or "")
+        rows = full_rows.get(neox_names.vocab_slot(key) or "")
         if rows is not None and shape[0] != rows:
             _check_cut(entry.key, shape[0], rows)
             shape = (rows, *shape[1:])
         reads[entry.key] = (rows if shape != entry.shape else None, key)
         entries.append(Entry(entry.key, _shard_shape(key, shape, degree), entry.dtype, entry.location))
     checkpoint = Inventory(entries, str(source.path))
-    plan = make_plan(checkpoint, target, rules_for(LoadContext(checkpoint, target, "torch", facts)))
+    pairing = (names, target_names) if names is not target_names else None
+    plan = make_plan(checkpoint, target, rules_for(LoadContext(checkpoint, target, "torch", facts, model_config,
+                                                               names=pairing)))
 
     def fetch(key: KeyPath) -> torch.Tensor:
         entry = source.inventory[key]
@@ -171,6 +180,16 @@ def layer_state_dicts(source: Checkpoint, layers: Mapping[int, nn.Module], rank:
     return states
 
 
+def _check_whole_heads(dims: Dims | None, degree: int) -> None:
+    """A rank's slice of the per-head ``query_key_value`` is a set of whole heads only where the
+    heads divide over the ranks (NeoX's own condition); the rows dividing evenly does not say so.
+    Checked where the checkpoint's metadata gives the head count."""
+    if dims is not None and dims.heads % degree:
+        raise PlanError(f"{dims.origin}: {dims.heads} heads do not divide over {degree} tensor-parallel ranks, so a "
+                        "rank's slice of attention.query_key_value would cut a head in two. Load at a "
+                        "tensor-parallel degree that divides the head count.")
+
+
 def _check_cut(key: KeyPath, have: int, rows: int) -> None:
     """Cutting vocab rows is right only if they are padding, which the bytes cannot tell."""
     if have <= rows:
@@ -183,12 +202,11 @@ def _check_cut(key: KeyPath, have: int, rows: int) -> None:
     logger.warning("%s: %s", HOOK, message)
 
 
-def _targets(layers: Mapping[int, nn.Module], aliases: tuple) -> tuple[
+def _targets(layers: Mapping[int, nn.Module]) -> tuple[
         Inventory, dict[KeyPath, torch.Tensor], dict[KeyPath, torch.Tensor], TargetFacts]:
     """The stage's tensors under NeoX's ``sequential.<index>`` names, the live tensors, the
     buffers the layers recompute themselves, and what the layers know: buffers to drop
-    (non-persistent) or keep (persistent, derivable), and the NeoX names of ``aliases`` (a stage
-    cannot tell from its own keys which naming it has)."""
+    (non-persistent) or keep (persistent, derivable)."""
     entries, destinations, recomputed = [], {}, {}
     drop, synthesize = set(), set()
     for index, layer in layers.items():
@@ -201,7 +219,7 @@ def _targets(layers: Mapping[int, nn.Module], aliases: tuple) -> tuple[
         drop |= facts.drop
         synthesize |= facts.synthesize
     return (Inventory(entries, "pipeline layers"), destinations, recomputed,
-            TargetFacts(frozenset(drop), frozenset(synthesize), aliases=aliases))
+            TargetFacts(frozenset(drop), frozenset(synthesize)))
 
 
 def _shard_shape(key: KeyPath, shape: tuple[int, ...], degree: int) -> tuple[int, ...]:

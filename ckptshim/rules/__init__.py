@@ -137,8 +137,6 @@ class TargetFacts:
       copy has no place;
     - ``synthesize``: target keys that may keep their own value when the checkpoint lacks them
       (persistent buffers a framework can recompute);
-    - ``aliases``: spellings the target's own names stand for (a GPT-NeoX pipeline stage cannot
-      tell from its own keys which naming the checkpoint has);
     - ``tied``: groups of target keys whose live tensors share one storage (tied weights);
     - ``layouts``: layouts the target's own model publishes (transformers' conversion mapping of
       each transformers model in it, :mod:`ckptshim.rules.profiles.transformers_mapping`); where
@@ -147,7 +145,6 @@ class TargetFacts:
 
     drop: frozenset[KeyPath] = frozenset()
     synthesize: frozenset[KeyPath] = frozenset()
-    aliases: tuple[Alias, ...] = ()
     tied: frozenset[frozenset[KeyPath]] = frozenset()
     layouts: tuple[Layout, ...] = ()
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptshim.inventory import Inventory
 from ckptshim.rules import NO_FACTS, TargetFacts
+
+if TYPE_CHECKING:
+    from ckptshim.rules.decoder import Naming
 
 #: The kinds of call ckptshim plans for: torch loads that check the values they drop
 #: (``load_state_dict``, ``set_model_state_dict``, a DeepSpeed stage, a plan between files),
@@ -40,7 +43,11 @@ class LoadContext:
       a profile keyed on it never fires on key names alone;
     - ``target_config``: the target's own model description where it has one (the ``--like``
       folder's ``config.json``, a transformers model's config), so that two sides' head counts
-      are checked against each other; ``None`` when there is none.
+      are checked against each other; ``None`` when there is none;
+    - ``names``: the checkpoint's and the target's producer names on the decoder hub
+      (:class:`~ckptshim.rules.decoder.Naming`), where the loading layer read them off more than
+      the inventories here hold: a GPT-NeoX pipeline stage plans only its own layers of both
+      sides, and layer 0, by which the hub recognises names, may be another stage's.
     """
 
     source: Inventory
@@ -50,6 +57,7 @@ class LoadContext:
     model_config: Mapping[str, Any] | None = None
     producer: str | None = None
     target_config: Mapping[str, Any] | None = None
+    names: tuple[Naming, Naming] | None = None
 
     def __post_init__(self) -> None:
         if self.call not in CALLS:

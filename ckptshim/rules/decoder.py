@@ -34,10 +34,23 @@ from ckptshim.ops import Chunk, Op, Rename, Reshape, Scale, SplitGroups, Stack, 
 from ckptshim.rules import Paired
 from ckptshim.rules.prefixes import strip_wrappers
 
-#: One layer's slots, and those outside the layers.
-LAYER_SLOTS = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "gate", "up", "down",
-               "attn_norm", "mlp_norm")
-TOP_SLOTS = ("embed", "norm", "head")
+#: One layer's slots, and those outside the layers. Beyond a Llama's, the optional slots of other
+#: architectures: the linear layers' biases, LayerNorm's biases (a norm without one is RMSNorm's
+#: scale), an ungated MLP (``up`` and ``down`` without ``gate``: GPT-NeoX's ``dense_h_to_4h`` /
+#: ``dense_4h_to_h``), and the rotary inverse frequencies a producer may save (``inv_freq``).
+LAYER_SLOTS = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm", "gate", "up", "down",
+               "up_bias", "down_bias", "attn_norm", "attn_norm_bias", "mlp_norm", "mlp_norm_bias", "inv_freq")
+TOP_SLOTS = ("embed", "norm", "norm_bias", "head")
+#: The slots that tell architectures apart: what each one's presence says, and the slot it goes
+#: with (where the other side lacks it, the key that says so). A load between two producers is
+#: composed only where both sides hold the same of these, for a slot one side has and the other
+#: lacks would be dropped from the checkpoint, or left at the target's initial values.
+ARCHITECTURE: Mapping[str, tuple[str, str]] = {
+    "gate": ("a gated MLP (gate, up, down)", "up"), "o_bias": ("an output projection bias", "o"),
+    "up_bias": ("an MLP up-projection bias", "up"), "down_bias": ("an MLP down-projection bias", "down"),
+    "attn_norm_bias": ("LayerNorm (with a bias) before the attention", "attn_norm"),
+    "mlp_norm_bias": ("LayerNorm (with a bias) before the MLP", "mlp_norm"),
+    "norm_bias": ("a final LayerNorm (with a bias)", "norm")}
 #: How a rotary embedding takes each head's dimensions: two halves (Hugging Face, Megatron-Core)
 #: or interleaved pairs (Meta's original layout, torchtitan's Llama, torchtune).
 HALVES, PAIRS = "halves", "pairs"
@@ -123,7 +136,14 @@ class Naming:
     - ``query_scale``: why its attention expects the query pre-multiplied by ``1/sqrt(head_dim)``
       (MaxText's Llama), empty where it does not;
     - ``no_rotary``: where ``rotary`` is ``None``, why, and what to do: the hint on each query and
-      key row left unmapped (``{source}``: the checkpoint's key).
+      key row left unmapped (``{source}``: the checkpoint's key);
+    - ``first``: the index in the layer list of layer 0 (GPT-NeoX's pipeline: 2, after the
+      embedding and a function);
+    - ``after``: per slot outside the layers that the layer list itself holds after the last
+      layer (GPT-NeoX's pipeline: the final norm, then the output layer), how far past the last
+      layer, and its names under that index. Such a key says which slot it is by those names; its
+      index is checked against the layer count where the inventory holds layer 0 (a pipeline
+      stage may not), and a key written for it needs the count (:meth:`key`).
     """
 
     name: str
@@ -139,6 +159,8 @@ class Naming:
     joined: bool = False
     query_scale: str = ""
     no_rotary: str = ""
+    first: int = 0
+    after: Mapping[str, tuple[int, KeyPath]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.rotary is None and not self.no_rotary:
@@ -149,6 +171,7 @@ class Naming:
         spellings = {spelling: part for part, spelled in self.rows.items() for spelling in spelled}
         object.__setattr__(self, "_parts", spellings)
         object.__setattr__(self, "_top", {key: slot for slot, key in self.top.items()})
+        object.__setattr__(self, "_after", {names: slot for slot, (_, names) in self.after.items()})
 
     def with_rotary(self, rotary: str) -> Naming:
         """These names with the rotary convention of the model family a config named."""
@@ -183,20 +206,40 @@ class Naming:
             if index != key[prefix - 1] and index.isdigit() and key[prefix:] in self._parts:
                 return int(index), self._parts[key[prefix:]]
         if key[:prefix] == self.layers and len(key) > prefix + 1:
-            if not self.joined and key[prefix].isdigit() and key[prefix + 1:] in self._parts:
-                return int(key[prefix]), self._parts[key[prefix + 1:]]
+            if not self.joined and key[prefix].isdigit() and key[prefix + 1:] in self._parts \
+                    and int(key[prefix]) >= self.first:
+                return int(key[prefix]) - self.first, self._parts[key[prefix + 1:]]
             if stacked and key[prefix:] in self._parts:
                 return STACKED, self._parts[key[prefix:]]
+            if key[prefix].isdigit() and key[prefix + 1:] in self._after:
+                return None, self._after[key[prefix + 1:]]
         slot = self._top.get(key)
         return None if slot is None else (None, slot)
 
-    def _layer(self, layer: int) -> KeyPath:
-        return (*self.layers[:-1], f"{self.layers[-1]}_{layer}") if self.joined else (*self.layers, str(layer))
+    def layer_key(self, layer: int) -> KeyPath:
+        """The key prefix of layer ``layer`` (from 0) under these names."""
+        index = layer + self.first
+        return (*self.layers[:-1], f"{self.layers[-1]}_{index}") if self.joined else (*self.layers, str(index))
 
-    def key(self, unit: tuple[int | None, str]) -> KeyPath:
-        """A unit's key under these names (its own spelling)."""
+    def within(self, key: KeyPath) -> tuple[int, KeyPath] | None:
+        """The layer (from 0) a key of a layer list without joined indices sits in, slot or not
+        (a buffer), and its names under the layer; ``None`` outside the layers."""
+        prefix = len(self.layers)
+        if self.joined or key[:prefix] != self.layers or len(key) <= prefix + 1 or not key[prefix].isdigit():
+            return None
+        layer = int(key[prefix]) - self.first
+        return None if layer < 0 or key[prefix + 1:] in self._after else (layer, key[prefix + 1:])
+
+    def key(self, unit: tuple[int | None, str], layers: int | None = None) -> KeyPath:
+        """A unit's key under these names (its own spelling); ``layers``, the layer count, places
+        a slot the layer list holds after the last layer (:attr:`after`)."""
         layer, part = unit
-        return self.top[part] if layer is None else (*self._layer(layer), *self.rows[part][0])
+        if layer is None and part in self.after:
+            if layers is None:
+                raise ValueError(f"{self.name}: the key of {part} depends on the layer count")
+            offset, names = self.after[part]
+            return (*self.layer_key(layers - 1 + offset), *names)
+        return self.top[part] if layer is None else (*self.layer_key(layer), *self.rows[part][0])
 
     def units(self, inventory: Inventory, stacked: bool = False) -> dict[tuple[int | None, str], Entry]:
         """Each entry of ``inventory`` these names know, by ``(layer, part)``; two entries of one
@@ -209,16 +252,27 @@ class Naming:
                 clashes.add(unit)
         for unit in clashes:
             del found[unit]
+        if self.after and (0, next(iter(self.rows))) in found:
+            self._placed_after(found)
         return found
+
+    def _placed_after(self, found: dict[tuple[int | None, str], Entry]) -> None:
+        """Leave out the slots held after the last layer whose index is not where the layer
+        count puts them (a key named like the final norm in another place is not it)."""
+        layers = 1 + max(layer for layer, _ in found if layer is not None and layer != STACKED)
+        for slot in self.after:
+            entry, placed = found.get((None, slot)), self.key((None, slot), layers)
+            if entry is not None and strip_wrappers(entry.key)[-len(placed):] != placed:
+                del found[None, slot]
 
     def marks(self, inventory: Inventory, root: KeyPath = ()) -> bool:
         """Whether ``inventory`` holds layer 0's first row (the query projection, or the fused
-        array holding it) under these names (below ``root``: the attribute a Lightning module
+        array holding it; GPT-NeoX's MLP, whose names tell its namings apart) under these names (below ``root``: the attribute a Lightning module
         holds the model in): looked up, not searched for, so that loads of other models pay one
         lookup per producer."""
         first = next(iter(self.rows.values()))[0]
         return any((*root, *at, *layer, *first) in inventory for at in self.roots
-                   for layer in (self._layer(0), *((self.layers,) if self.scan is not None else ())))
+                   for layer in (self.layer_key(0), *((self.layers,) if self.scan is not None else ())))
 
 
 #: ``LlamaForCausalLM`` (and the Llama-like models transformers names alike: Mistral, Qwen2/3).
@@ -251,6 +305,9 @@ def pair(source_names: Naming, target_names: Naming, source: Inventory, target: 
     """
     have = source_names.units(source, stacked)
     want = target_names.units(target)
+    other = _other_architecture(source_names, target_names, have, want)
+    if other:
+        return Paired((), other, (f"{source_names.name} and {target_names.name}: different architectures",))
     composer = _Composer(source_names, target_names, have, dims, strict)
     for unit in want:
         if unit not in composer.done:
@@ -305,8 +362,11 @@ class _Composer:
         else:
             layers = (layer,)
         if held_slots == slots:
-            if self.source.fused.get(held_part) != self.target.fused.get(part):
+            how = self.target.fused.get(part)
+            if self.source.fused.get(held_part) != how:
                 return  # one array fused two ways (litgpt's two layouts): left to the name matcher
+            if how is not None and how.by_group:
+                self.dims()  # laid out per head alike, but two sides' head counts that disagree are refused
             targets = [want.get((at, part)) for at in layers]
             if None in targets:
                 return
@@ -342,7 +402,8 @@ class _Composer:
                 self.missing[entry.key] = op
             return
         for each in op if isinstance(op, list) else [op]:
-            self.ops.append(each.inverse() if invert else each)
+            if not (isinstance(each, Rename) and each.source == each.target):  # a key both name alike
+                self.ops.append(each.inverse() if invert else each)
 
     def _same(self, slot: str, sources: list[Entry], targets: list[Entry], stacked: bool = False,
               into_stack: bool = False) -> None:
@@ -505,6 +566,41 @@ class _Composer:
 _PLAIN = (Rename, Stack, Unstack)
 
 
+def _other_architecture(source: Naming, target: Naming, have: Mapping[tuple[int | None, str], Entry],
+                        want: Mapping[tuple[int | None, str], Entry]) -> dict[KeyPath, str]:
+    """Where the two sides are different architectures (:data:`ARCHITECTURE`), the target keys
+    that say so, each with why: a slot the target has and the checkpoint lacks, and the slot
+    that goes with one the checkpoint has and the target lacks. Compared where both sides hold
+    layers (a pipeline stage may hold none), and the final norm where both hold one. Nothing is
+    composed then: the other keys are left to the name matcher, which names them."""
+    layers = all(any(layer is not None for layer, _ in units) for units in (have, want))
+    norms = (None, "norm") in have and (None, "norm") in want
+
+    def held(names: Naming, units: Mapping[tuple[int | None, str], Entry]) -> dict[str, list[Entry]]:
+        found: dict[str, list[Entry]] = {}
+        for (layer, part), entry in units.items():
+            for slot in names.slots(part):
+                if slot in ARCHITECTURE and (layers if layer is not None else norms):
+                    found.setdefault(slot, []).append(entry)
+        return found
+
+    def keys(names: Naming, slot: str) -> list[KeyPath]:
+        return [entry.key for (_, part), entry in want.items() if slot in names.slots(part)]
+
+    ours, theirs = held(source, have), held(target, want)
+    hints: dict[KeyPath, str] = {}
+    for slot in theirs.keys() - ours.keys():
+        for key in keys(target, slot):
+            hints[key] = (f"the target ({target.name}) has {ARCHITECTURE[slot][0]}, which the checkpoint "
+                          f"({source.name}) lacks: another architecture")
+    for slot in ours.keys() - theirs.keys():
+        said = (f"the checkpoint ({source.name}) has {ARCHITECTURE[slot][0]} ({join_key(ours[slot][0].key)}), which "
+                f"the target ({target.name}) has no place for: another architecture")
+        for key in keys(target, ARCHITECTURE[slot][1]) or [entry.key for entry in want.values()]:
+            hints.setdefault(key, said)
+    return hints
+
+
 def _every_layer(have: Mapping[tuple[int | None, str], Entry], part: str) -> list[Entry]:
     """Each layer's ``part``, layer 0 on, where the layers run without a gap (else none)."""
     layers = []
@@ -567,6 +663,8 @@ def _shapes(fused: Entry, parts: list[Entry]) -> Callable[[KeyPath], tuple[int, 
 DESCRIPTIONS = {"meta": ("params.json", "n_heads", "n_kv_heads", None, "dim"),
                 "megatron": ("run_config.yaml", "num_attention_heads", "num_query_groups", "kv_channels", "hidden_size"),
                 "litgpt": ("model_config.yaml", "n_head", "n_query_groups", "head_size", "n_embd"),
+                "deepspeed": ("the pipeline checkpoint's args (mp_rank_00_model_states.pt)", "num_attention_heads",
+                              "num_kv_heads", None, "hidden_size"),
                 "hf": ("the Hugging Face folder's config.json", "num_attention_heads", "num_key_value_heads",
                        "head_dim", "hidden_size")}
 
@@ -574,12 +672,15 @@ DESCRIPTIONS = {"meta": ("params.json", "n_heads", "n_kv_heads", None, "dim"),
 def read_dims(config: Mapping | None) -> Dims | None:
     """The :class:`Dims` a model description gives -- Meta's ``params.json`` (``n_heads``),
     litgpt's ``model_config.yaml`` (``n_head``, ``n_query_groups``, ``head_size``), Megatron's run
-    config (``num_query_groups``, ``kv_channels``), a Hugging Face ``config.json`` -- or ``None`` without one; a value that is no positive whole number is
+    config (``num_query_groups``, ``kv_channels``), the args a DeepSpeed pipeline checkpoint
+    saves (GPT-NeoX's: ``num_layers``, ``padded_vocab_size`` beside the head count), a Hugging
+    Face ``config.json`` -- or ``None`` without one; a value that is no positive whole number is
     refused, naming it."""
     if config is None:
         return None
     kind = ("meta" if "n_heads" in config else "litgpt" if "n_head" in config else
-            "megatron" if "num_query_groups" in config or "kv_channels" in config else "hf")
+            "megatron" if "num_query_groups" in config or "kv_channels" in config else
+            "deepspeed" if "padded_vocab_size" in config and "num_layers" in config else "hf")
     origin, heads_field, kv_field, head_dim_field, hidden_field = DESCRIPTIONS[kind]
     heads = _positive(config, heads_field, origin)
     kv = _positive(config, kv_field, origin, heads)

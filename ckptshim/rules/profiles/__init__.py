@@ -35,11 +35,11 @@ def rules_for(context: LoadContext) -> Rules:
     """The rules for the load ``context`` describes: the defaults and ``CKPTSHIM_STRICT``, then
     what the live target knows (its facts), then each profile of :data:`PROFILES` that applies.
 
-    - torch calls: torch modules stack layer lists on axis 0, GPT-NeoX pipeline names <-> its
-      Hugging Face names; Megatron-Core's stored names (its local-spec layer norms; the target's
+    - torch calls: torch modules stack layer lists on axis 0; Megatron-Core's stored names (its local-spec layer norms; the target's
       ``_extra_state`` kept) where the checkpoint's metadata names it as the producer; an exact root prefix on one side (Lightning's ``model.``) is set
       aside where the plan needs it; a decoder between two producers' names (Hugging Face,
-      torchtitan, Meta's original Llama, Megatron-Core's GPTModel) through the canonical model
+      torchtitan, Meta's original Llama, Megatron-Core's GPTModel, torchtune, litgpt, GPT-NeoX's
+      pipeline and Hugging Face GPT-NeoX) through the canonical model
       (heads from the model configs); else transformers' conversion mapping of each transformers model in the
       target, or, where the target is none, of the model the checkpoint's model config names;
     - JAX restores: Linen/NNX spellings (and flax < 0.9's ``raw_value``, for a state of that era); MaxText's scan axes (and its rng state kept from the
@@ -51,7 +51,7 @@ def rules_for(context: LoadContext) -> Rules:
     """
     facts = context.facts
     rules = DEFAULT_RULES.extend(strict=config.strict(), drop=facts.drop, synthesize=facts.synthesize,
-                                 aliases=facts.aliases, tied=facts.tied)
+                                 tied=facts.tied)
     for profile in PROFILES:
         if profile.applies(context):
             rules = rules.extend(**profile.rules(context))

@@ -10,17 +10,15 @@ from typing import Any
 from ckptshim.rules.context import LoadContext
 from ckptshim.rules.flax_names import LINEN_NNX
 from ckptshim.rules.layers import TORCH_SCAN_AXES
-from ckptshim.rules.profiles import neox
 from ckptshim.rules.roots import root_prefix
 
 
 @dataclass(frozen=True)
 class TorchModules:
-    """torch modules stack layer lists on axis 0; GPT-NeoX pipeline names stand for its Hugging
-    Face names where one side is each; a root prefix one side carries (Lightning's ``model.``)
-    is a candidate the planner takes where it is exact. ``dcp.load`` checks no value while it
-    plans and reads only what the state dict asks for, so there a checkpoint key named like a
-    derivable buffer is unexpected, not dropped."""
+    """torch modules stack layer lists on axis 0; a root prefix one side carries (Lightning's
+    ``model.``) is a candidate the planner takes where it is exact. ``dcp.load`` checks no value
+    while it plans and reads only what the state dict asks for, so there a checkpoint key named
+    like a derivable buffer is unexpected, not dropped."""
 
     name: str = "torch modules"
 
@@ -28,8 +26,8 @@ class TorchModules:
         return context.backend == "torch"
 
     def rules(self, context: LoadContext) -> Mapping[str, Any]:
-        return {"scan_axes": TORCH_SCAN_AXES, "aliases": neox.aliases_between(context.source, context.target),
-                "root": root_prefix(context.source, context.target), "drop_derivable": context.call != "dcp"}
+        return {"scan_axes": TORCH_SCAN_AXES, "root": root_prefix(context.source, context.target),
+                "drop_derivable": context.call != "dcp"}
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,13 @@
 """The hub's profile: a load between two producers' names of one decoder-only transformer.
 
 Each producer is one :class:`~ckptshim.rules.decoder.Naming` (Hugging Face's here, the others in
-their own modules: torchtitan's, Meta's original layout's, Megatron-Core's GPTModel's, torchtune's, litgpt's); a load
+their own modules: torchtitan's, Meta's original layout's, Megatron-Core's GPTModel's, torchtune's,
+litgpt's, MaxText's, GPT-NeoX's and Hugging Face's GPT-NeoX); a load
 from one into another is :func:`~ckptshim.rules.decoder.pair`'s composition through the
 canonical model. The profile fires only where the key sets prove it: the checkpoint holds one
 producer's names (Megatron-Core's stacked arrays only where its ``metadata.json`` says it wrote
-them) and the target another's. The head counts come from the checkpoint's own model description
+them) and the target another's, or the loading layer read both off more than the load plans
+(a GPT-NeoX pipeline stage: :attr:`~ckptshim.rules.context.LoadContext.names`). The head counts come from the checkpoint's own model description
 (``config.json``, ``params.json``, Megatron's run config) and, where the target has one, from the
 target's; two that disagree are refused, naming both.
 """
@@ -21,11 +23,11 @@ from ckptshim.rules import Paired, Rules
 from ckptshim.rules.context import LoadContext
 from ckptshim.rules.decoder import HUGGING_FACE, Dims, Naming, agreeing, pair, read_dims
 from ckptshim.rules.roots import root_prefix
-from ckptshim.rules.profiles import litgpt, maxtext, megatron_core, meta_llama, torchtitan, torchtune
+from ckptshim.rules.profiles import litgpt, maxtext, megatron_core, meta_llama, neox, torchtitan, torchtune
 
 #: Every producer's names, in the order a side is recognised.
 NAMINGS: tuple[Naming, ...] = (HUGGING_FACE, torchtitan.NAMES, meta_llama.NAMES, megatron_core.NAMES, torchtune.NAMES,
-                                litgpt.NAMES, litgpt.LEGACY, maxtext.NAMES)
+                                litgpt.NAMES, litgpt.LEGACY, maxtext.NAMES, *neox.NAMINGS)
 
 
 def side(inventory: Inventory, stacked: bool = False, root: KeyPath = ()) -> Naming | None:
@@ -45,6 +47,8 @@ def sides(context: LoadContext) -> tuple[Naming, Naming] | None:
     jax = context.backend == "jax"
     if context.backend != "torch" and not megatron and not jax:
         return None
+    if context.names is not None:
+        return context.names
     target = side(context.target)
     if target is None:
         return None
@@ -75,6 +79,7 @@ class DecoderLayout:
         names = torchtitan.variants(self.source_names, self.target_names, source, target, self.config)
         names = torchtune.variants(*names, self.config, self.target_config, source)
         names = maxtext.variants(*names, source, target, self.config or self.target_config)
+        names = neox.variants(*names, source, target)
         return pair(*names, source, target, self._dims, self.stacked, rules.strict)
 
     def _dims(self) -> Dims | str:

@@ -1,73 +1,124 @@
-"""GPT-NeoX: Hugging Face ``GPTNeoX*`` names <-> NeoX's sequential/pipeline names.
+"""GPT-NeoX's names for the canonical decoder (:mod:`ckptshim.rules.decoder`): Hugging Face's
+``GPTNeoXForCausalLM`` and NeoX's own sequential/pipeline model, today's and before 2024's.
 
-Transcribed from GPT-NeoX's ``tools/ckpts/convert_neox_to_hf.py`` / ``convert_hf_to_sequential.py``
-(commit ea7aefd8; sources in ``docs/gpt-neox.md``); the pipeline order and the tensor-parallel
-spreads the names are built on are NeoX's own layout (:mod:`ckptshim.layouts.neox`).
+GPT-NeoX is not a Llama: LayerNorm with biases, biases on every linear layer, an ungated MLP
+(``up`` and ``down`` without a gate), and a parallel residual (a setting, not a weight). Its fused
+``query_key_value`` holds each head's query, key and value rows in turn (``[h0 q, k, v | h1 q, k,
+v | ...]``: transformers' ``GPTNeoXAttention`` views it as ``[heads, 3 x head_dim]``), which is
+the canonical split by query group with one group per head -- so a load between its two namings
+renames it, and any other layout of it would need the head counts. Its rotary embedding turns
+two halves of the first ``rotary_pct`` of each head.
+
+The rows are transcribed from GPT-NeoX's ``tools/ckpts/convert_neox_to_hf.py`` (commit ea7aefd8;
+sources in ``docs/gpt-neox.md``): ``sequential.0.word_embeddings`` = ``gpt_neox.embed_in``,
+``sequential.<i+2>`` = ``gpt_neox.layers.<i>``, ``sequential.<L+3>.norm`` =
+``gpt_neox.final_layer_norm``, ``sequential.<L+4>.final_linear`` = ``embed_out``; the pipeline
+order is NeoX's own layout (:mod:`ckptshim.layouts.neox`). Since 2024 NeoX names the MLP
+``mlp.linear1``/``linear2`` (:data:`NEOX`), before it as Hugging Face does (:data:`NEOX_LEGACY`).
+transformers 5 models call the output layer ``lm_head`` and rename ``embed_out`` on load
+(:data:`HF_LM_HEAD`, taken where the model has it: :func:`variants`).
+
+The buffers transformers 4.30 saved beside the weights (``attention.bias``, ``masked_bias``) are
+the planner's derivable buffers; a saved ``rotary_emb.inv_freq`` is the canonical ``inv_freq``
+slot, so a NeoX layer that persists its own gets the checkpoint's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from dataclasses import replace
 
-from ckptshim.inventory import KeyPath
+from ckptshim.inventory import Inventory, KeyPath
 from ckptshim.layouts.neox import FIRST_BLOCK, MLP_RENAMES, SEQUENTIAL, final_norm_index, output_index
-from ckptshim.rules.aliases import Alias
+from ckptshim.rules.decoder import HALVES, Fused, Naming
+
+#: The fused query/key/value rows and biases, each head's in turn (one query group per head).
+_FUSED = {"qkv": Fused(("q", "k", "v"), by_group=True), "qkv_bias": Fused(("q_bias", "k_bias", "v_bias"), by_group=True)}
 
 
-def aliases(num_layers: int, head: str = "embed_out") -> tuple[Alias, ...]:
-    """HF GPT-NeoX names (canonical) <-> NeoX ``sequential.<i>`` names, for ``num_layers`` layers.
-
-    ``head`` is what the HF side calls the output layer: ``embed_out`` in every checkpoint and
-    in transformers 4 models, ``lm_head`` in transformers 5 models (which rename on load).
-    """
-    seq = (SEQUENTIAL,)
-    out = [Alias(("gpt_neox", "embed_in"), seq + ("0", "word_embeddings"), "prefix"),
-           Alias(("gpt_neox", "final_layer_norm"), seq + (str(final_norm_index(num_layers)), "norm"), "prefix"),
-           Alias((head,), seq + (str(output_index(num_layers)), "final_linear"), "prefix")]
-    out += [Alias(("gpt_neox", "layers", str(i)), seq + (str(i + FIRST_BLOCK),), "prefix")
-            for i in range(num_layers)]
-    out += [Alias(("mlp", hf), ("mlp", neox), "anywhere") for hf, neox in MLP_RENAMES]
-    return tuple(out)
+def _rows(up: str, down: str) -> dict[str, tuple[KeyPath, ...]]:
+    """One layer's rows, the MLP's up projection first: layer 0's first row is what
+    :meth:`~ckptshim.rules.decoder.Naming.marks` looks up, and the MLP names tell NeoX's two
+    namings apart."""
+    return {"up": (("mlp", up, "weight"),), "up_bias": (("mlp", up, "bias"),),
+            "down": (("mlp", down, "weight"),), "down_bias": (("mlp", down, "bias"),),
+            "qkv": (("attention", "query_key_value", "weight"),), "qkv_bias": (("attention", "query_key_value", "bias"),),
+            "o": (("attention", "dense", "weight"),), "o_bias": (("attention", "dense", "bias"),),
+            "inv_freq": (("attention", "rotary_emb", "inv_freq"),),
+            "attn_norm": (("input_layernorm", "weight"),), "attn_norm_bias": (("input_layernorm", "bias"),),
+            "mlp_norm": (("post_attention_layernorm", "weight"),),
+            "mlp_norm_bias": (("post_attention_layernorm", "bias"),)}
 
 
-#: Keys that mark each naming; looked up, not searched for, so that loads of other models pay
-#: two dict lookups for this profile.
-HF_MARK: KeyPath = ("gpt_neox", "embed_in", "weight")
-NEOX_MARK: KeyPath = (SEQUENTIAL, "0", "word_embeddings", "weight")
+(_HF_UP, _HF_DOWN), (_NEOX_UP, _NEOX_DOWN) = zip(*MLP_RENAMES)
+
+#: ``GPTNeoXForCausalLM`` (every checkpoint transformers writes, and transformers 4 models).
+HF = Naming(
+    "Hugging Face GPT-NeoX", ("gpt_neox", "layers"), _rows(_HF_UP, _HF_DOWN),
+    top={"embed": ("gpt_neox", "embed_in", "weight"), "norm": ("gpt_neox", "final_layer_norm", "weight"),
+         "norm_bias": ("gpt_neox", "final_layer_norm", "bias"), "head": ("embed_out", "weight")},
+    rotary=HALVES, fused=_FUSED)
+#: ``GPTNeoXForCausalLM`` of transformers 5, whose output layer is ``lm_head``.
+HF_LM_HEAD = replace(HF, top={**HF.top, "head": ("lm_head", "weight")})
+
+#: Where NeoX's pipeline holds the final norm and the output layer: how many places past the last
+#: layer (of none, at index ``FIRST_BLOCK - 1``).
+_NORM, _HEAD = final_norm_index(0) - (FIRST_BLOCK - 1), output_index(0) - (FIRST_BLOCK - 1)
+_AFTER = {"norm": (_NORM, ("norm", "weight")), "norm_bias": (_NORM, ("norm", "bias")),
+          "head": (_HEAD, ("final_linear", "weight"))}
+#: NeoX's ``sequential.<i>`` names (``to_sequential()``, and ``layer_<i>-model_<r>-model_states.pt``).
+NEOX = Naming("GPT-NeoX", (SEQUENTIAL,), _rows(_NEOX_UP, _NEOX_DOWN),
+              top={"embed": (SEQUENTIAL, "0", "word_embeddings", "weight")}, rotary=HALVES, fused=_FUSED,
+              first=FIRST_BLOCK, after=_AFTER)
+#: NeoX before 2024, whose MLP had Megatron's (and Hugging Face's) names.
+NEOX_LEGACY = replace(NEOX, name="GPT-NeoX (mlp.dense_h_to_4h)", rows=_rows(_HF_UP, _HF_DOWN))
+
+#: Every GPT-NeoX naming, in the order a side is recognised.
+NAMINGS: tuple[Naming, ...] = (HF, NEOX, NEOX_LEGACY)
 
 
-def hf_num_layers(keys: Iterable[KeyPath]) -> int:
-    """How many ``gpt_neox.layers.<i>`` an HF GPT-NeoX key set has."""
-    return len({key[2] for key in keys if key[:2] == ("gpt_neox", "layers") and len(key) > 2})
+def side(inventory: Inventory) -> Naming | None:
+    """The GPT-NeoX naming ``inventory`` holds (layer 0's MLP up projection), else ``None``."""
+    found = [naming for naming in NAMINGS if naming.marks(inventory)]
+    return found[0] if len(found) == 1 else None
 
 
-def aliases_between(source: Collection[KeyPath], target: Collection[KeyPath]) -> tuple[Alias, ...]:
-    """The NeoX <-> HF aliases when one side is a NeoX sequential state dict and the other an HF
-    GPT-NeoX model (either way round), the MLP renames when both are NeoX; nothing otherwise,
-    so other loads are unaffected."""
-    if NEOX_MARK in source and NEOX_MARK in target:  # NeoX into NeoX: old and new MLP names
-        return tuple(Alias(("mlp", hf), ("mlp", new), "anywhere") for hf, new in MLP_RENAMES)
-    for neox_side, hf_side in ((source, target), (target, source)):
-        if NEOX_MARK in neox_side and HF_MARK in hf_side:
-            head = "lm_head" if ("lm_head", "weight") in hf_side else "embed_out"
-            return aliases(hf_num_layers(hf_side), head)
-    return ()
+def stage_names(stage: Inventory) -> Naming:
+    """The NeoX naming of a pipeline stage's tensors (under ``sequential.<index>``): a stage need
+    not hold layer 0, so any layer's MLP names say which; a stage without a transformer layer has
+    nothing either naming spells otherwise."""
+    legacy = any(part in ("up", "down") for _, part in NEOX_LEGACY.units(stage))
+    return NEOX_LEGACY if legacy else NEOX
 
 
-def aliases_into_neox(source: Collection[KeyPath]) -> tuple[Alias, ...]:
-    """The aliases for loading ``source`` into NeoX layers that may be only one pipeline stage
-    (so the target's keys cannot say which naming it is): HF names if ``source`` is an HF
-    GPT-NeoX checkpoint, else the MLP renames between NeoX's old and new names."""
-    if HF_MARK in source:
-        head = "lm_head" if ("lm_head", "weight") in source else "embed_out"
-        return aliases(hf_num_layers(source), head)
-    return tuple(Alias(("mlp", hf), ("mlp", new), "anywhere") for hf, new in MLP_RENAMES)
+def variants(source_names: Naming, target_names: Naming, source: Inventory,
+             target: Inventory) -> tuple[Naming, Naming]:
+    """Hugging Face GPT-NeoX names with the output layer a side holds (``lm_head``: a
+    transformers 5 model)."""
+    def own(names: Naming, inventory: Inventory) -> Naming:
+        return HF_LM_HEAD if names is HF and HF_LM_HEAD.key((None, "head")) in inventory else names
+
+    return own(source_names, source), own(target_names, target)
 
 
-def to_neox(key: KeyPath, rules: Iterable[Alias]) -> KeyPath:
-    """``key`` in NeoX spelling under ``rules`` (from :func:`aliases`); NeoX keys come back as they are."""
-    for alias in rules:
-        n = len(alias.canonical)
-        if alias.where == "prefix" and key[:n] == alias.canonical:
-            return alias.other + key[n:]
-    return key
+def layer_count(names: Naming, inventory: Inventory) -> int:
+    """How many layers ``inventory`` holds under ``names`` (counted, layer 0 on)."""
+    return len({layer for layer, _ in names.units(inventory) if layer is not None})
+
+
+def pipeline_key(key: KeyPath, names: Naming, layers: int) -> KeyPath:
+    """``key`` of a checkpoint under ``names`` (of ``layers`` layers) as NeoX's pipeline names
+    it: a slot's under :data:`NEOX`, any other tensor of a layer (a buffer) under the layer's
+    pipeline index; ``key`` itself where it is neither."""
+    if names in (NEOX, NEOX_LEGACY):
+        return key
+    unit = names.locate(key)
+    if unit is not None:
+        return NEOX.key(unit, layers)
+    within = names.within(key)
+    return key if within is None else (*NEOX.layer_key(within[0]), *within[1])
+
+
+def vocab_slot(key: KeyPath) -> str | None:
+    """``"embed"`` or ``"head"`` for a NeoX pipeline key of a vocab-sized tensor, else ``None``."""
+    unit = NEOX.locate(key)
+    return unit[1] if unit is not None and unit[0] is None and unit[1] in ("embed", "head") else None
