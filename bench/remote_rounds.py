@@ -5,6 +5,11 @@ The servers are the test suite's (``tests/support/object_stores.py``: moto's S3 
 ``gs`` the patched GCS emulator or, with ``--server fake-gcs``, fake-gcs-server, the Go server),
 each on this machine: the figures measure the servers' request handling as much as the
 clients', so compare ratios within one run only.
+
+Every case's process finds ckptshim's modules compiled, as a user does (pip compiles a wheel's
+modules when it installs it, as it did torch's): a checkout run with ``PYTHONDONTWRITEBYTECODE``
+would otherwise compile each module ckptshim imports on its first load inside the timed step,
+on every run (0.4-0.7 s on this machine, more under load), which a download case never pays.
 """
 
 from __future__ import annotations
@@ -15,33 +20,50 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
 
-WIDTH = 2048  # one 2048 x 2048 float32 layer is 16 MiB
+WIDTH = 2048  # one 2048 x 2048 layer: 16 MiB in float32, 8 MiB in bfloat16
+#: The dtypes the benchmarks' layers are stored in, and each one's bytes per element.
+DTYPES = {"float32": 4, "bfloat16": 2}
 
 
-def layered_state(layers: int) -> dict:
-    """The remote benchmarks' model: ``layers.N.weight`` (float32 ``WIDTH`` x ``WIDTH``, seeded
+def layered_state(layers: int, dtype: str = "float32") -> dict:
+    """The remote benchmarks' model: ``layers.N.weight`` (``dtype`` ``WIDTH`` x ``WIDTH``, seeded
     values) and ``layers.N.bias`` (``WIDTH``) for each layer -- an ``nn.Linear`` stack's state."""
     import torch
 
+    kind = getattr(torch, dtype)
     state = {}
     for i in range(layers):
-        state[f"layers.{i}.weight"] = torch.empty(WIDTH, WIDTH).uniform_(generator=torch.Generator().manual_seed(i))
-        state[f"layers.{i}.bias"] = torch.full((WIDTH,), float(i))
+        weight = torch.empty(WIDTH, WIDTH).uniform_(generator=torch.Generator().manual_seed(i))
+        state[f"layers.{i}.weight"] = weight.to(kind)
+        state[f"layers.{i}.bias"] = torch.full((WIDTH,), float(i), dtype=kind)
     return state
 
 
-def layers_of(mib: int) -> int:
-    return max(1, mib * 2**20 // (WIDTH * WIDTH * 4))
+def layers_of(mib: int, dtype: str = "float32") -> int:
+    return max(1, mib * 2**20 // (WIDTH * WIDTH * DTYPES[dtype]))
 
 
-def described(layers: int) -> str:
-    return f"{layers} x {WIDTH}x{WIDTH} float32 + biases ({layers * (WIDTH * WIDTH + WIDTH) * 4 / 2**20:.0f} MiB)"
+def described(layers: int, dtype: str = "float32") -> str:
+    size = layers * (WIDTH * WIDTH + WIDTH) * DTYPES[dtype] / 2**20
+    return f"{layers} x {WIDTH}x{WIDTH} {dtype} + biases ({size:.0f} MiB)"
+
+
+def compiled(env: dict[str, str], cache: str) -> dict[str, str]:
+    """``env`` with the bytecode cache ``cache`` (``PYTHONPYCACHEPREFIX``, a folder), in which
+    ckptshim's modules are compiled now, so that no case compiles them while timed."""
+    env = {**env, "PYTHONPYCACHEPREFIX": cache}
+    source = str(ROOT / "ckptshim")
+    subprocess.run([sys.executable, "-c", f"import compileall, sys; sys.exit(not compileall.compile_dir({source!r}, quiet=1))"],
+                   env=env, check=True)
+    return env
 
 
 
@@ -50,22 +72,25 @@ def arguments(doc: str, cases: Sequence[str], rounds: int) -> argparse.ArgumentP
     mode (``--case``, ``--url``) in which each case runs in its own process."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--mib", type=int, default=256, help="checkpoint size (default 256)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the layers' dtype (default float32)")
     parser.add_argument("--rounds", type=int, default=rounds, help=f"fresh processes per case (default {rounds})")
     parser.add_argument("--schemes", nargs="+", choices=("s3", "gs"), default=["s3", "gs"])
     parser.add_argument("--server", choices=("emulator", "fake-gcs"), default="emulator",
                         help="the gs server: the Python GCS emulator (default) or fake-gcs-server")
     parser.add_argument("--cases", nargs="+", choices=cases, default=list(cases))
+    parser.add_argument("--uncompiled", action="store_true",
+                        help="leave ckptshim's modules uncompiled (each case compiles what it imports)")
     parser.add_argument("--case", choices=cases, help=argparse.SUPPRESS)  # worker mode
     parser.add_argument("--url", help=argparse.SUPPRESS)
     return parser
 
 
-def worked(args: argparse.Namespace, worker: Callable[[str, str, int], dict]) -> bool:
-    """In worker mode (``--case``): run that case (``worker(case, url, layers)``), print its
-    JSON line, and say so."""
+def worked(args: argparse.Namespace, worker: Callable[[str, str, int, str], dict]) -> bool:
+    """In worker mode (``--case``): run that case (``worker(case, url, layers, dtype)``), print
+    its JSON line, and say so."""
     if not args.case:
         return False
-    print(json.dumps(worker(args.case, args.url, layers_of(args.mib))))
+    print(json.dumps(worker(args.case, args.url, layers_of(args.mib, args.dtype), args.dtype)))
     return True
 
 
@@ -74,18 +99,21 @@ def load_average() -> str:
 
 
 def medians(scheme: str, write: Callable[[str, dict[str, str]], str], worker: Callable[[str, str], list[str]],
-            cases: Sequence[str], rounds: int, server: str = "emulator") -> dict[str, float]:
+            cases: Sequence[str], rounds: int, server: str = "emulator", uncompiled: bool = False) -> dict[str, float]:
     """Start ``scheme``'s server (for ``gs``, ``server``); ``write(bucket_url, env)`` puts the checkpoint there (in a
     subprocess of its own, with the client settings ``env``) and says what it wrote; then each
     case runs ``rounds`` times as ``worker(case, bucket_url)`` (an argv printing one JSON line
-    with ``seconds``). The median seconds of each case. Against fake-gcs-server each run's
+    with ``seconds``), ckptshim's modules compiled first unless ``uncompiled``. The median
+    seconds of each case. Against fake-gcs-server each run's
     HTTP requests are counted too (its access log; ``BENCH_SHOW_REQUESTS=1`` lists them)."""
     from support import object_stores
 
     counting = scheme == "gs" and server == "fake-gcs"  # its access log counts each case's requests
     store = object_stores.start(scheme, server if scheme == "gs" else None, access_log=counting)
+    cache = tempfile.TemporaryDirectory(prefix="bench-pycache-")
     try:
         env = {**os.environ, **store.client_env()}
+        env = env if uncompiled else compiled(env, cache.name)
         url = store.new_bucket()
         start = time.perf_counter()
         what = write(url, env)
@@ -107,6 +135,7 @@ def medians(scheme: str, write: Callable[[str, dict[str, str]], str], worker: Ca
                     print("    " + "\n    ".join(made), flush=True)
     finally:
         store.stop()
+        cache.cleanup()
     found = {case: statistics.median(seconds) for case, seconds in runs.items()}
     for case, seconds in found.items():
         print(f"{scheme} {case:10s} median {seconds:.3f} s")
