@@ -10,6 +10,8 @@ suite. Each case runs in a fresh subprocess, rounds interleaved:
 - ``shimmed``: ``dcp.load(model.state_dict(), checkpoint_id=URL)`` with ``import ckptshim``: the
   shards' headers by byte ranges, then the tensors a window at a time, their ranges fetched in
   parallel straight into the parameters (DCP's own ``FsspecReader`` cannot read the folder);
+- ``remapped``: the same load into ``torch.compile(model)``'s state dict (every key gains
+  ``_orig_mod.``, which ckptshim maps back);
 - ``download``: what a user does without ckptshim: fsspec ``get`` of the folder to a local one,
   then ``safetensors.torch.load_file`` (or ``torch.load(weights_only=True, mmap=True)``) of each
   shard and ``model.load_state_dict`` (hooks uninstalled);
@@ -19,7 +21,7 @@ suite. Each case runs in a fresh subprocess, rounds interleaved:
 Time is the step alone (the libraries imported, the fsspec client built and the model allocated
 before it; ckptshim's own modules for the load are imported on its first call, inside), median
 over rounds;
-every case's tensors are checked bit for bit. Target: shimmed < download.
+every case's tensors are checked bit for bit. Target: shimmed and remapped < download.
 Run: ``python bench/bench_remote_safetensors.py [--mib 256] [--dtype float32|bfloat16] [--rounds 5] [--schemes s3 gs]
 [--server emulator|fake-gcs] [--weights bin] [--uncompiled]``.
 """
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import remote_rounds
 
-CASES = ("shimmed", "download", "convert")
+CASES = ("shimmed", "remapped", "download", "convert")
 def worker(case: str, url: str, layers: int, dtype: str) -> dict:
     """One case in this process; one JSON line on stdout."""
     warnings.simplefilter("ignore")
@@ -53,10 +55,11 @@ def worker(case: str, url: str, layers: int, dtype: str) -> dict:
     model.layers = torch.nn.ModuleList(torch.nn.Linear(remote_rounds.WIDTH, remote_rounds.WIDTH, device="meta",
                                                        dtype=getattr(torch, dtype)) for _ in range(layers))
     model.to_empty(device="cpu")
-    target = model.state_dict()
+    target = (torch.compile(model) if case == "remapped" else model).state_dict()
+    prefix = "_orig_mod." if case == "remapped" else ""
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
-        if case == "shimmed":
+        if case in ("shimmed", "remapped"):
             dcp.load(target, checkpoint_id=url, no_dist=True)
         elif case == "download":
             fs.get(path + "/", folder + "/", recursive=True)
@@ -71,7 +74,7 @@ def worker(case: str, url: str, layers: int, dtype: str) -> dict:
         seconds = time.perf_counter() - start
         if case == "convert":
             target = load_file(f"{folder}/out.safetensors")
-    assert all(torch.equal(target[key], value) for key, value in want.items()), "not bit-exact"
+    assert all(torch.equal(target[prefix + key], value) for key, value in want.items()), "not bit-exact"
     return {"case": case, "seconds": seconds}
 
 
@@ -98,6 +101,7 @@ def main() -> int:
     for scheme in args.schemes:
         found = remote_rounds.medians(scheme, write, argv, args.cases, args.rounds, args.server, args.uncompiled)
         passed &= remote_rounds.ratio(scheme, found, "shimmed", "download", 1.0, strict=True)
+        passed &= remote_rounds.ratio(scheme, found, "remapped", "download", 1.0, strict=True)
         remote_rounds.ratio(scheme, found, "convert", "download", 1.0, strict=True)
     return 0 if passed else 1
 
