@@ -14,12 +14,13 @@ vectors) is written with ``dcp.save`` to a bucket on each local server of the te
 - ``download``: what a user does without a remote reader: fetch the checkpoint to a local folder
   with fsspec (``get``), then ``dcp.load`` it there into the compiled model through ckptshim.
 
-Time is per process (one load call each after the imports), median over rounds. Targets:
+Time is per process (one load call each, after the imports and the fsspec client built),
+median over rounds. Targets:
 shimmed/native and matching/native <= 1.1; shimmed < download. Every load is checked bit-exactly.
 The servers are single processes on this machine: the figures measure the clients' request
 handling as much as the bytes, so compare ratios within one run only, and say the load average.
 Run: ``python bench/bench_remote_dcp.py [--mib 256] [--dtype float32|bfloat16] [--rounds 3] [--schemes s3 gs]
-[--server emulator|fake-gcs] [--uncompiled]``.
+[--server emulator|fake-gcs]``.
 """
 
 from __future__ import annotations
@@ -38,19 +39,18 @@ def worker(case: str, url: str, layers: int, dtype: str) -> dict:
     """One case in this process; one JSON line on stdout."""
     warnings.simplefilter("ignore")
     import ckptshim
+    import fsspec
     import torch
     import torch.distributed.checkpoint as dcp
 
     if case == "native":
         ckptshim.uninstall()
+    fs, path = fsspec.core.url_to_fs(url)  # the client imported and built, for every case alike
     want = remote_rounds.layered_state(layers, dtype)
     prefix = "" if case in ("native", "matching") else "_orig_mod."
     target = {prefix + key: torch.zeros_like(value) for key, value in want.items()}
     start = time.perf_counter()
     if case == "download":
-        import fsspec
-
-        fs, path = fsspec.core.url_to_fs(url)
         with tempfile.TemporaryDirectory() as folder:
             fs.get(path + "/", folder + "/", recursive=True)
             dcp.load(target, checkpoint_id=folder)
@@ -79,7 +79,7 @@ def main() -> int:
 
     passed = True
     for scheme in args.schemes:
-        found = remote_rounds.medians(scheme, write, argv, args.cases, args.rounds, args.server, args.uncompiled)
+        found = remote_rounds.medians(scheme, write, argv, args.cases, args.rounds, args.server)
         passed &= remote_rounds.ratio(scheme, found, "matching", "native", 1.1)
         passed &= remote_rounds.ratio(scheme, found, "shimmed", "native", 1.1)
         passed &= remote_rounds.ratio(scheme, found, "shimmed", "download", 1.0, strict=True)

@@ -23,7 +23,7 @@ before it; ckptshim's own modules for the load are imported on its first call, i
 over rounds;
 every case's tensors are checked bit for bit. Target: shimmed and remapped < download.
 Run: ``python bench/bench_remote_safetensors.py [--mib 256] [--dtype float32|bfloat16] [--rounds 5] [--schemes s3 gs]
-[--server emulator|fake-gcs] [--weights bin] [--uncompiled]``.
+[--server emulator|fake-gcs] [--weights bin]``.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main() -> int:
 
     passed = True
     for scheme in args.schemes:
-        found = remote_rounds.medians(scheme, write, argv, args.cases, args.rounds, args.server, args.uncompiled)
+        found = remote_rounds.medians(scheme, write, argv, args.cases, args.rounds, args.server)
         passed &= remote_rounds.ratio(scheme, found, "shimmed", "download", 1.0, strict=True)
         passed &= remote_rounds.ratio(scheme, found, "remapped", "download", 1.0, strict=True)
         remote_rounds.ratio(scheme, found, "convert", "download", 1.0, strict=True)

@@ -7,9 +7,10 @@ each on this machine: the figures measure the servers' request handling as much 
 clients', so compare ratios within one run only.
 
 Every case's process finds ckptshim's modules compiled, as a user does (pip compiles a wheel's
-modules when it installs it, as it did torch's): a checkout run with ``PYTHONDONTWRITEBYTECODE``
-would otherwise compile each module ckptshim imports on its first load inside the timed step,
-on every run (0.4-0.7 s on this machine, more under load), which a download case never pays.
+modules when it installs it, as it did torch's and gcsfs's): a checkout run with
+``PYTHONDONTWRITEBYTECODE`` would otherwise compile each module ckptshim imports on its first
+load inside the timed step, on every run (0.4-0.7 s on this machine, more under load), which a
+download case never pays.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -56,14 +56,15 @@ def described(layers: int, dtype: str = "float32") -> str:
     return f"{layers} x {WIDTH}x{WIDTH} {dtype} + biases ({size:.0f} MiB)"
 
 
-def compiled(env: dict[str, str], cache: str) -> dict[str, str]:
-    """``env`` with the bytecode cache ``cache`` (``PYTHONPYCACHEPREFIX``, a folder), in which
-    ckptshim's modules are compiled now, so that no case compiles them while timed."""
-    env = {**env, "PYTHONPYCACHEPREFIX": cache}
-    source = str(ROOT / "ckptshim")
-    subprocess.run([sys.executable, "-c", f"import compileall, sys; sys.exit(not compileall.compile_dir({source!r}, quiet=1))"],
-                   env=env, check=True)
-    return env
+def compile_ckptshim() -> None:
+    """Compile ckptshim's modules into their ``__pycache__`` folders, as pip does when it installs
+    a wheel, so that no case compiles them while timed. (A bytecode cache elsewhere,
+    ``PYTHONPYCACHEPREFIX``, would not do: Python then looks for every module's bytecode there,
+    and each case would compile gcsfs, google-auth and the rest of the client it imports.)"""
+    import compileall
+
+    if not compileall.compile_dir(str(ROOT / "ckptshim"), quiet=1):
+        raise RuntimeError("ckptshim's modules do not compile")
 
 
 
@@ -78,8 +79,6 @@ def arguments(doc: str, cases: Sequence[str], rounds: int) -> argparse.ArgumentP
     parser.add_argument("--server", choices=("emulator", "fake-gcs"), default="emulator",
                         help="the gs server: the Python GCS emulator (default) or fake-gcs-server")
     parser.add_argument("--cases", nargs="+", choices=cases, default=list(cases))
-    parser.add_argument("--uncompiled", action="store_true",
-                        help="leave ckptshim's modules uncompiled (each case compiles what it imports)")
     parser.add_argument("--case", choices=cases, help=argparse.SUPPRESS)  # worker mode
     parser.add_argument("--url", help=argparse.SUPPRESS)
     return parser
@@ -99,21 +98,19 @@ def load_average() -> str:
 
 
 def medians(scheme: str, write: Callable[[str, dict[str, str]], str], worker: Callable[[str, str], list[str]],
-            cases: Sequence[str], rounds: int, server: str = "emulator", uncompiled: bool = False) -> dict[str, float]:
+            cases: Sequence[str], rounds: int, server: str = "emulator") -> dict[str, float]:
     """Start ``scheme``'s server (for ``gs``, ``server``); ``write(bucket_url, env)`` puts the checkpoint there (in a
     subprocess of its own, with the client settings ``env``) and says what it wrote; then each
     case runs ``rounds`` times as ``worker(case, bucket_url)`` (an argv printing one JSON line
-    with ``seconds``), ckptshim's modules compiled first unless ``uncompiled``. The median
-    seconds of each case. Against fake-gcs-server each run's
+    with ``seconds``), ckptshim's modules compiled first. The median seconds of each case. Against fake-gcs-server each run's
     HTTP requests are counted too (its access log; ``BENCH_SHOW_REQUESTS=1`` lists them)."""
     from support import object_stores
 
     counting = scheme == "gs" and server == "fake-gcs"  # its access log counts each case's requests
+    compile_ckptshim()
     store = object_stores.start(scheme, server if scheme == "gs" else None, access_log=counting)
-    cache = tempfile.TemporaryDirectory(prefix="bench-pycache-")
     try:
         env = {**os.environ, **store.client_env()}
-        env = env if uncompiled else compiled(env, cache.name)
         url = store.new_bucket()
         start = time.perf_counter()
         what = write(url, env)
@@ -135,7 +132,6 @@ def medians(scheme: str, write: Callable[[str, dict[str, str]], str], worker: Ca
                     print("    " + "\n    ".join(made), flush=True)
     finally:
         store.stop()
-        cache.cleanup()
     found = {case: statistics.median(seconds) for case, seconds in runs.items()}
     for case, seconds in found.items():
         print(f"{scheme} {case:10s} median {seconds:.3f} s")
