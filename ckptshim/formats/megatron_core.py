@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
-from ckptshim.formats import dcp, model_yaml, zarr
+from ckptshim.formats import dcp, located, model_yaml, zarr
 from ckptshim.formats.kvstore import regular_size
 from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, reader,
                                    storage_dtype, strict_json)
@@ -54,15 +54,16 @@ class Config:
     common_backend_version: int
 
 
-def config(path: Path) -> Config | None:
-    """The folder's ``metadata.json`` if it is Megatron-Core's (``sharded_backend`` named);
-    ``None`` for any other folder, or one whose ``metadata.json`` is not a small regular file
-    of JSON (never read otherwise: a FIFO there would block)."""
-    where = Path(path) / CONFIG_FILE
+def config(path: Path | Location) -> Config | None:
+    """The folder's (or bucket prefix's) ``metadata.json`` if it is Megatron-Core's
+    (``sharded_backend`` named); ``None`` for any other folder, or one whose ``metadata.json`` is
+    not a small regular file of JSON (never read otherwise: a FIFO there would block)."""
+    where = Location.of(path) / CONFIG_FILE
     try:
-        if not where.is_file() or where.stat().st_size > MAX_CONFIG_BYTES:
+        found = where.stat()
+        if found.kind != "file" or found.size > MAX_CONFIG_BYTES:
             return None
-        meta = strict_json(where.read_bytes())
+        meta = strict_json(where.read_bytes(MAX_CONFIG_BYTES, found.size))
     except (OSError, ValueError):
         return None
     if not isinstance(meta, dict) or not isinstance(meta.get("sharded_backend"), str):
@@ -79,44 +80,53 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 RUN_CONFIG_FILE = "run_config.yaml"
 
 
-def iteration_folder(path: Path) -> Path | None:
+def iteration_folder(path: Path | Location) -> Path | Location | None:
     """For a Megatron-LM save root (``latest_checkpointed_iteration.txt`` beside ``iter_*``
     folders, no checkpoint of its own), the iteration folder it names, as Megatron-LM's
-    ``read_metadata`` reads it; ``None`` for any other path."""
-    latest = Path(path) / LATEST_FILE
-    if config(path) is not None or not latest.is_file() or latest.stat().st_size > 64:
+    ``read_metadata`` reads it (a path for a local folder, a location for a bucket prefix);
+    ``None`` for any other path."""
+    root = Location.of(path)
+    latest = root / LATEST_FILE
+    try:
+        found = latest.stat()
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    text = latest.read_text(errors="replace").strip()
-    folder = Path(path) / ("release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else "")
-    if folder == Path(path) or config(folder) is None:
-        raise CorruptCheckpointError(f"{latest} names {text!r:.40}, but {folder.name or 'no folder'} is no "
+    if found.kind != "file" or found.size > 64 or config(root) is not None:
+        return None
+    text = latest.read_bytes(64, found.size).decode(errors="replace").strip()
+    name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else ""
+    folder = root / name if name else root
+    if not name or config(folder) is None:
+        raise CorruptCheckpointError(f"{latest} names {text!r:.40}, but {name or 'no folder'} is no "
                                      "Megatron-Core checkpoint beside it; point at an iter_* folder directly.")
-    return folder
+    return folder if folder.is_remote else folder.path
 
 
-def run_config(path: Path) -> dict | None:
+def run_config(path: Path | Location) -> dict | None:
     """The model's config from ``run_config.yaml`` in a Megatron-Core checkpoint folder (its
     ``model:`` mapping, where the run nests it so), the head counts the hub needs; ``None``
     without one. Parsed with PyYAML's safe loader (plain data only), from a small regular file."""
     if config(path) is None:
         return None
-    found = model_yaml.read_mapping(Path(path) / RUN_CONFIG_FILE, "reading Megatron's run config")
+    found = model_yaml.read_mapping(Location.of(path) / RUN_CONFIG_FILE, "reading Megatron's run config")
     model = found.get("model", found) if found is not None else None
     return model if isinstance(model, dict) else None
 
 
-def is_torch_dist(path: Path) -> bool:
+def is_torch_dist(path: Path | Location) -> bool:
     """A DCP folder written by Megatron-Core's ``torch_dist`` backend (read by :mod:`dcp`)."""
     found = config(path)
-    return found is not None and found.sharded_backend == "torch_dist" and dcp.sniff(Path(path))
+    return (found is not None and found.sharded_backend == "torch_dist"
+            and bool(dcp.metadata_names(info.location.name for info in located.listing(path))))
 
 
-def is_zarr(path: Path) -> bool:
+def is_zarr(path: Path | Location) -> bool:
     """A folder written by Megatron-Core's ``zarr`` backend: its ``metadata.json`` says so and it
     holds at least one zarr-v2 array folder."""
     found = config(path)
     return (found is not None and found.sharded_backend == "zarr"
-            and any((child / ".zarray").is_file() for child in Path(path).iterdir()))
+            and any(info.kind == "directory" and (info.location / ".zarray").is_file()
+                    for info in located.listing(path)))
 
 
 sniff = is_zarr
