@@ -154,7 +154,7 @@ def open_checkpoint(path: str | Path, backend: str | None = None) -> Checkpoint:
     """Open ``path`` in whatever format it is in (metadata only; no tensor bytes are read); a
     Megatron-LM save root opens the iteration its ``latest_checkpointed_iteration.txt`` names."""
     remote = remote_location(path)
-    if remote is None and Path(path).is_dir():
-        with reading(path, "reading its latest iteration"):
-            path = megatron_core.iteration_folder(Path(path)) or path
+    with reading(path, "reading its latest iteration"):
+        path = megatron_core.iteration_folder(remote if remote is not None else Path(path)) or path
+    remote = remote_location(path)
     return detect(path, backend).open_checkpoint(remote if remote is not None else Path(path))

@@ -72,12 +72,23 @@ def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageRe
 def checkpoint_folder(checkpoint_id: Any) -> Any:
     """The folder ``dcp.load`` reads for ``checkpoint_id``: for a Megatron-LM save root
     (``latest_checkpointed_iteration.txt``), which DCP cannot read, the iteration folder it
-    names; else ``checkpoint_id`` itself (a folder with DCP metadata of its own is what DCP reads)."""
-    if checkpoint_id is None or "://" in str(checkpoint_id) or not Path(checkpoint_id).is_dir() \
-            or dcp.sniff(Path(checkpoint_id)):
+    names (its URL, for a bucket prefix); else ``checkpoint_id`` itself (a folder with DCP
+    metadata of its own is what DCP reads). A bucket that cannot be asked (no client, no
+    credentials) is left to :func:`remote_reader`, which steps aside for it."""
+    if checkpoint_id is None:
         return checkpoint_id
     from ckptshim.formats import megatron_core  # only for a folder DCP cannot read
 
+    if "://" in str(checkpoint_id):
+        try:
+            found = megatron_core.iteration_folder(Location.of(str(checkpoint_id)))
+        except ShimError:
+            raise
+        except Exception:  # a scheme ckptshim does not read, or the client's own failure
+            return checkpoint_id
+        return str(found) if found is not None else checkpoint_id
+    if not Path(checkpoint_id).is_dir() or dcp.sniff(Path(checkpoint_id)):
+        return checkpoint_id
     return megatron_core.iteration_folder(Path(checkpoint_id)) or checkpoint_id
 
 
