@@ -65,3 +65,65 @@ def test_inspect_of_a_megatron_save_root_in_a_bucket_is_the_local_inspect(bucket
     assert remote.startswith("CKPT/iter_0000000: torch-dcp")
     assert "Megatron-Core wrote it, 8 heads (num_attention_heads) in 2 key/value groups" in remote
     assert remote == inspected(str(MEGATRON / "tp2"), capsys)
+
+
+# -- Meta's consolidated.NN.pth beside params.json -----------------------------------------------
+
+
+@pytest.mark.parametrize("mp", ["mp1", "mp2"])
+def test_dcp_load_of_a_meta_folder_from_a_bucket(bucket, mp):
+    url = upload(FIXTURE / mp, f"{bucket}/{mp}")
+    state_dict = llama().state_dict()
+    dcp.load(state_dict, checkpoint_id=url)
+    assert_same(state_dict, converted(mp))
+
+
+def test_convert_and_inspect_a_meta_folder_in_a_bucket(bucket, tmp_path, capsys):
+    url = upload(FIXTURE / "mp2", f"{bucket}/mp2")
+    out = tmp_path / "model.safetensors"
+    assert main(["convert", url, str(out), "--to", "safetensors", "--like", str(FIXTURE / "hf_mp1")]) == 0
+    assert_same(load_file(out), converted("mp2"))
+    capsys.readouterr()
+    remote = inspected(url, capsys)
+    assert "meta-llama (version model parallel 2, 8 heads in 2 key/value groups (params.json))" in remote
+    assert remote == inspected(str(FIXTURE / "mp2"), capsys)
+
+
+def test_a_meta_folder_in_a_bucket_missing_a_rank_is_refused_as_locally(bucket, tmp_path, capsys):
+    local = tmp_path / "mp2"
+    local.mkdir()
+    for name in ("params.json", "consolidated.00.pth"):
+        (local / name).write_bytes((FIXTURE / "mp2" / name).read_bytes())
+    url = upload(local, f"{bucket}/mp2")
+    main(["inspect", url])
+    assert "consolidated.01.pth is missing" in capsys.readouterr().out
+    refusals = []
+    for where in (str(local), url):
+        model = llama()
+        before = {key: value.clone() for key, value in model.state_dict().items()}
+        with pytest.raises(BaseException, match=r"consolidated\.01\.pth is missing") as error:
+            dcp.load(model.state_dict(), checkpoint_id=where)
+        assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+        refusals.append((type(error.value), str(error.value).replace(where, "CKPT")))
+    assert refusals[1] == refusals[0]
+
+
+def test_a_near_miss_head_count_is_refused_from_a_bucket_as_locally(bucket, tmp_path, capsys):
+    """4 heads of 8 in 1 group against params.json's 8 heads of 4 in 2 groups: the same shapes."""
+    import json
+
+    like = tmp_path / "like"
+    like.mkdir()
+    config = json.loads((FIXTURE / "hf_mp1" / "config.json").read_text())
+    config.update(num_attention_heads=4, num_key_value_heads=1, head_dim=8)
+    (like / "config.json").write_text(json.dumps(config))
+    (like / "model.safetensors").write_bytes((FIXTURE / "hf_mp1" / "model.safetensors").read_bytes())
+    url = upload(FIXTURE / "mp1", f"{bucket}/mp1")
+    said = []
+    for where in (str(FIXTURE / "mp1"), url):
+        out = tmp_path / "out.safetensors"
+        assert main(["convert", where, str(out), "--to", "safetensors", "--like", str(like)]) != 0
+        assert not out.exists()
+        said.append(capsys.readouterr().err.replace(where, "CKPT"))
+    assert "params.json (the checkpoint's) says 8 heads (n_heads) in 2 key/value groups (n_kv_heads)" in said[0]
+    assert said[1] == said[0]
