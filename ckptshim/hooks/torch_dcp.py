@@ -121,8 +121,9 @@ def _load(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict)
     def shimmed() -> Any:
         folder = dcp_loading.checkpoint_folder(checkpoint_id)
         if remote:
-            planner = dcp_loading.load_planner(call["planner"], where if folder is None else folder, remote=True)
-            storage_reader = dcp_loading.remote_reader(folder, reader, planner)
+            storage_reader = dcp_loading.remote_reader(folder, reader, lambda: planner.remaps)  # the planner below
+            planner = dcp_loading.load_planner(call["planner"], where if folder is None else folder, storage_reader,
+                                               remote=True)
         else:
             storage_reader = dcp_loading.storage_reader(folder, reader)
             planner = dcp_loading.load_planner(call["planner"], getattr(storage_reader, "path", where), storage_reader)
