@@ -36,13 +36,15 @@ def upload(folder: Path, url: str) -> str:
     return url
 
 
-@pytest.mark.parametrize("where", ["tp1/iter_0000000", "tp2"])
+@pytest.mark.parametrize("where", ["tp1/iter_0000000", "tp2", "zarr_tp1/iter_0000000", "zarr_tp2"])
 def test_dcp_load_of_a_megatron_checkpoint_from_a_bucket(bucket, where):
+    """torch_dist or zarr, the iteration folder or the save root: Bridge's export, bit for bit
+    (the zarr saves' float32 norms cast back as Bridge casts them)."""
     root = where.split("/")[0]
     url = upload(MEGATRON / root, f"{bucket}/{root}")
     state_dict = megatron_llama().state_dict()
     dcp.load(state_dict, checkpoint_id=f"{bucket}/{where}")
-    assert_same(state_dict, bridge_export(int(root[2])))
+    assert_same(state_dict, bridge_export(int(root.removeprefix("zarr_")[2])))
 
 
 def inspected(where: str, capsys) -> str:
@@ -59,12 +61,43 @@ def test_convert_a_megatron_checkpoint_in_a_bucket_like_a_hugging_face_folder(bu
     assert_same(load_file(out), bridge_export(2))
 
 
-def test_inspect_of_a_megatron_save_root_in_a_bucket_is_the_local_inspect(bucket, capsys):
-    url = upload(MEGATRON / "tp2", f"{bucket}/tp2")
+@pytest.mark.parametrize("root, fmt", [("tp2", "torch-dcp"), ("zarr_tp2", "megatron-core-zarr")])
+def test_inspect_of_a_megatron_save_root_in_a_bucket_is_the_local_inspect(bucket, capsys, root, fmt):
+    url = upload(MEGATRON / root, f"{bucket}/{root}")
     remote = inspected(url, capsys)
-    assert remote.startswith("CKPT/iter_0000000: torch-dcp")
+    assert remote.startswith(f"CKPT/iter_0000000: {fmt}")
     assert "Megatron-Core wrote it, 8 heads (num_attention_heads) in 2 key/value groups" in remote
-    assert remote == inspected(str(MEGATRON / "tp2"), capsys)
+    assert remote == inspected(str(MEGATRON / root), capsys)
+
+
+def test_convert_a_zarr_checkpoint_in_a_bucket_as_locally(bucket, tmp_path):
+    """``convert`` copies each array as stored: the same bytes as from the local folder."""
+    url = upload(MEGATRON / "zarr_tp2", f"{bucket}/zarr_tp2")
+    outs = [tmp_path / "local.safetensors", tmp_path / "remote.safetensors"]
+    for where, out in zip((str(MEGATRON / "zarr_tp2" / "iter_0000000"), f"{url}/iter_0000000"), outs):
+        assert main(["convert", where, str(out), "--to", "safetensors", "--like", str(MEGATRON / "hf_tp1")]) == 0
+    assert outs[1].read_bytes() == outs[0].read_bytes()
+    assert_same({key: value.to(torch.bfloat16) for key, value in load_file(outs[1]).items()}, bridge_export(2))
+
+
+def test_a_zarr_chunk_missing_from_a_bucket_is_refused_as_locally(bucket, tmp_path, capsys):
+    local = tmp_path / "iter"
+    source = MEGATRON / "zarr_tp1" / "iter_0000000"
+    for file in source.rglob("*"):
+        if file.is_file():
+            (local / file.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+            (local / file.relative_to(source)).write_bytes(file.read_bytes())
+    (local / "decoder.layers.self_attention.linear_qkv.weight" / "0.0.0").unlink()
+    url = upload(local, f"{bucket}/iter")
+    refusals = []
+    for where in (str(local), url):
+        model = megatron_llama()
+        before = {key: value.clone() for key, value in model.state_dict().items()}
+        with pytest.raises(BaseException, match=r"linear_qkv\.weight/0\.0\.0") as error:
+            dcp.load(model.state_dict(), checkpoint_id=where)
+        assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+        refusals.append((type(error.value), str(error.value).replace(where, "CKPT")))
+    assert refusals[1] == refusals[0]
 
 
 # -- Meta's consolidated.NN.pth beside params.json -----------------------------------------------
