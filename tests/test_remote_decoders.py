@@ -160,3 +160,23 @@ def test_a_near_miss_head_count_is_refused_from_a_bucket_as_locally(bucket, tmp_
         said.append(capsys.readouterr().err.replace(where, "CKPT"))
     assert "params.json (the checkpoint's) says 8 heads (n_heads) in 2 key/value groups (n_kv_heads)" in said[0]
     assert said[1] == said[0]
+
+
+# -- torchtune's checkpointer output ---------------------------------------------------------------
+
+TORCHTUNE = Path(__file__).parent / "fixtures" / "torchtune_0.6.1"
+
+
+@pytest.mark.parametrize("folder", ["llama3/torchtune", "llama3/meta", "qwen2/torchtune"])
+def test_dcp_load_of_a_torchtune_folder_from_a_bucket(bucket, folder, capsys):
+    """Its ``.bin`` read as a ``torch.save`` object, its ``config.json`` naming the family and the
+    head counts: torchtune's own converter's values, bit for bit; ``inspect`` as locally."""
+    from test_torchtune_litgpt import hf_model, tune_to_hf
+
+    local = TORCHTUNE / folder / "epoch_0"
+    url = upload(local, f"{bucket}/{folder}")
+    state_dict = hf_model(local).state_dict()
+    dcp.load(state_dict, checkpoint_id=url)
+    assert_same(state_dict, tune_to_hf(folder.split("/")[0]))
+    remote = inspected(url, capsys)
+    assert "torchtune" in remote and remote == inspected(str(local), capsys)
