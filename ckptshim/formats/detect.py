@@ -59,10 +59,11 @@ FORMATS: tuple[Format, ...] = ranked((hf_dir, torchtune, dcp, megatron_core, met
 BACKENDS = ("torch", "jax")
 #: The formats whose ``open_checkpoint`` reads a remote :class:`~ckptshim.storage.Location`, in
 #: :data:`FORMATS`' order; those of :data:`LOCATION_SNIFFED` are recognised by their own sniffers.
-REMOTE_FORMATS: tuple[Format, ...] = (hf_dir, dcp, megatron_core, meta_llama, paxml_flax, t5x, paxml, orbax,
-                                      safetensors, torch_pickle, flax_msgpack)
+REMOTE_FORMATS: tuple[Format, ...] = (hf_dir, torchtune, dcp, megatron_core, meta_llama, paxml_flax, t5x, paxml,
+                                      orbax, safetensors, torch_pickle, flax_msgpack)
 #: The remote formats whose ``sniff`` and ``READERS`` take a Location as they take a local path.
-LOCATION_SNIFFED: tuple[Format, ...] = (megatron_core, meta_llama, paxml_flax, t5x, paxml, orbax, flax_msgpack)
+LOCATION_SNIFFED: tuple[Format, ...] = (torchtune, megatron_core, meta_llama, paxml_flax, t5x, paxml, orbax,
+                                        flax_msgpack)
 
 
 def remote_location(path: str | os.PathLike | Location) -> Location | None:
