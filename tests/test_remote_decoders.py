@@ -180,3 +180,41 @@ def test_dcp_load_of_a_torchtune_folder_from_a_bucket(bucket, folder, capsys):
     assert_same(state_dict, tune_to_hf(folder.split("/")[0]))
     remote = inspected(url, capsys)
     assert "torchtune" in remote and remote == inspected(str(local), capsys)
+
+
+# -- the trust boundary, in a bucket as on a disk --------------------------------------------------
+
+
+def _copy(source: Path, into: Path) -> Path:
+    for file in source.rglob("*"):
+        if file.is_file():
+            (into / file.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+            (into / file.relative_to(source)).write_bytes(file.read_bytes())
+    return into
+
+
+@pytest.mark.parametrize("damage", ["zarray-too-large", "params-too-large", "chunk-too-long"])
+def test_damaged_metadata_is_refused_in_a_bucket_as_on_a_disk(bucket, tmp_path, capsys, damage):
+    """A metadata file larger than its format's cap is refused before it is read (a bucket's
+    listing gives its size); a chunk file longer than a chunk is a problem ``inspect`` names."""
+    if damage == "params-too-large":
+        local = _copy(FIXTURE / "mp1", tmp_path / "ckpt")
+        (local / "params.json").write_text('{"dim": 32' + " " * (1 << 20) + "}")
+    else:
+        local = _copy(MEGATRON / "zarr_tp1" / "iter_0000000", tmp_path / "ckpt")
+        array = local / "decoder.final_layernorm.weight"
+        if damage == "zarray-too-large":
+            (array / ".zarray").write_text((array / ".zarray").read_text() + " " * (1 << 20))
+        else:
+            (array / "0").write_bytes((array / "0").read_bytes() + b"\0" * 4)
+    url = upload(local, f"{bucket}/ckpt")
+    said = []
+    for where in (str(local), url):
+        code = main(["inspect", where])
+        captured = capsys.readouterr()
+        said.append((code, (captured.out + captured.err).replace(where, "CKPT")))
+    if damage == "chunk-too-long":
+        assert "decoder.final_layernorm.weight/0: 132 bytes, more than the 128 of one chunk" in said[0][1]
+    else:
+        assert said[0][0] != 0 and "bytes, more than the" in said[0][1], said[0]
+    assert said[1] == said[0]

@@ -120,8 +120,9 @@ def open_checkpoint(path: Path | Location) -> MetaLlamaCheckpoint:
 def _params(root: Location, size: int | None) -> dict:
     """``params.json`` (``size``: its size as listed), refused unread beyond a MiB."""
     where = root / PARAMS
+    data = where.read_bytes(_PARAMS_LIMIT, size)
     try:
-        params = json.loads(where.read_bytes(_PARAMS_LIMIT, size))
+        params = json.loads(data)
     except (ValueError, UnicodeDecodeError) as error:
         raise CorruptCheckpointError(f"{where}: not JSON ({error}); Meta writes the model's dimensions "
                                      "there. Restore the file.") from None
