@@ -75,21 +75,20 @@ def checkpoint_folder(checkpoint_id: Any) -> Any:
     names (its URL, for a bucket prefix); else ``checkpoint_id`` itself (a folder with DCP
     metadata of its own is what DCP reads). A bucket that cannot be asked (no client, no
     credentials) is left to :func:`remote_reader`, which steps aside for it."""
-    if checkpoint_id is None:
+    remote = checkpoint_id is not None and "://" in str(checkpoint_id)
+    if checkpoint_id is None or not remote and (not Path(checkpoint_id).is_dir() or dcp.sniff(Path(checkpoint_id))):
         return checkpoint_id
-    from ckptshim.formats import megatron_core  # only for a folder DCP cannot read
+    from ckptshim.formats import megatron_core  # only for a folder DCP cannot read, or a bucket
 
-    if "://" in str(checkpoint_id):
-        try:
-            found = megatron_core.iteration_folder(Location.of(str(checkpoint_id)))
-        except ShimError:
-            raise
-        except Exception:  # a scheme ckptshim does not read, or the client's own failure
-            return checkpoint_id
-        return str(found) if found is not None else checkpoint_id
-    if not Path(checkpoint_id).is_dir() or dcp.sniff(Path(checkpoint_id)):
+    if not remote:
+        return megatron_core.iteration_folder(Path(checkpoint_id)) or checkpoint_id
+    try:
+        found = megatron_core.iteration_folder(Location.of(str(checkpoint_id)))
+    except ShimError:
+        raise
+    except Exception:  # a scheme ckptshim does not read, or the client's own failure
         return checkpoint_id
-    return megatron_core.iteration_folder(Path(checkpoint_id)) or checkpoint_id
+    return str(found) if found is not None else checkpoint_id
 
 
 #: The first formats :func:`~ckptshim.formats.detect.detect` tries for a torch load, in its
