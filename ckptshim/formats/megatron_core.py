@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -156,15 +157,19 @@ class MegatronZarrCheckpoint(Checkpoint):
             root.child(where).read_into(0, out)
             return out
         meta = where.meta
-        keys = list(meta.chunk_keys())
-        chunks = [np.empty(where.chunk_bytes, np.uint8) for _ in keys]  # one array's chunks, fetched together
-        read_ranges([ByteRange(root.child(f"{where.folder}/{key}"), 0, where.chunk_bytes) for key in keys], chunks)
         out = np.empty(meta.shape, storage_dtype(meta.dtype))
-        for key, raw in zip(keys, chunks):
-            starts = [int(i) * c for i, c in zip(key.split(meta.separator), meta.chunks)] if meta.shape else []
-            region = tuple(slice(s, min(s + c, n)) for s, c, n in zip(starts, meta.chunks, meta.shape))
-            chunk = raw.view(storage_dtype(meta.dtype)).reshape(meta.chunks if meta.shape else ())
-            out[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
+        # from a bucket a window of chunks fetched together, from a disk one at a time
+        per_window = max(1, root.read_ahead_bytes // max(1, where.chunk_bytes))
+        keys = iter(meta.chunk_keys())
+        while window := list(islice(keys, per_window)):
+            chunks = [np.empty(where.chunk_bytes, np.uint8) for _ in window]
+            read_ranges([ByteRange(root.child(f"{where.folder}/{key}"), 0, where.chunk_bytes) for key in window],
+                        chunks)
+            for key, raw in zip(window, chunks):
+                starts = [int(i) * c for i, c in zip(key.split(meta.separator), meta.chunks)] if meta.shape else []
+                region = tuple(slice(s, min(s + c, n)) for s, c, n in zip(starts, meta.chunks, meta.shape))
+                chunk = raw.view(storage_dtype(meta.dtype)).reshape(meta.chunks if meta.shape else ())
+                out[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
         return out
 
 
