@@ -10,6 +10,7 @@ for bit with Bridge's export (and the converter's), refusals with the local refu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,29 @@ def upload(folder: Path, url: str) -> str:
              for file in folder.rglob("*") if file.is_file()})
     fs.invalidate_cache()
     return url
+
+
+def local_copy(source: Path, into: Path, names: tuple[str, ...] | None = None) -> Path:
+    """A writable copy of the folder ``source`` (only its files ``names``, where given)."""
+    for file in source.rglob("*"):
+        if file.is_file() and (names is None or file.name in names):
+            (into / file.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+            (into / file.relative_to(source)).write_bytes(file.read_bytes())
+    return into
+
+
+def refused_alike(model: Callable[[], torch.nn.Module], local: Path, url: str, match: str) -> None:
+    """``dcp.load`` of the local copy and of the bucket's each refused (``match``), the model
+    untouched, with the same exception and words."""
+    refusals = []
+    for where in (str(local), url):
+        target = model()
+        before = {key: value.clone() for key, value in target.state_dict().items()}
+        with pytest.raises(BaseException, match=match) as error:
+            dcp.load(target.state_dict(), checkpoint_id=where)
+        assert all(torch.equal(before[key], value) for key, value in target.state_dict().items())
+        refusals.append((type(error.value), str(error.value).replace(where, "CKPT")))
+    assert refusals[1] == refusals[0]
 
 
 @pytest.mark.parametrize("where", ["tp1/iter_0000000", "tp2", "zarr_tp1/iter_0000000", "zarr_tp2"])
@@ -80,24 +104,10 @@ def test_convert_a_zarr_checkpoint_in_a_bucket_as_locally(bucket, tmp_path):
     assert_same({key: value.to(torch.bfloat16) for key, value in load_file(outs[1]).items()}, bridge_export(2))
 
 
-def test_a_zarr_chunk_missing_from_a_bucket_is_refused_as_locally(bucket, tmp_path, capsys):
-    local = tmp_path / "iter"
-    source = MEGATRON / "zarr_tp1" / "iter_0000000"
-    for file in source.rglob("*"):
-        if file.is_file():
-            (local / file.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
-            (local / file.relative_to(source)).write_bytes(file.read_bytes())
+def test_a_zarr_chunk_missing_from_a_bucket_is_refused_as_locally(bucket, tmp_path):
+    local = local_copy(MEGATRON / "zarr_tp1" / "iter_0000000", tmp_path / "iter")
     (local / "decoder.layers.self_attention.linear_qkv.weight" / "0.0.0").unlink()
-    url = upload(local, f"{bucket}/iter")
-    refusals = []
-    for where in (str(local), url):
-        model = megatron_llama()
-        before = {key: value.clone() for key, value in model.state_dict().items()}
-        with pytest.raises(BaseException, match=r"linear_qkv\.weight/0\.0\.0") as error:
-            dcp.load(model.state_dict(), checkpoint_id=where)
-        assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
-        refusals.append((type(error.value), str(error.value).replace(where, "CKPT")))
-    assert refusals[1] == refusals[0]
+    refused_alike(megatron_llama, local, upload(local, f"{bucket}/iter"), r"linear_qkv\.weight/0\.0\.0")
 
 
 # -- Meta's consolidated.NN.pth beside params.json -----------------------------------------------
@@ -123,34 +133,21 @@ def test_convert_and_inspect_a_meta_folder_in_a_bucket(bucket, tmp_path, capsys)
 
 
 def test_a_meta_folder_in_a_bucket_missing_a_rank_is_refused_as_locally(bucket, tmp_path, capsys):
-    local = tmp_path / "mp2"
-    local.mkdir()
-    for name in ("params.json", "consolidated.00.pth"):
-        (local / name).write_bytes((FIXTURE / "mp2" / name).read_bytes())
+    local = local_copy(FIXTURE / "mp2", tmp_path / "mp2", ("params.json", "consolidated.00.pth"))
     url = upload(local, f"{bucket}/mp2")
     main(["inspect", url])
     assert "consolidated.01.pth is missing" in capsys.readouterr().out
-    refusals = []
-    for where in (str(local), url):
-        model = llama()
-        before = {key: value.clone() for key, value in model.state_dict().items()}
-        with pytest.raises(BaseException, match=r"consolidated\.01\.pth is missing") as error:
-            dcp.load(model.state_dict(), checkpoint_id=where)
-        assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
-        refusals.append((type(error.value), str(error.value).replace(where, "CKPT")))
-    assert refusals[1] == refusals[0]
+    refused_alike(llama, local, url, r"consolidated\.01\.pth is missing")
 
 
 def test_a_near_miss_head_count_is_refused_from_a_bucket_as_locally(bucket, tmp_path, capsys):
     """4 heads of 8 in 1 group against params.json's 8 heads of 4 in 2 groups: the same shapes."""
     import json
 
-    like = tmp_path / "like"
-    like.mkdir()
-    config = json.loads((FIXTURE / "hf_mp1" / "config.json").read_text())
+    like = local_copy(FIXTURE / "hf_mp1", tmp_path / "like")
+    config = json.loads((like / "config.json").read_text())
     config.update(num_attention_heads=4, num_key_value_heads=1, head_dim=8)
     (like / "config.json").write_text(json.dumps(config))
-    (like / "model.safetensors").write_bytes((FIXTURE / "hf_mp1" / "model.safetensors").read_bytes())
     url = upload(FIXTURE / "mp1", f"{bucket}/mp1")
     said = []
     for where in (str(FIXTURE / "mp1"), url):
@@ -185,23 +182,15 @@ def test_dcp_load_of_a_torchtune_folder_from_a_bucket(bucket, folder, capsys):
 # -- the trust boundary, in a bucket as on a disk --------------------------------------------------
 
 
-def _copy(source: Path, into: Path) -> Path:
-    for file in source.rglob("*"):
-        if file.is_file():
-            (into / file.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
-            (into / file.relative_to(source)).write_bytes(file.read_bytes())
-    return into
-
-
 @pytest.mark.parametrize("damage", ["zarray-too-large", "params-too-large", "chunk-too-long"])
 def test_damaged_metadata_is_refused_in_a_bucket_as_on_a_disk(bucket, tmp_path, capsys, damage):
     """A metadata file larger than its format's cap is refused before it is read (a bucket's
     listing gives its size); a chunk file longer than a chunk is a problem ``inspect`` names."""
     if damage == "params-too-large":
-        local = _copy(FIXTURE / "mp1", tmp_path / "ckpt")
+        local = local_copy(FIXTURE / "mp1", tmp_path / "ckpt")
         (local / "params.json").write_text('{"dim": 32' + " " * (1 << 20) + "}")
     else:
-        local = _copy(MEGATRON / "zarr_tp1" / "iter_0000000", tmp_path / "ckpt")
+        local = local_copy(MEGATRON / "zarr_tp1" / "iter_0000000", tmp_path / "ckpt")
         array = local / "decoder.final_layernorm.weight"
         if damage == "zarray-too-large":
             (array / ".zarray").write_text((array / ".zarray").read_text() + " " * (1 << 20))
