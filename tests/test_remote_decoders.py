@@ -207,3 +207,14 @@ def test_damaged_metadata_is_refused_in_a_bucket_as_on_a_disk(bucket, tmp_path, 
     else:
         assert said[0][0] != 0 and "bytes, more than the" in said[0][1], said[0]
     assert said[1] == said[0]
+
+
+@pytest.mark.parametrize("root", ["tp1", "zarr_tp1"])
+def test_plan_of_a_megatron_save_root_in_a_bucket_is_the_local_plan(bucket, capsys, root):
+    url = upload(MEGATRON / root, f"{bucket}/{root}")
+    planned = []
+    for where in (str(MEGATRON / root), url):
+        code = main(["plan", where, "--like", str(MEGATRON / "hf_tp1")])
+        planned.append((code, capsys.readouterr().out.replace(where, "CKPT")))
+    assert "split by query group (2 × [4 q, 1 k, 1 v])" in planned[0][1]
+    assert planned[1] == planned[0]
