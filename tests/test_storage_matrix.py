@@ -188,7 +188,7 @@ def _fixture(name: str, relative: str, commit: tuple[str, ...] = ()) -> Callable
         copy_fixture(name, folder, "fixture")
         for inner in commit:
             (folder / "fixture" / relative / inner / "commit_success.txt").write_text("done")
-        return f"fixture/{relative}"
+        return f"fixture/{relative}".rstrip("/")
     return write
 
 
@@ -215,6 +215,12 @@ FORMATS: tuple[Format, ...] = (
            dtypes=(AS_WRITTEN,)),
     Format("paxml", "jax", _fixture("paxml_runs/TinySpmdRepeat", "checkpoints/checkpoint_00000001/state",
                                     commit=(".", "..")), dtypes=(AS_WRITTEN,)),
+    # the decoder checkpoints torch's loads read through ckptshim alone (their dcp.load into a
+    # model's state dict: tests/test_remote_decoders.py); a save root, read at the iteration it names
+    Format("megatron-torch-dist", "torch", _fixture("megatron_llama/tp2", ""), dtypes=(AS_WRITTEN,)),
+    Format("megatron-zarr", "torch", _fixture("megatron_llama/zarr_tp2", "iter_0000000"), dtypes=(AS_WRITTEN,)),
+    Format("meta-llama", "torch", _fixture("meta_llama/mp2", ""), dtypes=(AS_WRITTEN,)),
+    Format("torchtune", "torch", _fixture("torchtune_0.6.1/qwen2/torchtune/epoch_0", ""), dtypes=(AS_WRITTEN,)),
 )
 BY_NAME = {fmt.name: fmt for fmt in FORMATS}
 
@@ -227,6 +233,8 @@ def applicable(fmt: Format, storage: str, path: str) -> bool:
         return False  # Flax alone reads a URL through TensorFlow's gfile only (not installed): nothing to compare
     if path == "load-remap" and fmt.dtypes == (AS_WRITTEN,) and not fmt.truncated:
         return False  # a fixture's own remaps are its modules' tests
+    if path == "load" and fmt.side == "torch" and fmt.dtypes == (AS_WRITTEN,):
+        return False  # a torch fixture loads into its model's state dict: its modules' tests
     return True
 
 

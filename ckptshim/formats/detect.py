@@ -59,10 +59,11 @@ FORMATS: tuple[Format, ...] = ranked((hf_dir, torchtune, dcp, megatron_core, met
 BACKENDS = ("torch", "jax")
 #: The formats whose ``open_checkpoint`` reads a remote :class:`~ckptshim.storage.Location`, in
 #: :data:`FORMATS`' order; those of :data:`LOCATION_SNIFFED` are recognised by their own sniffers.
-REMOTE_FORMATS: tuple[Format, ...] = (hf_dir, dcp, paxml_flax, t5x, paxml, orbax, safetensors, torch_pickle,
-                                      flax_msgpack)
+REMOTE_FORMATS: tuple[Format, ...] = (hf_dir, torchtune, dcp, megatron_core, meta_llama, paxml_flax, t5x, paxml,
+                                      orbax, safetensors, torch_pickle, flax_msgpack)
 #: The remote formats whose ``sniff`` and ``READERS`` take a Location as they take a local path.
-LOCATION_SNIFFED: tuple[Format, ...] = (paxml_flax, t5x, paxml, orbax, flax_msgpack)
+LOCATION_SNIFFED: tuple[Format, ...] = (torchtune, megatron_core, meta_llama, paxml_flax, t5x, paxml, orbax,
+                                        flax_msgpack)
 
 
 def remote_location(path: str | os.PathLike | Location) -> Location | None:
@@ -154,7 +155,7 @@ def open_checkpoint(path: str | Path, backend: str | None = None) -> Checkpoint:
     """Open ``path`` in whatever format it is in (metadata only; no tensor bytes are read); a
     Megatron-LM save root opens the iteration its ``latest_checkpointed_iteration.txt`` names."""
     remote = remote_location(path)
-    if remote is None and Path(path).is_dir():
-        with reading(path, "reading its latest iteration"):
-            path = megatron_core.iteration_folder(Path(path)) or path
+    with reading(path, "reading its latest iteration"):
+        path = megatron_core.iteration_folder(remote if remote is not None else Path(path)) or path
+    remote = remote_location(path)
     return detect(path, backend).open_checkpoint(remote if remote is not None else Path(path))

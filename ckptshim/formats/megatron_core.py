@@ -25,17 +25,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from fnmatch import fnmatch
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
-from ckptshim.formats import dcp, model_yaml, zarr
-from ckptshim.formats.kvstore import regular_size
-from ckptshim.formats.base import (Checkpoint, FileInfo, Piece, file_info, folder_bytes, reader,
-                                   storage_dtype, strict_json)
+from ckptshim.formats import dcp, located, model_yaml, zarr
+from ckptshim.formats.base import Checkpoint, FileInfo, Piece, reader, storage_dtype, strict_json
 from ckptshim.inventory import Entry, Inventory, split_key
-from ckptshim.storage import Location
+from ckptshim.storage import ByteRange, Location, read_ranges
 
 NAME = "megatron-core-zarr"
 CONFIG_FILE = "metadata.json"
@@ -54,15 +54,16 @@ class Config:
     common_backend_version: int
 
 
-def config(path: Path) -> Config | None:
-    """The folder's ``metadata.json`` if it is Megatron-Core's (``sharded_backend`` named);
-    ``None`` for any other folder, or one whose ``metadata.json`` is not a small regular file
-    of JSON (never read otherwise: a FIFO there would block)."""
-    where = Path(path) / CONFIG_FILE
+def config(path: Path | Location) -> Config | None:
+    """The folder's (or bucket prefix's) ``metadata.json`` if it is Megatron-Core's
+    (``sharded_backend`` named); ``None`` for any other folder, or one whose ``metadata.json`` is
+    not a small regular file of JSON (never read otherwise: a FIFO there would block)."""
+    where = Location.of(path) / CONFIG_FILE
     try:
-        if not where.is_file() or where.stat().st_size > MAX_CONFIG_BYTES:
+        found = where.stat()
+        if found.kind != "file" or found.size > MAX_CONFIG_BYTES:
             return None
-        meta = strict_json(where.read_bytes())
+        meta = strict_json(where.read_bytes(MAX_CONFIG_BYTES, found.size))
     except (OSError, ValueError):
         return None
     if not isinstance(meta, dict) or not isinstance(meta.get("sharded_backend"), str):
@@ -79,44 +80,53 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 RUN_CONFIG_FILE = "run_config.yaml"
 
 
-def iteration_folder(path: Path) -> Path | None:
+def iteration_folder(path: Path | Location) -> Path | Location | None:
     """For a Megatron-LM save root (``latest_checkpointed_iteration.txt`` beside ``iter_*``
     folders, no checkpoint of its own), the iteration folder it names, as Megatron-LM's
-    ``read_metadata`` reads it; ``None`` for any other path."""
-    latest = Path(path) / LATEST_FILE
-    if config(path) is not None or not latest.is_file() or latest.stat().st_size > 64:
+    ``read_metadata`` reads it (a path for a local folder, a location for a bucket prefix);
+    ``None`` for any other path."""
+    root = Location.of(path)
+    latest = root / LATEST_FILE
+    try:
+        found = latest.stat()
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    text = latest.read_text(errors="replace").strip()
-    folder = Path(path) / ("release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else "")
-    if folder == Path(path) or config(folder) is None:
-        raise CorruptCheckpointError(f"{latest} names {text!r:.40}, but {folder.name or 'no folder'} is no "
+    if found.kind != "file" or found.size > 64 or config(root) is not None:
+        return None
+    text = latest.read_bytes(64, found.size).decode(errors="replace").strip()
+    name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else ""
+    folder = root / name if name else root
+    if not name or config(folder) is None:
+        raise CorruptCheckpointError(f"{latest} names {text!r:.40}, but {name or 'no folder'} is no "
                                      "Megatron-Core checkpoint beside it; point at an iter_* folder directly.")
-    return folder
+    return folder if folder.is_remote else folder.path
 
 
-def run_config(path: Path) -> dict | None:
+def run_config(path: Path | Location) -> dict | None:
     """The model's config from ``run_config.yaml`` in a Megatron-Core checkpoint folder (its
     ``model:`` mapping, where the run nests it so), the head counts the hub needs; ``None``
     without one. Parsed with PyYAML's safe loader (plain data only), from a small regular file."""
     if config(path) is None:
         return None
-    found = model_yaml.read_mapping(Path(path) / RUN_CONFIG_FILE, "reading Megatron's run config")
+    found = model_yaml.read_mapping(Location.of(path) / RUN_CONFIG_FILE, "reading Megatron's run config")
     model = found.get("model", found) if found is not None else None
     return model if isinstance(model, dict) else None
 
 
-def is_torch_dist(path: Path) -> bool:
+def is_torch_dist(path: Path | Location) -> bool:
     """A DCP folder written by Megatron-Core's ``torch_dist`` backend (read by :mod:`dcp`)."""
     found = config(path)
-    return found is not None and found.sharded_backend == "torch_dist" and dcp.sniff(Path(path))
+    return (found is not None and found.sharded_backend == "torch_dist"
+            and bool(dcp.metadata_names(info.location.name for info in located.listing(path))))
 
 
-def is_zarr(path: Path) -> bool:
+def is_zarr(path: Path | Location) -> bool:
     """A folder written by Megatron-Core's ``zarr`` backend: its ``metadata.json`` says so and it
     holds at least one zarr-v2 array folder."""
     found = config(path)
     return (found is not None and found.sharded_backend == "zarr"
-            and any((child / ".zarray").is_file() for child in Path(path).iterdir()))
+            and any(info.kind == "directory" and (info.location / ".zarray").is_file()
+                    for info in located.listing(path)))
 
 
 sniff = is_zarr
@@ -136,63 +146,77 @@ class _Array:
 
 
 class MegatronZarrCheckpoint(Checkpoint):
-    """A Megatron-Core zarr-backend folder. Tensor entries' locations are :class:`_Array`; a
-    ``ShardedObject``'s is its ``.pt`` file's name, read as bytes."""
+    """A Megatron-Core zarr-backend folder (a local folder or a bucket prefix). Tensor entries'
+    locations are :class:`_Array`; a ``ShardedObject``'s is its ``.pt`` file's name, read as bytes."""
 
     def read(self, entry: Entry) -> np.ndarray:
+        root = Location.of(self.path)
         where = entry.location
         if isinstance(where, str):  # a sharded object: the file's bytes
-            if regular_size(self.path / where) != entry.shape[0]:
-                raise CorruptCheckpointError(f"{self.path / where}: changed since the checkpoint was opened")
-            return np.fromfile(self.path / where, dtype=np.uint8)
+            out = np.empty(entry.shape[0], np.uint8)
+            root.child(where).read_into(0, out)
+            return out
         meta = where.meta
         out = np.empty(meta.shape, storage_dtype(meta.dtype))
-        for key in meta.chunk_keys():
-            starts = [int(i) * c for i, c in zip(key.split(meta.separator), meta.chunks)] if meta.shape else []
-            region = tuple(slice(s, min(s + c, n)) for s, c, n in zip(starts, meta.chunks, meta.shape))
-            file = self.path / where.folder / key
-            size = regular_size(file)
-            if size != where.chunk_bytes:
-                raise CorruptCheckpointError(f"{file}: {'not a regular file' if size is None else f'{size} bytes'}, "
-                                             f"but a chunk of {where.folder} is {where.chunk_bytes} bytes; "
-                                             "the chunk is missing or damaged. Re-copy it.")
-            raw = np.memmap(file, dtype=storage_dtype(meta.dtype), mode="r")
-            chunk = raw.reshape(meta.chunks) if meta.shape else raw.reshape(())
-            out[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
+        # from a bucket a window of chunks fetched together, from a disk one at a time
+        per_window = max(1, root.read_ahead_bytes // max(1, where.chunk_bytes))
+        keys = iter(meta.chunk_keys())
+        while window := list(islice(keys, per_window)):
+            chunks = [np.empty(where.chunk_bytes, np.uint8) for _ in window]
+            read_ranges([ByteRange(root.child(f"{where.folder}/{key}"), 0, where.chunk_bytes) for key in window],
+                        chunks)
+            for key, raw in zip(window, chunks):
+                starts = [int(i) * c for i, c in zip(key.split(meta.separator), meta.chunks)] if meta.shape else []
+                region = tuple(slice(s, min(s + c, n)) for s, c, n in zip(starts, meta.chunks, meta.shape))
+                chunk = raw.view(storage_dtype(meta.dtype)).reshape(meta.chunks if meta.shape else ())
+                out[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
         return out
 
 
 @reader
-def open_checkpoint(path: Path) -> MegatronZarrCheckpoint:
-    found = config(path)
+def open_checkpoint(path: Path | Location) -> MegatronZarrCheckpoint:
+    """The folder or bucket prefix ``path``, from one bounded listing of every file below it:
+    each array's ``.zarray`` read (small, bounded), its chunk files checked against it by size."""
+    root = Location.of(path)
+    found = config(root)
     if found is None or found.sharded_backend != "zarr":
         raise CorruptCheckpointError(f"{path}: no {CONFIG_FILE} naming the zarr sharded backend; not a "
                                      "Megatron-Core zarr checkpoint")
-    Location.of(path).refuse_links_leaving()
-    array_bytes = folder_bytes(path)
+    root.refuse_links_leaving()
+    listed = [info for info in root.list(recursive=True) if info.kind == "file"]
+    array_bytes = sum(info.size for info in listed)
+    folders: dict[str, dict[str, int]] = {}  # folder -> its files (relative to it) -> size
+    for info in listed:
+        folder, _, name = info.location.relative_to(root).partition("/")
+        if name:
+            folders.setdefault(folder, {})[name] = info.size
     entries: list[Entry] = []
-    files: list[FileInfo] = [file_info(path / CONFIG_FILE, root=path), file_info(path / COMMON_FILE, root=path)]
+    files: list[FileInfo] = [located.file_info_at(root / CONFIG_FILE, root=root),
+                             located.file_info_at(root / COMMON_FILE, root=root)]
     problems: list[str] = []
-    for folder in sorted(child for child in path.iterdir() if child.is_dir()):
-        if (folder / ".zarray").is_file():
-            array = _array(folder, array_bytes)
-            entries.append(Entry(split_key(folder.name), array.meta.shape, array.meta.dtype, array))
-            present = {child.name for child in folder.iterdir() if child.name != ".zarray"}
-            files += _chunk_files(folder, array, present, path, problems)
-        for obj in sorted(folder.glob("shard_*.pt")):
-            if obj.is_file():
-                name = f"{folder.name}/{obj.stem}"
-                entries.append(Entry(split_key(name), (obj.stat().st_size,), "uint8", f"{folder.name}/{obj.name}"))
-                files.append(file_info(obj, root=path, writer=f"{folder.name}/", pieces=(Piece(name, "object"),)))
+    for name, present in sorted(folders.items()):
+        folder = root / name
+        if ".zarray" in present:
+            array = _array(folder, array_bytes, present[".zarray"])
+            entries.append(Entry(split_key(name), array.meta.shape, array.meta.dtype, array))
+            files += _chunk_files(folder, array, {file: size for file, size in present.items() if file != ".zarray"},
+                                  root, problems)
+        for obj, size in sorted(present.items()):
+            if fnmatch(obj, "shard_*.pt") and "/" not in obj:
+                key = f"{name}/{obj.removesuffix('.pt')}"
+                entries.append(Entry(split_key(key), (size,), "uint8", f"{name}/{obj}"))
+                files.append(located.file_info_at(folder / obj, root=root, size=size, writer=f"{name}/",
+                                                  pieces=(Piece(key, "object"),)))
     version = f"Megatron-Core dist_checkpointing zarr v{found.sharded_backend_version}"
     return MegatronZarrCheckpoint(path, NAME, version, Inventory(entries, str(path)), tuple(files), tuple(problems))
 
 
-def _array(folder: Path, array_bytes: int) -> _Array:
-    """A zarr folder's ``.zarray``, refused unless it is what Megatron-Core writes: C order, no
-    compressor, no filters (raw chunks, each exactly one chunk's bytes)."""
+def _array(folder: Location, array_bytes: int, size: int) -> _Array:
+    """A zarr folder's ``.zarray`` (``size`` bytes, as listed), refused unless it is what
+    Megatron-Core writes: C order, no compressor, no filters (raw chunks, each exactly one
+    chunk's bytes)."""
     where = folder / ".zarray"
-    raw = Location.of(where).read_bytes(zarr.MAX_METADATA_BYTES)  # a few hundred bytes, never more than this
+    raw = where.read_bytes(zarr.MAX_METADATA_BYTES, size)  # a few hundred bytes, never more than this
     try:
         meta = strict_json(raw, array_bytes)
     except ValueError as error:
@@ -210,7 +234,8 @@ def _array(folder: Path, array_bytes: int) -> _Array:
     return _Array(folder.name, zarr.parse(raw, str(where)))
 
 
-def _chunk_files(folder: Path, array: _Array, present: set[str], root: Path, problems: list[str]) -> list[FileInfo]:
+def _chunk_files(folder: Location, array: _Array, present: dict[str, int], root: Location,
+                 problems: list[str]) -> list[FileInfo]:
     """Every chunk the array needs (Megatron-Core writes them all: no fill value), each exactly
     one chunk's bytes; a missing, short or long one is a completeness problem naming its block."""
     files, unlisted = array.meta.folder_files(folder, present, folder.name, True, root, raw=True)

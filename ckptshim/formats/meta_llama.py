@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
-from ckptshim.formats import tensor_parallel, torch_pickle
-from ckptshim.formats.base import Checkpoint, FileInfo, read_regular, reader
+from ckptshim.formats import located, tensor_parallel, torch_pickle
+from ckptshim.formats.base import Checkpoint, FileInfo, reader
 from ckptshim.inventory import Entry, Inventory, KeyPath, join_key
 from ckptshim.ops import Concat, Op, Replicated
 from ckptshim.storage import Location
@@ -43,8 +43,11 @@ _QUERY: KeyPath = ("layers", "0", "attention", "wq", "weight")
 _PARAMS_LIMIT = 1 << 20
 
 
-def sniff(path: Path) -> bool:
-    return path.is_dir() and (path / PARAMS).is_file() and any(_SHARD.fullmatch(p.name) for p in path.iterdir())
+def sniff(path: Path | Location) -> bool:
+    """``params.json`` beside at least one ``consolidated.NN.pth``, in a folder or a bucket prefix
+    (listed only where ``params.json`` is there)."""
+    return (Location.of(path) / PARAMS).is_file() and any(_SHARD.fullmatch(info.location.name)
+                                                          for info in located.listing(path))
 
 
 READERS = {"torch": sniff}
@@ -53,7 +56,7 @@ READERS = {"torch": sniff}
 class MetaLlamaCheckpoint(Checkpoint):
     """A Meta Llama folder; each entry is read from every rank's file and merged."""
 
-    def __init__(self, path: Path, version: str, entries: list[Entry], merges: dict[KeyPath, Op],
+    def __init__(self, path: Path | Location, version: str, entries: list[Entry], merges: dict[KeyPath, Op],
                  parts: list[Checkpoint], files: list[FileInfo], problems: list[str], params: dict) -> None:
         super().__init__(path, NAME, version, Inventory(entries, str(path)), tuple(files), tuple(problems))
         self.model_config = params
@@ -76,25 +79,32 @@ class MetaLlamaCheckpoint(Checkpoint):
 
 
 @reader
-def open_checkpoint(path: Path) -> MetaLlamaCheckpoint:
-    Location.of(path).refuse_links_leaving()
-    params = _params(path)
-    ranks = sorted((int(match[1]), file) for file in path.iterdir() if (match := _SHARD.fullmatch(file.name)))
-    parts = [torch_pickle.open_checkpoint(file) for _, file in ranks]
-    files = [FileInfo(file.name, part.files[0].size, part.files[0].expected_size,
+def open_checkpoint(path: Path | Location) -> MetaLlamaCheckpoint:
+    """The folder or bucket prefix ``path``: one listing gives ``params.json`` and the ranks'
+    files with their sizes; every rank's pickle and zip directory are then read in one batch."""
+    root = Location.of(path)
+    root.refuse_links_leaving()
+    listed = root.list()
+    params = _params(root, next((info.size for info in listed if info.location.name == PARAMS), None))
+    ranks = sorted((int(match[1]), info) for info in listed
+                   if info.kind == "file" and (match := _SHARD.fullmatch(info.location.name)))
+    parts = torch_pickle.open_objects([(info.location, info.size) for _, info in ranks])
+    files = [FileInfo(info.location.name, part.files[0].size, part.files[0].expected_size,
                       tuple(f"{join_key(e.key)} {e.dtype}{list(e.shape)}" for e in part.inventory.values()))
-             for (_, file), part in zip(ranks, parts)]
-    problems = [f"{file.name}: {problem}" for (_, file), part in zip(ranks, parts) for problem in part.problems]
-    degree = _degree(path, params, parts[0])
+             for (_, info), part in zip(ranks, parts)]
+    problems = [f"{info.location.name}: {problem}" for (_, info), part in zip(ranks, parts)
+                for problem in part.problems]
+    degree = _degree(root, params, parts[0])
     missing = sorted(set(range(degree)) - {rank for rank, _ in ranks})
     problems += [f"consolidated.{rank:02d}.pth is missing: params.json's dim {params.get('dim')} and "
                  f"{join_key(_QUERY)} say {degree} model-parallel ranks wrote this folder, and every rank's "
                  "file holds part of every weight" for rank in missing]
     first = parts[0].inventory
-    for (_, file), part in zip(ranks[1:], parts[1:]):
+    for (_, info), part in zip(ranks[1:], parts[1:]):
         if set(part.inventory) != set(first):
-            raise CorruptCheckpointError(f"{file}: holds other tensors than {ranks[0][1].name}; every rank of one "
-                                         "model-parallel run holds the same names. Re-copy the folder.")
+            raise CorruptCheckpointError(f"{info.location}: holds other tensors than {ranks[0][1].location.name}; "
+                                         "every rank of one model-parallel run holds the same names. Re-copy the "
+                                         "folder.")
     entries, merges = [], {}
     for entry in first.values():
         op, shape = _merge(entry, [part.inventory[entry.key] for part in parts], params, missing)
@@ -107,18 +117,21 @@ def open_checkpoint(path: Path) -> MetaLlamaCheckpoint:
                                params)
 
 
-def _params(path: Path) -> dict:
+def _params(root: Location, size: int | None) -> dict:
+    """``params.json`` (``size``: its size as listed), refused unread beyond a MiB."""
+    where = root / PARAMS
+    data = where.read_bytes(_PARAMS_LIMIT, size)
     try:
-        params = json.loads(read_regular(path / PARAMS, _PARAMS_LIMIT))
+        params = json.loads(data)
     except (ValueError, UnicodeDecodeError) as error:
-        raise CorruptCheckpointError(f"{path / PARAMS}: not JSON ({error}); Meta writes the model's dimensions "
+        raise CorruptCheckpointError(f"{where}: not JSON ({error}); Meta writes the model's dimensions "
                                      "there. Restore the file.") from None
     if not isinstance(params, dict):
-        raise CorruptCheckpointError(f"{path / PARAMS}: not a JSON object; restore the file.")
+        raise CorruptCheckpointError(f"{where}: not a JSON object; restore the file.")
     return params.get("model", params) if isinstance(params.get("model"), dict) else params
 
 
-def _degree(path: Path, params: dict, part: Checkpoint) -> int:
+def _degree(path: Location, params: dict, part: Checkpoint) -> int:
     """How many ranks wrote the folder: ``dim`` over the query rows one rank holds."""
     query, dim = part.inventory.get(_QUERY), params.get("dim")
     rows = query.shape[0] if query is not None and query.shape else 0

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptshim.formats.base import read_regular, reading
+from ckptshim.formats.base import reading
+from ckptshim.storage import Location
 
 #: The most a model description may hold; real ones are a few KiB (a hostile one is not read whole).
 MAX_BYTES = 1024 * 1024
@@ -14,19 +15,25 @@ MAX_BYTES = 1024 * 1024
 LITGPT = "model_config.yaml"
 
 
-def read_mapping(where: Path, doing: str) -> dict | None:
-    """The mapping the YAML file ``where`` holds; ``None`` without the file, or for anything but
-    a mapping."""
-    if not where.is_file():
+def read_mapping(where: Path | Location, doing: str) -> dict | None:
+    """The mapping the YAML file (or object) ``where`` holds; ``None`` without the file, or for
+    anything but a mapping. A file larger than :data:`MAX_BYTES` is refused unread."""
+    where = Location.of(where)
+    try:
+        found = where.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if found.kind != "file":
         return None
     import yaml  # transformers' own dependency: present wherever an HF target is
 
     with reading(where, doing):
-        found = yaml.safe_load(read_regular(where, MAX_BYTES))
-    return found if isinstance(found, dict) else None
+        data = yaml.safe_load(where.read_bytes(MAX_BYTES, found.size))
+    return data if isinstance(data, dict) else None
 
 
-def litgpt_config(path: Path) -> dict | None:
+def litgpt_config(path: Path | Location) -> dict | None:
     """litgpt's ``model_config.yaml`` beside the file ``path`` (or in the folder ``path``)."""
-    folder = path if path.is_dir() else path.parent
+    where = Location.of(path)
+    folder = where if where.is_dir() else where.parent
     return read_mapping(folder / LITGPT, "reading litgpt's model_config.yaml")

@@ -131,7 +131,7 @@ class TorchPickleCheckpoint(Checkpoint):
         if start is None:
             raise CorruptCheckpointError(f"{self.path}: storage {ref.storage.key} is missing from the archive")
         if not self._remote and self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+            self._map = np.memmap(Path(self.path), dtype=np.uint8, mode="r")  # a local Location too
         available = self._size if self._remote else len(self._map)
         check_view(Entry(entry.key, (ref.storage.numel,), ref.storage.dtype), start, start + ref.storage.nbytes,
                    available, str(self.path))

@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 
 from ckptshim.errors import CorruptCheckpointError
-from ckptshim.formats import hf_dir, torch_pickle
-from ckptshim.formats.base import Checkpoint, FileInfo, file_info, reader
+from ckptshim.formats import hf_dir, located, torch_pickle
+from ckptshim.formats.base import FileInfo, reader
 from ckptshim.inventory import join_key
 from ckptshim.storage import Location
 
@@ -24,33 +24,41 @@ NAME = "torchtune"
 _SHARD = re.compile(r"model-([0-9]{5})-of-([0-9]{5})\.bin")
 
 
-def sniff(path: Path) -> bool:
-    return (path.is_dir() and (path / hf_dir.CONFIG).is_file()
-            and any(_SHARD.fullmatch(p.name) for p in path.iterdir()))
+def sniff(path: Path | Location) -> bool:
+    """``config.json`` beside at least one ``model-NNNNN-of-NNNNN.bin``, in a folder or a bucket
+    prefix (listed only where ``config.json`` is there)."""
+    return (Location.of(path) / hf_dir.CONFIG).is_file() and any(_SHARD.fullmatch(info.location.name)
+                                                                 for info in located.listing(path))
 
 
 READERS = {"torch": sniff}
 
 
 @reader
-def open_checkpoint(path: Path) -> hf_dir.HFDirCheckpoint:
-    Location.of(path).refuse_links_leaving()
-    found = {file.name: match for file in path.iterdir() if (match := _SHARD.fullmatch(file.name))}
-    counts = {match[2] for match in found.values()}
+def open_checkpoint(path: Path | Location) -> hf_dir.HFDirCheckpoint:
+    """The folder or bucket prefix ``path``: one listing gives the shards and their sizes; every
+    shard's pickle and zip directory are then read in one batch."""
+    root = Location.of(path)
+    root.refuse_links_leaving()
+    found = {info.location.name: (match, info) for info in root.list()
+             if info.kind == "file" and (match := _SHARD.fullmatch(info.location.name))}
+    counts = {match[2] for match, _ in found.values()}
     if len(counts) != 1:
         raise CorruptCheckpointError(f"{path}: shards of {len(counts)} different runs ({', '.join(sorted(found))}); "
                                      "one torchtune save numbers its files alike. Keep one save per folder.")
     total = int(counts.pop())
     names = [f"model-{at:05d}-of-{total:05d}.bin" for at in range(1, total + 1)]
-    parts: dict[str, Checkpoint] = {}
+    present = [name for name in names if name in found]
+    parts = dict(zip(present, torch_pickle.open_objects([(found[name][1].location, found[name][1].size)
+                                                         for name in present])))
     files: list[FileInfo] = []
     problems: list[str] = []
     holder: dict = {}
     for name in names:
-        if name not in found:
-            files.append(file_info(path / name, root=path))
+        if name not in parts:
+            files.append(FileInfo(name, None, None))
             continue
-        part = parts[name] = torch_pickle.open_checkpoint(path / name)
+        part = parts[name]
         files += [FileInfo(name, f.size, f.expected_size) for f in part.files]
         problems += [f"{name}: {problem}" for problem in part.problems]
         for key in part.inventory:

@@ -18,7 +18,7 @@ The DCP hook swaps two parts of DCP's own load (see :mod:`ckptshim.hooks.torch_d
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,13 +72,23 @@ def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageRe
 def checkpoint_folder(checkpoint_id: Any) -> Any:
     """The folder ``dcp.load`` reads for ``checkpoint_id``: for a Megatron-LM save root
     (``latest_checkpointed_iteration.txt``), which DCP cannot read, the iteration folder it
-    names; else ``checkpoint_id`` itself (a folder with DCP metadata of its own is what DCP reads)."""
-    if checkpoint_id is None or "://" in str(checkpoint_id) or not Path(checkpoint_id).is_dir() \
-            or dcp.sniff(Path(checkpoint_id)):
+    names (its URL, for a bucket prefix); else ``checkpoint_id`` itself (a folder with DCP
+    metadata of its own is what DCP reads). A bucket that cannot be asked (no client, no
+    credentials) is left to :func:`remote_reader`, which steps aside for it."""
+    remote = checkpoint_id is not None and "://" in str(checkpoint_id)
+    if checkpoint_id is None or not remote and (not Path(checkpoint_id).is_dir() or dcp.sniff(Path(checkpoint_id))):
         return checkpoint_id
-    from ckptshim.formats import megatron_core  # only for a folder DCP cannot read
+    from ckptshim.formats import megatron_core  # only for a folder DCP cannot read, or a bucket
 
-    return megatron_core.iteration_folder(Path(checkpoint_id)) or checkpoint_id
+    if not remote:
+        return megatron_core.iteration_folder(Path(checkpoint_id)) or checkpoint_id
+    try:
+        found = megatron_core.iteration_folder(Location.of(str(checkpoint_id)))
+    except ShimError:
+        raise
+    except Exception:  # a scheme ckptshim does not read, or the client's own failure
+        return checkpoint_id
+    return str(found) if found is not None else checkpoint_id
 
 
 #: The first formats :func:`~ckptshim.formats.detect.detect` tries for a torch load, in its
@@ -117,11 +127,12 @@ def remote(checkpoint_id: Any, given: StorageReader | None) -> bool:
 
 
 def remote_reader(checkpoint_id: Any, given: StorageReader | None,
-                  planner: RemappingLoadPlanner) -> RemoteDcpReader | FormatReader:
+                  remaps: Callable[[], bool]) -> RemoteDcpReader | FormatReader:
     """ckptshim's reader for a checkpoint in object storage (where :func:`remote`). A DCP
     checkpoint: its metadata read safely, and its chunks read by ckptshim where the plan remaps
-    keys, by torch's own ``FsspecReader`` data path where it does not (``planner`` says which,
-    once DCP has planned: :class:`~ckptshim.execute.dcp_storage.RemoteDcpReader`). A safetensors
+    keys, by torch's own ``FsspecReader`` data path where it does not (``remaps()``, the load's
+    planner, says which, once DCP has planned: :class:`~ckptshim.execute.dcp_storage.RemoteDcpReader`).
+    A safetensors
     or ``torch.save`` object, or a Hugging Face folder of their weights, which DCP cannot read: a
     :class:`~ckptshim.execute.dcp_storage.FormatReader` reading each tensor by its byte range.
 
@@ -154,9 +165,14 @@ def remote_reader(checkpoint_id: Any, given: StorageReader | None,
     names = [info.location.name for info in listed]
     if dcp.metadata_names(names):
         registry = given.transforms.extension_registry if given is not None else None
-        return RemoteDcpReader(location, registry, listed, lambda: planner.remaps)
+        return RemoteDcpReader(location, registry, listed, remaps)
     if hf_dir.sniff_remote(names):
         return FormatReader(location, hf_dir, hook=HOOK, listed=listed)
+    from ckptshim.formats.detect import LOCATION_SNIFFED
+
+    fmt = next((fmt for fmt in LOCATION_SNIFFED if "torch" in fmt.READERS and fmt.READERS["torch"](location)), None)
+    if fmt is not None:  # a torch format DCP cannot read (Meta's consolidated.NN.pth beside params.json)
+        return FormatReader(location, fmt, hook=HOOK)
     raise NoPlan(f"{url}: holds no {dcp.METADATA_FILE} nor Hugging Face weights that ckptshim could read first; "
                  "DCP's own reader decides")
 

@@ -8,14 +8,13 @@ because the rules (below the formats) read no files.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ckptshim.formats import megatron_core as megatron_core_format
 from ckptshim.formats import model_yaml
 from ckptshim.formats.base import Checkpoint
 from ckptshim.inventory import Inventory
-from ckptshim.loading.paths import local_path
+from ckptshim.loading.paths import item_location
 from ckptshim.rules.decoder import read_dims
 from ckptshim.rules.profiles import megatron_core
 
@@ -23,22 +22,22 @@ from ckptshim.rules.profiles import megatron_core
 def producer(location: Any) -> str | None:
     """:data:`megatron_core.PRODUCER <ckptshim.rules.profiles.megatron_core.PRODUCER>` for a folder
     whose ``metadata.json`` names a Megatron-Core sharded backend (``torch_dist``, ``zarr``);
-    ``None`` for anything else (a URL included: ckptshim does not read those here)."""
-    path = None if location is None else local_path(location)
-    if path is None or not Path(path).is_dir():
+    ``None`` for anything else (a URL of a scheme ckptshim does not read included)."""
+    where = None if location is None else item_location(location)
+    if where is None:
         return None
-    return megatron_core.PRODUCER if megatron_core_format.config(path) is not None else None
+    return megatron_core.PRODUCER if megatron_core_format.config(where) is not None else None
 
 
 def producer_config(location: Any) -> dict | None:
     """The model description a producer keeps beside its checkpoint where it is no Hugging Face
     ``config.json``: Megatron's ``run_config.yaml`` in its folder (the head counts of its fused
     QKV), litgpt's ``model_config.yaml`` beside ``lit_model.pth`` (``n_head``, ``n_query_groups``)."""
-    path = None if location is None else local_path(location)
-    if path is None or not Path(path).exists():
+    where = None if location is None else item_location(location)
+    if where is None:
         return None
-    megatron = megatron_core_format.run_config(Path(path)) if Path(path).is_dir() else None
-    return megatron if megatron is not None else model_yaml.litgpt_config(Path(path))
+    megatron = megatron_core_format.run_config(where)
+    return megatron if megatron is not None else model_yaml.litgpt_config(where)
 
 
 def model_names(checkpoint: Checkpoint) -> tuple[Inventory, str] | None:
