@@ -80,7 +80,7 @@ def open_checkpoint(path: Path) -> MetaLlamaCheckpoint:
     Location.of(path).refuse_links_leaving()
     params = _params(path)
     ranks = sorted((int(match[1]), file) for file in path.iterdir() if (match := _SHARD.fullmatch(file.name)))
-    parts = [torch_pickle.open_checkpoint(file) for _, file in ranks]
+    parts = torch_pickle.open_files([(Location.of(file), None) for _, file in ranks])
     files = [FileInfo(file.name, part.files[0].size, part.files[0].expected_size,
                       tuple(f"{join_key(e.key)} {e.dtype}{list(e.shape)}" for e in part.inventory.values()))
              for (_, file), part in zip(ranks, parts)]
