@@ -41,6 +41,8 @@ _EXPLICIT = "transformers_weights"
 _EXPLICIT_SUFFIXES = (".safetensors", ".safetensors.index.json")
 _EXPLICIT_ADAPTER = "adapter_model.bin"
 CONFIG = "config.json"
+#: The longest name of one file a file system holds (Linux's ``NAME_MAX``).
+_NAME_MAX = 255
 #: The most a ``config.json`` may hold; real ones are a few KiB (a hostile one is not read whole).
 MAX_CONFIG_BYTES = 16 * 2**20
 
@@ -188,6 +190,19 @@ def _shards(index: bytes, where: object) -> list[str]:
             "re-copy it from the original.") from None
 
 
+def _not_a_name(shard: object) -> str:
+    """Why ``shard``, as a weight index names it, is no file name on a disk or in a bucket
+    (``""`` when it is one): not text, empty, a NUL byte, or a part longer than any file
+    system's names (``NAME_MAX``), which transformers could not open either."""
+    if not isinstance(shard, str):
+        return f"a {type(shard).__name__}, not text"
+    if not shard or "\0" in shard:
+        return "empty" if not shard else "a NUL byte"
+    if any(len(os.fsencode(part)) > _NAME_MAX for part in shard.split("/")):
+        return f"a name longer than {_NAME_MAX} bytes"
+    return ""
+
+
 def _named_inside(shard: object) -> bool:
     """Whether an index names ``shard`` as a file inside the folder (relative, no ``..``)."""
     return not PurePosixPath(shard).is_absolute() and ".." not in PurePosixPath(shard).parts
@@ -220,7 +235,11 @@ def open_checkpoint(path: Location | os.PathLike[str], listed: Sequence[ObjectIn
     else:
         shards = [chosen]
     for shard in shards:
-        if not isinstance(shard, str) or not shard or not _named_inside(shard):
+        why = _not_a_name(shard)
+        if why:
+            raise CorruptCheckpointError(f"{path / chosen}: shard {shard!r:.100} is not a file name ({why}); "
+                                         "re-copy the index from the original.")
+        if not _named_inside(shard):
             raise CorruptCheckpointError(f"{path / chosen}: shard {shard!r:.100} lies outside the directory")
     # shards in subfolders: one listing of every level finds them all (never a request per shard)
     present = listed if all("/" not in shard for shard in shards) else path.files_named(shards)
