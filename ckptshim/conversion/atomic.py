@@ -21,6 +21,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from ckptshim.errors import ShimError
 
@@ -28,6 +29,27 @@ from ckptshim.errors import ShimError
 TEMP_TAG = ".ckptshim-tmp-"
 _NOREPLACE, _EXCHANGE = 1, 2  # renameat2 flags (linux/fs.h)
 _AT_FDCWD = -100
+
+
+class LocalFolder:
+    """The temporary folder a writer writes into (see :class:`ckptshim.conversion.Folder`): each
+    file flushed to the disk (``fsync``) before it counts as written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @contextlib.contextmanager
+    def create(self, name: str) -> Iterator[BinaryIO]:
+        with open(self.path / name, "wb") as out:
+            yield out
+            out.flush()
+            os.fsync(out.fileno())
+
+    def dcp_writer(self) -> Any:
+        """torch's ``FileSystemWriter`` (what ``dcp.save`` to a local folder uses), one file per rank."""
+        import torch.distributed.checkpoint as dcp
+
+        return dcp.FileSystemWriter(str(self.path), single_file_per_rank=True, thread_count=1)
 
 
 class DestinationExistsError(ShimError):

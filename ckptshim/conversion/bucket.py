@@ -42,6 +42,26 @@ def open_for_writing(location: Location) -> IO[bytes]:
     return filesystem(location.scheme).open(fsspec_path(location), "wb")
 
 
+class BucketFolder:
+    """The temporary prefix a writer writes into (see :class:`ckptshim.conversion.Folder`): each
+    object an upload through the scheme's fsspec client, which appears only once complete."""
+
+    def __init__(self, location: Location) -> None:
+        self.location = location
+
+    @contextlib.contextmanager
+    def create(self, name: str) -> Iterator[IO[bytes]]:
+        with open_for_writing(self.location / name) as out:
+            yield out
+
+    def dcp_writer(self) -> Any:
+        """torch's ``FsspecWriter`` (what ``dcp.save(checkpoint_id=URL)`` uses), one file per rank."""
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        # sync_files would os.sync() the whole machine: there is no local file to flush
+        return FsspecWriter(str(self.location), single_file_per_rank=True, thread_count=1, sync_files=False)
+
+
 def _objects(fs: Any, location: Location) -> dict[str, int]:
     """Every object at ``location`` itself or below it, by name relative to it (``""`` for the
     object itself), with its size."""

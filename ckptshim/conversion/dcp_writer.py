@@ -11,12 +11,14 @@ available), so when it asks for the next one, or the save returns, the previous 
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckptshim.execute.arrays import PlannedArrays
 from ckptshim.conversion.progress import Progress
 from ckptshim.inventory import Entry, join_key
-from ckptshim.storage import Location
+
+if TYPE_CHECKING:
+    from ckptshim.conversion import Folder
 
 #: What writing needs beyond ckptshim's own dependencies (see ckptshim.conversion.WRITERS).
 NEEDS: tuple[str, ...] = ("torch",)
@@ -45,9 +47,10 @@ def _reporting_planner(entries: dict[str, Entry], progress: Progress):
     return ReportingSavePlanner()
 
 
-def write(arrays: PlannedArrays, folder: Path | Location, destination_name: str, progress: Progress) -> None:
-    """Save into ``folder``: a local one through torch's ``FileSystemWriter``, a bucket prefix
-    through its ``FsspecWriter`` (the writer ``dcp.save(checkpoint_id=URL)`` uses)."""
+def write(arrays: PlannedArrays, folder: Folder, destination_name: str, progress: Progress) -> None:
+    """Save into ``folder`` through the storage writer ``dcp.save`` itself uses there
+    (:meth:`Folder.dcp_writer <ckptshim.conversion.Folder.dcp_writer>`: ``FileSystemWriter``
+    locally, ``FsspecWriter`` in a bucket)."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -59,13 +62,7 @@ def write(arrays: PlannedArrays, folder: Path | Location, destination_name: str,
         dtype = getattr(torch, entry.dtype)
         key = join_key(entry.key, ".")
         state_dict[key], entries[key] = (tensor if tensor.dtype == dtype else tensor.view(dtype)), entry
-    if isinstance(folder, Location) and folder.is_remote:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        # sync_files would os.sync() the whole machine: there is no local file to flush
-        writer = FsspecWriter(str(folder), single_file_per_rank=True, thread_count=1, sync_files=False)
-    else:
-        writer = dcp.FileSystemWriter(str(folder), single_file_per_rank=True, thread_count=1)
+    writer = folder.dcp_writer()
     planner = _reporting_planner(entries, progress)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group": this is a one-process save

@@ -16,10 +16,9 @@ fails there, not silently. The checkpoint goes into ``<tmp>/<DST name>``, which
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
+from ckptshim.conversion.atomic import LocalFolder
 from ckptshim.execute.arrays import PlannedArrays
 from ckptshim.conversion.progress import Progress
 from ckptshim.formats.base import numpy_dtype
@@ -48,7 +47,8 @@ def _counting_registry(written: dict[int, Entry], progress: Progress):
         (np.ndarray, handler), (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)))
 
 
-def write(arrays: PlannedArrays, folder: Path, destination_name: str, progress: Progress) -> None:
+def write(arrays: PlannedArrays, folder: LocalFolder, destination_name: str, progress: Progress) -> None:
+    """Save into the local ``folder`` (Orbax creates the checkpoint's folder itself)."""
     import orbax.checkpoint as ocp
 
     flat, entries = {}, {}
@@ -57,4 +57,4 @@ def write(arrays: PlannedArrays, folder: Path, destination_name: str, progress: 
         flat[entry.key], entries[id(value)] = value, entry
     handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_counting_registry(entries, progress))
     with ocp.Checkpointer(handler) as checkpointer:
-        checkpointer.save(folder / destination_name, args=ocp.args.PyTreeSave(unflatten(flat)))
+        checkpointer.save(folder.path / destination_name, args=ocp.args.PyTreeSave(unflatten(flat)))

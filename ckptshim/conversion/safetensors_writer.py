@@ -8,18 +8,18 @@ without ever holding more than one in memory.
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ckptshim.execute.arrays import PlannedArrays
-from ckptshim.conversion.bucket import open_for_writing
 from ckptshim.conversion.progress import Progress
 from ckptshim.formats.base import storage_dtype
 from ckptshim.formats.safetensors_header import DTYPES
 from ckptshim.inventory import join_key
-from ckptshim.storage import Location
+
+if TYPE_CHECKING:
+    from ckptshim.conversion import Folder
 
 #: What writing needs beyond ckptshim's own dependencies (see ckptshim.conversion.WRITERS).
 NEEDS: tuple[str, ...] = ()
@@ -57,17 +57,13 @@ def header(arrays: PlannedArrays) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
-def write(arrays: PlannedArrays, folder: Path | Location, destination_name: str, progress: Progress) -> None:
-    """Write the file into ``folder``: a local one, or a bucket prefix (through the fsspec client,
-    as one upload that becomes an object only when complete)."""
-    path = folder / file_name(destination_name)
-    remote = isinstance(path, Location) and path.is_remote
-    with (open_for_writing(path) if remote else open(path, "wb")) as out:
+def write(arrays: PlannedArrays, folder: Folder, destination_name: str, progress: Progress) -> None:
+    """Write the file into ``folder`` (each array handed on, to the disk or the upload, before
+    it counts as written)."""
+    with folder.create(file_name(destination_name)) as out:
         out.write(header(arrays))
         for entry, value in arrays.values():
             value = np.ascontiguousarray(value, dtype=storage_dtype(entry.dtype))
             out.write(memoryview(value.reshape(-1)).cast("B"))
-            out.flush()  # handed to the OS (or the upload) before it counts as written
+            out.flush()
             progress.written(entry)
-        if not remote:
-            os.fsync(out.fileno())

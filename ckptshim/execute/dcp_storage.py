@@ -72,8 +72,8 @@ from ckptshim.formats.base import Checkpoint, Format, metadata_limit, storage_dt
 from ckptshim.inventory import Entry, dtype_name, join_key, split_key
 from ckptshim.keytext import shown_error
 from ckptshim.log import logger
-from ckptshim.storage import ByteRange, Location, ObjectInfo, UnsupportedLocation, read_ranges
-from ckptshim.storage.ranged import RangedFile, archive_spans, open_source
+from ckptshim.storage import ByteRange, Location, ObjectInfo, OpenFile, UnsupportedLocation, read_ranges
+from ckptshim.storage.ranged import archive_spans, prefetch
 from ckptshim.targets.tensors import values_of
 
 
@@ -263,38 +263,32 @@ class DcpReader(FileSystemReader):
                     f"{self.path}: {problem}. Restore the file (or re-copy the checkpoint) before loading it.")
         for name, file_items in sorted(by_file.items()):
             path = self._file(name)
-            with open_source(path) as raw:
-                for batch in range(0, len(file_items), HEADER_BATCH):
+            for batch in range(0, len(file_items), HEADER_BATCH):
+                with path.open() as raw:  # what an object's batch fetched ahead is dropped with it
                     self._check_file(raw, path, file_items[batch:batch + HEADER_BATCH])
 
-    def _check_file(self, raw: dcp.Source, path: Path | Location, file_items: list[ReadItem]) -> None:
-        """:meth:`_check_all` for some items of one file (a remote file's headers fetched first,
-        together, and dropped after)."""
-        if isinstance(raw, RangedFile):
-            raw.prefetch(span for item in file_items
-                         if not (stored := self._stored(item)).transforms
-                         for span in archive_spans(stored.offset, stored.length))
-        try:
-            for item in file_items:
-                index = item.storage_index
-                where = f"{path}: {index.fqn!r}"
-                stored = self._stored(item)
-                if item.type == LoadItemType.BYTE_IO:
-                    self._objects[index] = _safe_object(self._object_bytes(raw, item, stored, where), where)
-                    continue
-                meta = self._checkpoint.metadata.tensors[index.fqn]
-                chunk = meta.chunk_at[tuple(index.offset)]
-                if stored.transforms:
-                    self._by_torch.add(index)
-                    continue
-                try:
-                    self._layouts[index] = dcp.read_layout(raw, path, stored, chunk, meta.dtype,
-                                                           f"{where} chunk {list(chunk.offsets)}")
-                except UnknownFormatError:  # a form torch reads and ckptshim does not
-                    self._by_torch.add(index)
-        finally:
-            if isinstance(raw, RangedFile):
-                raw.close()
+    def _check_file(self, raw: OpenFile, path: Location, file_items: list[ReadItem]) -> None:
+        """:meth:`_check_all` for some items of one file (an object's headers fetched first,
+        together: :func:`~ckptshim.storage.ranged.prefetch`)."""
+        prefetch([(raw, [span for item in file_items if not (stored := self._stored(item)).transforms
+                         for span in archive_spans(stored.offset, stored.length)])])
+        for item in file_items:
+            index = item.storage_index
+            where = f"{path}: {index.fqn!r}"
+            stored = self._stored(item)
+            if item.type == LoadItemType.BYTE_IO:
+                self._objects[index] = _safe_object(self._object_bytes(raw, item, stored, where), where)
+                continue
+            meta = self._checkpoint.metadata.tensors[index.fqn]
+            chunk = meta.chunk_at[tuple(index.offset)]
+            if stored.transforms:
+                self._by_torch.add(index)
+                continue
+            try:
+                self._layouts[index] = dcp.read_layout(raw, path, stored, chunk, meta.dtype,
+                                                       f"{where} chunk {list(chunk.offsets)}")
+            except UnknownFormatError:  # a form torch reads and ckptshim does not
+                self._by_torch.add(index)
 
     def _object_bytes(self, raw, item: ReadItem, stored: dcp.Stored, where: str) -> bytes:
         """A stored object's bytes, decoded by the caller's stream extensions (torch's own

@@ -34,7 +34,7 @@ from ckptshim.errors import CorruptCheckpointError, ShimError, describe
 from ckptshim.inventory import DTYPE_SIZES, Entry, Inventory
 from ckptshim.keytext import shown
 from ckptshim.storage import ByteRange, Location, local, read_ranges
-from ckptshim.storage.local import entries, kind, require_target_inside
+from ckptshim.storage.local import entries, kind
 from ckptshim.storage.problems import KIND_WORDS
 
 _NO_NUMPY_TYPE = {"bfloat16": "<u2", "float8_e4m3fn": "u1", "float8_e5m2": "u1",
@@ -232,12 +232,6 @@ def folder_bytes(root: Path) -> int:
     """Bytes of the regular files under ``root`` (links not followed): what its arrays can hold."""
     return sum(entry.stat(follow_symlinks=False).st_size for entry in entries(root)
                if entry.is_file(follow_symlinks=False))
-
-
-def require_inside(root: Path, path: Path, also: tuple[Path, ...] = ()) -> None:
-    """Refuse ``path`` (a file of the checkpoint at ``root``) when its real path leaves ``root``
-    (and ``also``)."""
-    require_target_inside(path, (root.resolve(), *(p.resolve() for p in also)), root)
 
 
 @dataclass(frozen=True)
@@ -568,15 +562,6 @@ def _unique_pairs(pairs: list[tuple[str, object]]) -> dict:
         key = next(key for key, _ in pairs if key in seen or seen.add(key))
         raise ValueError(f"key {key!r} appears twice in one JSON object (duplicate key)")
     return out
-
-
-def inside(root: Path, path: Path) -> bool:
-    """Whether ``path``, with ``..`` and symlinks resolved, lies inside ``root`` (also resolved).
-
-    A checkpoint's metadata must not make ckptshim read files the checkpoint does not contain.
-    """
-    resolved_root = root.resolve()
-    return resolved_root in path.resolve().parents
 
 
 @runtime_checkable

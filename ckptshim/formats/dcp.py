@@ -21,7 +21,7 @@ A local folder and a bucket prefix are read the same way, through
 :class:`~ckptshim.storage.Location`: the folder listed once (bounded), its metadata read whole
 under a size cap (:func:`metadata_limit`) and parsed by the unpickler, each file's size taken
 from the listing for completeness, and each chunk's archive read through
-:func:`~ckptshim.storage.ranged.open_source` (a local descriptor, or an object's byte ranges).
+:meth:`Location.open <ckptshim.storage.Location.open>` (a local descriptor, or an object's byte ranges).
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from ckptshim.formats.base import Budget, Checkpoint, FileInfo, Piece, metadata_
 from ckptshim.formats.torch_globals import ExtraGlobals, Globals, Layout, Size, TensorRef, dtype_of, members
 from ckptshim.formats.torch_pickle import read_archive, tensor_view
 from ckptshim.inventory import Entry, Inventory, dtype_name, split_key
-from ckptshim.storage import Location, ObjectInfo
+from ckptshim.storage import Location, ObjectInfo, OpenFile
 from ckptshim.storage.problems import KIND_WORDS
-from ckptshim.storage.ranged import RangedFile, Source, Window, archive_spans, open_source, pread
+from ckptshim.storage.ranged import Window, archive_spans, prefetch
 
 NAME = "torch-dcp"
 METADATA_FILE = ".metadata"
@@ -434,11 +434,11 @@ def merge_ranks(parts: Sequence[DcpMetadata], files: Sequence[Path]) -> DcpMetad
 # -- reading bytes -----------------------------------------------------------------------------
 
 
-def read_exact(raw: Source, buffer: memoryview, offset: int, where: str) -> None:
+def read_exact(raw: OpenFile, buffer: memoryview, offset: int, where: str) -> None:
     """Fill ``buffer`` from ``raw`` at ``offset`` (one ``pread`` per call, usually), or refuse."""
     done, total = 0, len(buffer)
     while done < total:
-        got = pread(raw, buffer[done:], offset + done)
+        got = raw.pread(buffer[done:], offset + done)
         if got <= 0:
             raise CorruptCheckpointError(
                 f"{where}: needs bytes up to {offset + total} but the file ends at {offset + done}; "
@@ -464,7 +464,7 @@ class ChunkLayout:
         return self.ref.storage.numel * self.itemsize
 
 
-def read_layout(raw: Source, file: Path | Location, stored: Stored, chunk: Chunk, dtype: str, where: str) -> ChunkLayout:
+def read_layout(raw: OpenFile, file: Path | Location, stored: Stored, chunk: Chunk, dtype: str, where: str) -> ChunkLayout:
     """Parse the ``torch.save`` archive of one chunk (a few hundred bytes of headers) and check
     that it holds what ``.metadata`` promised. A chunk in a form ckptshim does not read itself --
     written through DCP's stream extensions, or an archive that is not one plain tensor -- is an
@@ -496,7 +496,7 @@ def read_layout(raw: Source, file: Path | Location, stored: Stored, chunk: Chunk
     return layout
 
 
-def read_chunk(raw: Source, layout: ChunkLayout, where: str) -> np.ndarray:
+def read_chunk(raw: OpenFile, layout: ChunkLayout, where: str) -> np.ndarray:
     """The whole chunk, read once into a new array (a strided view of its storage's bytes)."""
     buffer = np.empty(layout.storage_bytes, np.uint8)
     read_exact(raw, memoryview(buffer), layout.start, where)
@@ -546,7 +546,7 @@ class DcpCheckpoint(Checkpoint):
         if fqn in self.metadata.objects:
             stored = self.stored(fqn, None)
             out = np.empty(stored.length, np.uint8)
-            with open_source(self.path / stored.file) as raw:
+            with Location.of(self.path / stored.file).open() as raw:
                 read_exact(raw, memoryview(out), stored.offset, str(self.path / stored.file))
             return out
         meta = self.metadata.tensors[fqn]
@@ -554,9 +554,8 @@ class DcpCheckpoint(Checkpoint):
         for chunk in meta.chunks:
             stored = self.stored(fqn, chunk.offsets)
             where = f"{self.path / stored.file}: {fqn!r} chunk {list(chunk.offsets)}"
-            with open_source(self.path / stored.file) as raw:
-                if isinstance(raw, RangedFile):  # its headers in one request or two
-                    raw.prefetch(archive_spans(stored.offset, stored.length))
+            with Location.of(self.path / stored.file).open() as raw:
+                prefetch([(raw, archive_spans(stored.offset, stored.length))])  # an object's headers: one request or two
                 array = read_chunk(raw, read_layout(raw, self.path / stored.file, stored, chunk, meta.dtype, where), where)
             if chunk.sizes == meta.size:
                 return array

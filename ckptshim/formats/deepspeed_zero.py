@@ -60,7 +60,7 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import deepspeed_pipeline, safe_pickle, torch_globals, torch_pickle
-from ckptshim.formats.base import Checkpoint, FileInfo, Piece, file_info, open_regular, reader, storage_dtype
+from ckptshim.formats.base import Checkpoint, FileInfo, Piece, file_info, reader, storage_dtype
 from ckptshim.formats.dcp import read_exact
 from ckptshim.formats.kvstore import regular_size
 from ckptshim.formats.torch_globals import TensorRef
@@ -219,7 +219,7 @@ class Flat:
                 target = out[lo - start:hi - start]
                 begin = self.storage_starts.get(ref.storage.key)
                 if begin is not None and ref.stride == (1,) and ref.offset + size <= ref.storage.numel:
-                    with open_regular(self.part.path) as raw:
+                    with Location.of(self.part.path).open() as raw:
                         read_exact(raw, memoryview(target.view(np.uint8)),
                                    begin + (ref.offset + lo - base) * target.itemsize, str(self.part.path))
                 else:

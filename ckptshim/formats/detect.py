@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection
-from pathlib import Path
 
 from ckptshim.errors import CorruptCheckpointError, InternalError, UnknownFormatError
 from ckptshim.formats import (dcp, deepspeed_pipeline, deepspeed_zero, flax_msgpack, hf_dir, megatron_core,
@@ -64,38 +63,34 @@ REMOTE_FORMATS: tuple[Format, ...] = (hf_dir, torchtune, dcp, megatron_core, met
 #: The remote formats whose ``sniff`` and ``READERS`` take a Location as they take a local path.
 LOCATION_SNIFFED: tuple[Format, ...] = (torchtune, megatron_core, meta_llama, paxml_flax, t5x, paxml, orbax,
                                         flax_msgpack)
+#: The remote formats of one object (not a prefix), in :data:`FORMATS`' order.
+OBJECT_FORMATS: tuple[Format, ...] = (safetensors, torch_pickle)
 
 
-def remote_location(path: str | os.PathLike | Location) -> Location | None:
-    """``path`` as a :class:`~ckptshim.storage.Location` when it names object storage (an
-    ``s3://`` or ``gs://`` URL); ``None`` for a local path. A URL of another scheme is an
-    :class:`UnknownFormatError` (``pathlib`` would make a relative local path of it)."""
+def location(path: str | os.PathLike | Location) -> Location:
+    """``path`` as a :class:`~ckptshim.storage.Location`: a local path, or an ``s3://`` or
+    ``gs://`` URL. A URL of another scheme is an :class:`UnknownFormatError` (``pathlib`` would
+    make a relative local path of it)."""
     try:
-        where = Location.of(path)
+        return Location.of(path)
     except UnsupportedLocation as error:
         raise UnknownFormatError(f"{error}. Copy the checkpoint to a local folder and point at the copy.") from None
-    return where if where.is_remote else None
 
 
-def remote_object(where: Location, candidates: Collection[Format]) -> Format | None:
-    """The format, among ``candidates``, of the object at ``where`` (no prefix there): a
-    ``.safetensors`` object by its name, a ``torch.save`` archive by its first bytes (whatever
-    its name: ``.pt``, ``.bin``, ``.pth``, ``.ckpt``); ``None`` for any other object, and a
+def object_format(where: Location, candidates: Collection[Format]) -> Format | None:
+    """The format, among ``candidates``, of the single object at ``where`` (no prefix there), as
+    its own sniffer says (a ``.safetensors`` object by its name, a ``torch.save`` archive by
+    its first bytes, whatever its name); ``None`` for any other object, and a
     ``FileNotFoundError`` where there is none. A pre-1.6 ``torch.save`` file is an
     :class:`UnknownFormatError` that says to download it."""
-    found = where.stat()
-    if found.kind != "file":
+    if where.stat().kind != "file":
         return None
-    if safetensors in candidates and where.name.endswith(".safetensors"):
-        return safetensors
-    if torch_pickle in candidates and torch_pickle.sniff_object(where, found.size):
-        return torch_pickle
-    return None
+    return next((fmt for fmt in OBJECT_FORMATS if fmt in candidates and fmt.sniff(where)), None)
 
 
 def _detect_remote(where: Location, backend: str | None) -> Format:
     """The format of the checkpoint at ``where``: a prefix, recognised from one bounded listing
-    (a Hugging Face folder before DCP, as locally), or one object (:func:`remote_object`)."""
+    (a Hugging Face folder before DCP, as locally), or one object (:func:`object_format`)."""
     candidates = [fmt for fmt in REMOTE_FORMATS if backend is None or backend in fmt.READERS]
     with reading(where, "recognising its format"):
         try:
@@ -104,12 +99,12 @@ def _detect_remote(where: Location, backend: str | None) -> Format:
             names = None  # no prefix: an object, or nothing
         if names is None:
             try:
-                found = remote_object(where, candidates)
+                found = object_format(where, candidates)
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{where}: no such object or prefix") from None
             if found is not None:
                 return found
-    if names is not None and hf_dir in candidates and hf_dir.sniff_remote(names):
+    if names is not None and hf_dir in candidates and hf_dir.sniff_listed(names):
         return hf_dir
     if names is not None and dcp in candidates and dcp.metadata_names(names):
         return dcp
@@ -125,13 +120,13 @@ def _detect_remote(where: Location, backend: str | None) -> Format:
         "folder (gcloud storage cp -r, aws s3 cp --recursive) and point at the copy.")
 
 
-def detect(path: str | Path, backend: str | None = None) -> Format:
+def detect(path: str | os.PathLike | Location, backend: str | None = None) -> Format:
     """The format module that recognises ``path`` (for ``backend``'s load calls, if given), or a
     :class:`UnknownFormatError`."""
-    remote = remote_location(path)
-    if remote is not None:
-        return _detect_remote(remote, backend)
-    path = Path(path)
+    where = location(path)
+    if where.is_remote:  # the formats that read object storage, recognised from one listing
+        return _detect_remote(where, backend)
+    path = where.path
     with reading(path, "recognising its format"):
         if not path.exists():
             raise CorruptCheckpointError(f"{path}: no such file or directory")
@@ -151,11 +146,12 @@ def detect(path: str | Path, backend: str | None = None) -> Format:
         "checkpoint's top-level folder, or check that the file is not truncated.")
 
 
-def open_checkpoint(path: str | Path, backend: str | None = None) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike | Location, backend: str | None = None) -> Checkpoint:
     """Open ``path`` in whatever format it is in (metadata only; no tensor bytes are read); a
     Megatron-LM save root opens the iteration its ``latest_checkpointed_iteration.txt`` names."""
-    remote = remote_location(path)
-    with reading(path, "reading its latest iteration"):
-        path = megatron_core.iteration_folder(remote if remote is not None else Path(path)) or path
-    remote = remote_location(path)
-    return detect(path, backend).open_checkpoint(remote if remote is not None else Path(path))
+    where = location(path)
+    with reading(where, "reading its latest iteration"):
+        found = megatron_core.iteration_folder(where if where.is_remote else where.path)
+    where = Location.of(found) if found is not None else where
+    # the formats that read object storage take a Location; the others, local paths
+    return detect(where, backend).open_checkpoint(where if where.is_remote else where.path)

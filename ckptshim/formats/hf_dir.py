@@ -3,10 +3,11 @@
 Weights come as ``model.safetensors`` or ``pytorch_model.bin``, or as shards listed in
 ``*.index.json`` (``{"weight_map": {key: shard file}}``). A folder may hold several of them (a
 model re-saved as safetensors beside its old ``.bin`` shards); ckptshim reads the one
-transformers' ``from_pretrained`` reads (:func:`weights_file`), never another. The directory
+transformers' ``from_pretrained`` reads (:func:`open_checkpoint`), never another. The directory
 reads as one checkpoint whose entries delegate to the file that holds them; a shard the index
-names but the directory lacks is reported, not skipped. A folder in a bucket is read the same
-way when its weights are safetensors files (:func:`sniff_remote`), by byte ranges. :func:`model_config` reads the
+names but the directory lacks is reported, not skipped. A local folder and a bucket prefix are
+read the same way, through :class:`~ckptshim.storage.Location`: one bounded listing, the small
+files and every shard's header read in one batch. :func:`model_config` reads the
 ``config.json`` that names the model a checkpoint holds (its ``model_type`` and
 ``architectures``, and the weights file it may name).
 """
@@ -14,7 +15,6 @@ way when its weights are safetensors files (:func:`sniff_remote`), by byte range
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Collection, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -23,10 +23,10 @@ import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 from ckptshim.formats import marker, torch_pickle
-from ckptshim.formats.base import (UNREAD, Checkpoint, FileInfo, file_info, read_regular, reader,
-                                   require_inside, strict_json)
+from ckptshim.formats.base import UNREAD, Checkpoint, FileInfo, reader, strict_json
 from ckptshim.inventory import Entry, Inventory
 from ckptshim.storage import ByteRange, Location, ObjectInfo, UnsupportedLocation, read_ranges
+from ckptshim.storage.problems import outside
 
 NAME = "hf-dir"
 #: What a Hugging Face model folder holds its weights in, in the order transformers' ``from_pretrained``
@@ -41,11 +41,13 @@ _EXPLICIT = "transformers_weights"
 _EXPLICIT_SUFFIXES = (".safetensors", ".safetensors.index.json")
 _EXPLICIT_ADAPTER = "adapter_model.bin"
 CONFIG = "config.json"
+#: The longest name of one file a file system holds (Linux's ``NAME_MAX``).
+_NAME_MAX = 255
 #: The most a ``config.json`` may hold; real ones are a few KiB (a hostile one is not read whole).
 MAX_CONFIG_BYTES = 16 * 2**20
 
 
-def model_config(path: Path | Location | str) -> dict | None:
+def model_config(path: Location | os.PathLike[str] | str) -> dict | None:
     """The ``config.json`` of the model a checkpoint at ``path`` holds: in the folder (or bucket
     prefix), or beside the file (``model.safetensors`` in a Hugging Face folder). ``None`` when
     there is none or it is not a JSON object; a damaged one is refused, naming the file."""
@@ -53,28 +55,21 @@ def model_config(path: Path | Location | str) -> dict | None:
         where = Location.of(path)
     except (UnsupportedLocation, TypeError, ValueError):  # another URL, or names nothing
         return None
-    if where.is_remote:
-        found = where / CONFIG
-        if not found.is_file():
-            return None
-        data = found.read_bytes(MAX_CONFIG_BYTES)
-    elif not where.path.exists():
-        return None
-    else:
-        folder = where.path if where.path.is_dir() else where.path.parent
+    folder = where
+    found = folder / CONFIG
+    if not found.is_file():
+        folder = where.parent
         found = folder / CONFIG
-        if not found.is_file():
+        if not where.is_file() or not found.is_file():
             return None
-        require_inside(folder, found, _roots(folder))  # a hub-cache snapshot links it into blobs/
-        data = read_regular(found, MAX_CONFIG_BYTES + 1)
-    return _config_from(data, found)
+    if not any(found.inside(root) for root in _roots(folder)):  # a hub-cache snapshot links it into blobs/
+        raise outside(found, folder, "its real path is elsewhere")
+    return _config_from(found.read_bytes(MAX_CONFIG_BYTES), found)
 
 
 def _config_from(data: bytes, found: object) -> dict | None:
     """The model config in ``data``, the bytes of ``config.json`` at ``found``."""
     try:
-        if len(data) > MAX_CONFIG_BYTES:
-            raise ValueError(f"over {MAX_CONFIG_BYTES} bytes")
         config = strict_json(data)
     except ValueError as error:  # not JSON, not UTF-8, too deep, a key twice, too long
         raise CorruptCheckpointError(f"{found}: not valid JSON ({error}); transformers cannot read this "
@@ -90,25 +85,26 @@ def config_of(checkpoint: Checkpoint) -> dict | None:
     return checkpoint.model_config
 
 
-def sniff(path: Path) -> bool:
-    return path.is_dir() and any((path / name).is_file() for name in WEIGHT_FILES)
+def sniff(path: Path | Location) -> bool:
+    where = Location.of(path)
+    return where.is_dir() and any((where / name).is_file() for name in WEIGHT_FILES)
+
+
+def sniff_listed(names: Collection[str]) -> bool:
+    """:func:`sniff` from the names one listing of the folder gave (a bucket prefix is
+    recognised from the listing detection makes anyway)."""
+    return any(name in names for name in WEIGHT_FILES)
 
 
 #: torch's loaders read it, and a JAX restore takes one (a Hugging Face model as MaxText params)
 READERS = {"torch": sniff, "jax": sniff}
 
 
-def _open_file(path: Path) -> Checkpoint:
-    from ckptshim.formats import safetensors  # only to open: the sniffers run before dcp.load's first read
-
-    return safetensors.open_checkpoint(path) if path.suffix == ".safetensors" else torch_pickle.open_checkpoint(path)
-
-
 class HFDirCheckpoint(Checkpoint):
     """A folder of weight files that together hold the model (``name``: the format that found
     them, a Hugging Face folder's or another producer's); each entry is read from its file."""
 
-    def __init__(self, path: Path, version: str, parts: dict[str, Checkpoint], files, problems,
+    def __init__(self, path: Location | os.PathLike[str], version: str, parts: dict[str, Checkpoint], files, problems,
                  name: str = NAME) -> None:
         entries = [Entry(e.key, e.shape, e.dtype, (shard, e.location))
                    for shard, part in parts.items() for e in part.inventory.values()]
@@ -146,7 +142,7 @@ class HFDirCheckpoint(Checkpoint):
             part.close()
 
 
-def _roots(path: Path) -> tuple[Path, ...]:
+def _roots(path: Location) -> tuple[Location, ...]:
     """Where a shard of the folder ``path`` may really live.
 
     Its own folder, and — for a snapshot in the Hugging Face hub cache
@@ -159,41 +155,19 @@ def _roots(path: Path) -> tuple[Path, ...]:
     """
     snapshots, repository = path.parent, path.parent.parent
     blobs = repository / "blobs"
-    if snapshots.name != "snapshots" or not os.path.lexists(blobs):
-        return (path.resolve(),)
+    if snapshots.name != "snapshots" or not (blobs.is_link() or blobs.exists()):
+        return (path,)
     for part in (blobs, snapshots, path):
-        if not _real_folder(part):
+        if part.is_link() or not part.is_dir():
             raise UnsafeCheckpointError(
-                f"{part} is {'a symlink' if part.is_symlink() else 'not a folder'}; in a Hugging Face hub "
+                f"{part} is {'a symlink' if part.is_link() else 'not a folder'}; in a Hugging Face hub "
                 f"cache ({repository}) the revision folder, snapshots/ and blobs/ are real folders of the "
                 "repository's cache, and ckptshim reads a snapshot's linked files only from that blobs/ "
                 "folder. Download the model again, or copy the snapshot's files into a folder of their own.")
-    return path.resolve(), blobs.resolve()
+    return path, blobs
 
 
-def _real_folder(path: Path) -> bool:
-    """A folder, and not a link to one (``lstat``: nothing followed)."""
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def weights_file(path: Path, settings: dict | None) -> str:
-    """The weights file of the folder ``path`` that transformers' ``from_pretrained`` reads.
-
-    ``config.json``'s ``transformers_weights`` when it names one, else the first of
-    :data:`WEIGHT_FILES` present -- so ``model.safetensors`` wins over an index beside it, as it
-    does in transformers. Reading another file than transformers would load other values under
-    the same names, without a word. ``settings`` is the folder's :func:`model_config`.
-    """
-    explicit = _explicit_weights_file(path, settings)
-    if explicit is not None:
-        return explicit
-    return next(name for name in WEIGHT_FILES if (path / name).is_file())
-
-
-def _explicit_weights_file(path: Path, settings: dict | None) -> str | None:
+def _explicit_weights_file(path: Location, settings: dict | None) -> str | None:
     named = settings.get(_EXPLICIT) if settings is not None else None
     if named is None:
         return None
@@ -216,46 +190,63 @@ def _shards(index: bytes, where: object) -> list[str]:
             "re-copy it from the original.") from None
 
 
+def _not_a_name(shard: object) -> str:
+    """Why ``shard``, as a weight index names it, is no file name on a disk or in a bucket
+    (``""`` when it is one): not text, empty, a NUL byte, or a part longer than any file
+    system's names (``NAME_MAX``), which transformers could not open either."""
+    if not isinstance(shard, str):
+        return f"a {type(shard).__name__}, not text"
+    if not shard or "\0" in shard:
+        return "empty" if not shard else "a NUL byte"
+    if any(len(os.fsencode(part)) > _NAME_MAX for part in shard.split("/")):
+        return f"a name longer than {_NAME_MAX} bytes"
+    return ""
+
+
 def _named_inside(shard: object) -> bool:
     """Whether an index names ``shard`` as a file inside the folder (relative, no ``..``)."""
     return not PurePosixPath(shard).is_absolute() and ".." not in PurePosixPath(shard).parts
 
 
-def sniff_remote(names: Collection[str]) -> bool:
-    """Whether a bucket prefix whose listing holds ``names`` is a Hugging Face folder (a
-    ``transformers_weights`` in its config.json is honoured when opening)."""
-    return any(name in names for name in WEIGHT_FILES)
-
-
-def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoint:
-    """The Hugging Face folder below a bucket prefix: one bounded listing gives every object and
-    its size; config.json and the index are fetched whole, and the shards' headers by byte
-    ranges, those of every shard together (:func:`_open_objects`)."""
-    listed = {info.location.name: info for info in listing if info.kind == "file"}
-    marker.require_complete(root, listed)  # a folder ckptshim convert wrote: every object it lists
+@reader
+def open_checkpoint(path: Location | os.PathLike[str], listed: Sequence[ObjectInfo] | None = None) -> HFDirCheckpoint:
+    """The folder or bucket prefix ``path`` (whose listing ``listed`` may already be at hand):
+    one bounded listing gives every file and its size; config.json and the index are read
+    whole, and the shards' headers by byte ranges, those of every shard together
+    (:func:`_open_shards`). Links are followed only inside the folder (and a hub-cache
+    snapshot's ``blobs/``: :func:`_roots`). Its ``path`` is ``path`` as given."""
+    given, path = path, Location.of(path)
+    roots = _roots(path)
+    path.refuse_links_leaving(also=roots[1:])
+    listed = {info.location.name: info for info in (path.list() if listed is None else listed) if info.kind == "file"}
+    marker.require_complete(path, listed)  # a folder ckptshim convert wrote: every object it lists
     fetched = _fetch_together(listed)
     settings = None if CONFIG not in listed else \
-        _config_from(fetched[CONFIG], root / CONFIG) if CONFIG in fetched else model_config(root)
-    chosen = _explicit_weights_file(root, settings) or next((name for name in WEIGHT_FILES if name in listed), None)
+        _config_from(fetched[CONFIG], path / CONFIG) if CONFIG in fetched else model_config(path)
+    chosen = _explicit_weights_file(path, settings) or next((name for name in WEIGHT_FILES if name in listed), None)
     if chosen is None:
         raise UnknownFormatError(
-            f"{root}: holds none of {', '.join(WEIGHT_FILES)}; it is not a Hugging Face folder ckptshim "
+            f"{path}: holds none of {', '.join(WEIGHT_FILES)}; it is not a Hugging Face folder ckptshim "
             "reads. Point at the folder that holds the weights.")
     if chosen.endswith(_INDEX_SUFFIX):
-        index = root.child(chosen)
+        index = path / chosen  # a name inside the folder (a link out of it refused above)
         raw = fetched.get(chosen) or index.read_bytes(MAX_CONFIG_BYTES, listed[chosen].size if chosen in listed else None)
         shards = _shards(raw, index)
     else:
         shards = [chosen]
+    for shard in shards:
+        why = _not_a_name(shard)
+        if why:
+            raise CorruptCheckpointError(f"{path / chosen}: shard {shard!r:.100} is not a file name ({why}); "
+                                         "re-copy the index from the original.")
+        if not _named_inside(shard):
+            raise CorruptCheckpointError(f"{path / chosen}: shard {shard!r:.100} lies outside the directory")
+    # shards in subfolders: one listing of every level finds them all (never a request per shard)
+    present = listed if all("/" not in shard for shard in shards) else path.files_named(shards)
+    objects = {shard: present.get(shard) for shard in shards}
+    parts = _open_shards({shard: found for shard, found in objects.items() if found is not None}, fetched)
     files: list[FileInfo] = []
     problems: list[str] = []
-    for shard in shards:
-        if not isinstance(shard, str) or not shard or not _named_inside(shard):
-            raise CorruptCheckpointError(f"{root / chosen}: shard {shard!r:.100} lies outside the directory")
-    # shards in subfolders: one listing of every level finds them all (never a request per shard)
-    present = listed if all("/" not in shard for shard in shards) else root.files_named(shards)
-    objects = {shard: present.get(shard) for shard in shards}
-    parts = _open_objects({shard: found for shard, found in objects.items() if found is not None}, fetched)
     for shard, found in objects.items():
         if found is None:
             files.append(FileInfo(shard, None))
@@ -263,14 +254,14 @@ def _open_remote(root: Location, listing: Sequence[ObjectInfo]) -> HFDirCheckpoi
         part = parts[shard]
         files += [FileInfo(shard, f.size, f.expected_size) for f in part.files]
         problems += [f"{shard}: {p}" for p in part.problems]
-    checkpoint = HFDirCheckpoint(root, chosen, parts, files, problems)
+    checkpoint = HFDirCheckpoint(given, chosen, parts, files, problems)
     checkpoint.model_config = settings
     return checkpoint
 
 
 def _fetch_together(listed: dict[str, ObjectInfo]) -> dict[str, bytes]:
-    """What opening a bucket's folder reads before any tensor, fetched in one parallel batch
-    (one round trip, not one per file in turn), by name: ``config.json`` and the weight indexes
+    """What opening a folder reads before any tensor, read in one batch (in a bucket, one
+    round trip, not one per file in turn), by name: ``config.json`` and the weight indexes
     whole (those no larger than a config may be: a larger one is refused where it is read), and
     the head of every ``.safetensors`` object listed (:data:`~ckptshim.formats.safetensors.HEAD_BYTES`),
     ahead of the index that names the shards -- a folder's safetensors objects are its shards."""
@@ -284,11 +275,11 @@ def _fetch_together(listed: dict[str, ObjectInfo]) -> dict[str, bytes]:
     return {name: bytes(data) for name, data in zip(small + shards, read_ranges(ranges) or ())}
 
 
-def _open_objects(shards: dict[str, ObjectInfo], fetched: dict[str, bytes]) -> dict[str, Checkpoint]:
-    """Each shard in a bucket opened by its name, as :func:`_open_file` opens a local one: the
-    safetensors shards from their heads (``fetched`` already, or here in one parallel batch),
-    the ``torch.save`` shards' ends in another."""
-    from ckptshim.formats import safetensors
+def _open_shards(shards: dict[str, ObjectInfo], fetched: dict[str, bytes]) -> dict[str, Checkpoint]:
+    """Each shard opened by its name (a hub-cache blob has no suffix of its own): the
+    safetensors shards from their heads (``fetched`` already, or here in one batch), the
+    ``torch.save`` shards' ends in another."""
+    from ckptshim.formats import safetensors  # only to open: the sniffers run before dcp.load's first read
 
     tensors = {shard: found for shard, found in shards.items() if shard.endswith(".safetensors")}
     pickles = {shard: found for shard, found in shards.items() if shard not in tensors}
@@ -296,46 +287,5 @@ def _open_objects(shards: dict[str, ObjectInfo], fetched: dict[str, bytes]) -> d
     heads = {**fetched, **dict(zip(missing, safetensors.heads([(tensors[s].location, tensors[s].size) for s in missing])))}
     parts: dict[str, Checkpoint] = {
         shard: safetensors.open_checkpoint(found.location, found.size, heads[shard]) for shard, found in tensors.items()}
-    parts.update(zip(pickles, torch_pickle.open_objects([(found.location, found.size) for found in pickles.values()])))
+    parts.update(zip(pickles, torch_pickle.open_files([(found.location, found.size) for found in pickles.values()])))
     return {shard: parts[shard] for shard in shards}
-
-
-@reader
-def open_checkpoint(path: Path | Location, listed: Sequence[ObjectInfo] | None = None) -> HFDirCheckpoint:
-    """The folder ``path`` (or bucket prefix, whose listing ``listed`` may already be at hand)."""
-    if isinstance(path, Location) and path.is_remote:
-        return _open_remote(path, path.list() if listed is None else listed)
-    roots = _roots(path)
-    Location.of(path).refuse_links_leaving(also=roots[1:])
-    settings = model_config(path)  # read once: the weights file it names, and the load's model config
-    chosen = weights_file(path, settings)
-    index_name = chosen if chosen.endswith(_INDEX_SUFFIX) else None
-    problems: list[str] = []
-    files: list[FileInfo] = []
-    if index_name is None:
-        shards = [chosen]
-        version = chosen
-    else:
-        shards = _shards(read_regular(path / index_name), path / index_name)
-        version = index_name
-    parts: dict[str, Checkpoint] = {}
-    for shard in shards:
-        try:
-            shard_path = (path / shard).resolve()
-            outside = not _named_inside(shard) or not any(root in shard_path.parents for root in roots)
-            present = not outside and shard_path.is_file()
-        except (OSError, ValueError, TypeError) as error:  # not a string, too long, a NUL byte
-            raise CorruptCheckpointError(f"{path / index_name}: shard {shard!r:.100} is not a file "
-                                         f"name ({error}); re-copy the index from the original.") from None
-        if outside:
-            raise CorruptCheckpointError(f"{path / index_name}: shard {shard!r} lies outside the directory")
-        if not present:
-            files.append(file_info(path / shard, root=path))
-            continue
-        part = _open_file(path / shard)  # by its name: a hub-cache blob has no suffix
-        parts[shard] = part
-        files += [FileInfo(shard, f.size, f.expected_size) for f in part.files]
-        problems += [f"{shard}: {p}" for p in part.problems]
-    checkpoint = HFDirCheckpoint(path, version, parts, files, problems)
-    checkpoint.model_config = settings
-    return checkpoint

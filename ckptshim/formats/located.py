@@ -10,17 +10,16 @@ refused beyond its limit before a byte is fetched.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from ckptshim.formats.base import FileInfo, Piece, file_info
+from ckptshim.formats.base import FileInfo, Piece
 from ckptshim.storage import Location, ObjectInfo
 
-#: Where a checkpoint or one of its files lies: a local path, or a remote location.
+#: Where a checkpoint or one of its files lies: a local path (as detection passes it to the JAX
+#: formats), or a location; every read below goes through :meth:`Location.of
+#: <ckptshim.storage.Location.of>` of it.
 Where = Path | Location
-
-
-def is_remote(path: Where) -> bool:
-    return isinstance(path, Location) and path.is_remote
 
 
 def head(path: Where, count: int) -> bytes:
@@ -53,16 +52,23 @@ def listing(root: Where) -> list[ObjectInfo]:
 
 def file_info_at(path: Where, expected_size: int | None = None, root: Where | None = None, *,
                  size: int | None = None, pieces: tuple[Piece, ...] = (), writer: str = "") -> FileInfo:
-    """What is at ``path`` (shown relative to ``root``) for a completeness report: locally as
-    :func:`~ckptshim.formats.base.file_info` says; remotely the object's size (``size``, where a
-    listing already gave it, else one request), or missing."""
-    if not is_remote(path):
-        return file_info(Path(path), expected_size, None if root is None else Path(root), pieces=pieces, writer=writer)
-    shown = path.relative_to(root) if root is not None else str(path)
-    if size is None:
-        try:
-            found = path.stat()
-        except (FileNotFoundError, NotADirectoryError):
-            return FileInfo(shown, None, expected_size, pieces=pieces, writer=writer)
-        size = found.size if found.kind == "file" else None
-    return FileInfo(shown, size, expected_size, pieces=pieces, writer=writer)
+    """What is at ``path`` (shown relative to ``root``) for a completeness report: its size
+    (``size``, where a listing already gave it, else one stat), and what it is (a regular file,
+    or a folder or a pipe, which ckptshim never reads as one), or missing."""
+    where = Location.of(path)
+    shown = str(where) if root is None else _below(where, Location.of(root))
+    if size is not None:
+        return FileInfo(shown, size, expected_size, pieces=pieces, writer=writer)
+    try:
+        found = where.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return FileInfo(shown, None, expected_size, pieces=pieces, writer=writer)
+    return FileInfo(shown, found.size, expected_size, pieces=pieces, writer=writer, kind=found.kind)
+
+
+def _below(where: Location, root: Location) -> str:
+    """``where``'s name below ``root`` as the two are spelled (links not followed: a report names
+    the file the checkpoint names)."""
+    prefix = str(root).rstrip("/") + "/"
+    text = str(where)
+    return text[len(prefix):] if text.startswith(prefix) else os.path.relpath(text, str(root))

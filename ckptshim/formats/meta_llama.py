@@ -88,7 +88,7 @@ def open_checkpoint(path: Path | Location) -> MetaLlamaCheckpoint:
     params = _params(root, next((info.size for info in listed if info.location.name == PARAMS), None))
     ranks = sorted((int(match[1]), info) for info in listed
                    if info.kind == "file" and (match := _SHARD.fullmatch(info.location.name)))
-    parts = torch_pickle.open_objects([(info.location, info.size) for _, info in ranks])
+    parts = torch_pickle.open_files([(info.location, info.size) for _, info in ranks])
     files = [FileInfo(info.location.name, part.files[0].size, part.files[0].expected_size,
                       tuple(f"{join_key(e.key)} {e.dtype}{list(e.shape)}" for e in part.inventory.values()))
              for (_, info), part in zip(ranks, parts)]

@@ -24,9 +24,10 @@ from typing import Any
 
 from ckptshim.errors import CorruptCheckpointError
 from ckptshim.formats import flax_msgpack, located, msgpack_tree
-from ckptshim.formats.base import reader, require_inside, step_folders
+from ckptshim.formats.base import reader, step_folders
 from ckptshim.formats.located import Where
 from ckptshim.inventory import Inventory, KeyPath
+from ckptshim.storage import Location
 
 NAME = "paxml-flax"
 STATE = "state"
@@ -278,8 +279,7 @@ def open_checkpoint(path: Where) -> PaxmlFlaxCheckpoint:
             raise CorruptCheckpointError(f"{path}: no PaxML checkpoint_<step> with a FLAX payload found")
         payload = found[max(found)]
         version += f", latest of {len(found)} step(s)"
-    if not located.is_remote(path):
-        require_inside(path, payload)
+    Location.of(payload).require_inside(Location.of(path))  # a payload linked out of the folder
     data = msgpack_tree.contents(payload)
     tree = msgpack_tree.read_tree(data, str(payload))
     if not isinstance(tree, dict) or set(tree) != {LEAVES, TREEDEF} or not isinstance(tree[TREEDEF], str):

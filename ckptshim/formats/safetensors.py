@@ -1,16 +1,15 @@
 """safetensors files: an 8-byte header length, a JSON header, then raw little-endian bytes.
 
 The header is parsed without the safetensors library and refused wherever the library refuses
-it (:mod:`~ckptshim.formats.safetensors_header`); arrays are read-only views of one memory map of
-the file, and a contiguous range of one is read with one
-``pread`` straight into the caller's buffer (:meth:`SafetensorsCheckpoint.read_into`).
-
-A file in a bucket (a remote :class:`~ckptshim.storage.Location`) is read the same way by byte
-ranges: the header from the file's first :data:`HEAD_BYTES` (a folder's shards' fetched in one
-parallel batch: :func:`heads`), validated by the same code; each array, or
-contiguous range of one, by exactly its bytes. A load reads many at once
-(:meth:`SafetensorsCheckpoint.byte_range`, then ``read_blocks``): their ranges go to the store in one batch, which
-fetches neighbouring tensors as one run and runs in parallel pieces, straight into the buffers.
+it (:mod:`~ckptshim.formats.safetensors_header`). A local file and an object in a bucket are read
+the same way, through their :class:`~ckptshim.storage.Location`: the header from the file's
+first :data:`HEAD_BYTES` (a folder's shards' asked for in one parallel batch: :func:`heads`), and
+one more range where it is longer; a whole array as a read-only view of the file's bytes
+(:meth:`~ckptshim.storage.OpenFile.view`: locally of a memory map, nothing copied; remotely
+exactly its bytes); a contiguous range of one as its byte range, read straight into the
+caller's buffer (:meth:`SafetensorsCheckpoint.byte_range`). A load reads many at once
+(``read_blocks``): their ranges go to the store in one batch (a bucket's fetches neighbouring
+tensors as one run, in parallel pieces).
 """
 
 from __future__ import annotations
@@ -18,25 +17,26 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, UnknownFormatError, brief
 from ckptshim.formats import safetensors_header
-from ckptshim.formats.base import (Checkpoint, FileInfo, check_view, contiguous, file_info, numpy_dtype,
-                                   open_regular, reader, storage_dtype)
+from ckptshim.formats.base import (Checkpoint, FileInfo, check_view, contiguous, numpy_dtype, reader,
+                                   storage_dtype)
 from ckptshim.formats.safetensors_header import MAX_HEADER, Header
 from ckptshim.inventory import Entry, Inventory, split_key
-from ckptshim.storage import ByteRange, Location, read_ranges
+from ckptshim.storage import ByteRange, Location, OpenFile, read_ranges
 
 NAME = "safetensors"
 #: The most a read into a view (a transposed block) or another dtype holds in its own buffer at once.
 BUFFER_BYTES = 16 * 2**20
 
 
-def sniff(path: Path) -> bool:
-    return path.is_file() and path.suffix == ".safetensors"
+def sniff(path: Path | Location) -> bool:
+    where = Location.of(path)
+    return PurePosixPath(where.name).suffix == ".safetensors" and where.is_file()
 
 
 #: torch's loaders read it, and a JAX restore takes one (a Hugging Face model as MaxText params)
@@ -49,29 +49,25 @@ HEAD_BYTES = 256 << 10
 
 
 def heads(files: Sequence[tuple[Location, int]]) -> list[bytes]:
-    """The first :data:`HEAD_BYTES` (or all) of each remote ``(file, size)``, fetched in parallel:
-    every shard's header of a folder in one round trip."""
+    """The first :data:`HEAD_BYTES` (or all) of each ``(file, size)``, read in one batch (a
+    bucket's in parallel): every shard's header of a folder in one round trip."""
     fetched = read_ranges([ByteRange(where, 0, min(size, HEAD_BYTES)) for where, size in files])
     return [bytes(data) for data in fetched or ()]
 
 
-def read_header(path: Path | Location, size: int | None = None, head: bytes | None = None) -> tuple[Header, int]:
+def read_header(path: Location, size: int | None = None, head: bytes | None = None) -> tuple[Header, int]:
     """The header, validated as the safetensors library validates it
-    (:mod:`~ckptshim.formats.safetensors_header`), and the offset where tensor data starts. A
-    remote file's header comes from its ``head`` (:func:`heads`; fetched here when not given),
-    and from one more byte range where it is longer; ``size`` is its size when already known
-    (from a listing)."""
-    if isinstance(path, Location) and path.is_remote:
-        size = path.stat().size if size is None else size
-        held = heads([(path, size)])[0] if head is None else head
+    (:mod:`~ckptshim.formats.safetensors_header`), and the offset where tensor data starts. It
+    comes from the file's ``head`` (:func:`heads`; read here when not given), and from one more
+    byte range where it is longer; ``size`` is the file's size when already known (from a
+    listing)."""
+    size = path.stat().size if size is None else size
+    held = heads([(path, size)])[0] if head is None else head
 
-        def read(start: int, count: int) -> bytes:
-            count = min(count, size - start)
-            return held[start:start + count] if start + count <= len(held) else path.read(start, count)
-        return _parse_header(path, size, read)
-    with open_regular(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        return _parse_header(path, size, lambda start, count: f.read(count))
+    def read(start: int, count: int) -> bytes:
+        count = min(count, size - start)
+        return held[start:start + count] if start + count <= len(held) else path.read(start, count)
+    return _parse_header(path, size, read)
 
 
 def _parse_header(path: object, size: int, read: Callable[[int, int], bytes]) -> tuple[Header, int]:
@@ -103,7 +99,7 @@ def _parse_header(path: object, size: int, read: Callable[[int, int], bytes]) ->
     return header, 8 + length
 
 
-def entries(path: Path | Location, header: Header, data_start: int, key_sep: str = ".") -> list[Entry]:
+def entries(path: Location | os.PathLike[str], header: Header, data_start: int, key_sep: str = ".") -> list[Entry]:
     """One entry per tensor of ``header``, located in ``path``'s data (starting at ``data_start``)."""
     out = []
     for name, info in header.tensors.items():
@@ -135,85 +131,70 @@ def _numpy_holds(shape: tuple[int, ...]) -> bool:
 
 
 class SafetensorsCheckpoint(Checkpoint):
-    """One or more safetensors files; entry locations are ``(file, begin, end)``."""
+    """One safetensors file; entry locations are ``(file, begin, end)``. Its bytes are read
+    through the file opened at its location (:meth:`~ckptshim.storage.Location.open`), on the
+    first read of a whole array."""
 
     #: each array is one row-major run of bytes, so an entry may be read under any shape of the
     #: same size (a block read of a ``Reshape`` splits axes into factors)
     row_major = True
 
-    def __init__(self, path: Path | Location, inventory: Inventory, files, problems=(), fmt: str = NAME) -> None:
+    def __init__(self, path: Location | os.PathLike[str], inventory: Inventory, files, problems=(),
+                 fmt: str = NAME) -> None:
         super().__init__(path, fmt, "1", inventory, tuple(files), tuple(problems))
-        self._maps: dict[str, np.memmap] = {}
-        #: a remote file by its name in the entries' locations, with its size (from the listing)
-        self._objects: dict[str, tuple[Location, int]] = {}
-        if isinstance(path, Location) and path.is_remote:
-            self._objects[str(path)] = (path, self.files[0].size or 0)
+        self._location = Location.of(path)
+        self._size = self.files[0].size or 0
+        self._file: OpenFile | None = None
 
     def read(self, entry: Entry) -> np.ndarray:
+        """The whole array, a read-only view of the file's bytes."""
         file, begin, end = entry.location
-        if file in self._objects:  # remote: exactly the tensor's bytes, by one (parallel) range read
-            where, size = self._objects[file]
-            check_view(entry, begin, end, size, file)
-            data = np.empty(end - begin, np.uint8)
-            where.read_into(begin, data)
-            return data.view(storage_dtype(entry.dtype)).reshape(entry.shape)
-        data = self._maps.get(file)
-        if data is None:
-            with open_regular(file) as raw:
-                data = self._maps[file] = np.memmap(raw, dtype=np.uint8, mode="r")
-        check_view(entry, begin, end, len(data), file)
-        return data[begin:end].view(storage_dtype(entry.dtype)).reshape(entry.shape)
+        check_view(entry, begin, end, self._size, file)
+        if self._file is None:
+            self._file = self._location.open()
+        data = self._file.view(begin, end - begin)
+        return np.frombuffer(data, storage_dtype(entry.dtype)).reshape(entry.shape)
 
     def check_entry(self, entry: Entry) -> None:
-        """A remote entry's range is checked against its object's size, never fetched."""
+        """The entry's range checked against the file's size; nothing is read."""
         file, begin, end = entry.location
-        if file in self._objects:
-            check_view(entry, begin, end, self._objects[file][1], file)
-        else:
-            super().check_entry(entry)
+        check_view(entry, begin, end, self._size, file)
 
     def read_into(self, entry: Entry, index: tuple, out: np.ndarray) -> None:
-        """``entry[index]`` into ``out``: one ``pread`` of exactly its bytes when the range is
+        """``entry[index]`` into ``out``: one read of exactly its bytes when the range is
         contiguous in the file (what a sharded load asks for: rows of a tensor) -- straight into
-        ``out`` when it is a C-contiguous buffer of the stored dtype, so nothing is mapped or
-        copied twice; else into a buffer of that range, then copied (cast) into ``out`` (a
-        transposed view, another dtype). A range that is not one run is copied from the memory
-        map (its pages only)."""
-        file, begin, end = entry.location
+        ``out`` when it is a C-contiguous buffer of the stored dtype (:meth:`byte_range`), so
+        nothing is copied twice; else into a buffer of that range, then copied (cast) into ``out``
+        (a transposed view, another dtype). A range that is not one run is copied from
+        :meth:`read`'s view (its bytes only)."""
+        direct = self.byte_range(entry, index, out)
+        if direct is not None:
+            read_ranges([direct], [out.reshape(-1).view(np.uint8)])
+            return None
         span = contiguous(entry.shape, index)
         if span is None:
             return super().read_into(entry, index, out)
-        remote = self._objects.get(file)
-        check_view(entry, begin, end, os.path.getsize(file) if remote is None else remote[1], file)
-        first, count = span
         stored = storage_dtype(entry.dtype)
-        direct = out.dtype == stored and out.flags.c_contiguous
-        if not direct and count * stored.itemsize > BUFFER_BYTES:
-            return self._read_in_parts(entry, index, out, count * stored.itemsize)
-        buffer = out if direct else np.empty(out.shape, stored)
-        target = memoryview(buffer.reshape(-1).view(np.uint8))
-        if remote is None:
-            _pread(file, begin + first * stored.itemsize, target, entry)
-        else:
-            remote[0].read_into(begin + first * stored.itemsize, target)
-        if not direct:
-            np.copyto(out, buffer if out.dtype == stored else buffer.view(numpy_dtype(entry.dtype)), casting="unsafe")
+        if span[1] * stored.itemsize > BUFFER_BYTES:
+            return self._read_in_parts(entry, index, out, span[1] * stored.itemsize)
+        buffer = np.empty(out.shape, stored)
+        self.read_into(entry, index, buffer)
+        np.copyto(out, buffer if out.dtype == stored else buffer.view(numpy_dtype(entry.dtype)), casting="unsafe")
         return None
 
     def byte_range(self, entry: Entry, index: tuple, out: np.ndarray) -> ByteRange | None:
-        """For a remote file, where ``entry[index]`` is one run of the tensor's bytes and ``out``
-        a C-contiguous buffer of the stored dtype (what ``dcp.load`` and ``convert`` ask for): that
-        run's byte range, which :meth:`read_blocks` fetches with the others in one batch
-        (neighbouring ranges as one run, bounded requests in parallel, straight into ``out``)."""
+        """Where ``entry[index]`` is one run of the tensor's bytes and ``out`` a C-contiguous
+        buffer of the stored dtype (what ``dcp.load`` and ``convert`` ask for): that run's byte
+        range, which :meth:`read_blocks` reads with the others in one batch (in a bucket,
+        neighbouring ranges as one run, bounded requests in parallel), straight into ``out``."""
         file, begin, end = entry.location
-        remote = self._objects.get(file)
         span = contiguous(entry.shape, index)
         stored = storage_dtype(entry.dtype)
-        if remote is None or span is None or out.dtype != stored or not out.flags.c_contiguous:
+        if span is None or out.dtype != stored or not out.flags.c_contiguous:
             return None
-        check_view(entry, begin, end, remote[1], file)
+        check_view(entry, begin, end, self._size, file)
         first, count = span
-        return ByteRange(remote[0], begin + first * stored.itemsize, count * stored.itemsize)
+        return ByteRange(self._location, begin + first * stored.itemsize, count * stored.itemsize)
 
     def _read_in_parts(self, entry: Entry, index: tuple, out: np.ndarray, nbytes: int) -> None:
         """A contiguous range too big for one buffer, read as runs of its first ranged axis (each
@@ -229,30 +210,18 @@ class SafetensorsCheckpoint(Checkpoint):
             self.read_into(entry, part, out[(slice(None),) * at + (slice(low - start, high - start),)])
 
     def close(self) -> None:
-        self._maps.clear()
-
-
-def _pread(file: str, offset: int, target: memoryview, entry: Entry) -> None:
-    """Fill ``target`` from ``file`` at ``offset``."""
-    with open_regular(file, buffering=0) as raw:
-        done = 0
-        while done < len(target):
-            read = os.preadv(raw.fileno(), [target[done:]], offset + done)
-            if read == 0:
-                raise CorruptCheckpointError(f"{file}: {'.'.join(entry.key)!r} ends early; the file is truncated.")
-            done += read
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 @reader
-def open_checkpoint(path: Path | Location, size: int | None = None, head: bytes | None = None) -> SafetensorsCheckpoint:
-    """The file ``path``, local or an object in a bucket (its header fetched by byte ranges;
-    ``size`` its size when a listing already gave it, ``head`` its first bytes when fetched
-    with other files' by :func:`heads`)."""
-    remote = isinstance(path, Location) and path.is_remote
-    if remote and size is None:
-        size = path.stat().size
-    header, start = read_header(path, size, head)
-    found = entries(path, header, start)
+def open_checkpoint(path: Location | os.PathLike[str], size: int | None = None, head: bytes | None = None) -> SafetensorsCheckpoint:
+    """The file at ``path`` (``size`` its size when a listing already gave it, ``head`` its first
+    bytes when read with other files' by :func:`heads`). Its ``path`` is ``path`` as given."""
+    where = Location.of(path)
+    size = where.stat().size if size is None else size
+    header, start = read_header(where, size, head)
     expected = start + header.data_length
-    info = FileInfo(str(path), size, expected) if remote else file_info(path, expected)
-    return SafetensorsCheckpoint(path, Inventory(found, str(path)), [info])
+    return SafetensorsCheckpoint(path, Inventory(entries(path, header, start), str(path)),
+                                 [FileInfo(str(path), size, expected)])

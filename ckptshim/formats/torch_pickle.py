@@ -11,20 +11,23 @@ file runs; torch is not even imported. Any other global is refused, naming it. O
 storage, as torch checks them. Tensor bytes are then read-only views of a memory map of the
 (uncompressed) zip member that holds each storage.
 
-A file in a bucket (a remote :class:`~ckptshim.storage.Location`) is parsed by the same code,
-through a :class:`~ckptshim.storage.ranged.Window` onto the object that reads byte ranges: its
-first :data:`HEAD_BYTES` and last :data:`TAIL_BYTES` (the pickle, and the zip directory) in one
-parallel batch; then, in a batch each where those did not hold them, the pickle and the local
-headers of the storages it names (:func:`_prefetch`). Every member is checked against the
-object's size, as against a local file's, and nothing outside the object is read. Tensors are
-then read by exactly their byte ranges (:meth:`TorchPickleCheckpoint.byte_range`, batched by
-``read_blocks``). A pre-1.6 ``torch.save`` file (a bare pickle, not a zip) is not
-read from a bucket: :func:`sniff_object` says to download it.
+A local file and an object in a bucket are read the same way, through
+:meth:`Location.open <ckptshim.storage.Location.open>` and a
+:class:`~ckptshim.storage.ranged.Window` onto it: the file's first :data:`HEAD_BYTES` and last
+:data:`TAIL_BYTES` (the pickle, and the zip directory) asked for ahead in one parallel batch (an
+object fetches them; a local file, with the page cache behind it, needs nothing fetched), then,
+where those did not hold them, the pickle and the local headers of the storages it names
+(:func:`_prefetch`). Every member is checked against the file's size, and nothing outside it is
+read. A whole tensor is a view of the file's bytes (:meth:`~ckptshim.storage.OpenFile.view`:
+locally of a memory map, nothing copied; remotely exactly its bytes, fetched); a block of one
+is its byte range (:meth:`TorchPickleCheckpoint.byte_range`, batched by ``read_blocks``). A
+pre-1.6 ``torch.save`` file (a bare pickle, not a zip) is not read: :func:`refuse_legacy`.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import struct
 import zipfile
 import zlib
@@ -36,13 +39,12 @@ from typing import BinaryIO
 import numpy as np
 
 from ckptshim.errors import CorruptCheckpointError, ShimError, UnknownFormatError
-from ckptshim.formats import safe_pickle
-from ckptshim.formats.base import (Budget, Checkpoint, FileInfo, check_view, contiguous, file_info, open_regular, reader,
-                                   reading, storage_dtype)
+from ckptshim.formats import located, safe_pickle
+from ckptshim.formats.base import Budget, Checkpoint, FileInfo, check_view, contiguous, reader, reading, storage_dtype
 from ckptshim.formats.torch_globals import ExtraGlobals, Globals, Storage, StorageRef, Tensor, TensorRef
 from ckptshim.inventory import Entry, Inventory, dtype_name, flatten
-from ckptshim.storage import ByteRange, Location
-from ckptshim.storage.ranged import RangedFile, Window, archive_spans, prefetch
+from ckptshim.storage import ByteRange, Location, OpenFile
+from ckptshim.storage.ranged import Window, archive_spans, prefetch
 
 NAME = "torch-pickle"
 #: Nesting deeper than any state dict (an optimizer's is four levels deep); deeper pickles cost
@@ -74,34 +76,25 @@ def _opens_with_pickle(head: bytes) -> bool:
     return head[_LOCAL_HEADER:_LOCAL_HEADER + name_length].endswith(b"/data.pkl")
 
 
-def sniff(path: Path) -> bool:
-    """A ``torch.save`` zip archive, judged from the first local header alone, so a truncated
-    file (its central directory gone) is still recognised, and then reported as truncated
-    rather than as an unknown format. A legacy one is refused (:func:`refuse_legacy`)."""
-    if not path.is_file():
-        return False
-    with open_regular(path) as f:
-        head = f.read(_FIRST_HEADER)
+def sniff(path: Path | Location) -> bool:
+    """A ``torch.save`` zip archive (whatever its name: ``model.pt``, ``pytorch_model.bin``,
+    Lightning's ``.ckpt``), judged from the first local header alone, so a truncated file (its
+    central directory gone) is still recognised, and then reported as truncated rather than as
+    an unknown format. A legacy one is refused (:func:`refuse_legacy`)."""
+    head = located.head(path, _FIRST_HEADER)
     refuse_legacy(path, head)
-    return _opens_with_pickle(head)
-
-
-def sniff_object(where: Location, size: int) -> bool:
-    """:func:`sniff` for the ``size``-byte object ``where`` in a bucket, whatever its name
-    (``model.pt``, ``pytorch_model.bin``, Lightning's ``.ckpt``), from its first bytes."""
-    head = where.read(0, min(size, _FIRST_HEADER))
-    refuse_legacy(where, head)
     return _opens_with_pickle(head)
 
 
 def refuse_legacy(where: Path | Location, head: bytes) -> None:
     """An :class:`UnknownFormatError` saying what to do when ``head`` starts a ``torch.save``
     file of the legacy format (torch < 1.6: a bare pickle, its storages after it with no
-    directory), which ckptshim does not read: a bucket cannot serve it by ranges, and nothing
-    else should mistake it for its own format (its first byte is also an empty msgpack map)."""
+    directory), which ckptshim does not read: no directory says where its storages lie (so no
+    bucket can serve it by ranges either), and nothing else should mistake it for its own format
+    (its first byte is also an empty msgpack map)."""
     if not head.startswith(_LEGACY_MAGIC):
         return
-    remote = isinstance(where, Location) and where.is_remote
+    remote = Location.of(where).is_remote  # what to tell the user only: the reading is the same
     raise UnknownFormatError(
         f"{where} is a torch.save file in the legacy format (torch < 1.6, not a zip archive), which "
         f"ckptshim does not read{' from object storage' if remote else ''}. "
@@ -113,16 +106,22 @@ READERS = {"torch": sniff}
 
 
 class TorchPickleCheckpoint(Checkpoint):
-    """One ``torch.save`` archive; entry locations are ``(file, TensorRef)``. A local one is read
-    from a memory map; one in a bucket (``size`` bytes, from its listing) by byte ranges."""
+    """One ``torch.save`` archive; entry locations are ``(file, TensorRef)``. Its bytes are read
+    through the file opened at its location (:meth:`~ckptshim.storage.Location.open`), on the
+    first read; ``size``: the file's, where known (a listing, a stat), else taken then."""
 
     def __init__(self, path: Path | Location, inventory: Inventory, files, offsets: dict[str, int],
                  size: int | None = None) -> None:
         super().__init__(path, NAME, "zip", inventory, tuple(files))
         self._offsets = offsets
-        self._map: np.memmap | None = None
-        self._remote = isinstance(path, Location) and path.is_remote
-        self._size = size
+        self._location = Location.of(path)
+        self._size = size if size is not None or not self.files else self.files[0].size
+        self._file: OpenFile | None = None
+
+    def _opened(self) -> OpenFile:
+        if self._file is None:
+            self._file = self._location.open()
+        return self._file
 
     def _storage(self, entry: Entry) -> tuple[TensorRef, int]:
         """``entry``'s tensor record and where its storage starts, checked against the file."""
@@ -130,51 +129,43 @@ class TorchPickleCheckpoint(Checkpoint):
         start = self._offsets.get(ref.storage.key)
         if start is None:
             raise CorruptCheckpointError(f"{self.path}: storage {ref.storage.key} is missing from the archive")
-        if not self._remote and self._map is None:
-            self._map = np.memmap(Path(self.path), dtype=np.uint8, mode="r")  # a local Location too
-        available = self._size if self._remote else len(self._map)
+        if self._size is None:
+            self._size = self._location.stat().size
         check_view(Entry(entry.key, (ref.storage.numel,), ref.storage.dtype), start, start + ref.storage.nbytes,
-                   available, str(self.path))
+                   self._size, str(self.path))
         return ref, start
 
     def read(self, entry: Entry) -> np.ndarray:
+        """The tensor, a read-only view of the file's bytes: exactly its own where it is dense in
+        its storage, else a strided view of its storage's."""
         ref, start = self._storage(entry)
-        where = f"{self.path}: {'.'.join(entry.key)!r}"
-        if not self._remote:
-            return tensor_view(self._map[start:start + ref.storage.nbytes], ref, where)
         dense = _dense(ref)
-        if dense is not None:  # exactly the tensor's bytes
-            data = np.empty(entry.shape, storage_dtype(ref.storage.dtype))
-            self.path.read_into(dense.start + start, memoryview(data.reshape(-1).view(np.uint8)))
-            return data
-        data = np.empty(ref.storage.nbytes, np.uint8)  # a strided view: its whole storage
-        self.path.read_into(start, memoryview(data))
-        return tensor_view(data, ref, where)
+        if dense is not None:
+            data = self._opened().view(start + dense.start, dense.stop - dense.start)
+            return np.frombuffer(data, storage_dtype(ref.storage.dtype)).reshape(ref.shape)
+        data = self._opened().view(start, ref.storage.nbytes)
+        return tensor_view(np.frombuffer(data, np.uint8), ref, f"{self.path}: {'.'.join(entry.key)!r}")
 
     def check_entry(self, entry: Entry) -> None:
-        """A remote entry's storage is checked against the object's size, never fetched."""
-        if self._remote:
-            self._storage(entry)
-        else:
-            super().check_entry(entry)
+        """The entry's storage checked against the file's size; nothing is read."""
+        self._storage(entry)
 
     def byte_range(self, entry: Entry, index: tuple, out: np.ndarray) -> ByteRange | None:
-        """For a file in a bucket, where the tensor is dense in its storage, ``entry[index]`` one
-        run of it and ``out`` a C-contiguous buffer of the stored dtype (what ``dcp.load`` and
-        ``convert`` ask for): that run's byte range, for :meth:`read_blocks` to fetch with the
-        others in one batch."""
-        if not self._remote:
-            return None
+        """Where the tensor is dense in its storage, ``entry[index]`` one run of it and ``out`` a
+        C-contiguous buffer of the stored dtype (what ``dcp.load`` and ``convert`` ask for): that
+        run's byte range, for :meth:`read_blocks` to read with the others in one batch."""
         ref, start = self._storage(entry)
         dense, span = _dense(ref), contiguous(entry.shape, index)
         stored = storage_dtype(ref.storage.dtype)
         if dense is None or span is None or out.dtype != stored or not out.flags.c_contiguous:
             return None
         first, count = span
-        return ByteRange(self.path, start + dense.start + first * stored.itemsize, count * stored.itemsize)
+        return ByteRange(self._location, start + dense.start + first * stored.itemsize, count * stored.itemsize)
 
     def close(self) -> None:
-        self._map = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def _dense(ref: TensorRef) -> slice | None:
@@ -274,11 +265,11 @@ def _read_archive(raw: BinaryIO, where: str, extra: ExtraGlobals | None) -> Arch
 
 def _prefetch(raw: BinaryIO, whole: Iterable[zipfile.ZipInfo], headers: Iterable[zipfile.ZipInfo],
               size: int) -> None:
-    """Over an object in a bucket (a :class:`Window` onto a :class:`RangedFile`), fetch in one
-    parallel batch what the parse reads next, piece by piece: the ``whole`` members (the pickle,
+    """Ask for ahead, in one parallel batch, what the parse reads next, piece by piece (through a
+    :class:`Window`; an object fetches it, a local file needs nothing fetched): the ``whole`` members (the pickle,
     with their local headers) and the local header of each of ``headers`` (the storages the
     pickle named, whose data starts after it). A member the directory says runs past the
-    archive's ``size`` is left for the parse to refuse, unfetched; locally, nothing is done."""
+    archive's ``size`` is left for the parse to refuse, unfetched."""
     if isinstance(raw, Window):
         raw.prefetch([(info.header_offset, _LOCAL_HEADER + _LOCAL_SLACK + info.compress_size) for info in whole
                       if info.header_offset + info.compress_size <= size]
@@ -391,36 +382,39 @@ def flat_tree(tree: object, where: str) -> dict[tuple[str, ...], object]:
 
 
 @reader
-def open_checkpoint(path: Path | Location, size: int | None = None) -> TorchPickleCheckpoint:
-    """The ``torch.save`` file ``path``, local or an object in a bucket (``size`` its size when a
-    listing gave it)."""
-    if isinstance(path, Location) and path.is_remote:
-        return open_objects([(path, size if size is not None else path.stat().size)])[0]
+def open_checkpoint(path: Location | os.PathLike[str], size: int | None = None) -> TorchPickleCheckpoint:
+    """The ``torch.save`` file at ``path`` (``size`` its size when a listing gave it)."""
+    return open_files([(path, size)])[0]
+
+
+def open_files(files: Sequence[tuple[Location | os.PathLike[str], int | None]]) -> list[TorchPickleCheckpoint]:
+    """Each ``(file, size)`` opened as a ``torch.save`` archive (``size``: where a listing gave
+    it), parsed by :func:`read_archive` through a :class:`Window` onto it; the first and last
+    bytes of all of them (their pickles and zip directories) asked for ahead in one batch. Each
+    checkpoint's ``path`` is the file as given."""
+    opened: list[tuple[Location | os.PathLike[str], OpenFile, int]] = []
     try:
-        with open_regular(path) as local:
-            archive = read_archive(local, str(path))
-    except OSError as error:
-        raise CorruptCheckpointError(f"{path}: cannot be read ({error})") from None
-    entries, expected = _entries(path, archive)
-    return _opened(path, entries, file_info(path, expected), archive)
+        for given, size in files:
+            where = Location.of(given)
+            try:
+                file = where.open()
+            except OSError as error:
+                raise CorruptCheckpointError(f"{where}: cannot be read ({error})") from None
+            opened.append((given, file, where.stat().size if size is None else size))
+        prefetch([(file, archive_spans(0, size, HEAD_BYTES, TAIL_BYTES)) for _, file, size in opened])
+        out = []
+        for given, file, size in opened:
+            with reading(given, "opening it"):
+                archive = read_archive(Window(file, 0, size), str(given))
+            entries, expected = _entries(given, archive)
+            out.append(_opened(given, entries, FileInfo(str(given), size, expected), archive, size))
+        return out
+    finally:
+        for _, file, _ in opened:
+            file.close()
 
 
-def open_objects(objects: Sequence[tuple[Location, int]]) -> list[TorchPickleCheckpoint]:
-    """Each ``(object, size)`` in a bucket opened as a ``torch.save`` file: the first and last
-    bytes of all of them (their pickles and zip directories) fetched in one parallel batch, then
-    each parsed by :func:`read_archive` through a :class:`Window` onto it, as a local file is."""
-    files = [RangedFile(where) for where, _ in objects]
-    prefetch([(file, archive_spans(0, size, HEAD_BYTES, TAIL_BYTES)) for file, (_, size) in zip(files, objects)])
-    out = []
-    for file, (where, size) in zip(files, objects):
-        with reading(where, "opening it"), file:
-            archive = read_archive(Window(file, 0, size), str(where))
-        entries, expected = _entries(where, archive)
-        out.append(_opened(where, entries, FileInfo(str(where), size, expected), archive, size))
-    return out
-
-
-def _entries(path: Path | Location, archive: Archive) -> tuple[list[Entry], int]:
+def _entries(path: Location | os.PathLike[str], archive: Archive) -> tuple[list[Entry], int]:
     """One entry per tensor of ``archive`` (its key split at dots, as torch's state dicts spell
     it), and the bytes of the file its storages need."""
     entries, expected = [], 0
@@ -434,7 +428,7 @@ def _entries(path: Path | Location, archive: Archive) -> tuple[list[Entry], int]
     return entries, expected
 
 
-def _opened(path: Path | Location, entries: list[Entry], info: FileInfo, archive: Archive,
+def _opened(path: Location | os.PathLike[str], entries: list[Entry], info: FileInfo, archive: Archive,
             size: int | None = None) -> TorchPickleCheckpoint:
     checkpoint = TorchPickleCheckpoint(path, Inventory(entries, str(path)), [info], archive.offsets, size)
     checkpoint.problems = archive.problems

@@ -49,7 +49,7 @@ def open_checkpoint(path: Path | Location) -> hf_dir.HFDirCheckpoint:
     total = int(counts.pop())
     names = [f"model-{at:05d}-of-{total:05d}.bin" for at in range(1, total + 1)]
     present = [name for name in names if name in found]
-    parts = dict(zip(present, torch_pickle.open_objects([(found[name][1].location, found[name][1].size)
+    parts = dict(zip(present, torch_pickle.open_files([(found[name][1].location, found[name][1].size)
                                                          for name in present])))
     files: list[FileInfo] = []
     problems: list[str] = []

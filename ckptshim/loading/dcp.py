@@ -143,8 +143,7 @@ def remote_reader(checkpoint_id: Any, given: StorageReader | None,
     wrong in its own words). A listing ckptshim refuses (too many entries, a name leaving the
     prefix) is a refusal, final as any.
     """
-    from ckptshim.formats import safetensors, torch_pickle
-    from ckptshim.formats.detect import remote_object
+    from ckptshim.formats.detect import OBJECT_FORMATS, object_format
 
     url = str(checkpoint_id if checkpoint_id is not None else getattr(given, "path", ""))
     try:
@@ -152,7 +151,7 @@ def remote_reader(checkpoint_id: Any, given: StorageReader | None,
         try:
             listed = location.list()
         except FileNotFoundError:  # no prefix: a safetensors or torch.save object, or nothing
-            fmt = remote_object(location, (safetensors, torch_pickle))
+            fmt = object_format(location, OBJECT_FORMATS)
             if fmt is None:
                 raise NoPlan(f"{url}: an object ckptshim does not read; DCP's own reader decides") from None
             return FormatReader(location, fmt, hook=HOOK)
@@ -166,7 +165,7 @@ def remote_reader(checkpoint_id: Any, given: StorageReader | None,
     if dcp.metadata_names(names):
         registry = given.transforms.extension_registry if given is not None else None
         return RemoteDcpReader(location, registry, listed, remaps)
-    if hf_dir.sniff_remote(names):
+    if hf_dir.sniff_listed(names):
         return FormatReader(location, hf_dir, hook=HOOK, listed=listed)
     from ckptshim.formats.detect import LOCATION_SNIFFED
 

@@ -8,11 +8,11 @@ Importing this package imports neither fsspec nor tensorstore, torch nor jax.
 
 from ckptshim.storage import local, objects
 from ckptshim.storage.location import (DEFAULT_LIST_LIMIT, REMOTE_SCHEMES, ByteRange, Location, ObjectInfo,
-                                       Store, UnsupportedLocation, read_ranges, register_store)
+                                       OpenFile, Store, UnsupportedLocation, read_ranges, register_store)
 
 register_store("", lambda kind: local.LocalFiles())
 for _scheme in objects.CLIENTS:
     register_store(_scheme, objects.FsspecObjects)
 
-__all__ = ["DEFAULT_LIST_LIMIT", "REMOTE_SCHEMES", "ByteRange", "Location", "ObjectInfo", "Store",
+__all__ = ["DEFAULT_LIST_LIMIT", "REMOTE_SCHEMES", "ByteRange", "Location", "ObjectInfo", "OpenFile", "Store",
            "UnsupportedLocation", "read_ranges", "register_store"]

@@ -114,6 +114,47 @@ def require_target_inside(path: Path, allowed: tuple[Path, ...], root: Path) -> 
             "checkpoint instead of linking to it.")
 
 
+class LocalFile:
+    """A local regular file opened for reads by offset (:meth:`~ckptshim.storage.Location.open`):
+    ``preadv`` on its descriptor straight into the caller's buffer, and views of one memory map
+    of it, mapped on the first view -- an array read whole is never copied until its destination
+    takes it. Nothing is fetched ahead: the page cache does that."""
+
+    def __init__(self, location: Location) -> None:
+        self.location = location
+        self._raw = open_regular(location, buffering=0)
+        self._map: mmap.mmap | bytes | None = None
+
+    def __enter__(self) -> LocalFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the descriptor; a memory map lives on in views handed out (it is dropped, never
+        closed under them)."""
+        self._raw.close()
+        self._map = None
+
+    def pread(self, buffer: memoryview, offset: int) -> int:
+        return os.preadv(self._raw.fileno(), [buffer], offset)
+
+    def view(self, start: int, length: int) -> memoryview:
+        if self._map is None:
+            size = os.fstat(self._raw.fileno()).st_size
+            self._map = mmap.mmap(self._raw.fileno(), size, access=mmap.ACCESS_READ) if size else b""
+        if start < 0 or start + length > len(self._map):
+            raise truncated(self.location, start, start + length, len(self._map))
+        return memoryview(self._map)[start:start + length]
+
+    def wanted(self, spans: object) -> list[tuple[int, int]]:
+        return []
+
+    def hold(self, start: int, data: bytearray) -> None:
+        raise AssertionError(f"{self.location}: a local file fetches nothing ahead")
+
+
 class LocalFiles:
     """The :class:`~ckptshim.storage.store.Store` of local paths."""
 
@@ -126,6 +167,9 @@ class LocalFiles:
     def stat(self, location: Location) -> ObjectInfo:
         found = os.stat(location.path)
         return ObjectInfo(location, found.st_size, kind(found.st_mode))
+
+    def is_link(self, location: Location) -> bool:
+        return os.path.islink(location.path)
 
     def list(self, location: Location, limit: int, recursive: bool) -> list[ObjectInfo]:
         found: list[ObjectInfo] = []
@@ -151,6 +195,9 @@ class LocalFiles:
                     yield ObjectInfo(child, found.st_size, kind(found.st_mode))
                     if recursive and entry.is_dir(follow_symlinks=False):
                         pending.append(child)
+
+    def open(self, location: Location) -> LocalFile:
+        return LocalFile(location)
 
     def whole(self, location: Location, limit: int | None, size: int | None) -> bytes | mmap.mmap:
         """The file memory-mapped (an empty one as ``b""``, which cannot be mapped)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -272,6 +272,10 @@ class Location:
         except (FileNotFoundError, NotADirectoryError):
             return False
 
+    def is_link(self) -> bool:
+        """A symbolic link (locally; an object store holds none), whatever it points at."""
+        return store_for(self).is_link(self)
+
     def is_dir(self) -> bool:
         """A folder, or a prefix that objects share."""
         try:
@@ -302,6 +306,13 @@ class Location:
         listed = self.list(limit, recursive=any("/" in name for name in names))
         found = {info.location.relative_to(self): info for info in listed if info.kind == "file"}
         return {name: found[name] for name in names if name in found}
+
+    def open(self) -> OpenFile:
+        """The file or object here, opened for many reads by offset (a parser's ``pread``s, views
+        of its arrays): what its store does best -- locally a descriptor and a memory map, remotely
+        byte ranges, with the spans a parser is about to read fetched together
+        (:func:`~ckptshim.storage.ranged.prefetch`). Close it (or use it in a ``with``)."""
+        return store_for(self).open(self)
 
     def read(self, start: int, length: int) -> bytes:
         """Exactly ``length`` bytes from offset ``start``, or an error that says what is short."""
@@ -372,6 +383,34 @@ class ByteRange:
         return self.start + self.length
 
 
+class OpenFile(Protocol):
+    """A file or object opened by :meth:`Location.open`: read by offset as a parser reads a file.
+    Every read fills exactly what it asks for or raises (a short file: a
+    :class:`~ckptshim.errors.CorruptCheckpointError` naming it)."""
+
+    location: Location
+
+    def pread(self, buffer: memoryview, offset: int) -> int:
+        """Fill ``buffer`` from ``offset``; how many bytes were read (fewer only at the end of the file)."""
+
+    def view(self, start: int, length: int) -> memoryview:
+        """``length`` bytes from ``start``, read-only: locally a view of a memory map (nothing is
+        copied, only the pages touched are read), remotely the fetched bytes."""
+
+    def wanted(self, spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Which spans ``(start, length)`` are worth fetching ahead, together (none where every
+        read is cheap: a local file, with the page cache behind it)."""
+
+    def hold(self, start: int, data: bytearray) -> None:
+        """Keep ``data``, fetched from ``start``, to answer reads inside it."""
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> OpenFile: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
 class Store(Protocol):
     """The reads a location delegates. Nothing there: ``FileNotFoundError``; something ckptshim
     will not read: a :class:`~ckptshim.errors.ShimError`; every read fills exactly the bytes
@@ -382,6 +421,8 @@ class Store(Protocol):
 
     def stat(self, location: Location) -> ObjectInfo: ...
 
+    def is_link(self, location: Location) -> bool: ...
+
     def list(self, location: Location, limit: int, recursive: bool) -> list[ObjectInfo]: ...
 
     def read_ranges(self, ranges: Sequence[ByteRange], buffers: Sequence[memoryview]) -> None: ...
@@ -389,6 +430,8 @@ class Store(Protocol):
     def whole(self, location: Location, limit: int | None, size: int | None) -> bytes | bytearray | mmap.mmap: ...
 
     def refuse_links_leaving(self, location: Location, also: Sequence[Location]) -> None: ...
+
+    def open(self, location: Location) -> OpenFile: ...
 
 
 _STORES: dict[str, Callable[[str], Store]] = {}

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptshim.storage.location import ByteRange, Location, ObjectInfo
+from ckptshim.storage.ranged import RangedFile
 from ckptshim.storage.problems import outside, too_large, too_many, truncated, unreachable
 
 #: Byte ranges in flight at once, per call.
@@ -98,11 +99,18 @@ class FsspecObjects:
                 raise unreachable(location, endpoint(self.fs, self.scheme), error) from error
             raise
 
+    def open(self, location: Location) -> RangedFile:
+        return RangedFile(location)
+
     def stat(self, location: Location) -> ObjectInfo:
         with self._reaching(location):
             info = self.fs.info(fsspec_path(location))
         kind = "directory" if info.get("type") == "directory" else "file"
         return ObjectInfo(location, int(info.get("size") or 0), kind)
+
+    def is_link(self, location: Location) -> bool:
+        """Never: an object store holds objects only."""
+        return False
 
     def list(self, location: Location, limit: int, recursive: bool) -> list[ObjectInfo]:
         prefix = fsspec_path(location).rstrip("/") + "/"

@@ -357,6 +357,7 @@ class JsonTarget:
 
     def __call__(self, text: bytes) -> None:
         from ckptshim.formats import orbax, safetensors, zarr
+        from ckptshim.storage import Location
 
         def run() -> None:
             try:
@@ -366,7 +367,7 @@ class JsonTarget:
             path = self.workdir / "model.safetensors"
             path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(64))
             try:
-                header, start = safetensors.read_header(path)
+                header, start = safetensors.read_header(Location.of(path))
                 safetensors.entries(path, header, start)
             except ShimError:
                 pass

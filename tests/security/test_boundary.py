@@ -66,7 +66,7 @@ class _FailingFuture:
 
 @pytest.mark.parametrize("name, module, function, replacement", [
     ("safetensors", safetensors, "check_view", _boom),
-    ("torch-pickle", torch_pickle, "tensor_view", _boom),
+    ("torch-pickle", torch_pickle, "check_view", _boom),
     ("torch-dcp", dcp, "read_chunk", _boom),
     ("flax-msgpack", msgpack_tree, "copy_inline", _boom),
     ("orbax-legacy", ts_arrays.TensorstoreArrays, "read_into", _boom),

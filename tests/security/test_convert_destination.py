@@ -159,7 +159,8 @@ def test_full_destination_through_convert(tmp_path, monkeypatch, capsys):
     from ckptshim.conversion import safetensors_writer
 
     def full(arrays, folder, destination_name, progress):
-        (folder / "model.safetensors").write_bytes(b"partial")
+        with folder.create("model.safetensors") as out:
+            out.write(b"partial")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(safetensors_writer, "write", full)
