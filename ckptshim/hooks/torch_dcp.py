@@ -119,12 +119,13 @@ def _load(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict)
     remote = dcp_loading.remote(checkpoint_id, reader)
 
     def shimmed() -> Any:
-        folder = dcp_loading.checkpoint_folder(checkpoint_id)
         if remote:
-            storage_reader = dcp_loading.remote_reader(folder, reader, lambda: planner.remaps)  # the planner below
+            folder, storage_reader = dcp_loading.remote_reader(checkpoint_id, reader,
+                                                               lambda: planner.remaps)  # the planner below
             planner = dcp_loading.load_planner(call["planner"], where if folder is None else folder, storage_reader,
                                                remote=True)
         else:
+            folder = dcp_loading.checkpoint_folder(checkpoint_id)
             storage_reader = dcp_loading.storage_reader(folder, reader)
             planner = dcp_loading.load_planner(call["planner"], getattr(storage_reader, "path", where), storage_reader)
         if "checkpoint_id" in call:  # the deprecated aliases take a reader only

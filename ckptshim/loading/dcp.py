@@ -70,25 +70,16 @@ def storage_reader(checkpoint_id: Any, given: StorageReader | None) -> StorageRe
 
 
 def checkpoint_folder(checkpoint_id: Any) -> Any:
-    """The folder ``dcp.load`` reads for ``checkpoint_id``: for a Megatron-LM save root
+    """The local folder ``dcp.load`` reads for ``checkpoint_id``: for a Megatron-LM save root
     (``latest_checkpointed_iteration.txt``), which DCP cannot read, the iteration folder it
-    names (its URL, for a bucket prefix); else ``checkpoint_id`` itself (a folder with DCP
-    metadata of its own is what DCP reads). A bucket that cannot be asked (no client, no
-    credentials) is left to :func:`remote_reader`, which steps aside for it."""
-    remote = checkpoint_id is not None and "://" in str(checkpoint_id)
-    if checkpoint_id is None or not remote and (not Path(checkpoint_id).is_dir() or dcp.sniff(Path(checkpoint_id))):
+    names; else ``checkpoint_id`` itself (a folder with DCP metadata of its own is what DCP
+    reads). A bucket prefix's save root is resolved by :func:`remote_reader` from its listing."""
+    if checkpoint_id is None or "://" in str(checkpoint_id) or not Path(checkpoint_id).is_dir() \
+            or dcp.sniff(Path(checkpoint_id)):
         return checkpoint_id
-    from ckptshim.formats import megatron_core  # only for a folder DCP cannot read, or a bucket
+    from ckptshim.formats import megatron_core  # only for a folder DCP cannot read
 
-    if not remote:
-        return megatron_core.iteration_folder(Path(checkpoint_id)) or checkpoint_id
-    try:
-        found = megatron_core.iteration_folder(Location.of(str(checkpoint_id)))
-    except ShimError:
-        raise
-    except Exception:  # a scheme ckptshim does not read, or the client's own failure
-        return checkpoint_id
-    return str(found) if found is not None else checkpoint_id
+    return megatron_core.iteration_folder(Path(checkpoint_id)) or checkpoint_id
 
 
 #: The first formats :func:`~ckptshim.formats.detect.detect` tries for a torch load, in its
@@ -127,8 +118,11 @@ def remote(checkpoint_id: Any, given: StorageReader | None) -> bool:
 
 
 def remote_reader(checkpoint_id: Any, given: StorageReader | None,
-                  remaps: Callable[[], bool]) -> RemoteDcpReader | FormatReader:
-    """ckptshim's reader for a checkpoint in object storage (where :func:`remote`). A DCP
+                  remaps: Callable[[], bool]) -> tuple[Any, RemoteDcpReader | FormatReader]:
+    """The checkpoint ``dcp.load`` reads in object storage (where :func:`remote`), and ckptshim's
+    reader for it. The checkpoint is ``checkpoint_id``, or for a Megatron-LM save root (its
+    listing holds ``latest_checkpointed_iteration.txt`` and no DCP metadata) the iteration
+    folder that names, by its URL. A DCP
     checkpoint: its metadata read safely, and its chunks read by ckptshim where the plan remaps
     keys, by torch's own ``FsspecReader`` data path where it does not (``remaps()``, the load's
     planner, says which, once DCP has planned: :class:`~ckptshim.execute.dcp_storage.RemoteDcpReader`).
@@ -154,7 +148,7 @@ def remote_reader(checkpoint_id: Any, given: StorageReader | None,
             fmt = object_format(location, OBJECT_FORMATS)
             if fmt is None:
                 raise NoPlan(f"{url}: an object ckptshim does not read; DCP's own reader decides") from None
-            return FormatReader(location, fmt, hook=HOOK)
+            return checkpoint_id, FormatReader(location, fmt, hook=HOOK)
     except UnknownFormatError as error:  # a legacy torch.save object: DCP's own error, with this note
         raise NoPlan(str(error)) from None
     except ShimError:
@@ -164,14 +158,20 @@ def remote_reader(checkpoint_id: Any, given: StorageReader | None,
     names = [info.location.name for info in listed]
     if dcp.metadata_names(names):
         registry = given.transforms.extension_registry if given is not None else None
-        return RemoteDcpReader(location, registry, listed, remaps)
+        return checkpoint_id, RemoteDcpReader(location, registry, listed, remaps)
     if hf_dir.sniff_listed(names):
-        return FormatReader(location, hf_dir, hook=HOOK, listed=listed)
+        return checkpoint_id, FormatReader(location, hf_dir, hook=HOOK, listed=listed)
+    from ckptshim.formats import megatron_core
+
+    if megatron_core.LATEST_FILE in names:  # a save root: the iteration it names, read the same way
+        folder = megatron_core.iteration_folder(location)
+        if folder is not None:
+            return remote_reader(str(folder), given, remaps)
     from ckptshim.formats.detect import LOCATION_SNIFFED
 
     fmt = next((fmt for fmt in LOCATION_SNIFFED if "torch" in fmt.READERS and fmt.READERS["torch"](location)), None)
     if fmt is not None:  # a torch format DCP cannot read (Meta's consolidated.NN.pth beside params.json)
-        return FormatReader(location, fmt, hook=HOOK)
+        return checkpoint_id, FormatReader(location, fmt, hook=HOOK)
     raise NoPlan(f"{url}: holds no {dcp.METADATA_FILE} nor Hugging Face weights that ckptshim could read first; "
                  "DCP's own reader decides")
 
