@@ -441,3 +441,26 @@ def test_a_prefix_that_cannot_be_listed_takes_no_snapshot(place):
         assert taken is None
         with pytest.raises(FileNotFoundError):
             (place.root / "nothing-here" / "x").stat()
+
+
+def test_objects_checked_in_turn_are_read_a_window_at_a_time(place, monkeypatch):
+    """``reading_ahead`` under a snapshot: objects read whole in a known order come a window of
+    the store's read-ahead bytes at a time, each window in one batch; the bytes are the objects'."""
+    from ckptshim.storage import snapshot
+
+    chunks = {f"w/{i}": bytes([i]) * (10 + i) for i in range(5)}
+    for name, data in chunks.items():
+        place.put(name, data)
+    if not place.root.is_remote:
+        with snapshot.reading_ahead(place.root / "w", [str(i) for i in range(5)]):
+            assert [bytes((place.root / name).whole()) for name in chunks] == list(chunks.values())
+        return
+    monkeypatch.setattr(objects, "READ_AHEAD_BYTES", 25)  # two of them at a time
+    batches: list[int] = []
+    original = objects.FsspecObjects.read_ranges
+    monkeypatch.setattr(objects.FsspecObjects, "read_ranges",
+                        lambda self, ranges, buffers: batches.append(len(ranges)) or original(self, ranges, buffers))
+    with snapshot.listed(place.root), snapshot.reading_ahead(place.root / "w", [str(i) for i in range(5)]):
+        assert [bytes((place.root / name).whole()) for name in chunks] == list(chunks.values())
+        assert (place.root / "w/1").read(3, 4) == chunks["w/1"][3:7]  # a window from it again: w/1, w/2
+    assert batches == [2, 2, 1, 2]

@@ -196,8 +196,8 @@ def open_checkpoint(path: Path | Location) -> OrbaxCheckpoint:
                                      "not an Orbax item. Point at the item's folder (a step's `default/`, "
                                      "`state/`, ...).")
         store = walked.result() if walked is not None else _Store.folders(path, found.listed)
-    return _checkpoint(path, leaves, meta, store, ocdbt=ocdbt, native=native, aggregate=aggregate,
-                       info=found.info, problems=found.problems)
+        return _checkpoint(path, leaves, meta, store, ocdbt=ocdbt, native=native, aggregate=aggregate,
+                           info=found.info, problems=found.problems)
 
 
 def _aggregate_leaves(path: Path | Location, tree: object) -> list[tuple[KeyPath, object]]:

@@ -40,10 +40,14 @@ class Snapshot:
     with its listed size) answers stats and listings, ``fetched`` (whole objects, each as long
     as listed) answers reads of them; every other read goes to ``inner``, the scheme's store."""
 
-    def __init__(self, root: Location, inner: Store, files: Mapping[str, int], fetched: Mapping[str, bytes]) -> None:
+    def __init__(self, root: Location, inner: Store, files: Mapping[str, int],
+                 fetched: Mapping[str, bytes | bytearray]) -> None:
         self.root, self.inner = root, inner
         self.files = dict(files)
         self.fetched = {name: data for name, data in fetched.items() if self.files.get(name) == len(data)}
+        self._ahead: list[str] = []         # objects read in this order, a window at a time
+        self._at: dict[str, int] = {}       # each one's place in it
+        self._window: dict[str, bytes | bytearray] = {}
         self._folders = {name.rsplit("/", 1)[0] for name in self.files if "/" in name}
         for folder in list(self._folders):  # every level of each folder
             while "/" in folder:
@@ -89,8 +93,40 @@ class Snapshot:
             raise FileNotFoundError(f"{location}: nothing is stored below this prefix")
         return sorted(found.values(), key=lambda info: info.location.key)
 
+    def _held(self, name: str) -> bytes | bytearray | None:
+        """The bytes of object ``name`` where the snapshot holds them: fetched with the listing,
+        or in the window read ahead (the next window read now where ``name`` opens it)."""
+        data = self.fetched.get(name)
+        if data is None and name in self._at:
+            if name not in self._window:
+                self._window = self._read_window(self._at[name])
+            data = self._window[name]
+        return data
+
+    def _read_window(self, start: int) -> dict[str, bytearray]:
+        """The objects of the read-ahead order from ``start``, as many as fit in the store's
+        :attr:`read_ahead_bytes` (one at least), in one batch of ranges."""
+        names, total = [], 0
+        for name in self._ahead[start:]:
+            if names and total + self.files[name] > self.read_ahead_bytes:
+                break
+            names.append(name)
+            total += self.files[name]
+        self._window = {}  # the last window's memory goes before the next one's is taken
+        data = [bytearray(self.files[name]) for name in names]
+        self.inner.read_ranges([ByteRange(self.root / name, 0, self.files[name]) for name in names],
+                               [memoryview(d) for d in data])
+        return dict(zip(names, data))
+
+    def read_ahead(self, names: Sequence[str]) -> None:
+        """Read the listed objects among ``names`` (in the order they will be asked for) a window
+        at a time, in parallel: the first read of one that no window holds fetches the next."""
+        self._ahead = [name for name in names if self.files.get(name)]
+        self._at = {name: at for at, name in enumerate(self._ahead)}
+        self._window = {}
+
     def whole(self, location: Location, limit: int | None, size: int | None) -> bytes | bytearray | mmap.mmap:
-        data = self.fetched.get(self._name(location))
+        data = self._held(self._name(location))
         if data is None:
             return self.inner.whole(location, limit, size)
         if limit is not None and len(data) > limit:
@@ -100,13 +136,13 @@ class Snapshot:
     def read_ranges(self, ranges: Sequence[ByteRange], buffers: Sequence[memoryview]) -> None:
         rest: list[tuple[ByteRange, memoryview]] = []
         for where, buffer in zip(ranges, buffers):
-            data = self.fetched.get(self._name(where.location))
+            data = self._held(self._name(where.location))
             if data is None:
                 rest.append((where, buffer))
                 continue
             if where.end > len(data):
                 raise truncated(where.location, where.start, where.end, len(data))
-            buffer[:] = data[where.start:where.end]
+            buffer[:] = memoryview(data)[where.start:where.end]
         if rest:
             self.inner.read_ranges([where for where, _ in rest], [buffer for _, buffer in rest])
 
@@ -123,8 +159,9 @@ def covering(location: Location) -> Snapshot | None:
 
 
 @contextlib.contextmanager
-def listed(where: Location | os.PathLike[str], fetch: Mapping[str, int] = {}) -> Iterator[Snapshot | None]:  # noqa: B006
-    """Within this block, answer for ``root`` (a bucket prefix) from one listing of it, and read
+def listed(where: Location | os.PathLike[str],
+           fetch: Mapping[str, int] | None = None) -> Iterator[Snapshot | None]:
+    """Within this block, answer for ``where`` (a bucket prefix) from one listing of it, and read
     the objects ``fetch`` names (relative name -> the most bytes to fetch of it) from memory.
 
     The listing and the fetches go out together, in one parallel round; a fetched object is
@@ -136,7 +173,7 @@ def listed(where: Location | os.PathLike[str], fetch: Mapping[str, int] = {}) ->
     if not root.is_remote:
         yield None
         return
-    enclosing = covering(root)
+    enclosing, fetch = covering(root), fetch or {}
     try:
         snapshot = _below(enclosing, root, fetch) if enclosing is not None else _take(root, fetch)
     except Exception:  # noqa: BLE001 - the store answers (or refuses) each question itself
@@ -144,9 +181,33 @@ def listed(where: Location | os.PathLike[str], fetch: Mapping[str, int] = {}) ->
     if snapshot is None:
         yield None
         return
+    with _answering(snapshot):
+        yield snapshot
+
+
+@contextlib.contextmanager
+def reading_ahead(folder: Location | os.PathLike[str], names: Sequence[str]) -> Iterator[None]:
+    """Within this block, where an active snapshot lists ``folder``, the objects ``names`` below
+    it (relative, in the order they will be read whole: a check that walks each one's headers)
+    are fetched a window at a time, each window's objects in parallel
+    (:meth:`Snapshot.read_ahead`), not one round trip each. Elsewhere, nothing changes."""
+    where = Location.of(folder)
+    enclosing = covering(where) if where.is_remote else None
+    if enclosing is None:
+        yield
+        return
+    below = _below(enclosing, where, {})
+    below.read_ahead(names)
+    with _answering(below):
+        yield
+
+
+@contextlib.contextmanager
+def _answering(snapshot: Snapshot) -> Iterator[None]:
+    """``snapshot`` answers for its prefix in this context (before any it lies in) for the block."""
     token = _ACTIVE.set((*_ACTIVE.get(), snapshot))
     try:
-        yield snapshot
+        yield
     finally:
         _ACTIVE.reset(token)
 
@@ -198,7 +259,7 @@ def _below(enclosing: Snapshot, root: Location, fetch: Mapping[str, int]) -> Sna
     data = [bytearray(files[name]) for name in wanted]
     enclosing.read_ranges([ByteRange(root / name, 0, files[name]) for name in wanted], [memoryview(d) for d in data])
     empty = {name: b"" for name in fetch if files.get(name) == 0}
-    return Snapshot(root, enclosing.inner, files, empty | dict(zip(wanted, map(bytes, data))))
+    return Snapshot(root, enclosing.inner, files, empty | dict(zip(wanted, data)))
 
 
 register_overlay(covering)
