@@ -154,7 +154,8 @@ class ZarrArray:
         prefix; ``present`` may map each name to its listed size) are shorter than their own
         compressed frames say, or declare more decompressed bytes than a chunk holds, and why
         for the first ``shown`` (see :mod:`frames`). Each is read whole; in a bucket listed by an
-        active snapshot, a window of them at a time in parallel (:func:`~ckptshim.storage.snapshot.reading_ahead`)."""
+        active snapshot, a window of them at a time, in parallel
+        (:func:`~ckptshim.storage.snapshot.reading_ahead`)."""
         if self.compressor not in frames.SIZED:
             return 0, []
         sizes = present if isinstance(present, Mapping) else {}
