@@ -464,3 +464,12 @@ def test_objects_checked_in_turn_are_read_a_window_at_a_time(place, monkeypatch)
         assert [bytes((place.root / name).whole()) for name in chunks] == list(chunks.values())
         assert (place.root / "w/1").read(3, 4) == chunks["w/1"][3:7]  # a window from it again: w/1, w/2
     assert batches == [2, 2, 1, 2]
+
+
+def test_a_prefix_below_a_snapshot_with_nothing_in_it_is_not_there(place):
+    from ckptshim.storage import snapshot
+
+    place.put("a.bin", b"x")
+    with snapshot.listed(place.root), snapshot.listed(place.root / "empty") as below:
+        assert not (place.root / "empty").exists()
+        assert below is None or below.files == {}

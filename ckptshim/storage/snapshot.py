@@ -68,7 +68,7 @@ class Snapshot:
         name = self._name(location)
         if name in self.files:
             return ObjectInfo(location, self.files[name], "file")
-        if not name or name in self._folders:
+        if (not name and self.files) or name in self._folders:  # a prefix objects share
             return ObjectInfo(location, 0, "directory")
         raise FileNotFoundError(f"{location}: no such object (the listing of {self.root} holds none)")
 
