@@ -385,3 +385,91 @@ def test_a_client_without_the_streaming_helpers_reads_through_fsspecs_own_ranged
     assert [bytes(g) for g in got] == [DATA[s:s + n] for s, n in wanted]
     with pytest.raises(CorruptCheckpointError, match="truncated"):
         (place.root / "a.bin").read(len(DATA) - 5, 6)
+
+
+# -- a snapshot of a prefix: one listing and the first reads, in one round ------------------------
+
+
+def test_a_snapshot_answers_as_the_store_does_without_asking_it_again(place, monkeypatch):
+    """Inside ``snapshot.listed``, every stat, listing and read of the fetched objects below the
+    prefix answers what the store answers outside it, without a request; an object larger than
+    its bound, or not fetched, is read from the store; one the listing lacks is not there."""
+    from ckptshim.storage import snapshot
+
+    for name, data in {"a.bin": DATA, "big.bin": DATA, "c/d": b"xyz", "c/e/f": b"12345"}.items():
+        place.put(name, data)
+    fetch = {"a.bin": 1 << 20, "big.bin": 100, "missing": 100}
+
+    def answers() -> list:
+        root = place.root
+        return [root.stat().kind, (root / "a.bin").stat(), (root / "c").stat().kind, (root / "c").is_dir(),
+                (root / "missing").exists(), (root / "c/e").is_dir(), root.list(), root.list(recursive=True),
+                (root / "c").list(), (root / "a.bin").read_bytes(len(DATA)), (root / "a.bin").read(7, 20),
+                (root / "big.bin").read(0, 4), bytes((root / "a.bin").whole())]
+
+    outside = answers()
+    if not place.root.is_remote:
+        with snapshot.listed(place.root, fetch) as taken:
+            assert taken is None  # a disk answers each question without a round trip
+        return
+    asked: list[str] = []
+    for method in ("stat", "list", "read_ranges", "whole"):
+        original = getattr(objects.FsspecObjects, method)
+        monkeypatch.setattr(objects.FsspecObjects, method,
+                            lambda self, *a, _m=method, _o=original: asked.append(_m) or _o(self, *a))
+    with snapshot.listed(place.root, fetch) as taken:
+        assert sorted(taken.fetched) == ["a.bin"]
+        asked.clear()
+        assert answers() == outside
+        assert asked == ["read_ranges"]  # big.bin's 4 bytes: its fetch stopped at 100 bytes of 10,240
+        with pytest.raises(FileNotFoundError):
+            (place.root / "missing").stat()
+        with pytest.raises(CorruptCheckpointError, match="more than 2 entries"):
+            place.root.list(2)
+        with pytest.raises(CorruptCheckpointError, match=r"bytes 10235..10245 were asked for.*truncated"):
+            (place.root / "a.bin").read(len(DATA) - 5, 10)
+        with snapshot.listed(place.root / "c", {"d": 10, "e/f": 3}) as inner:  # below it: no listing
+            assert inner.files == {"d": 3, "e/f": 5} and inner.fetched == {"d": b"xyz"}
+    asked.clear()
+    assert (place.root / "a.bin").stat().size == len(DATA) and asked == ["stat"]  # the store's again
+
+
+def test_a_prefix_that_cannot_be_listed_takes_no_snapshot(place):
+    from ckptshim.storage import snapshot
+
+    with snapshot.listed(place.root / "nothing-here", {"x": 10}) as taken:
+        assert taken is None
+        with pytest.raises(FileNotFoundError):
+            (place.root / "nothing-here" / "x").stat()
+
+
+def test_objects_checked_in_turn_are_read_a_window_at_a_time(place, monkeypatch):
+    """``reading_ahead`` under a snapshot: objects read whole in a known order come a window of
+    the store's read-ahead bytes at a time, each window in one batch; the bytes are the objects'."""
+    from ckptshim.storage import snapshot
+
+    chunks = {f"w/{i}": bytes([i]) * (10 + i) for i in range(5)}
+    for name, data in chunks.items():
+        place.put(name, data)
+    if not place.root.is_remote:
+        with snapshot.reading_ahead(place.root / "w", [str(i) for i in range(5)]):
+            assert [bytes((place.root / name).whole()) for name in chunks] == list(chunks.values())
+        return
+    monkeypatch.setattr(objects, "READ_AHEAD_BYTES", 25)  # two of them at a time
+    batches: list[int] = []
+    original = objects.FsspecObjects.read_ranges
+    monkeypatch.setattr(objects.FsspecObjects, "read_ranges",
+                        lambda self, ranges, buffers: batches.append(len(ranges)) or original(self, ranges, buffers))
+    with snapshot.listed(place.root), snapshot.reading_ahead(place.root / "w", [str(i) for i in range(5)]):
+        assert [bytes((place.root / name).whole()) for name in chunks] == list(chunks.values())
+        assert (place.root / "w/1").read(3, 4) == chunks["w/1"][3:7]  # a window from it again: w/1, w/2
+    assert batches == [2, 2, 1, 2]
+
+
+def test_a_prefix_below_a_snapshot_with_nothing_in_it_is_not_there(place):
+    from ckptshim.storage import snapshot
+
+    place.put("a.bin", b"x")
+    with snapshot.listed(place.root), snapshot.listed(place.root / "empty") as below:
+        assert not (place.root / "empty").exists()
+        assert below is None or below.files == {}

@@ -1,21 +1,23 @@
 """The key-value stores Orbax keeps arrays in: a plain folder, or an OCDBT database.
 
-Both are opened through tensorstore so that listing keys and reading small metadata values use
-the same code; neither reads array chunks. For OCDBT, :func:`ocdbt_index` walks the manifest
-and the b-tree (metadata only) and returns every key with its value or the byte range that
-holds it, and every index node, so that a deleted, truncated or replaced file (including one
-in a per-process ``ocdbt.process_N/`` folder) is reported, with what it costs, before any read
-is attempted.
+Neither is read for array chunks here. For OCDBT, :func:`ocdbt_index` walks the manifest and
+the b-tree (metadata only) and returns every key with its value or the byte range that holds
+it, and every index node, so that a deleted, truncated or replaced file (including one in a
+per-process ``ocdbt.process_N/`` folder) is reported, with what it costs, before any read is
+attempted. Its bytes are read through the store's :class:`~ckptshim.storage.Location`, as every
+file of a checkpoint is (each read checked against its file's size; from a bucket, the nodes of
+one level of the tree in one parallel batch), and decoded by tensorstore's own decoder
+(``ts.ocdbt.dump``) from memory. Keys of a plain folder are listed by tensorstore
+(:func:`list_keys`) or come from the caller's listing.
 
 A store's root is a local folder (a :class:`~pathlib.Path`) or a prefix in a bucket (a remote
-:class:`~ckptshim.storage.Location`): tensorstore then reads the same database through its
-``gcs``/``s3`` kvstore, and the sizes of the files come from the caller's bounded listing.
+:class:`~ckptshim.storage.Location`); the sizes of a bucket's files come from the caller's
+bounded listing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -23,7 +25,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from ckptshim.errors import CorruptCheckpointError
-from ckptshim.formats.base import metadata_limit, open_regular, regular_size
+from ckptshim.formats.base import metadata_limit, regular_size
 from ckptshim.storage import ByteRange, Location, read_ranges
 from ckptshim.storage.problems import too_large
 
@@ -37,11 +39,6 @@ def _ts():
     import tensorstore
 
     return tensorstore
-
-
-def base_spec(root: Root) -> dict[str, Any]:
-    """The kvstore spec of the files of ``root`` itself (the base an OCDBT database sits on)."""
-    return Location.of(root).kvstore_spec()
 
 
 def kvstore_spec(root: Root, ocdbt: bool) -> dict[str, Any]:
@@ -223,15 +220,10 @@ def ocdbt_index(root: Root, keep: tuple[str, ...] = (), size_of: SizeOf | None =
 
 def references_into(root: Root, index: OcdbtIndex, files: set[str]) -> Iterator[tuple[str, Reference]]:
     """``(key, where its value lies)`` for every value the index stores in one of ``files``:
-    the leaf nodes walked again (only a report of what a damaged file costs asks this)."""
-    ts = _ts()
-    base = ts.KvStore.open(base_spec(root)).result()
+    the leaf nodes read again (only a report of what a damaged file costs asks this)."""
     locations = _Locations(root)
-    for node in index.nodes:
-        if not (node.leaf and node.read):
-            continue
-        with _decoding(root):
-            dumped = ts.ocdbt.dump(base, node.location).result()
+    leaves = [node for node in index.nodes if node.leaf and node.read]
+    for node, dumped in zip(leaves, _Nodes(root).dump([node.location for node in leaves])):
         for entry in dumped["entries"]:
             if "indirect_value" in entry:
                 where = locations.reference(entry["indirect_value"])
@@ -240,73 +232,132 @@ def references_into(root: Root, index: OcdbtIndex, files: set[str]) -> Iterator[
 
 
 def read_reference(root: Root, where: Reference) -> bytes:
-    """The bytes of one value stored out of line (OCDBT stores values uncompressed)."""
-    if isinstance(root, Location):  # a name :class:`_Locations` checked; the read checks the size
-        return root.child(where.file).read(where.offset, where.length)
-    try:
-        with open_regular(root / where.file) as f:
-            data = os.pread(f.fileno(), where.length, where.offset)
+    """The bytes of one value stored out of line (see :func:`read_references`)."""
+    return read_references(root, [where])[0]
+
+
+def read_references(root: Root, references: list[Reference]) -> list[bytes]:
+    """The bytes of values stored out of line (OCDBT stores values uncompressed), or of index
+    nodes, read together (from a bucket, in parallel), each checked against its file's size."""
+    where = Location.of(root)
+    out = [bytearray(ref.length) for ref in references]
+    try:  # names :class:`_Locations` checked; ``child`` keeps them inside the item
+        read_ranges([ByteRange(where.child(ref.file), ref.offset, ref.length) for ref in references], out)
     except OSError as error:
-        raise CorruptCheckpointError(f"{root / where.file}: cannot be read ({error}); run "
+        raise CorruptCheckpointError(f"{root}: a file of the OCDBT database cannot be read ({error}); run "
                                      "`ckptshim inspect` on the checkpoint to see what is missing.") from None
-    if len(data) != where.length:
-        raise CorruptCheckpointError(f"{root / where.file}: holds {len(data)} of the {where.length} bytes "
-                                     f"at {where.offset} its index points at; it is truncated.")
-    return data
+    return [bytes(data) for data in out]
 
 
 def _walk(root: Root, locations: _Locations, nodes: list[IndexNode],
           size_of: SizeOf) -> Iterator[tuple[IndexNode, dict | None]]:
-    """Each index node of the latest version, depth first, with its dump (``None`` when its
-    file cannot hold it); interior nodes' children are queued with their key ranges and key
-    prefixes. Each node is visited once, at the height its parent says: one reached again, or
-    at another height (its checksums may all be valid), is refused."""
-    ts = _ts()
-    base = ts.KvStore.open(base_spec(root)).result()
+    """Each index node of the latest version, level by level (the nodes of one level read
+    together: :class:`_Nodes`), with its dump (``None`` when its file cannot hold it); interior
+    nodes' children are queued with their key ranges and key prefixes. Each node is visited
+    once, at the height its parent says: one reached again, or at another height (its
+    checksums may all be valid), is refused."""
+    reader = _Nodes(root)
     sizes: dict[str, int | None] = {}
     with _decoding(root):
-        manifest = ts.ocdbt.dump(base).result()
+        manifest = reader.manifest(size_of(MANIFEST))
         versions = manifest.get("versions") or []
         if not versions:
             return
         latest = max(versions, key=lambda v: v["generation_number"])
         location = latest.get("root", {}).get("location")
-        pending = [(location, "", None, latest.get("root_height", 0), b"")] if location else []
+        level = [(location, "", None, latest.get("root_height", 0), b"")] if location else []
     seen: set[Reference] = set()
-    while pending:
-        location, first, end, height, prefix = pending.pop()
-        where = locations.reference(location)
-        if where in seen:  # a b-tree reaches each node once; a node met again is a cycle or a merge
-            raise CorruptCheckpointError(
-                f"{root}: the OCDBT index reaches the node at {where.file} bytes {where.offset}..{where.end} "
-                "twice (a node pointing back at an ancestor, or two parents sharing one); it is not a "
-                "b-tree, and walking it would not end. Re-copy the checkpoint from the original.")
-        seen.add(where)
-        if where.file not in sizes:
-            sizes[where.file] = size_of(where.file)
-        readable = sizes[where.file] is not None and sizes[where.file] >= where.end
-        if not readable:
-            node = IndexNode(where, location, first, end, False, height == 0, prefix)
-            nodes.append(node)
-            yield node, None
-            continue
-        with _decoding(root):
-            dumped = ts.ocdbt.dump(base, location).result()
-            entries = dumped.get("entries", ())
-            if dumped.get("height", 0) != height:
+    while level:
+        readable: list[tuple[IndexNode, int]] = []
+        below = []
+        for location, first, end, height, prefix in level:
+            where = locations.reference(location)
+            if where in seen:  # a b-tree reaches each node once; a node met again is a cycle or a merge
                 raise CorruptCheckpointError(
-                    f"{root}: the OCDBT index node at {where.file} bytes {where.offset}..{where.end} has "
-                    f"height {dumped.get('height', 0)} where its parent (or the manifest) says {height}; "
-                    "it is not a b-tree. Re-copy the checkpoint from the original.")
-            if height > 0:
-                for i, entry in enumerate(entries):
-                    key = prefix + entry["key"]
-                    upper = _text(prefix + entries[i + 1]["key"]) if i + 1 < len(entries) else end
-                    pending.append((entry["location"], _text(key), upper, height - 1,
-                                    prefix + entry.get("subtree_common_prefix", b"")))
-        node = IndexNode(where, location, first, end, True, height == 0, prefix)
-        nodes.append(node)
-        yield node, dumped
+                    f"{root}: the OCDBT index reaches the node at {where.file} bytes {where.offset}..{where.end} "
+                    "twice (a node pointing back at an ancestor, or two parents sharing one); it is not a "
+                    "b-tree, and walking it would not end. Re-copy the checkpoint from the original.")
+            seen.add(where)
+            if where.file not in sizes:
+                sizes[where.file] = size_of(where.file)
+            fits = sizes[where.file] is not None and sizes[where.file] >= where.end
+            node = IndexNode(where, location, first, end, fits, height == 0, prefix)
+            if not fits:
+                nodes.append(node)
+                yield node, None
+            else:
+                readable.append((node, height))
+        for (node, height), dumped in zip(readable, reader.dump([node.location for node, _ in readable])):
+            with _decoding(root):
+                entries = dumped.get("entries", ())
+                if dumped.get("height", 0) != height:
+                    raise CorruptCheckpointError(
+                        f"{root}: the OCDBT index node at {node.where.file} bytes {node.where.offset}.."
+                        f"{node.where.end} has height {dumped.get('height', 0)} where its parent (or the "
+                        f"manifest) says {height}; it is not a b-tree. Re-copy the checkpoint from the original.")
+                for i, entry in enumerate(entries if height > 0 else ()):
+                    key = node.prefix + entry["key"]
+                    upper = _text(node.prefix + entries[i + 1]["key"]) if i + 1 < len(entries) else node.end
+                    below.append((entry["location"], _text(key), upper, height - 1,
+                                  node.prefix + entry.get("subtree_common_prefix", b"")))
+            nodes.append(node)
+            yield node, dumped
+        level = below
+
+
+#: The manifest of an OCDBT database, in its root folder.
+MANIFEST = "manifest.ocdbt"
+#: The most bytes of index nodes read at once (one level of the b-tree may be wide).
+NODE_BATCH_BYTES = 64 * 2**20
+
+
+class _Nodes:
+    """The manifest and index nodes of the OCDBT database at ``root``, read through its
+    :class:`~ckptshim.storage.Location` -- the one reading path for disk and bucket, each read
+    checked against its file's size -- and decoded from memory by tensorstore's own decoder
+    (``ts.ocdbt.dump``). Nodes asked for together are read in one batch of ranges (from a
+    bucket, in parallel), at most :data:`NODE_BATCH_BYTES` at a time."""
+
+    def __init__(self, root: Root) -> None:
+        self.root = root
+        self.where = Location.of(root)
+
+    def manifest(self, size: int | None) -> dict:
+        """The manifest, decoded (``size``: its size, as listed; ``None``: there is none)."""
+        if size is None:
+            raise FileNotFoundError(f"{self.where / MANIFEST}: missing, or not a regular file")
+        data = (self.where / MANIFEST).whole(metadata_limit(0), size)
+        return _ts().ocdbt.dump(_in_memory({MANIFEST: bytes(data)})).result()
+
+    def dump(self, locations: list[str]) -> Iterator[dict]:
+        """Each node at ``locations`` (tensorstore's location strings), decoded, in order."""
+        parsed = _Locations(self.root)
+        batch: list[tuple[str, Reference]] = []
+        for location in locations:
+            where = parsed.reference(location)
+            if batch and sum(ref.length for _, ref in batch) + where.length > NODE_BATCH_BYTES:
+                yield from self._dump(batch)
+                batch = []
+            batch.append((location, where))
+        if batch:
+            yield from self._dump(batch)
+
+    def _dump(self, batch: list[tuple[str, Reference]]) -> list[dict]:
+        with _decoding(self.root):
+            data = read_references(self.root, [where for _, where in batch])
+            store = _in_memory({str(i): node for i, node in enumerate(data)})
+            # the same kind of node, at its own key: ``<kind>:<base>:<name>:<offset>:<length>``
+            futures = [_ts().ocdbt.dump(store, f"{location.split(':', 1)[0]}::{i}:0:{where.length}")
+                       for i, (location, where) in enumerate(batch)]
+            return [future.result() for future in futures]
+
+
+def _in_memory(values: dict[str, bytes]) -> Any:
+    """A tensorstore key-value store in memory holding ``values``."""
+    store = _ts().KvStore.open({"driver": "memory"}).result()
+    for future in [store.write(key.encode(), value) for key, value in values.items()]:
+        future.result()
+    return store
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ completeness from the OCDBT index and the listing of chunk keys.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -32,17 +33,24 @@ from ckptshim.formats.base import (Checkpoint, as_values, FileInfo, Piece, metad
                                    reader, storage_dtype, strict_json)
 from ckptshim.formats.ts_arrays import TensorstoreArrays
 from ckptshim.inventory import Entry, Inventory, KeyPath
-from ckptshim.storage import Location
+from ckptshim.storage import Location, snapshot
 
 NAME = "orbax"
 METADATA = "_METADATA"
 AGGREGATE = "checkpoint"
 PLACEHOLDER = "PLACEHOLDER://"
-OCDBT_MANIFEST = "manifest.ocdbt"
+OCDBT_MANIFEST = kvstore.MANIFEST
 #: What Orbax writes into a folder in object storage once its save is complete (its
 #: ``CommitFileTemporaryPath``, the default for ``gs://``), by scheme: Orbax saves to gs:// only.
 COMMIT_SUCCESS = "commit_success.txt"
 REMOTE_COMMIT_FILE = {"gs": COMMIT_SUCCESS, "gcs": COMMIT_SUCCESS}
+#: What opening an item in a bucket fetches beside its listing (see
+#: :func:`~ckptshim.storage.snapshot.listed`), by the most bytes worth fetching before the
+#: listing says how large it is: the OCDBT manifest, which the index walk needs before any
+#: node (a few hundred bytes; a larger one is read after the listing, its size known).
+#: ``_METADATA`` is not: it is read, once its listed size passes its limit, while the index's
+#: first nodes are.
+FIRST_READS = {OCDBT_MANIFEST: 2**20}
 #: How many arrays a restore from object storage builds at once (see execute.jax.build).
 REMOTE_TARGET_WORKERS = 8
 _ARRAY_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
@@ -161,34 +169,35 @@ def _require_plain_names(path: Path | Location, leaves: list[tuple[KeyPath, obje
 
 @reader
 def open_checkpoint(path: Path | Location) -> OrbaxCheckpoint:
-    """The Orbax item folder ``path``, or, in a bucket, the item below the prefix ``path``."""
-    found = _Found.of(path)
-    native, ocdbt = found.has(METADATA), found.has(OCDBT_MANIFEST)
-    aggregate = None
-    walked = None
-    if ocdbt:
-        # in a bucket the index is walked while _METADATA is fetched and parsed: each is a round
-        # trip or more, and a restore that steps aside waits for both before Orbax's own starts
-        walking = ThreadPoolExecutor(1, thread_name_prefix="ckptshim-ocdbt")
-        walked = walking.submit(_Store.ocdbt, path, found.size_of)
-        walking.shutdown(wait=False)
-    if native:
-        meta_file = path / METADATA
-        size = found.size_of(METADATA)  # the listing's: a round trip less
-        leaves, meta = _metadata_leaves(meta_file, lambda: located.read_whole(meta_file, found.limit, size),
-                                        found.array_bytes)
-    elif found.has(AGGREGATE):
-        meta = {}
-        aggregate = msgpack_tree.contents(path / AGGREGATE, found.limit)
-        tree = msgpack_tree.read_tree(aggregate, str(path / AGGREGATE))
-        leaves = _aggregate_leaves(path, tree)
-    else:
-        raise UnknownFormatError(f"{path} holds neither {METADATA} nor an aggregate {AGGREGATE} file; it is "
-                                 "not an Orbax item. Point at the item's folder (a step's `default/`, `state/`, ...).")
-    store = walked.result() if walked is not None else \
-        _Store.ocdbt(path, found.size_of) if ocdbt else _Store.folders(path, found.listed)
-    return _checkpoint(path, leaves, meta, store, ocdbt=ocdbt, native=native, aggregate=aggregate,
-                       info=found.info, problems=found.problems)
+    """The Orbax item folder ``path``, or, in a bucket, the item below the prefix ``path``: there
+    its listing and the OCDBT manifest come in one parallel round (:data:`FIRST_READS`), then
+    ``_METADATA`` beside the index's root node, then the index one level of nodes at a time."""
+    with snapshot.listed(path, FIRST_READS):
+        found = _Found.of(path)
+        native, ocdbt = found.has(METADATA), found.has(OCDBT_MANIFEST)
+        aggregate = None
+        walked = None
+        if ocdbt:  # each of the walk and _METADATA is a round trip or more in a bucket: at once
+            walking = ThreadPoolExecutor(1, thread_name_prefix="ckptshim-ocdbt")
+            walked = walking.submit(contextvars.copy_context().run, _Store.ocdbt, path, found.size_of)
+            walking.shutdown(wait=False)
+        if native:
+            meta_file = path / METADATA
+            size = found.size_of(METADATA)  # the listing's: a round trip less
+            leaves, meta = _metadata_leaves(meta_file, lambda: located.read_whole(meta_file, found.limit, size),
+                                            found.array_bytes)
+        elif found.has(AGGREGATE):
+            meta = {}
+            aggregate = msgpack_tree.contents(path / AGGREGATE, found.limit)
+            tree = msgpack_tree.read_tree(aggregate, str(path / AGGREGATE))
+            leaves = _aggregate_leaves(path, tree)
+        else:
+            raise UnknownFormatError(f"{path} holds neither {METADATA} nor an aggregate {AGGREGATE} file; it is "
+                                     "not an Orbax item. Point at the item's folder (a step's `default/`, "
+                                     "`state/`, ...).")
+        store = walked.result() if walked is not None else _Store.folders(path, found.listed)
+        return _checkpoint(path, leaves, meta, store, ocdbt=ocdbt, native=native, aggregate=aggregate,
+                           info=found.info, problems=found.problems)
 
 
 def _aggregate_leaves(path: Path | Location, tree: object) -> list[tuple[KeyPath, object]]:
@@ -332,10 +341,10 @@ class _Store:
         if self.index is None:
             found = kvstore.read_values(self.root, False, wanted, sizes=self.listed,
                                         limit=zarr.MAX_METADATA_BYTES)
-        else:
-            kept = self.index.kept
-            found = {key: value if isinstance(value, bytes) else kvstore.read_reference(self.root, value)
-                     for key in wanted if (value := kept.get(key)) is not None}
+        else:  # stored inline, or out of line: those read together
+            kept = {key: value for key in wanted if (value := self.index.kept.get(key)) is not None}
+            elsewhere = [key for key, value in kept.items() if isinstance(value, kvstore.Reference)]
+            found = kept | dict(zip(elsewhere, kvstore.read_references(self.root, [kept[k] for k in elsewhere])))
         return {name: (key, found.get(key)) for name, key in keys.items() if key is not None}
 
 

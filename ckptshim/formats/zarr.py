@@ -21,6 +21,7 @@ from ckptshim.formats import frames, located
 from ckptshim.formats.base import ALLOWANCE_BYTES, FileInfo, Piece, strict_json
 from ckptshim.formats.located import Where
 from ckptshim.inventory import DTYPE_SIZES, dtype_name
+from ckptshim.storage import snapshot
 
 #: The metadata file of each zarr version, relative to the array's folder/prefix.
 METADATA_FILES = {".zarray": "zarr", "zarr.json": "zarr3"}
@@ -152,14 +153,16 @@ class ZarrArray:
         """How many of the chunk files ``present`` in ``folder`` (a local folder or a bucket
         prefix; ``present`` may map each name to its listed size) are shorter than their own
         compressed frames say, or declare more decompressed bytes than a chunk holds, and why
-        for the first ``shown`` (see :mod:`frames`)."""
+        for the first ``shown`` (see :mod:`frames`). Each is read whole; in a bucket listed by an
+        active snapshot, a window of them at a time, in parallel
+        (:func:`~ckptshim.storage.snapshot.reading_ahead`)."""
         if self.compressor not in frames.SIZED:
             return 0, []
         sizes = present if isinstance(present, Mapping) else {}
-        problems = (frames.short_chunk(folder / key, self.compressor, f"{folder.name}/{key}", self.chunk_bytes,
-                                       sizes.get(key))
-                    for key in sorted(present) if self.is_chunk_key(key))
-        found = [problem for problem in problems if problem]
+        keys = [key for key in sorted(present) if self.is_chunk_key(key)]
+        with snapshot.reading_ahead(folder, keys):
+            found = [problem for key in keys if (problem := frames.short_chunk(
+                folder / key, self.compressor, f"{folder.name}/{key}", self.chunk_bytes, sizes.get(key)))]
         return len(found), found[:shown]
 
 

@@ -21,9 +21,9 @@ from typing import Any
 from ckptshim.errors import NoPlan, ShimError
 from ckptshim.formats import flax_msgpack, orbax_manager, t5x
 from ckptshim.formats.detect import detect
-from ckptshim.formats.orbax import COMMIT_SUCCESS, orbax_readers
+from ckptshim.formats.orbax import COMMIT_SUCCESS, FIRST_READS, orbax_readers
 from ckptshim.loading import agreement, jax as jax_loading
-from ckptshim.storage import Location
+from ckptshim.storage import Location, snapshot
 
 #: What a process decided for a restore, as it tells the others (see :mod:`~ckptshim.loading.agreement`).
 NATIVE, SHIM = "orbax restores it", "ckptshim restores it"
@@ -58,12 +58,15 @@ def uncommitted_foreign_step(where: Path | Location | None) -> bool:
 
 
 def prepare_item(path: Path | Location, request: Request, where: str, stack: ExitStack) -> jax_loading.Prepared | None:
-    """Open and plan one item (closed when ``stack`` exits); ``None`` if ckptshim cannot read it."""
-    checkpoint = jax_loading.open_item(path)
-    if checkpoint is None:
-        return None
-    stack.callback(checkpoint.close)
-    return jax_loading.prepare(checkpoint, request.item, where, request.restore_args)
+    """Open and plan one item (closed when ``stack`` exits); ``None`` if ckptshim cannot read it.
+    In a bucket, every question opening it asks is answered from one listing of the item and
+    the files an Orbax item is read from first, fetched beside it (:func:`~ckptshim.storage.snapshot.listed`)."""
+    with snapshot.listed(path, FIRST_READS):
+        checkpoint = jax_loading.open_item(path)
+        if checkpoint is None:
+            return None
+        stack.callback(checkpoint.close)
+        return jax_loading.prepare(checkpoint, request.item, where, request.restore_args)
 
 
 def fits(prepared: jax_loading.Prepared, request: Request) -> bool:
@@ -97,20 +100,21 @@ def restore_items(step_dir: Path | Location, requested: Mapping[str, Request | N
     (used after Orbax failed to). A step in object storage that the client cannot reach is
     Orbax's (``None``), as for one item (:func:`~ckptshim.loading.jax.open_item`).
     """
-    if isinstance(step_dir, Location) and not jax_loading.reachable(step_dir):
-        return None
     with ExitStack() as stack:
-        with agreement.agreeing(where, "planning") as planned:
-            folders = match_items(step_dir, requested)
-            prepared: dict[str, jax_loading.Prepared] = {}
-            shim = force or any(folder.name != name for name, folder in folders.items())
-            for name, folder in folders.items():
-                request = requested[name]
-                item = None if request is None else prepare_item(folder, request, f"{where} item {name!r}", stack)
-                if item is not None:
-                    prepared[name] = item
-                    shim = shim or not fits(item, request)
-            planned.decision = SHIM if shim else NATIVE
+        with snapshot.listed(step_dir):  # one listing of the step answers for its items too
+            if isinstance(step_dir, Location) and not jax_loading.reachable(step_dir):
+                return None
+            with agreement.agreeing(where, "planning") as planned:
+                folders = match_items(step_dir, requested)
+                prepared: dict[str, jax_loading.Prepared] = {}
+                shim = force or any(folder.name != name for name, folder in folders.items())
+                for name, folder in folders.items():
+                    request = requested[name]
+                    item = None if request is None else prepare_item(folder, request, f"{where} item {name!r}", stack)
+                    if item is not None:
+                        prepared[name] = item
+                        shim = shim or not fits(item, request)
+                planned.decision = SHIM if shim else NATIVE
         if planned.decision == NATIVE:
             return None
         rest = [name for name in requested if name not in prepared]  # Orbax's first: JSON items fail fast

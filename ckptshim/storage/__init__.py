@@ -6,7 +6,7 @@ frameworks use (s3fs, gcsfs), and tensorstore reads arrays from :meth:`Location.
 Importing this package imports neither fsspec nor tensorstore, torch nor jax.
 """
 
-from ckptshim.storage import local, objects
+from ckptshim.storage import local, objects, snapshot
 from ckptshim.storage.location import (DEFAULT_LIST_LIMIT, REMOTE_SCHEMES, ByteRange, Location, ObjectInfo,
                                        OpenFile, Store, UnsupportedLocation, read_ranges, register_store)
 

@@ -445,7 +445,28 @@ def register_store(kind: str, make: Callable[[str], Store]) -> None:
     _OPEN.pop(kind, None)
 
 
+def register_overlay(answer: Callable[[Location], Store | None]) -> None:
+    """Ask ``answer(location)`` first which store reads a location: a store that answers for
+    some locations in the current context before their scheme's (a snapshot of a bucket prefix:
+    :mod:`ckptshim.storage.snapshot`), or ``None``."""
+    _OVERLAYS.append(answer)
+
+
+_OVERLAYS: list[Callable[[Location], Store | None]] = []
+
+
 def store_for(location: Location) -> Store:
+    """The store that reads ``location``: an overlay's (:func:`register_overlay`) where one
+    answers for it, else its scheme's."""
+    for answer in _OVERLAYS:
+        store = answer(location)
+        if store is not None:
+            return store
+    return scheme_store(location)
+
+
+def scheme_store(location: Location) -> Store:
+    """The store of ``location``'s scheme (``""``: the local file system)."""
     kind = REMOTE_SCHEMES[location.scheme] if location.is_remote else ""
     store = _OPEN.get(kind)
     if store is None:

@@ -143,6 +143,14 @@ class FsspecObjects:
         self.read_ranges([ByteRange(location, 0, size)], [memoryview(buffer)])
         return buffer
 
+    def read_at_most(self, location: Location, most: int) -> bytes:
+        """The first ``most`` bytes of the object (all of a smaller one), in one request that
+        needs no size first: the client's own ranged read (``cat_file``), whose answer the
+        server cuts at the object's end."""
+        with self._reaching(location):
+            data = self.fs.cat_file(fsspec_path(location), start=0, end=most)
+        return bytes(data[:most])
+
     def read_ranges(self, ranges: Sequence[ByteRange], buffers: Sequence[memoryview]) -> None:
         for where in ranges:
             if where.length == 0:  # no request (an empty HTTP range means the whole object)
