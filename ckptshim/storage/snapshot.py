@@ -26,7 +26,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ckptshim.storage.location import (DEFAULT_LIST_LIMIT, ByteRange, Location, ObjectInfo, Store,
+from ckptshim.storage.location import (DEFAULT_LIST_LIMIT, ByteRange, Location, ObjectInfo, OpenFile, Store,
                                        register_overlay, scheme_store)
 from ckptshim.storage.problems import too_large, too_many, truncated
 
@@ -148,6 +148,11 @@ class Snapshot:
 
     def refuse_links_leaving(self, location: Location, also: Sequence[Location]) -> None:
         self.inner.refuse_links_leaving(location, also)
+
+    def open(self, location: Location) -> OpenFile:
+        """An object opened for many reads by offset: the scheme's own (its spans fetched by
+        range, as without the snapshot)."""
+        return self.inner.open(location)
 
 
 def covering(location: Location) -> Snapshot | None:
