@@ -349,7 +349,23 @@ class _Nodes:
             # the same kind of node, at its own key: ``<kind>:<base>:<name>:<offset>:<length>``
             futures = [_ts().ocdbt.dump(store, f"{location.split(':', 1)[0]}::{i}:0:{where.length}")
                        for i, (location, where) in enumerate(batch)]
-            return [future.result() for future in futures]
+            return _settled(futures)
+
+
+def _settled(futures: list[Any]) -> list[Any]:
+    """Each future's result, once every one of them is done: the first failure is raised only
+    then, so that no decoding goes on behind the caller (tensorstore crashes on a decode left
+    running while the caller moves on)."""
+    outcomes: list[Any] = []
+    for future in futures:
+        try:
+            outcomes.append(future.result())
+        except Exception as error:  # raised below, after the rest
+            outcomes.append(error)
+    failed = next((outcome for outcome in outcomes if isinstance(outcome, Exception)), None)
+    if failed is not None:
+        raise failed
+    return outcomes
 
 
 def _in_memory(values: dict[str, bytes]) -> Any:
