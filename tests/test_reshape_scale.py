@@ -162,7 +162,7 @@ def test_the_torch_executor_and_the_dcp_planner_refuse_what_they_do_not_run():
 
 
 def test_a_safetensors_range_read_into_a_view_goes_through_bounded_buffers(tmp_path, monkeypatch):
-    """A contiguous range read into a transposed view (or cast) is one ``pread`` per part of at
+    """A contiguous range read into a transposed view (or cast) is one range read per part of at
     most ``BUFFER_BYTES``, each copied into place: the values are the range's."""
     from safetensors.numpy import save_file
 
@@ -175,8 +175,8 @@ def test_a_safetensors_range_read_into_a_view_goes_through_bounded_buffers(tmp_p
     entry = checkpoint.inventory[("a",)]
     monkeypatch.setattr(safetensors_format, "BUFFER_BYTES", 1000)
     reads = []
-    monkeypatch.setattr(safetensors_format, "_pread", lambda *args, original=safetensors_format._pread:
-                        reads.append(len(args[2])) or original(*args))
+    monkeypatch.setattr(safetensors_format, "read_ranges", lambda ranges, buffers, original=safetensors_format.read_ranges:
+                        reads.extend(where.length for where in ranges) or original(ranges, buffers))
     out = np.empty((50, 300), np.float32)
     checkpoint.read_into(entry, (slice(None), slice(None)), out.T)
     assert np.array_equal(out.T, values) and max(reads) <= 1000 and sum(reads) == values.nbytes

@@ -240,7 +240,7 @@ def open_checkpoint(path: Location | os.PathLike[str], listed: Sequence[ObjectIn
             raise CorruptCheckpointError(f"{path / chosen}: shard {shard!r:.100} is not a file name ({why}); "
                                          "re-copy the index from the original.")
         if not _named_inside(shard):
-            raise CorruptCheckpointError(f"{path / chosen}: shard {shard!r:.100} lies outside the directory")
+            raise CorruptCheckpointError(f"{path / chosen}: shard {shard!r:.500} lies outside the directory")
     # shards in subfolders: one listing of every level finds them all (never a request per shard)
     present = listed if all("/" not in shard for shard in shards) else path.files_named(shards)
     objects = {shard: present.get(shard) for shard in shards}

@@ -87,11 +87,11 @@ def iteration_folder(path: Path | Location) -> Path | Location | None:
     ``None`` for any other path."""
     root = Location.of(path)
     latest = root / LATEST_FILE
-    try:
-        found = latest.stat()
+    try:  # a listing of the folder, not a stat of the file: what cannot be reached is the checkpoint
+        found = root.files_named([LATEST_FILE]).get(LATEST_FILE)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    if found.kind != "file" or found.size > 64 or config(root) is not None:
+    if found is None or found.size > 64 or config(root) is not None:
         return None
     text = latest.read_bytes(64, found.size).decode(errors="replace").strip()
     name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else ""
