@@ -263,7 +263,7 @@ def _fetch_together(listed: dict[str, ObjectInfo]) -> dict[str, bytes]:
     """What opening a folder reads before any tensor, read in one batch (in a bucket, one
     round trip, not one per file in turn), by name: ``config.json`` and the weight indexes
     whole (those no larger than a config may be: a larger one is refused where it is read), and
-    the head of every ``.safetensors`` object listed (:data:`~ckptshim.formats.safetensors.HEAD_BYTES`),
+    the head of every ``.safetensors`` object listed (:func:`~ckptshim.formats.safetensors.head_range`),
     ahead of the index that names the shards -- a folder's safetensors objects are its shards."""
     from ckptshim.formats import safetensors
 
@@ -271,7 +271,7 @@ def _fetch_together(listed: dict[str, ObjectInfo]) -> dict[str, bytes]:
              and listed[name].size <= MAX_CONFIG_BYTES]
     shards = [name for name in listed if name.endswith(".safetensors")]
     ranges = [ByteRange(listed[name].location, 0, listed[name].size) for name in small] + \
-        [ByteRange(listed[name].location, 0, min(listed[name].size, safetensors.HEAD_BYTES)) for name in shards]
+        [safetensors.head_range(listed[name].location, listed[name].size) for name in shards]
     return {name: bytes(data) for name, data in zip(small + shards, read_ranges(ranges) or ())}
 
 

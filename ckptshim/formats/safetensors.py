@@ -48,10 +48,18 @@ READERS = {"torch": sniff, "jax": sniff}
 HEAD_BYTES = 256 << 10
 
 
+def head_range(where: Location, size: int) -> ByteRange:
+    """The start of the ``size``-byte file ``where`` read for its header: from a bucket the first
+    :data:`HEAD_BYTES` (or all), so that every shard's header of a folder comes in one round
+    trip; from a disk only the header's length (a read there is no round trip, and reading
+    ahead would read bytes nobody asked for, as safetensors itself does not)."""
+    return ByteRange(where, 0, min(size, HEAD_BYTES if where.read_ahead_bytes else 8))
+
+
 def heads(files: Sequence[tuple[Location, int]]) -> list[bytes]:
-    """The first :data:`HEAD_BYTES` (or all) of each ``(file, size)``, read in one batch (a
-    bucket's in parallel): every shard's header of a folder in one round trip."""
-    fetched = read_ranges([ByteRange(where, 0, min(size, HEAD_BYTES)) for where, size in files])
+    """The start of each ``(file, size)`` (:func:`head_range`), read in one batch (a bucket's in
+    parallel)."""
+    fetched = read_ranges([head_range(where, size) for where, size in files])
     return [bytes(data) for data in fetched or ()]
 
 

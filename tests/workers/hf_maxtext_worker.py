@@ -24,19 +24,26 @@ from test_hf_maxtext import expected, folder
 
 
 class Counting:
-    """Counts the bytes every safetensors read copies, and the reads."""
+    """Counts the bytes every safetensors read copies, and the reads (a read's own inner reads,
+    into a buffer it then copies or casts from, not again)."""
 
     def __init__(self) -> None:
-        self.bytes = self.reads = 0
+        self.bytes = self.reads = self._depth = 0
         self._original = SafetensorsCheckpoint.read_into
 
     def __enter__(self) -> "Counting":
         counter = self
 
         def counting(checkpoint, entry, index, out):
+            if counter._depth:  # read_into reading into its own buffer first: the same bytes
+                return counter._original(checkpoint, entry, index, out)
             counter.bytes += out.nbytes
             counter.reads += 1
-            return counter._original(checkpoint, entry, index, out)
+            counter._depth += 1
+            try:
+                return counter._original(checkpoint, entry, index, out)
+            finally:
+                counter._depth -= 1
 
         SafetensorsCheckpoint.read_into = counting
         return self
