@@ -347,25 +347,10 @@ class _Nodes:
             data = read_references(self.root, [where for _, where in batch])
             store = _in_memory({str(i): node for i, node in enumerate(data)})
             # the same kind of node, at its own key: ``<kind>:<base>:<name>:<offset>:<length>``
-            futures = [_ts().ocdbt.dump(store, f"{location.split(':', 1)[0]}::{i}:0:{where.length}")
-                       for i, (location, where) in enumerate(batch)]
-            return _settled(futures)
-
-
-def _settled(futures: list[Any]) -> list[Any]:
-    """Each future's result, once every one of them is done: the first failure is raised only
-    then, so that no decoding goes on behind the caller (tensorstore crashes on a decode left
-    running while the caller moves on)."""
-    outcomes: list[Any] = []
-    for future in futures:
-        try:
-            outcomes.append(future.result())
-        except Exception as error:  # raised below, after the rest
-            outcomes.append(error)
-    failed = next((outcome for outcome in outcomes if isinstance(outcome, Exception)), None)
-    if failed is not None:
-        raise failed
-    return outcomes
+            # one at a time: decoding is quick, the reads above were the round trips, and
+            # tensorstore decoding hostile nodes side by side crashed the process
+            return [_ts().ocdbt.dump(store, f"{location.split(':', 1)[0]}::{i}:0:{where.length}").result()
+                    for i, (location, where) in enumerate(batch)]
 
 
 def _in_memory(values: dict[str, bytes]) -> Any:
