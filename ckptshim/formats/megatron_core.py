@@ -88,7 +88,7 @@ def iteration_folder(path: Path | Location) -> Path | Location | None:
     root = Location.of(path)
     latest = root / LATEST_FILE
     try:  # a listing of the folder, not a stat of the file: what cannot be reached is the checkpoint
-        found = root.files_named([LATEST_FILE]).get(LATEST_FILE)
+        found = next((info for info in root.list() if info.location.name == LATEST_FILE and info.kind == "file"), None)
     except (FileNotFoundError, NotADirectoryError):
         return None
     if found is None or found.size > 64 or config(root) is not None:
