@@ -24,6 +24,7 @@ under their TE-fused names (``input_layernorm.weight`` as
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from itertools import islice
@@ -35,7 +36,7 @@ from ckptshim.errors import CorruptCheckpointError, UnknownFormatError
 from ckptshim.formats import dcp, located, model_yaml, zarr
 from ckptshim.formats.base import Checkpoint, FileInfo, Piece, reader, storage_dtype, strict_json
 from ckptshim.inventory import Entry, Inventory, split_key
-from ckptshim.storage import ByteRange, Location, read_ranges
+from ckptshim.storage import ByteRange, Location, ObjectInfo, read_ranges
 
 NAME = "megatron-core-zarr"
 CONFIG_FILE = "metadata.json"
@@ -80,15 +81,16 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 RUN_CONFIG_FILE = "run_config.yaml"
 
 
-def iteration_folder(path: Path | Location) -> Path | Location | None:
+def iteration_folder(path: Path | Location, listed: Sequence[ObjectInfo] | None = None) -> Path | Location | None:
     """For a Megatron-LM save root (``latest_checkpointed_iteration.txt`` beside ``iter_*``
     folders, no checkpoint of its own), the iteration folder it names, as Megatron-LM's
     ``read_metadata`` reads it (a path for a local folder, a location for a bucket prefix);
-    ``None`` for any other path."""
+    ``None`` for any other path. ``listed``: the folder's listing, where the caller has it."""
     root = Location.of(path)
     latest = root / LATEST_FILE
     try:  # a listing of the folder, not a stat of the file: what cannot be reached is the checkpoint
-        found = next((info for info in root.list() if info.location.name == LATEST_FILE and info.kind == "file"), None)
+        found = next((info for info in (root.list() if listed is None else listed)
+                      if info.location.name == LATEST_FILE and info.kind == "file"), None)
     except (FileNotFoundError, NotADirectoryError):
         return None
     if found is None or found.size > 64 or config(root) is not None:

@@ -164,7 +164,7 @@ def remote_reader(checkpoint_id: Any, given: StorageReader | None,
     from ckptshim.formats import megatron_core
 
     if megatron_core.LATEST_FILE in names:  # a save root: the iteration it names, read the same way
-        folder = megatron_core.iteration_folder(location)
+        folder = megatron_core.iteration_folder(location, listed)
         if folder is not None:
             return remote_reader(str(folder), given, remaps)
     from ckptshim.formats.detect import LOCATION_SNIFFED
